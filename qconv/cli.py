@@ -1,0 +1,58 @@
+"""The `qconv` command. Each verb lives in its area's `commands.py` as a thin layer over one library call."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from qconv import __version__
+from qconv.errors import QconvError
+
+# Areas that contribute verbs; each module exposes COMMANDS: list[click.Command].
+COMMAND_MODULES = (
+    "qconv.convert.commands",
+    "qconv.eval.commands",
+    "qconv.kv.commands",
+    "qconv.runtime.commands",
+    "qconv.hub.commands",
+)
+
+
+class QconvGroup(click.Group):
+    """Turns QconvError into one clear message and its exit code instead of a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QconvError as e:
+            click.echo(f"error: {e.render()}", err=True)
+            sys.exit(e.exit_code)
+
+
+@click.group(cls=QconvGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="qconv")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def main(verbose: bool) -> None:
+    """qconv: quantize a full-precision LLM into a small, fast, measured artifact and serve it."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s")
+
+
+def _register() -> None:
+    for mod in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name == mod:  # area not present in this build of qconv
+                continue
+            raise
+        for cmd in module.COMMANDS:
+            main.add_command(cmd)
+
+
+_register()
+
+if __name__ == "__main__":
+    main()

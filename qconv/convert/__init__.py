@@ -1,0 +1,1 @@
+"""Model sources, quantization through llmcompressor, and the artifact writer."""

@@ -1,0 +1,74 @@
+"""GGUF -> Hugging Face safetensors folder, through transformers' own GGUF loader.
+
+Transformers dequantizes the GGUF tensors; we fix what its conversion gets wrong (eos/pad ids from the GGUF
+metadata) and drop the GGUF quantizer so the folder is a plain bf16/fp32 checkpoint any tool loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from qconv.errors import QconvError
+from qconv.fsutil import atomic_dir
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16", "float16", "float32"}
+
+
+def _gguf_special_ids(path: Path) -> dict[str, int]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    out = {}
+    for key, name in (("tokenizer.ggml.eos_token_id", "eos"), ("tokenizer.ggml.bos_token_id", "bos"),
+                      ("tokenizer.ggml.padding_token_id", "pad")):
+        field = reader.fields.get(key)
+        if field is not None:
+            out[name] = int(field.parts[field.data[0]][0])
+    return out
+
+
+def import_gguf(gguf_file: str | Path, out: str | Path, *, dtype: str = "bfloat16", force: bool = False) -> Path:
+    """Write `out` as an HF model folder (config, safetensors, tokenizer, chat template) from one .gguf file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gguf_file, out = Path(gguf_file), Path(out)
+    if not gguf_file.is_file():
+        raise QconvError(f"GGUF file not found: {gguf_file}", fix="pass the path of an existing .gguf file")
+    if dtype not in _DTYPES:
+        raise QconvError(f"unknown dtype {dtype!r}", fix=f"use one of {sorted(_DTYPES)}")
+    if out.exists() and not force:
+        raise QconvError(f"output folder already exists: {out}", fix="pass --force to replace it, or another path")
+    try:
+        special = _gguf_special_ids(gguf_file)
+    except Exception as e:  # noqa: BLE001 - any parse failure means the file is not usable GGUF
+        raise QconvError(f"cannot read GGUF file: {e}", where=str(gguf_file), fix="check the file is a complete .gguf") from e
+
+    log.info("importing %s (transformers GGUF loader, dequantizing to %s)", gguf_file.name, dtype)
+    d, f = str(gguf_file.parent), gguf_file.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype))
+    # The GGUF loader leaves a quantizer attached; a plain checkpoint must not claim GGUF quantization.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    # transformers' conversion can pick the wrong eos (SmolLM2: <|im_start|> instead of the GGUF's <|im_end|>).
+    vocab = tok.convert_ids_to_tokens(list(range(len(tok))))
+    for name in ("eos", "bos", "pad"):
+        if name in special and special[name] < len(vocab):
+            setattr(tok, f"{name}_token", vocab[special[name]])
+            setattr(model.config, f"{name}_token_id", special[name])
+    gen = GenerationConfig.from_model_config(model.config)
+    gen.eos_token_id = model.config.eos_token_id
+    gen.pad_token_id = getattr(model.config, "pad_token_id", None)
+
+    with atomic_dir(out, force=force) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        gen.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    log.info("wrote %s", out)
+    return out

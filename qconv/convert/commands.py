@@ -1,0 +1,140 @@
+"""CLI verbs of the build area: build, convert gguf, recipes list/show."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+log = logging.getLogger(__name__)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def print_plan(dr) -> None:
+    """The per-role scheme table, size estimate and what is left on the recipe's card."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from qconv.convert.layout import module_bytes
+
+    plan, recipe = dr.plan, dr.recipe
+    con = Console()
+    t = Table(title=f"plan: recipe {recipe.name} on {plan.family} ({plan.num_parameters / 1e9:.3f}B params)")
+    for c in ("role", "modules", "params", "scheme", "bytes"):
+        t.add_column(c, justify="right" if c in ("modules", "params", "bytes") else "left")
+    for role, r in sorted(plan.bytes_by_role().items(), key=lambda kv: -kv[1]["bytes"]):
+        t.add_row(role, str(r["modules"]), f"{r['params'] / 1e6:.1f}M", ", ".join(sorted(r["schemes"])), _gb(r["bytes"]))
+    t.add_row("other (norms, conv, ...)", "", "", "bf16", _gb(plan.other_bytes))
+    con.print(t)
+    notes = [m for m in plan.modules if m.note]
+    if notes:
+        con.print(f"{len(notes)} modules with notes, e.g.:")
+        for m in notes[:6]:
+            con.print(f"  {m.name} [{m.shape[0]}x{m.shape[1]}] {m.scheme}: {m.note}")
+    for w in plan.warnings[:5]:
+        con.print(f"[yellow]warning:[/yellow] {w}")
+    # What int8 embeddings buy, against an all-W4A16 build that keeps embed/lm_head bf16.
+    emb = [m for m in plan.modules if m.role in ("embed", "lm_head") and m.bits]
+    saving = sum(m.shape[0] * m.shape[1] * 2 - module_bytes(m) for m in emb)
+    con.print(f"estimated artifact size: [bold]{_gb(plan.total_bytes)}[/bold] "
+              f"(source {_gb(plan.source_bytes)}, {100 * plan.total_bytes / plan.source_bytes:.1f}%)")
+    if saving:
+        con.print(f"  int8 embed/lm_head save {_gb(saving)} vs bf16: an all-W4A16 build would be "
+                  f"{_gb(plan.total_bytes + saving)}")
+    fits = _profile_fits(dr)
+    for line in fits:
+        con.print(line)
+
+
+def _profile_fits(dr) -> list[str]:
+    """Bytes left on the card per profile, from the KV/state planner when it is installed."""
+    try:
+        from qconv.kv.plan import profile_fit_lines
+    except ImportError:
+        card = dr.recipe.card
+        left = card.memory_gib * 2**30 - card.reserve_gib * 2**30 - dr.plan.total_bytes
+        return [f"on {card.name} ({card.memory_gib} GiB, {card.reserve_gib} GiB reserve): {left / 2**30:.2f} GiB left "
+                f"for KV cache and state"]
+    return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes)
+
+
+@click.command()
+@click.option("--model", "-m", required=True, help="Local HF folder, Hugging Face id, or .gguf file.")
+@click.option("--recipe", "-r", default="3090", show_default=True, help="Built-in recipe name or a YAML path.")
+@click.option("--out", "-o", type=click.Path(path_type=Path), help="Artifact folder to write.")
+@click.option("--dataset", "-d", help="Calibration data: .txt/.jsonl/.json/.parquet file or HF dataset id.")
+@click.option("--samples", type=int, help="Calibration samples (default: recipe).")
+@click.option("--seq-len", type=int, help="Calibration sequence length (default: recipe).")
+@click.option("--seed", type=int, help="Seed for calibration sampling (default: recipe).")
+@click.option("--revision", help="Hub revision (branch, tag or commit) to pin.")
+@click.option("--eval-text", help="Held-out text (file or HF dataset id) for the quality report and gates.")
+@click.option("--force", is_flag=True, help="Replace an existing --out.")
+@click.option("--no-gates", is_flag=True, help="Keep a build whose quality gates fail (marked failed).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and size estimate; load no weights.")
+def build(model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run):
+    """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
+    from qconv.convert.build import BuildOptions, build as run_build, dry_run as run_dry
+    from qconv.errors import QconvError
+
+    opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
+                        seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text)
+    if dry_run:
+        print_plan(run_dry(opts))
+        return
+    if out is None:
+        raise QconvError("missing --out", where="qconv build", fix="pass --out DIR (or --dry-run to only plan)")
+    m = run_build(opts)
+    click.echo(f"artifact: {out}  ({m.total_size() / 1e9:.3f} GB, status {m.status})")
+
+
+@click.group()
+def convert():
+    """Convert model formats."""
+
+
+@convert.command("gguf")
+@click.argument("gguf_file", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float16", "float32"]))
+@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+def convert_gguf(gguf_file, out, dtype, force):
+    """Import a GGUF file into a Hugging Face safetensors folder with its tokenizer."""
+    from qconv.convert.gguf import import_gguf
+
+    import_gguf(gguf_file, out, dtype=dtype, force=force)
+    click.echo(str(out))
+
+
+@click.group()
+def recipes():
+    """List and show recipes."""
+
+
+@recipes.command("list")
+def recipes_list():
+    """Built-in recipes."""
+    from qconv.recipes import builtin_recipes, load_recipe
+
+    for name in builtin_recipes():
+        r = load_recipe(name)
+        click.echo(f"{name:10s} {r.card.name:12s} {r.description.split(';')[0][:90]}")
+
+
+@recipes.command("show")
+@click.argument("name")
+def recipes_show(name):
+    """Print a recipe (built-in name or YAML path), validated and with defaults filled in."""
+    import yaml
+
+    from qconv.recipes import load_recipe
+
+    r = load_recipe(name)
+    click.echo(f"# sha256 {r.sha256}")
+    click.echo(yaml.safe_dump(r.to_dict(), sort_keys=False))
+
+
+COMMANDS = [build, convert, recipes]

@@ -1,0 +1,224 @@
+"""The per-module plan: which scheme and group size each tensor gets, and what the artifact will weigh.
+
+Works from tensor shapes alone (safetensors headers, or a meta-device model for a config without weights), so the
+same code serves `--dry-run` on a 27B config and the real build.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qconv.errors import QconvError
+from qconv.manifest import ModuleDecision
+from qconv.recipes.recipe import KEEP, Recipe, Scheme
+from qconv.recipes.roles import family_of, role_of, text_config, unit_of
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "F8_E4M3": 1}
+# vLLM's Marlin kernels (the fast W4A16/W8A16 path on Ampere) need these divisibilities per layer.
+MARLIN_MIN_K, MARLIN_MIN_N = 128, 64
+
+
+@dataclass
+class Tensor:
+    shape: tuple[int, ...]
+    bytes_per_elem: int = 2
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Plan:
+    family: str
+    modules: list[ModuleDecision]
+    other_bytes: int  # norms, convs, biases and every tensor that is not a planned module (kept as is)
+    source_bytes: int
+    warnings: list[str] = field(default_factory=list)
+    untie_embeddings: bool = False
+    num_parameters: int = 0
+
+    @property
+    def quantized_bytes(self) -> int:
+        return sum(module_bytes(m) for m in self.modules)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.quantized_bytes + self.other_bytes
+
+    def bytes_by_role(self) -> dict[str, dict]:
+        out: dict[str, dict] = defaultdict(lambda: {"modules": 0, "params": 0, "bytes": 0, "schemes": set()})
+        for m in self.modules:
+            r = out[m.role]
+            r["modules"] += 1
+            r["params"] += m.shape[0] * m.shape[1]
+            r["bytes"] += module_bytes(m)
+            r["schemes"].add(m.scheme + (f" g{m.group_size}" if m.group_size else ""))
+        return dict(out)
+
+    def units(self) -> dict[str, list[ModuleDecision]]:
+        out: dict[str, list[ModuleDecision]] = defaultdict(list)
+        for m in self.modules:
+            out[unit_of(m.name, m.role)].append(m)
+        return dict(out)
+
+
+def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: int | None = None) -> int:
+    """Bytes a module takes in the artifact: packed codes + bf16 scales (+ shape), or bf16 when kept."""
+    n, k = m.shape
+    bits = scheme_bits if scheme_bits is not None else m.bits
+    g = group_size if scheme_bits is not None else m.group_size
+    if not bits:
+        return n * k * 2
+    codes = n * k * bits // 8
+    scales = n * (k // g if g else 1) * 2
+    return codes + scales + (16 if bits == 4 else 0)
+
+
+def read_safetensors_header(path: Path) -> dict[str, Tensor]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: Tensor(tuple(v["shape"]), _DTYPE_BYTES.get(v["dtype"], 2)) for k, v in header.items() if k != "__metadata__"}
+
+
+def mtp_shapes(tc: dict) -> dict[str, tuple[int, ...]]:
+    """Shapes of the qwen3_5 MTP head (`mtp.*`), which transformers does not build: fc, norms, one full-attention
+    decoder layer. Used to size it for a config without weights, and by the test fixtures to fake it."""
+    layers = int(tc.get("mtp_num_hidden_layers", 0) or 0)
+    if not layers:
+        return {}
+    h, i = tc["hidden_size"], tc["intermediate_size"]
+    hd = tc.get("head_dim") or h // tc["num_attention_heads"]
+    nq, nkv = tc["num_attention_heads"], tc["num_key_value_heads"]
+    gate = 2 if tc.get("attn_output_gate", True) else 1
+    out = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+           "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+    for li in range(layers):
+        p = f"mtp.layers.{li}."
+        out.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nq * hd * gate, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
+            p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+        })
+    return out
+
+
+def meta_tensors(folder: Path, config: dict) -> dict[str, Tensor]:
+    """Tensor shapes for a config without weights: build the model on the meta device (no memory)."""
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    arch = (config.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    with torch.device("meta"):
+        model = cls._from_config(cfg) if cls is not None else transformers.AutoModelForCausalLM.from_config(cfg)
+    out = {n: Tensor(tuple(p.shape)) for n, p in model.named_parameters()}
+    out.update({n: Tensor(s) for n, s in mtp_shapes(text_config(config)).items()})
+    return out
+
+
+def tensor_table(folder: Path, config: dict) -> dict[str, Tensor]:
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        return meta_tensors(folder, config)
+    out: dict[str, Tensor] = {}
+    for s in shards:
+        out.update(read_safetensors_header(s))
+    return out
+
+
+def _pick_group(k: int, want: int, fallback: list[int]) -> int | None:
+    if k % want == 0:
+        return want
+    for g in sorted(fallback, reverse=True):
+        if g <= want and k % g == 0:
+            return g
+    return None
+
+
+def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, scheme: Scheme | None,
+           recipe: Recipe) -> tuple[ModuleDecision, list[str]]:
+    """One module's decision, with the group-size fallback and Marlin warnings recorded on it."""
+    n, k = shape
+    if scheme is None:
+        return ModuleDecision(name=name, role=role, scheme=KEEP, shape=[n, k]), []
+    w = scheme.weights
+    notes, warns = [], []
+    g = None
+    if w.strategy == "group":
+        g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
+        if g is None:
+            note = f"in_features {k} not divisible by any group size in {recipe.quantizer.group_size_fallback}: kept bf16"
+            return ModuleDecision(name=name, role=role, scheme=KEEP, shape=[n, k], note=note), [f"{name}: {note}"]
+        if g != w.group_size:
+            notes.append(f"group {g} ({k} % {w.group_size} != 0)")
+    if k % MARLIN_MIN_K or n % MARLIN_MIN_N:
+        notes.append(f"no Marlin (needs in%{MARLIN_MIN_K}==0 and out%{MARLIN_MIN_N}==0)")
+        warns.append(f"{name} [{n}x{k}]: vLLM's Marlin kernel cannot run this shape; vLLM falls back to a slower kernel")
+    label = scheme.label
+    return ModuleDecision(name=name, role=role, scheme=label, bits=w.bits, group_size=g, shape=[n, k],
+                          note="; ".join(notes)), warns
+
+
+def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
+    """The per-module plan for a model folder (weights or config only) under a recipe."""
+    family = family_of(config)
+    tensors = tensor_table(folder, config)
+    tc = text_config(config)
+    modules, warnings, planned = [], [], set()
+    tied = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    names = list(tensors)
+    untie = False
+    if tied and not any(role_of(n[:-7]) == "lm_head" for n in names if n.endswith(".weight")):
+        emb = next((n for n in names if role_of(n[:-7]) == "embed"), None)
+        if emb and recipe.scheme_for("lm_head") != KEEP:
+            untie = True
+            tensors = dict(tensors)
+            tensors["lm_head.weight"] = tensors[emb]
+            names.append("lm_head.weight")
+            warnings.append("tied embeddings: lm_head is stored separately (untied) so it can carry its own scheme")
+    for name in names:
+        t = tensors[name]
+        if not name.endswith(".weight") or len(t.shape) != 2:
+            continue
+        mod = name[: -len(".weight")]
+        role = role_of(mod)
+        if role is None:
+            continue
+        scheme_name = recipe.scheme_for(role)
+        scheme = None if scheme_name == KEEP else recipe.schemes[scheme_name]
+        d, w = decide(mod, role, t.shape, scheme_name, scheme, recipe)
+        modules.append(d)
+        warnings.extend(w)
+        planned.add(name)
+    other = sum(2 * t.numel for n, t in tensors.items() if n not in planned)  # kept tensors are written bf16
+    source = sum(t.bytes_per_elem * t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
+    params = sum(t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
+    plan = Plan(family=family, modules=modules, other_bytes=other, source_bytes=source, warnings=warnings,
+                untie_embeddings=untie, num_parameters=params)
+    check_fused(plan)
+    return plan
+
+
+def check_fused(plan: Plan) -> None:
+    """vLLM fuses q/k/v, gate/up, in_proj_qkv/z into one layer: one scheme and one group size per fused unit."""
+    for unit, members in plan.units().items():
+        if len({(m.scheme, m.group_size) for m in members}) > 1:
+            detail = ", ".join(f"{m.name}={m.scheme}/g{m.group_size}" for m in members)
+            raise QconvError(f"fused group {unit} would get mixed schemes ({detail})", where="recipe",
+                             fix="vLLM loads a fused layer with one scheme: give the whole group one scheme and a "
+                                 "group size that divides every member")

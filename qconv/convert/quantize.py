@@ -1,0 +1,139 @@
+"""Quantization through llmcompressor: the plan becomes compressed-tensors config groups, GPTQ (or RTN) runs
+sequentially layer by layer, and the model is saved in compressed form that vLLM and transformers load as is."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from qconv.manifest import ModuleDecision
+from qconv.recipes.recipe import KEEP, Recipe
+from qconv.recipes.roles import _ROLE_PATTERNS
+
+log = logging.getLogger(__name__)
+
+_PATTERN = dict(_ROLE_PATTERNS)
+
+
+def _role_target(role: str) -> str:
+    """A role's name pattern as a compressed-tensors / vLLM target (both use re.match, anchored at the start)."""
+    pat = _PATTERN[role]
+    if pat.startswith("^"):
+        return "re:" + pat
+    if pat.startswith("(^|\\.)"):
+        return "re:(.*\\.)?" + pat[len("(^|\\.)"):]
+    return "re:.*" + pat
+
+
+def _exact(name: str) -> str:
+    return "re:^" + re.escape(name) + "$"
+
+
+def _key(m: ModuleDecision) -> tuple:
+    return (m.scheme, m.bits, m.group_size)
+
+
+def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, list[str]]:
+    """compressed-tensors config groups + ignore list. A role whose modules all share one decision is targeted by
+    its role regex (a short config for a 64-layer model); otherwise by exact module names."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    by_role: dict[str, set] = defaultdict(set)
+    for m in modules:
+        by_role[m.role].add(_key(m))
+    targets: dict[tuple, list[str]] = defaultdict(list)
+    for m in modules:
+        if m.scheme == KEEP:
+            continue
+        if len(by_role[m.role]) == 1:
+            t = _role_target(m.role)
+            if t not in targets[_key(m)]:
+                targets[_key(m)].append(t)
+        else:
+            targets[_key(m)].append(_exact(m.name))
+    schemes = {s.label: s for s in recipe.schemes.values()}
+    groups = {}
+    for i, (key, tg) in enumerate(sorted(targets.items(), key=lambda kv: str(kv[0]))):
+        label, bits, g = key
+        s = schemes[label]
+        w = s.weights
+        wargs = QuantizationArgs(num_bits=bits, type="int", symmetric=w.symmetric, strategy=w.strategy,
+                                 group_size=g if w.strategy == "group" else None,
+                                 actorder=recipe.quantizer.actorder if (w.strategy == "group" and recipe.quantizer.algorithm == "gptq") else None)
+        aargs = None
+        if s.activations:
+            a = s.activations
+            aargs = QuantizationArgs(num_bits=a.bits, type="int", symmetric=a.symmetric, strategy=a.strategy,
+                                     dynamic=a.dynamic)
+        fmt = "pack-quantized" if bits == 4 and not aargs else "int-quantized"
+        groups[f"group_{i}"] = QuantizationScheme(targets=tg, weights=wargs, input_activations=aargs, format=fmt)
+    ignore = ["re:^mtp\\..*"]  # vLLM must leave the MTP head unquantized; transformers never builds it
+    for role in sorted({m.role for m in modules if m.scheme == KEEP} - {"mtp"}):
+        if all(_key(m) == (KEEP, None, None) for m in modules if m.role == role):
+            ignore.append(_role_target(role))
+        else:
+            ignore.extend(_exact(m.name) for m in modules if m.role == role and m.scheme == KEEP)
+    return groups, ignore
+
+
+def calibrate_embeddings(model) -> None:
+    """GPTQ only calibrates Linear layers; give quantized embeddings round-to-nearest qparams from their weights."""
+    import torch
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Embedding) or not hasattr(mod, "quantization_scheme"):
+            continue
+        args = mod.quantization_scheme.weights
+        w = mod.weight.detach().float()
+        g = args.group_size if args.strategy == "group" else w.shape[1]
+        wg = w.view(w.shape[0], w.shape[1] // g, g)
+        scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+        mod.weight_scale.data.copy_(scale.view_as(mod.weight_scale).to(mod.weight_scale.dtype))
+        if hasattr(mod, "weight_zero_point"):
+            mod.weight_zero_point.data.copy_(zp.view_as(mod.weight_zero_point).to(mod.weight_zero_point.dtype))
+        log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
+
+
+def load_source_model(path: Path, config: dict, dtype: str = "bfloat16"):
+    import torch
+    import transformers
+
+    arch = (config.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    cls = cls or transformers.AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=getattr(torch, dtype))
+
+
+def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: list[list[int]], out: Path,
+             *, untie: bool, seed: int) -> None:
+    """Run llmcompressor on `model` in place and save it compressed into `out`."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+
+    torch.manual_seed(seed)
+    if untie:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+        if hasattr(model.config, "get_text_config"):
+            model.config.get_text_config().tie_word_embeddings = False
+    groups, ignore = config_groups(modules, recipe)
+    if not groups:
+        log.info("recipe quantizes nothing: saving as is")
+        model.save_pretrained(out, safe_serialization=True)
+        return
+    q = recipe.quantizer
+    if q.algorithm == "gptq":
+        mod = GPTQModifier(config_groups=groups, ignore=ignore, block_size=q.block_size, dampening_frac=q.dampening_frac)
+    else:
+        mod = QuantizationModifier(config_groups=groups, ignore=ignore)
+    max_len = max(len(x) for x in calib_ids)
+    ds = Dataset.from_dict({"input_ids": calib_ids, "attention_mask": [[1] * len(x) for x in calib_ids]})
+    oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=max_len, num_calibration_samples=len(calib_ids),
+            pipeline="sequential" if q.algorithm == "gptq" else "datafree", shuffle_calibration_samples=False)
+    calibrate_embeddings(model)
+    model.save_pretrained(out, save_compressed=True)

@@ -1,0 +1,194 @@
+"""The registry index: a JSON list of prebuilt artifacts, where each lives, and the hashes that make it trustworthy.
+
+The index is the trust root of `qconv pull NAME`: every file (qconv.json included) is checked against the sha256
+listed here before the artifact becomes visible. The package ships a default index; `--index URL_OR_PATH` or
+`QCONV_INDEX` replace it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from qconv.errors import QconvError
+from qconv.fsutil import file_table, write_json_atomic
+
+INDEX_SCHEMA_VERSION = 1
+LOCATION_KINDS = ("hf", "url", "path")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+HF_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class FileEntry:
+    sha256: str
+    size: int
+
+
+@dataclass
+class Location:
+    kind: str  # "hf" (uri = repo id) | "url" (uri = http(s) base URL of the folder) | "path" (uri = local folder)
+    uri: str
+    revision: str | None = None  # hf only: branch, tag or commit
+
+    def describe(self) -> str:
+        return f"hf:{self.uri}" + (f"@{self.revision}" if self.revision else "") if self.kind == "hf" else self.uri
+
+
+@dataclass
+class SourceRef:
+    id: str
+    revision: str | None = None
+
+
+@dataclass
+class IndexEntry:
+    name: str
+    recipe: str
+    source: SourceRef
+    location: Location
+    files: dict[str, FileEntry]  # every file of the folder, qconv.json included
+    card: str = ""  # one-paragraph description shown by `qconv list --remote`
+    quality: dict[str, Any] = field(default_factory=dict)
+
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+
+@dataclass
+class Index:
+    artifacts: list[IndexEntry] = field(default_factory=list)
+    schema_version: int = INDEX_SCHEMA_VERSION
+
+    def get(self, name: str) -> IndexEntry | None:
+        return next((e for e in self.artifacts if e.name == name), None)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_name(name: str, where: str) -> str:
+    if not NAME_RE.match(name):
+        raise QconvError(f"invalid artifact name {name!r}", where=where,
+                         fix="use letters, digits, '.', '_' and '-' only (it becomes a cache folder name)")
+    return name
+
+
+def parse_location(spec: str) -> Location:
+    """`hf:ORG/NAME[@REV]`, `http(s)://...`, `file://...` or a local folder path."""
+    if spec.startswith(("http://", "https://")):
+        return Location("url", spec.rstrip("/"))
+    if spec.startswith("file://"):
+        return Location("path", str(Path(spec[len("file://"):]).resolve()))
+    if spec.startswith("hf:"):
+        repo, _, rev = spec[3:].lstrip("/").partition("@")
+        if not HF_ID_RE.match(repo):
+            raise QconvError(f"invalid Hugging Face repo id {repo!r}", where=spec, fix="write hf:ORG/NAME[@REVISION]")
+        return Location("hf", repo, rev or None)
+    return Location("path", str(Path(spec).expanduser().resolve()))
+
+
+def _req(d: dict, key: str, typ: type | tuple, where: str):
+    if key not in d:
+        raise QconvError(f"missing key {key!r}", where=where, fix="see qconv/hub/index.json for the schema")
+    if not isinstance(d[key], typ):
+        raise QconvError(f"key {key!r} has type {type(d[key]).__name__}", where=where,
+                         fix=f"it must be {getattr(typ, '__name__', typ)}")
+    return d[key]
+
+
+def _opt(d: dict, key: str, typ: type, default, where: str):
+    return _req(d, key, typ, where) if d.get(key) is not None else default
+
+
+def entry_from_dict(d: dict, where: str) -> IndexEntry:
+    if not isinstance(d, dict):
+        raise QconvError("index entry is not an object", where=where)
+    name = check_name(_req(d, "name", str, where), where)
+    where = f"{where}[{name}]"
+    loc = _req(d, "location", dict, where)
+    kind = _req(loc, "kind", str, f"{where}.location")
+    if kind not in LOCATION_KINDS:
+        raise QconvError(f"unknown location kind {kind!r}", where=f"{where}.location",
+                         fix=f"use one of {', '.join(LOCATION_KINDS)}")
+    files = {}
+    for fname, f in _req(d, "files", dict, where).items():
+        fw = f"{where}.files[{fname}]"
+        sha, size = _req(f, "sha256", str, fw), _req(f, "size", int, fw)
+        if not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise QconvError(f"bad sha256 {sha!r}", where=fw, fix="write 64 lowercase hex digits")
+        files[fname] = FileEntry(sha, size)
+    src = _req(d, "source", dict, where)
+    return IndexEntry(
+        name=name, recipe=_req(d, "recipe", str, where),
+        source=SourceRef(_req(src, "id", str, f"{where}.source"), src.get("revision")),
+        location=Location(kind, _req(loc, "uri", str, f"{where}.location"), loc.get("revision")),
+        files=files, card=_opt(d, "card", str, "", where), quality=_opt(d, "quality", dict, {}, where))
+
+
+def index_from_dict(d: Any, where: str) -> Index:
+    if not isinstance(d, dict):
+        raise QconvError("index is not a JSON object", where=where, fix="see qconv/hub/index.json for the schema")
+    if d.get("schema_version") != INDEX_SCHEMA_VERSION:
+        raise QconvError(f"unsupported index schema_version {d.get('schema_version')!r}", where=where,
+                         fix=f"this qconv reads schema_version {INDEX_SCHEMA_VERSION}; upgrade qconv or the index")
+    entries = [entry_from_dict(e, f"{where}:artifacts[{i}]")
+               for i, e in enumerate(_req(d, "artifacts", list, where))]
+    names = [e.name for e in entries]
+    if dups := sorted({n for n in names if names.count(n) > 1}):
+        raise QconvError(f"duplicate artifact names {dups}", where=where, fix="each name may appear once")
+    return Index(entries)
+
+
+def default_index_spec() -> str:
+    return os.environ.get("QCONV_INDEX") or str(resources.files("qconv.hub") / "index.json")
+
+
+def load_index(spec: str | None = None) -> Index:
+    """Read the index from a path, file:// or http(s) URL; None means QCONV_INDEX, else the shipped default."""
+    spec = spec or default_index_spec()
+    try:
+        if spec.startswith(("http://", "https://")):
+            with urllib.request.urlopen(spec, timeout=30) as r:
+                text = r.read().decode()
+        else:
+            text = Path(spec[len("file://"):] if spec.startswith("file://") else spec).expanduser().read_text()
+    except (OSError, urllib.error.URLError) as e:
+        raise QconvError(f"cannot read the artifact index: {e}", where=spec,
+                         fix="check --index / QCONV_INDEX, or use `qconv pull --offline NAME` for cached artifacts") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise QconvError(f"artifact index is not valid JSON: {e}", where=spec) from e
+    return index_from_dict(data, spec)
+
+
+def entry_for_artifact(artifact_dir: str | Path, location: Location, name: str | None = None,
+                       card: str = "") -> IndexEntry:
+    """An index entry describing a verified local artifact, as it will be served from `location`."""
+    from qconv.hub.verify import verify_artifact
+
+    report = verify_artifact(artifact_dir)
+    report.raise_for_problems()
+    m = report.manifest
+    name = check_name(name or Path(artifact_dir).resolve().name, str(artifact_dir))
+    files = {k: FileEntry(**v) for k, v in file_table(artifact_dir).items() if k in m.files or k == "qconv.json"}
+    return IndexEntry(name=name, recipe=m.recipe.name, source=SourceRef(m.source.id, m.source.revision),
+                      location=location, files=files, card=card, quality=m.quality or {})
+
+
+def add_to_index_file(index_file: str | Path, entry: IndexEntry) -> Index:
+    """Add or replace `entry` (by name) in a local index file, creating it if needed; written atomically."""
+    path = Path(index_file)
+    index = load_index(str(path)) if path.exists() else Index()
+    index.artifacts = [e for e in index.artifacts if e.name != entry.name] + [entry]
+    index.artifacts.sort(key=lambda e: e.name)
+    write_json_atomic(path, index.to_dict())
+    return index

@@ -1,0 +1,229 @@
+"""Typed recipes: which scheme each module role gets, KV profiles, speculation and quality gates."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from qconv.errors import QconvError
+from qconv.fsutil import sha256_json
+from qconv.recipes.schema import from_dict, to_dict
+
+# Roles a recipe assigns schemes to. Fused groups are one role: vLLM fuses them into one layer with one scheme.
+ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_ab", "gdn_out",
+         "embed", "lm_head", "mtp", "vision")
+KEEP = "bf16"  # the scheme name meaning "leave in the source dtype"
+KV_SCHEMES = ("bf16", "fp8_e4m3", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")
+
+
+@dataclass
+class QuantArgs:
+    bits: Literal[4, 8]
+    symmetric: bool = True
+    strategy: Literal["group", "channel", "tensor", "token"] = "group"
+    group_size: int | None = 128
+    dynamic: bool = False
+
+    def validate(self):
+        if self.strategy == "group" and (not self.group_size or self.group_size <= 0 or self.group_size & (self.group_size - 1)):
+            yield "group_size", f"group strategy needs a positive power-of-two group_size, got {self.group_size!r}"
+
+
+@dataclass
+class Scheme:
+    weights: QuantArgs
+    activations: QuantArgs | None = None
+
+    @property
+    def label(self) -> str:
+        a = self.activations.bits if self.activations else 16
+        return f"w{self.weights.bits}a{a}"
+
+
+@dataclass
+class Quantizer:
+    algorithm: Literal["gptq", "rtn"] = "gptq"
+    dampening_frac: float = 0.01
+    block_size: int = 128
+    actorder: Literal["static", "group", "weight"] | None = None
+    # When a group size does not divide a layer's in_features, try these (largest first) and record the choice.
+    group_size_fallback: list[int] = field(default_factory=lambda: [128, 64, 32])
+
+
+@dataclass
+class Calibration:
+    dataset: str | None = None  # file path or HF dataset id; None: default_dataset, else self-generated
+    default_dataset: str | None = "HuggingFaceH4/ultrachat_200k"
+    split: str = "train_sft"
+    samples: int = 128
+    seq_len: int = 2048
+    seed: int = 0
+
+    def validate(self):
+        if self.samples <= 0:
+            yield "samples", f"must be > 0, got {self.samples}"
+        if self.seq_len < 16:
+            yield "seq_len", f"must be >= 16, got {self.seq_len}"
+
+
+@dataclass
+class Selection:
+    """Selective INT8 by measured sensitivity (0 = uniform 4-bit)."""
+    budget: str = "0"  # bytes ("0", "1500000000"), with unit ("1.5GB", "300MiB"), or percent of the artifact ("5%")
+    scheme: str = "w8a16"
+    candidates: list[str] = field(default_factory=lambda: ["attn_qkv", "attn_o", "mlp_gate_up", "mlp_down",
+                                                           "gdn_qkvz", "gdn_out"])
+
+    def validate(self):
+        if not re.fullmatch(r"\s*-?\d+(\.\d+)?\s*(%|[kKMGT]i?B|B)?\s*", self.budget):
+            yield "budget", f"bad budget {self.budget!r}; use bytes (1500000000), a size (1.5GB, 300MiB) or a percent (5%)"
+        for c in self.candidates:
+            if c not in ROLES:
+                yield "candidates", f"unknown role {c!r}; roles: {', '.join(ROLES)}"
+
+
+@dataclass
+class Card:
+    name: str
+    memory_gib: float
+    reserve_gib: float = 1.5  # CUDA context, activations, workspace
+
+
+@dataclass
+class Profile:
+    kv_cache: str
+    context_length: int
+    max_num_seqs: int = 1
+    gpu_memory_utilization: float = 0.92
+    mamba_ssm_cache_dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
+    language_model_only: bool = True
+    description: str = ""
+
+    def validate(self):
+        if self.kv_cache not in KV_SCHEMES:
+            yield "kv_cache", f"unknown KV scheme {self.kv_cache!r}; allowed: {', '.join(KV_SCHEMES)}"
+        if self.context_length <= 0:
+            yield "context_length", f"must be > 0, got {self.context_length}"
+
+
+@dataclass
+class Lookup:
+    max_block: int = 15
+    ngram_max: int = 4
+    ngram_min: int = 2
+
+
+@dataclass
+class Speculative:
+    method: Literal["mtp", "lookup", "hybrid", "none"] = "hybrid"
+    num_speculative_tokens: int = 4
+    lookup: Lookup = field(default_factory=Lookup)
+
+
+@dataclass
+class Gates:
+    max_mean_kld: float | None = None
+    max_p99_kld: float | None = None
+    min_top1: float | None = None  # fraction 0..1
+    max_ppl_ratio: float | None = None  # PPL(quantized) / PPL(original)
+    min_task_recovery: float | None = None  # task accuracy quantized / original
+
+
+@dataclass
+class GateTier:
+    """Gates for one model class. The tier whose min_params the model reaches (largest first) applies, and the
+    report names it: a 135M model is judged by small-model gates, never silently by the 27B's."""
+    name: str
+    min_params: float
+    weights: Gates = field(default_factory=Gates)
+    weights_kv: Gates = field(default_factory=Gates)
+
+
+@dataclass
+class Regression:
+    """Tolerances for `qconv check --against`: how much worse than the recorded report is still a pass."""
+    mean_kld_rel: float = 0.10
+    p99_kld_rel: float = 0.20
+    top1_abs: float = 0.01
+    ppl_ratio_abs: float = 0.01
+
+
+@dataclass
+class Quality:
+    text: str | None = None  # held-out text (file or HF dataset id) for the build's quality report
+    window: int = 2048
+    max_tokens: int = 8192
+    tiers: list[GateTier] = field(default_factory=list)
+    regression: Regression = field(default_factory=Regression)
+
+    def tier_for(self, num_params: int) -> GateTier | None:
+        for t in sorted(self.tiers, key=lambda t: -t.min_params):
+            if num_params >= t.min_params:
+                return t
+        return None
+
+
+@dataclass
+class Recipe:
+    name: str
+    description: str
+    card: Card
+    schemes: dict[str, Scheme]
+    roles: dict[str, str]  # role -> scheme name or "bf16"
+    quantizer: Quantizer = field(default_factory=Quantizer)
+    calibration: Calibration = field(default_factory=Calibration)
+    selection: Selection = field(default_factory=Selection)
+    profiles: dict[str, Profile] = field(default_factory=dict)
+    default_profile: str = "fast"
+    speculative: Speculative = field(default_factory=Speculative)
+    quality: Quality = field(default_factory=Quality)
+
+    def validate(self):
+        for role, scheme in self.roles.items():
+            if role not in ROLES:
+                yield f"roles.{role}", f"unknown role {role!r}; roles: {', '.join(ROLES)}"
+            elif scheme != KEEP and scheme not in self.schemes:
+                yield f"roles.{role}", f"unknown scheme {scheme!r}; defined schemes: {', '.join([KEEP, *self.schemes])}"
+        if self.selection.scheme not in self.schemes:
+            yield "selection.scheme", f"unknown scheme {self.selection.scheme!r}; defined: {', '.join(self.schemes)}"
+        if self.profiles and self.default_profile not in self.profiles:
+            yield "default_profile", f"{self.default_profile!r} is not a profile; profiles: {', '.join(self.profiles)}"
+
+    def scheme_for(self, role: str) -> str:
+        return self.roles.get(role, KEEP)
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    @property
+    def sha256(self) -> str:
+        return sha256_json(self.to_dict())
+
+
+def builtin_recipes() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("qconv.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """A built-in recipe by name (`3090`) or a user's YAML file by path."""
+    p = Path(name_or_path).expanduser()
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise QconvError(f"recipe file not found: {p}", where="--recipe", fix="check the path")
+        text, source = p.read_text(), str(p)
+    else:
+        res = resources.files("qconv.recipes") / f"{name_or_path}.yaml"
+        if not res.is_file():
+            raise QconvError(f"unknown recipe {name_or_path!r}", where="--recipe",
+                             fix=f"use one of {', '.join(builtin_recipes())} (see `qconv recipes list`) or a path to a YAML file")
+        text, source = res.read_text(), f"recipe {name_or_path}"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise QconvError(f"recipe is not valid YAML: {e}", where=source, fix="fix the YAML syntax") from e
+    return from_dict(Recipe, data, "", source)

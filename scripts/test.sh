@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv with every extra and run the whole suite (slow real-model tests included).
+# Pass pytest arguments to narrow it, e.g. `bash scripts/test.sh -m "not slow"`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh dev
+export TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,222 @@
+"""`qconv build` (issue 2): recipes, dry-run, the artifact from tiny models, and one clear error per bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from qconv.manifest import read_manifest, verify_files
+
+FAST_CAL = ["--samples", "4", "--seq-len", "64"]
+
+
+def run(*args):
+    from qconv.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def calib_txt(tmp_path_factory) -> Path:
+    from tests.tiny import CORPUS
+
+    p = tmp_path_factory.mktemp("cal") / "cal.txt"
+    p.write_text(CORPUS * 20)
+    return p
+
+
+def no_partials(out: Path) -> bool:
+    return not out.exists() and not list(out.parent.glob(f".{out.name}.*"))
+
+
+def test_recipes_list_and_show():
+    r = run("recipes", "list")
+    assert r.exit_code == 0 and "3090" in r.output
+    r = run("recipes", "show", "3090")
+    assert r.exit_code == 0
+    assert "w4a16" in r.output and "kvarn_k4v2_g128" in r.output and "sha256" in r.output
+
+
+@pytest.mark.parametrize("patch, expect", [
+    (("roles", "weigths"), r"unknown key 'weigths'.*did you mean 'weights'"),
+    (("profiles.fast.kv_cache", "fp4"), r"profiles\.fast\.kv_cache.*unknown KV scheme 'fp4'"),
+    (("calibration.samples", "many"), r"calibration\.samples: expected an integer, got 'many'"),
+    (("roles.attn_qkv", "w3a16"), r"roles\.attn_qkv.*unknown scheme 'w3a16'"),
+    (("quantizer.algorithm", "awq"), r"quantizer\.algorithm: bad value 'awq'; allowed: 'gptq', 'rtn'"),
+])
+def test_recipe_validation_names_the_key(tmp_path, patch, expect):
+    import yaml
+
+    from qconv.recipes.recipe import load_recipe
+    from qconv.recipes.schema import SchemaError
+
+    data = yaml.safe_load(open(Path(__import__("qconv.recipes", fromlist=["x"]).__file__).parent / "3090.yaml"))
+    key, value = patch
+    if key == "roles":  # a misspelt key inside schemes.w4a16
+        data["schemes"]["w4a16"]["weigths"] = data["schemes"]["w4a16"].pop("weights")
+        expect = r"schemes\.w4a16\.weigths: " + expect
+    else:
+        d = data
+        *parents, last = key.split(".")
+        for p in parents:
+            d = d[p]
+        d[last] = value
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump(data))
+    with pytest.raises(SchemaError, match="(?s)" + expect):
+        load_recipe(str(f))
+    r = run("recipes", "show", f)
+    assert r.exit_code == 2 and str(f) in r.output
+
+
+def test_dry_run_27b_config(config_27b):
+    """The real 27B config, no weights: plan and size, checkable against the published ~19-20 GB all-W4A16 build."""
+    from qconv.convert.build import BuildOptions, dry_run
+
+    dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090"))
+    p = dr.plan
+    assert 27.7e9 < p.num_parameters < 27.9e9  # 27.357B (text + vision) + ~0.42B MTP
+    assert 55.4e9 < p.source_bytes < 55.7e9  # ~55.6 GB bf16
+    roles = p.bytes_by_role()
+    assert roles["gdn_ab"]["schemes"] == {"bf16"} and roles["mtp"]["schemes"] == {"bf16"}
+    assert roles["mlp_gate_up"]["schemes"] == {"w4a16 g128"} and roles["embed"]["schemes"] == {"w8a16 g128"}
+    assert roles["gdn_qkvz"]["modules"] == 96 and roles["attn_qkv"]["modules"] == 48
+    emb_saving = sum(m.shape[0] * m.shape[1] * 2 for m in p.modules if m.role in ("embed", "lm_head")) - \
+        roles["embed"]["bytes"] - roles["lm_head"]["bytes"]
+    assert 2.4e9 < emb_saving < 2.7e9  # "untied 248k vocab: ~2.6 GB saved"
+    assert 19.0e9 < p.total_bytes + emb_saving < 20.0e9  # an all-W4A16 build
+    r = run("build", "--recipe", "3090", "--model", config_27b, "--dry-run")
+    assert r.exit_code == 0, r.output
+    assert "estimated artifact size" in r.output and "all-W4A16 build would be" in r.output
+
+
+def test_plan_group_size_fallback_and_marlin_note(tmp_path):
+    """A layer whose in_features 128 does not divide takes the largest fallback that does, recorded per module."""
+    from qconv.convert.layout import decide
+    from qconv.recipes.recipe import load_recipe
+
+    r = load_recipe("3090")
+    d, warns = decide("model.layers.0.mlp.up_proj", "mlp_gate_up", (1536, 576), "w4a16", r.schemes["w4a16"], r)
+    assert d.group_size == 64 and "576 % 128" in d.note and "Marlin" in d.note and warns
+    d, warns = decide("model.layers.0.mlp.down_proj", "mlp_down", (576, 1536), "w4a16", r.schemes["w4a16"], r)
+    assert d.group_size == 128 and not warns
+
+
+def check_artifact(src: Path, art: Path, *, int4_roles: set[str], tol_rel: float, min_top1: float):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    qc = json.loads((art / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "mixed-precision"
+    groups = {(g["weights"]["num_bits"], g["weights"]["group_size"], g["format"]): g["targets"]
+              for g in qc["config_groups"].values()}
+    int4 = " ".join(groups[(4, 128, "pack-quantized")])
+    int8 = " ".join(groups[(8, 128, "int-quantized")])
+    assert "lm_head" in int8 and "embed_tokens" in int8
+    for frag in int4_roles:
+        assert frag in int4, (frag, int4)
+    m = read_manifest(art)
+    assert verify_files(art, m) == []
+    assert m.source.files and m.recipe.name == "3090" and m.calibration.tokens > 0
+    x = torch.randint(0, 400, (2, 48), generator=torch.Generator().manual_seed(0))
+    a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(x).logits
+    b = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32)(x).logits
+    rel = ((b - a).norm() / a.norm()).item()
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"{art.name}: logits relative error {rel:.3f}, top-1 agreement {top1:.3f}")
+    assert rel < tol_rel and top1 > min_top1
+    return qc, m
+
+
+@pytest.mark.slow
+def test_build_tiny_qwen3_5(tiny_qwen3_5, tmp_path, calib_txt):
+    out = tmp_path / "A"
+    r = run("build", "--recipe", "3090", "--model", tiny_qwen3_5, "--out", out, "--dataset", calib_txt, *FAST_CAL)
+    assert r.exit_code == 0, r.output
+    qc, m = check_artifact(tiny_qwen3_5, out, tol_rel=0.4, min_top1=0.6,
+                           int4_roles={"self_attn", "mlp", "in_proj_(qkv|z)", "out_proj"})
+    ignore = " ".join(qc["ignore"])
+    assert "in_proj_a" in ignore and "in_proj_b" in ignore and "mtp" in ignore
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "mtp.fc.weight" in index and all((out / f).is_file() for f in set(index.values()))
+    by_role = {d.role: d for d in m.modules}
+    assert by_role["gdn_ab"].scheme == "bf16" and by_role["mtp"].scheme == "bf16"
+
+
+def test_build_tiny_llama_tied_and_reproducible(tiny_llama, tmp_path, calib_txt):
+    """Tied embeddings are untied so lm_head and embed carry their own int8 scheme; same inputs, same bytes."""
+    outs = []
+    for name in ("A", "B"):
+        out = tmp_path / name
+        r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *FAST_CAL)
+        assert r.exit_code == 0, r.output
+        outs.append(out)
+    _, m = check_artifact(tiny_llama, outs[0], tol_rel=0.4, min_top1=0.6, int4_roles={"self_attn", "mlp"})
+    assert m.build["untied_embeddings"] is True
+    m2 = read_manifest(outs[1])
+    weights = {k: v["sha256"] for k, v in m.files.items() if k.endswith(".safetensors")}
+    assert weights and weights == {k: v["sha256"] for k, v in m2.files.items() if k.endswith(".safetensors")}
+
+
+# ---- bad inputs: one clear message, exit 2, nothing left behind -------------------------------------------
+
+def _bad_model_dirs(tmp_path: Path, tiny_llama: Path) -> dict[str, Path]:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    trunc = tmp_path / "trunc"
+    shutil.copytree(tiny_llama, trunc)
+    st = trunc / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (gpt2 / "config.json").write_text(json.dumps(cfg))
+    return {"empty": empty, "trunc": trunc, "gpt2": gpt2}
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("missing", r"model path does not exist"),
+    ("empty", r"no config\.json"),
+    ("trunc", r"corrupt or truncated safetensors"),
+    ("gpt2", r"unsupported architecture: model_type 'gpt2'"),
+    ("recipe_name", r"unknown recipe 'rtx9999'"),
+    ("recipe_key", r"unknown key 'wieghts'"),
+    ("out_exists", r"output folder already exists"),
+    ("bad_dataset", r"cannot read calibration file"),
+])
+def test_bad_inputs(case, pattern, tmp_path, tiny_llama):
+    dirs = _bad_model_dirs(tmp_path, tiny_llama)
+    out = tmp_path / "out"
+    model, recipe, extra = tiny_llama, "3090", ["--dataset", tmp_path / "cal.txt"]
+    (tmp_path / "cal.txt").write_text("hello world " * 500)
+    if case == "missing":
+        model = tmp_path / "nope" / "model"
+    elif case in dirs:
+        model = dirs[case]
+    elif case == "recipe_name":
+        recipe = "rtx9999"
+    elif case == "recipe_key":
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text((Path(__import__("qconv.recipes", fromlist=["x"]).__file__).parent / "3090.yaml")
+                          .read_text().replace("weights: {bits: 4", "wieghts: {bits: 4"))
+    elif case == "out_exists":
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    elif case == "bad_dataset":
+        bad = tmp_path / "bad.jsonl"
+        bad.write_bytes(b"\xff\xfe{not json\n")
+        extra = ["--dataset", bad]
+    r = run("build", "--recipe", recipe, "--model", model, "--out", out, *extra, *FAST_CAL)
+    assert r.exit_code == 2, r.output
+    errors = [l for l in r.output.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and re.search(pattern, r.output), r.output
+    if case == "out_exists":
+        assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
+    else:
+        assert no_partials(out)

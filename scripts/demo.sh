@@ -10,7 +10,7 @@ gguf="$(python -c 'from qconv.paths import embedded_gguf; print(embedded_gguf())
 # Held-out text for the quality report: WikiText-2 test from the shared data folder when present,
 # else the Hugging Face dataset (needs network). Never used for calibration.
 eval_text="${QCONV_EVAL_TEXT:-../shared/data/wikitext-2-raw-test.txt}"
-[ -f "$eval_text" ] || eval_text="wikitext:wikitext-2-raw-v1:test"
+[ -f "$eval_text" ] || eval_text="Salesforce/wikitext:wikitext-2-raw-v1@test"
 qconv convert gguf "$gguf" "$out/smollm2-135m" --force
 # No --dataset and no network: qconv calibrates on text the model writes itself (announced in the log).
 qconv build --recipe 3090 --model "$out/smollm2-135m" --out "$out/smollm2-135m-3090" --force \

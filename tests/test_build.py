@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from qconv.manifest import read_manifest, verify_files
 
-FAST_CAL = ["--samples", "4", "--seq-len", "64"]
+FAST_CAL = ["--samples", "16", "--seq-len", "64"]
 
 
 def run(*args):
@@ -123,7 +123,11 @@ def check_artifact(src: Path, art: Path, *, int4_roles: set[str], tol_rel: float
     m = read_manifest(art)
     assert verify_files(art, m) == []
     assert m.source.files and m.recipe.name == "3090" and m.calibration.tokens > 0
-    x = torch.randint(0, 400, (2, 48), generator=torch.Generator().manual_seed(0))
+    from transformers import AutoTokenizer
+
+    from tests.tiny import CORPUS
+
+    x = AutoTokenizer.from_pretrained(src)(CORPUS[:600], return_tensors="pt").input_ids[:, :96]
     a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(x).logits
     b = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32)(x).logits
     rel = ((b - a).norm() / a.norm()).item()
@@ -220,3 +224,29 @@ def test_bad_inputs(case, pattern, tmp_path, tiny_llama):
         assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
     else:
         assert no_partials(out)
+
+
+@pytest.mark.slow
+def test_build_smollm2_from_gguf_beats_rtn(smollm2_gguf, shared_data, tmp_path):
+    """SmolLM2 straight from the GGUF through the 3090 recipe (llama family, tied embeddings, hidden 576 -> g64 where
+    128 does not divide). Must beat the round-to-nearest W4 g128 + int8-embedding anchor (KLD 0.588, top-1 61.1%)."""
+    from qconv.eval.quality import EvalSettings
+    from qconv.eval.run import evaluate
+
+    out = tmp_path / "smol-3090"
+    r = run("build", "--recipe", "3090", "--model", smollm2_gguf, "--out", out,
+            "--dataset", shared_data / "tinyshakespeare.txt", "--samples", "16", "--seq-len", "512")
+    assert r.exit_code == 0, r.output
+    m = read_manifest(out)
+    assert m.source.kind == "gguf" and m.build["untied_embeddings"] is True
+    by_name = {d.name: d for d in m.modules}
+    assert by_name["model.layers.0.self_attn.q_proj"].group_size == 64  # 576 % 128 != 0
+    assert "576 % 128" in by_name["model.layers.0.self_attn.q_proj"].note
+    assert by_name["model.layers.0.mlp.down_proj"].group_size == 128  # 1536 % 128 == 0
+    assert by_name["model.embed_tokens"].bits == 8 and by_name["lm_head"].bits == 8
+    assert verify_files(out, m) == []
+    rep = evaluate(out, EvalSettings(text=str(shared_data / "wikitext-2-raw-test.txt"), window=2048,
+                                     max_tokens=4096, kv="bf16"))
+    w = rep["weights"]
+    print(f"SmolLM2 3090: mean KLD {w['kld_mean']:.4f}, top-1 {w['top1']:.4f}")
+    assert w["kld_mean"] < 0.588 and w["top1"] > 0.611

@@ -1,0 +1,166 @@
+"""Per-slot caches: the full-attention KV store (behind a small interface so fp8 or KVarN's packed store can plug in)
+and the Gated-DeltaNet conv/recurrent state, which can be rolled back to any token of the last forward.
+
+Rollback of a recurrent state cannot just cut a length, so each forward records, per slot, the state at the start of
+its last `max_rollback` tokens plus those tokens' (already projected) inputs; rollback replays the kept prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from qconv.errors import QconvError
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class KVStore(Protocol):
+    """Where full-attention K/V rows live. `read` returns [B, H, length, D] in the compute dtype."""
+
+    def write(self, layer: int, slots: list[int], starts: list[int], k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def read(self, layer: int, slots: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def truncate(self, slots: list[int], n_keep: list[int]) -> None: ...
+
+
+class DenseKV:
+    """Preallocated [max_batch, H, max_len, D] tensors per layer; store dtype = model dtype or float8_e4m3fn."""
+
+    def __init__(self, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int,
+                 dtype: torch.dtype, store_dtype: torch.dtype, device=None):
+        shape = (max_batch, heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=store_dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=store_dtype, device=device) for _ in range(layers)]
+        self.dtype, self.store_dtype = dtype, store_dtype
+        self.quantized = store_dtype != dtype
+
+    def _enc(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(self.store_dtype) if self.quantized else x
+
+    def write(self, layer, slots, starts, k, v):
+        """k, v: [B, T, H, D] for rows appended at starts[b] of slots[b]."""
+        T = k.shape[1]
+        kc, vc = self.k[layer], self.v[layer]
+        for b, (s, p) in enumerate(zip(slots, starts)):
+            kc[s, :, p:p + T] = self._enc(k[b].transpose(0, 1))
+            vc[s, :, p:p + T] = self._enc(v[b].transpose(0, 1))
+
+    def read(self, layer, slots, length):
+        kc, vc = self.k[layer], self.v[layer]
+        s0 = slots[0]
+        if slots == list(range(s0, s0 + len(slots))):  # contiguous: a view, no copy
+            k, v = kc[s0:s0 + len(slots), :, :length], vc[s0:s0 + len(slots), :, :length]
+        else:
+            idx = torch.tensor(slots, device=kc.device)
+            k, v = kc[idx, :, :length], vc[idx, :, :length]
+        if self.quantized:
+            k, v = k.to(self.dtype), v.to(self.dtype)
+        return k, v
+
+    def truncate(self, slots, n_keep):  # dense rows past the length are simply overwritten later
+        return None
+
+
+def make_kv_store(scheme: str, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int,
+                  dtype: torch.dtype, device=None) -> KVStore | None:
+    if layers == 0:
+        return None
+    if scheme == "none":
+        return DenseKV(layers, max_batch, max_len, heads, head_dim, dtype, dtype, device)
+    if scheme == "fp8_e4m3":
+        return DenseKV(layers, max_batch, max_len, heads, head_dim, dtype, torch.float8_e4m3fn, device)
+    try:
+        from qconv.kv import get_kv_scheme
+    except ImportError as e:
+        raise QconvError(f"unknown KV scheme {scheme!r}", fix="use none or fp8_e4m3") from e
+    return get_kv_scheme(scheme).new_store(layers=layers, max_batch=max_batch, max_len=max_len, heads=heads,
+                                           head_dim=head_dim, dtype=dtype, device=device)
+
+
+@dataclass
+class GDNRecord:
+    """What one forward left behind for one slot: states at token `start`, and the inputs of tokens start.. ."""
+
+    start: int
+    n: int  # tokens recorded after start
+    conv_win: list[torch.Tensor]  # per linear layer: [C, K-1+n] conv inputs from the snapshot on
+    state0: list[torch.Tensor]  # per linear layer: [Hv, Dk, Dv] recurrent state at `start`
+    qkvgb: list[tuple[torch.Tensor, ...]]  # per linear layer: q, k [Hv, n, Dk], v [Hv, n, Dv], g, beta [Hv, n]
+
+
+@dataclass
+class ModelCache:
+    """All per-slot decoding state of one model. `lengths` live on the CPU: they steer Python-side slicing."""
+
+    max_batch: int
+    max_len: int
+    lengths: torch.Tensor
+    kv: KVStore | None = None
+    conv: list[torch.Tensor] = field(default_factory=list)  # per linear layer: [max_batch, C, K-1]
+    rec: list[torch.Tensor] = field(default_factory=list)  # per linear layer: [max_batch, Hv, Dk, Dv] fp32
+    max_rollback: int = 64  # GDN tokens of the last forward that rollback can return into
+    mtp: ModelCache | None = None  # the MTP head's own cache (qwen3_5), fed by the speculative driver
+    records: dict[int, GDNRecord] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, max_batch: int, max_len: int, *, kv_layers: int, kv_heads: int, head_dim: int,
+               dtype: torch.dtype, kv_scheme: str = "none", gdn_layers: int = 0, conv_dim: int = 0,
+               conv_kernel: int = 0, v_heads: int = 0, k_dim: int = 0, v_dim: int = 0, device=None) -> ModelCache:
+        kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, kv_heads, head_dim, dtype, device)
+        conv = [torch.zeros(max_batch, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
+                for _ in range(gdn_layers)]
+        rec = [torch.zeros(max_batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+               for _ in range(gdn_layers)]
+        return cls(max_batch, max_len, torch.zeros(max_batch, dtype=torch.long), kv, conv, rec)
+
+    def reset(self, slots) -> None:
+        """Free slots: length 0, zero recurrent state (the MTP cache's slots too)."""
+        slots = as_ints(slots)
+        for s in slots:
+            self.lengths[s] = 0
+            self.records.pop(s, None)
+            for c in self.conv + self.rec:
+                c[s].zero_()
+        if self.kv is not None:
+            self.kv.truncate(slots, [0] * len(slots))
+        if self.mtp is not None:
+            self.mtp.reset(slots)
+
+    def rollback(self, slots, n_keep) -> None:
+        """Keep only the first n_keep tokens of each slot (see RUNTIME_API.md for the valid range)."""
+        slots, n_keep = as_ints(slots), as_ints(n_keep)
+        for s, n in zip(slots, n_keep):
+            cur = int(self.lengths[s])
+            if not 0 <= n <= cur:
+                raise QconvError(f"rollback of slot {s} to {n} tokens, but it holds {cur}")
+            if n < cur and self.conv:
+                self._rollback_gdn(s, n)
+            self.lengths[s] = n
+        if self.kv is not None:
+            self.kv.truncate(slots, n_keep)
+
+    def _rollback_gdn(self, s: int, n: int) -> None:
+        from qconv.runtime.gdn import recurrent_gated_delta
+
+        r = self.records.get(s)
+        if r is None or not r.start <= n <= r.start + r.n:
+            lo = "nothing" if r is None else f"{r.start}..{r.start + r.n}"
+            raise QconvError(f"cannot roll slot {s} back to {n} tokens: the recurrent state can return to {lo}",
+                             fix=f"roll back only into the last forward's final {self.max_rollback} tokens")
+        m = n - r.start
+        k1 = self.conv[0].shape[-1]
+        for i in range(len(self.conv)):
+            self.conv[i][s].copy_(r.conv_win[i][:, m:m + k1])
+            q, k, v, g, beta = (x[None, :, :m] for x in r.qkvgb[i])
+            _, state = recurrent_gated_delta(q, k, v, g, beta, r.state0[i][None].clone())
+            self.rec[i][s].copy_(state[0])
+        r.n = m
+
+
+def as_ints(x) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.reshape(-1).tolist()]
+    if isinstance(x, int):
+        return [x]
+    return [int(v) for v in x]

@@ -1,0 +1,216 @@
+"""Decoder-only transformer for the llama family (llama, qwen2, qwen3), plus the building blocks qwen35.py reuses
+(norm, MLP, rope, gated attention). Fused q/k/v and gate/up projections: fewer, larger matmuls per decode step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qconv.errors import QconvError
+from qconv.runtime.cache import ModelCache, as_ints
+from qconv.runtime.config import RuntimeConfig
+
+
+ROPE_MATRIX_MAX_T = 16  # steps up to this many tokens apply RoPE as one [D, D] matmul (decode, verify)
+
+
+class RMSNorm(nn.Module):
+    """One norm for every family: qwen3_5's (1 + w) offset is folded into the weight at load time."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+@dataclass
+class Step:
+    """What every layer of one forward shares: which slots, where each row starts, rope tables, attention mask."""
+
+    cache: ModelCache
+    slots: list[int]
+    starts: list[int]
+    T: int
+    length: int  # keys to attend over after this step's write (max over rows)
+    cos: torch.Tensor  # [B, T, rotary_dim]
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # [B, 1, T, length] bool, None when plain causal over the whole history works
+    rope_mat: torch.Tensor | None  # [B, T, D, D]: RoPE as one small matmul (short steps: fewer ops per layer)
+    gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (qwen35.py)
+
+    @classmethod
+    def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
+        slots = list(range(B)) if slots is None else as_ints(slots)
+        starts = [int(cache.lengths[s]) for s in slots]
+        length = max(starts) + T
+        if length > cache.max_len:
+            raise QconvError(f"sequence of {length} tokens exceeds the cache's max_len {cache.max_len}",
+                             fix="create the cache with a larger max_len")
+        pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        freqs = pos[..., None].float() * cfg.inv_freq.to(device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = (emb.cos() * cfg.rope_scaling).to(dtype), (emb.sin() * cfg.rope_scaling).to(dtype)
+        mask = None
+        if T > 1 or len(set(starts)) > 1:
+            keys = torch.arange(length, device=device)
+            mask = (keys[None, None, :] <= pos[..., None])[:, None]
+        rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if T <= ROPE_MATRIX_MAX_T else None
+        return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat)
+
+    def end(self) -> None:
+        for s in self.slots:
+            self.cache.lengths[s] += self.T
+            self.cache.records.pop(s, None)  # an older forward's GDN record no longer describes this slot
+        if self.gdn:
+            from qconv.runtime.qwen35 import commit_records
+
+            commit_records(self)
+
+
+def _rope_matrix(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
+    """M with x @ M == rotate-half RoPE of x on the first rd channels (identity on the rest)."""
+    B, T, rd = cos.shape
+    h, i, j = rd // 2, torch.arange(rd, device=cos.device), torch.arange(rd // 2, device=cos.device)
+    M = torch.zeros(B, T, D, D, dtype=cos.dtype, device=cos.device)
+    M[..., i, i] = cos
+    M[..., j + h, j] = -sin[..., :h]
+    M[..., j, j + h] = sin[..., h:]
+    if rd < D:
+        rest = torch.arange(rd, D, device=cos.device)
+        M[..., rest, rest] = 1
+    return M
+
+
+def rotate(x: torch.Tensor, st: Step) -> torch.Tensor:
+    """RoPE on the first rotary_dim channels of x [B, T, H, D] (rotate-half layout)."""
+    if st.rope_mat is not None:
+        return x @ st.rope_mat
+    cos, sin = st.cos, st.sin
+    rd = cos.shape[-1]
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    xr = x[..., :rd]
+    x1, x2 = xr.chunk(2, dim=-1)
+    out = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return out if rd == x.shape[-1] else torch.cat([out, x[..., rd:]], dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA attention; options: q/k/v bias (qwen2), q/k RMSNorm (qwen3), sigmoid output gate from q_proj (qwen3_5)."""
+
+    def __init__(self, cfg: RuntimeConfig, kv_index: int):
+        super().__init__()
+        self.kv_index = kv_index
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.gated = cfg.attn_output_gate
+        self.q_size = self.nh * self.hd * (2 if self.gated else 1)
+        self.kv_size = self.nkv * self.hd
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, st: Step) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.gated:  # per head: [query (hd), gate (hd)]
+            q, gate = q.view(B, T, self.nh, 2 * self.hd).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, self.nh * self.hd)
+        v = v.view(B, T, self.nkv, self.hd)
+        if self.q_norm is None and gate is None:  # q and k are adjacent in the fused output: rotate them at once
+            q, k = rotate(qkv[..., :self.q_size + self.kv_size].view(B, T, -1, self.hd), st).split(
+                [self.nh, self.nkv], dim=2)
+        else:
+            q, k = q.reshape(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotate(q, st), rotate(k, st)
+        kv = st.cache.kv
+        kv.write(self.kv_index, st.slots, st.starts, k, v)
+        keys, values = kv.read(self.kv_index, st.slots, st.length)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=st.mask,
+                                           enable_gqa=self.nh != self.nkv)
+        o = o.transpose(1, 2).reshape(B, T, self.nh * self.hd)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: RuntimeConfig, mixer: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mixer = mixer
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, st: Step) -> torch.Tensor:
+        x = x + self.mixer(self.input_layernorm(x), st)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """The llama-family model. forward() appends tokens to cache slots and returns float32 logits."""
+
+    def __init__(self, cfg: RuntimeConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, self.make_mixer(cfg, i)) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tied_head: nn.Module | None = None  # a packed copy of the tied embedding (cpu_pack.py)
+        self.mtp = None
+
+    def make_mixer(self, cfg: RuntimeConfig, i: int) -> nn.Module:
+        return Attention(cfg, cfg.full_layers.index(i))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "none") -> ModelCache:
+        c = self.config
+        return ModelCache.create(max_batch, max_len, kv_layers=len(c.full_layers), kv_heads=c.num_kv_heads,
+                                 head_dim=c.head_dim, dtype=self.dtype, kv_scheme=kv_scheme, device=self.device)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head(h).float()
+        if self.tied_head is not None:
+            return self.tied_head(h).float()
+        return F.linear(h, self.embed_tokens.weight).float()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: ModelCache, slots=None, return_hidden: bool = False):
+        """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden)."""
+        B, T = tokens.shape
+        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, st)
+        st.end()
+        h = self.norm(x)
+        return (self.logits(h), h) if return_hidden else self.logits(h)

@@ -1,0 +1,113 @@
+"""A small load generator for OpenAI-compatible servers (ours or vLLM): N streaming chat clients at a fixed
+concurrency, bounded in count and time, loopback only by default. Used by bench/serve_load.py and the load test."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class ClientResult:
+    prompt: str
+    text: str
+    completion_tokens: int
+    ttft: float  # seconds to the first content chunk
+    elapsed: float
+    finish_reason: str | None
+
+
+@dataclass
+class LoadResult:
+    results: list[ClientResult]
+    wall: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.completion_tokens for r in self.results)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall if self.wall else 0.0
+
+
+def stream_one(client, model: str, prompt: str, max_tokens: int, chat: bool = True,
+               timeout: float = 300.0) -> ClientResult:
+    """One greedy streaming request (chat, or a raw completion of `prompt`), timed from send to last chunk."""
+    t0 = time.monotonic()
+    parts, ttft, usage, finish = [], None, None, None
+    kw = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, timeout=timeout,
+              stream_options={"include_usage": True})
+    if chat:
+        stream = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
+    else:
+        stream = client.completions.create(prompt=prompt, **kw)
+    for chunk in stream:
+        usage = chunk.usage or usage
+        if chunk.choices:
+            c = chunk.choices[0]
+            text = c.delta.content if chat else c.text
+            if text:
+                ttft = ttft if ttft is not None else time.monotonic() - t0
+                parts.append(text)
+            finish = c.finish_reason or finish
+    elapsed = time.monotonic() - t0
+    return ClientResult(prompt, "".join(parts), usage.completion_tokens if usage else 0,
+                        ttft if ttft is not None else elapsed, elapsed, finish)
+
+
+def run_load(client, model: str, prompts: list[str], concurrency: int, max_tokens: int,
+             chat: bool = True) -> LoadResult:
+    """Every prompt once, `concurrency` in flight at a time; results in prompt order."""
+    t0 = time.monotonic()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        results = list(ex.map(lambda p: stream_one(client, model, p, max_tokens, chat), prompts))
+    return LoadResult(results, time.monotonic() - t0)
+
+
+class ServerProcess:
+    """`qconv serve ...` as a child process on loopback; waits for /health, stops it on exit."""
+
+    def __init__(self, args: list[str], port: int, env: dict | None = None, health_timeout: float = 300.0):
+        self.port, self.health_timeout = port, health_timeout
+        self.argv = [sys.executable, "-m", "qconv.cli", "serve", *args, "--port", str(port)]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> ServerProcess:
+        # the server's logs go to our stderr: stdout stays for what the caller prints (a benchmark's JSON line)
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=Path(__file__).resolve().parents[2],
+                                     stdout=sys.stderr, start_new_session=True)
+        deadline = time.monotonic() + self.health_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {' '.join(self.argv)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"server not healthy within {self.health_timeout:.0f} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: vLLM's workers go too
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()

@@ -1,0 +1,137 @@
+"""Serve a model with qconv's own engine: load it, size the cache from the serving profile, run the scheduler
+thread and uvicorn. `BackgroundServer` runs the same thing inside a process (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from qconv.errors import QconvError
+
+DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
+
+
+@dataclass
+class NativeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_batch: int = 8
+    max_queue: int = 64
+    max_model_len: int | None = None  # None: the profile's context, capped at DEFAULT_NATIVE_CONTEXT
+    profile: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    spec_tokens: int | None = None  # prompt-lookup drafts per step; None: the artifact's speculative config
+
+
+@dataclass
+class NativePlan:
+    context_len: int
+    kv_scheme: str = "none"
+    spec_tokens: int = 0
+    lookup_ngram: tuple[int, int] = (4, 2)
+
+
+def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
+    """Context, runtime KV scheme and prompt-lookup speculation from the artifact's manifest when it has one.
+    The batched scheduler drafts by prompt lookup only: the MTP part of `hybrid` needs the single-stream engine."""
+    from qconv.manifest import MANIFEST, read_manifest
+
+    cfg = json.loads((path / "config.json").read_text())
+    max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
+    plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
+    m = read_manifest(path) if (path / MANIFEST).is_file() else None
+    if m is not None and m.profiles:
+        name = opts.profile or m.recipe.resolved.get("default_profile") or next(iter(m.profiles))
+        if name not in m.profiles:
+            raise QconvError(f"unknown profile {name!r}", where="--profile", fix=f"profiles: {', '.join(m.profiles)}")
+        p = m.profiles[name]
+        plan.context_len = min(int(p["context_length"]), max_pos, DEFAULT_NATIVE_CONTEXT)
+        plan.kv_scheme = "none" if p.get("kv_cache", "bf16") == "bf16" else p["kv_cache"]
+    elif opts.profile:
+        raise QconvError(f"{path} has no serving profiles", where="--profile", fix="drop --profile for a plain model")
+    spec = (m.speculative if m is not None else None) or {}
+    if spec.get("method") in ("lookup", "hybrid"):
+        plan.spec_tokens = int(spec.get("num_speculative_tokens", 0))
+        lk = spec.get("lookup") or {}
+        plan.lookup_ngram = (int(lk.get("ngram_max", 4)), int(lk.get("ngram_min", 2)))
+    if opts.spec_tokens is not None:
+        plan.spec_tokens = opts.spec_tokens
+    if opts.max_model_len:
+        plan.context_len = min(opts.max_model_len, max_pos)
+    return plan
+
+
+def build_native(path: str | Path, opts: NativeOptions):
+    """(FastAPI app, started Scheduler) for the model at `path`."""
+    import torch
+
+    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.serve.scheduler import Scheduler
+
+    try:
+        from qconv.serve.server import ServerConfig, create_app
+    except ImportError as e:
+        raise QconvError(f"the native server needs {e.name}", fix="pip install 'qconv[serve]'") from e
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise QconvError(f"no config.json in {path}", where=str(path), fix="pass a model or artifact folder")
+    plan = native_plan(path, opts)
+    model = load_model(path, dtype=getattr(torch, opts.dtype), max_batch=opts.max_batch)
+    sched = Scheduler(model, load_tokenizer(path), max_batch=opts.max_batch, max_len=plan.context_len,
+                      max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec_tokens=plan.spec_tokens,
+                      lookup_ngram=plan.lookup_ngram).start()
+    cfg = ServerConfig(opts.served_model_name or path.name, plan.context_len, opts.api_key)
+    return create_app(sched, cfg), sched
+
+
+def run_native(path: str | Path, opts: NativeOptions) -> None:
+    import uvicorn
+
+    app, sched = build_native(path, opts)
+    try:
+        uvicorn.run(app, host=opts.host, port=opts.port, log_level="info", timeout_graceful_shutdown=5)
+    finally:
+        sched.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """uvicorn in a thread of this process, on a free loopback port; `with` stops it and its scheduler."""
+
+    def __init__(self, app, sched, host: str = "127.0.0.1", port: int | None = None):
+        import uvicorn
+
+        self.sched, self.host, self.port = sched, host, port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sched.stop()

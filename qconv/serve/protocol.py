@@ -1,0 +1,84 @@
+"""The OpenAI request bodies we accept (pydantic, so a wrong type is a 400 naming the field) and the OpenAI error
+body `{"error": {"message", "type", "param", "code"}}` every failure is answered with."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error the HTTP layer answers as an OpenAI error body with this status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Common(BaseModel):
+    """Sampling fields shared by both endpoints. Unknown fields are ignored (clients send many we do not use)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # vLLM extension; 0 and -1 mean off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: bool | int | None = None  # not supported: refused rather than silently ignored
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise APIError(400, "at most 4 stop sequences are allowed", param="stop")
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    echo: bool = False  # not supported: refused
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """FastAPI's validation errors (malformed JSON included) as one OpenAI-style 400."""
+    e = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {e.get('msg')}", code="invalid_json")
+    param = ".".join(loc) or None
+    return APIError(400, f"{param or 'body'}: {e.get('msg')}", param=param, code="invalid_value")

@@ -1,0 +1,292 @@
+"""Continuous batching over the runtime model API: one background thread owns the model and its cache; requests
+join between decode steps (prefilled into their own cache slots, the requests that arrived together batched), then
+every active slot advances one token per batched T=1 forward, and a request leaves the batch as soon as it finishes or its client goes away.
+
+The HTTP layer never touches the model: it submits a `GenRequest` whose `emit` callback is thread-safe (the server
+passes one that hops onto its asyncio loop), and it cancels by setting a flag the thread checks every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from qconv.runtime.sampling import (SamplingParams, probs_from_logits, sample_next, verify_greedy,
+                                    verify_sampling)
+from qconv.runtime.spec import PromptLookup
+from qconv.serve.metrics import Metrics
+
+log = logging.getLogger(__name__)
+# Prompt tokens prefilled in one batch of joining requests (bounds the [rows, T, vocab] logits of that forward).
+PREFILL_TOKENS = 2048
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound; the server answers 429."""
+
+
+@dataclass
+class Event:
+    """One message from the scheduler to a request's client: new text, and on the last one why it ended."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class GenRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    emit: Callable[[Event], None]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # scheduler-side state
+    slot: int = -1
+    out_ids: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the decoded text already emitted
+    generator: torch.Generator | None = None
+    lookup: PromptLookup | None = None
+    first_token_at: float | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, max_queue: int = 64,
+                 kv_scheme: str = "none", metrics: Metrics | None = None, seed: int = 0, spec_tokens: int = 0,
+                 lookup_ngram: tuple[int, int] = (4, 2)):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
+        self.spec_tokens, self.lookup_ngram = spec_tokens, lookup_ngram  # prompt-lookup drafts per step (0: off)
+        self.cache = model.new_cache(max_batch, max_len, kv_scheme)
+        self.eos = set(getattr(model.config, "eos_token_ids", []) or [])
+        if tokenizer.eos_token_id is not None:
+            self.eos.add(int(tokenizer.eos_token_id))
+        self.metrics = metrics or Metrics()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.waiting: deque[GenRequest] = deque()
+        self.active: list[GenRequest] = []
+        self.free = list(range(max_batch))
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+
+    # ---- called from other threads -------------------------------------------------------------------------------
+    def submit(self, req: GenRequest) -> None:
+        if not req.prompt_ids:
+            raise ValueError("empty prompt")
+        if len(req.prompt_ids) + req.max_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.max_tokens}) > {self.max_len}")
+        with self.cond:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests already waiting (limit {self.max_queue})")
+            self.waiting.append(req)
+            self.metrics.queue_depth = len(self.waiting)
+            self.cond.notify()
+
+    def start(self) -> Scheduler:
+        self.thread = threading.Thread(target=self._run, name="qconv-scheduler", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    # ---- the model thread ----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stopping and not self.waiting and not self.active:
+                    self.cond.wait()
+                if self.stopping:
+                    break
+            try:
+                self.step()
+            except Exception as e:  # a model error fails the requests in flight, never the server
+                log.exception("scheduler step failed")
+                for r in list(self.active):
+                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+        for r in list(self.active) + list(self.waiting):
+            self._finish(r, "cancelled", error="server shutting down")
+
+    def step(self) -> None:
+        """One scheduling round: drop cancelled work, admit (prefill) waiting requests into free slots, then one
+        batched decode step over every active slot."""
+        with self.cond:  # clients that left while queued free their place in the bounded queue
+            gone = [r for r in self.waiting if r.cancelled.is_set()]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone + [r for r in self.active if r.cancelled.is_set()]:
+            self._finish(r, "cancelled")
+        joining: list[GenRequest] = []
+        budget = PREFILL_TOKENS
+        while len(joining) < len(self.free):
+            with self.cond:
+                if not self.waiting or (joining and len(self.waiting[0].prompt_ids) > budget):
+                    break
+                r = self.waiting.popleft()
+                self.metrics.queue_depth = len(self.waiting)
+            if r.cancelled.is_set():
+                self._finish(r, "cancelled")
+                continue
+            joining.append(r)
+            budget -= len(r.prompt_ids)
+        if joining:
+            self._prefill(joining)
+        if self.active:
+            self._decode()
+        self.metrics.running = len(self.active)
+
+    def _prefill(self, reqs: list[GenRequest]) -> None:
+        """Prefill the joining requests together: rows must share T, so feed the shortest remaining prompt length
+        to every unfinished row per forward (one forward per distinct prompt length; one, when they match)."""
+        for r in reqs:
+            r.slot = self.free.pop(0)
+            self.active.append(r)
+            self.cache.reset([r.slot])
+            if r.seed is not None:
+                r.generator = torch.Generator().manual_seed(r.seed)
+            if self.spec_tokens:
+                r.lookup = PromptLookup(*self.lookup_ngram)
+                r.lookup.begin(r.prompt_ids)
+        fed = {id(r): 0 for r in reqs}
+        last: dict[int, torch.Tensor] = {}
+        while rows := [r for r in reqs if fed[id(r)] < len(r.prompt_ids)]:
+            T = min(len(r.prompt_ids) - fed[id(r)] for r in rows)
+            tokens = torch.tensor([r.prompt_ids[fed[id(r)]:fed[id(r)] + T] for r in rows], dtype=torch.long)
+            logits = self.model(tokens, self.cache, torch.tensor([r.slot for r in rows]))[:, -1]
+            for i, r in enumerate(rows):
+                fed[id(r)] += T
+                if fed[id(r)] == len(r.prompt_ids):
+                    last[id(r)] = logits[i]
+        self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in reqs)
+        toks = self._sample(torch.stack([last[id(r)] for r in reqs]), reqs)
+        self._accept(reqs, [[t] for t in toks])
+
+    def _decode(self) -> None:
+        """One batched step. With prompt lookup on, each row also feeds its drafts (rows padded to a common T),
+        verification keeps the accepted prefix plus the target's next token, and the cache rolls back the rest."""
+        batch = list(self.active)
+        slots = [r.slot for r in batch]
+        before = [int(self.cache.lengths[s]) for s in slots]
+        room = self.max_len - max(before) - 1  # every row writes T tokens, so T is bounded by the fullest slot
+        drafts = [self._propose(r, room) for r in batch]
+        T = 1 + max(map(len, drafts))
+        rows = [[r.out_ids[-1], *d] + [r.out_ids[-1]] * (T - 1 - len(d)) for r, d in zip(batch, drafts)]
+        logits = self.model(torch.tensor(rows, dtype=torch.long), self.cache, torch.tensor(slots))
+        if T == 1:
+            toks = [[t] for t in self._sample(logits[:, -1], batch)]
+        else:
+            toks = [self._verify(r, d, logits[i, :len(d) + 1]) for i, (r, d) in enumerate(zip(batch, drafts))]
+            self.cache.rollback(slots, [b + len(t) for b, t in zip(before, toks)])
+            self.metrics.draft_tokens += sum(map(len, drafts))
+            self.metrics.accepted_tokens += sum(len(t) - 1 for t in toks)
+        self.metrics.step(len(batch), sum(map(len, toks)))
+        self._accept(batch, toks)
+
+    def _propose(self, r: GenRequest, room: int) -> list[int]:
+        k = min(self.spec_tokens, room, r.max_tokens - len(r.out_ids) - 1)
+        if k <= 0 or r.lookup is None:
+            return []
+        return r.lookup.propose(r.prompt_ids + r.out_ids, k).tokens
+
+    def _verify(self, r: GenRequest, draft: list[int], logits: torch.Tensor) -> list[int]:
+        """Lossless: greedy keeps the drafts equal to the argmax; sampling uses rejection sampling, whose output
+        is distributed exactly as plain sampling would be."""
+        if r.sampling.greedy:
+            n, nxt = verify_greedy(draft, logits)
+        else:
+            p = r.sampling
+            probs = probs_from_logits(logits, p.temperature, p.top_p, p.top_k)
+            n, nxt = verify_sampling(draft, [None] * len(draft), probs, generator=r.generator or self.generator)
+        return draft[:n] + [nxt]
+
+    def _sample(self, logits: torch.Tensor, batch: list[GenRequest]) -> list[int]:
+        """Per-row sampling params in one call; a row with its own seed draws from its own generator so its
+        output does not depend on what else shares the batch."""
+        out = logits.argmax(-1)  # greedy rows: no softmax over the vocabulary needed
+        shared = [i for i, r in enumerate(batch) if not r.sampling.greedy and r.generator is None]
+        if shared:
+            sp = [batch[i].sampling for i in shared]
+            out[shared] = sample_next(logits[shared], torch.tensor([p.temperature for p in sp]),
+                                      torch.tensor([p.top_p for p in sp]), torch.tensor([p.top_k for p in sp]),
+                                      generator=self.generator)
+        for i, r in enumerate(batch):
+            if r.generator is not None and not r.sampling.greedy:
+                out[i] = sample_next(logits[i:i + 1], r.sampling.temperature, r.sampling.top_p, r.sampling.top_k,
+                                     generator=r.generator)[0]
+        return out.tolist()
+
+    def _accept(self, batch: list[GenRequest], toks: list[list[int]]) -> None:
+        now = time.monotonic()
+        for r, new in zip(batch, toks):
+            if r.first_token_at is None:
+                r.first_token_at = now
+                self.metrics.ttft.observe(now - r.arrival)
+            for t in new:
+                r.out_ids.append(int(t))
+                self.metrics.generation_tokens += 1
+                if t in self.eos:
+                    self._finish(r, "stop", drop_last=True)
+                    break
+                if len(r.out_ids) >= r.max_tokens or len(r.prompt_ids) + len(r.out_ids) >= self.max_len:
+                    self._finish(r, "length")
+                    break
+            else:
+                self._stream(r)
+
+    def _text(self, r: GenRequest, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _stream(self, r: GenRequest) -> None:
+        """Emit the text that is final: hold back a partial UTF-8 character and any tail that could still grow
+        into a stop string; a completed stop string ends the request with the text before it."""
+        text = self._text(r, r.out_ids)
+        if r.stop:
+            hits = [i for s in r.stop if (i := text.find(s, max(0, r.sent - len(s) + 1))) >= 0]
+            if hits:
+                self._finish(r, "stop", text=text[:min(hits)])
+                return
+        end = len(text) - (max(map(len, r.stop)) - 1 if r.stop else 0)
+        while end > r.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        if end > r.sent:
+            self._send(r, Event(text=text[r.sent:end], token_ids=[r.out_ids[-1]]))
+            r.sent = end
+
+    def _finish(self, r: GenRequest, reason: str, *, drop_last: bool = False, text: str | None = None,
+                error: str | None = None) -> None:
+        if r in self.active:
+            self.active.remove(r)
+            self.cache.reset([r.slot])
+            self.free.append(r.slot)
+        if text is None:
+            text = self._text(r, r.out_ids[:-1] if drop_last else r.out_ids) if r.out_ids else ""
+        self._send(r, Event(text=text[r.sent:] if reason != "error" else "", finish_reason=reason,
+                            prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.out_ids), error=error))
+        r.sent = len(text)
+        self.metrics.finished(reason, time.monotonic() - r.arrival)
+
+    def _send(self, r: GenRequest, ev: Event) -> None:
+        try:
+            r.emit(ev)
+        except RuntimeError:  # the client's event loop is gone: nobody is listening any more
+            r.cancel()

@@ -1,0 +1,201 @@
+"""The OpenAI-compatible HTTP server over qconv's engine (FastAPI + uvicorn). Handlers tokenize, check limits,
+hand a request to the scheduler thread and relay its events (SSE or one JSON body); they never run the model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qconv.runtime.sampling import SamplingParams
+from qconv.serve.protocol import APIError, ChatRequest, CompletionRequest, validation_error
+from qconv.serve.scheduler import Event, GenRequest, QueueFull, Scheduler
+
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    context_len: int
+    api_key: str | None = None
+
+
+def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
+    app = FastAPI(title="qconv", docs_url=None, redoc_url=None)
+    tok = sched.tokenizer
+    metrics = sched.metrics
+
+    def error_response(e: APIError) -> JSONResponse:
+        metrics.reject(e.status)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_req, e: RequestValidationError):
+        return error_response(validation_error(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(e.status_code, str(e.detail), kind))
+
+    async def check_key(request: Request) -> None:
+        if cfg.api_key and request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+            what = "incorrect API key" if request.headers.get("authorization") else "missing API key"
+            raise APIError(401, f"{what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        ok = sched.thread is not None and sched.thread.is_alive()
+        return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prom():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def models():
+        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
+                                            "owned_by": "qconv", "max_model_len": cfg.context_len}]}
+
+    def prepare(body, prompt_ids: list[int], max_tokens: int | None, emit) -> GenRequest:
+        if body.model != cfg.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
+                           param="model", code="model_not_found")
+        if body.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
+        for field in ("logprobs", "echo"):
+            if getattr(body, field, None):
+                raise APIError(400, f"{field} is not supported by this server", param=field, code="unsupported_value")
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        n = len(prompt_ids)
+        want = max_tokens if max_tokens is not None else cfg.context_len - n
+        if n + want > cfg.context_len or want < 1:
+            raise APIError(400, f"This model's maximum context length is {cfg.context_len} tokens. However, you "
+                                f"requested {n + max(want, 1)} tokens ({n} in the prompt, {max(want, 1)} for the "
+                                f"completion). Please reduce the prompt or max_tokens.",
+                           param="max_tokens" if max_tokens else "messages", code="context_length_exceeded")
+        sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0))
+        return GenRequest(prompt_ids, want, emit, sp, body.seed, body.stop_list())
+
+    async def start(body, prompt_ids, max_tokens) -> tuple[GenRequest, asyncio.Queue]:
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        r = prepare(body, prompt_ids, max_tokens, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        try:
+            sched.submit(r)
+        except QueueFull as e:
+            raise APIError(429, f"server busy: {e}; retry later", "rate_limit_exceeded", code="queue_full")
+        return r, q
+
+    async def events(r: GenRequest, q: asyncio.Queue, request: Request) -> AsyncIterator[Event]:
+        """The request's events until its last; a client that goes away cancels the work in the scheduler."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    ev = None
+                if loop.time() - checked >= DISCONNECT_POLL_S:
+                    checked = loop.time()
+                    if await request.is_disconnected():
+                        return
+                if ev is None:
+                    continue
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            r.cancel()  # no-op once finished; frees the slot when the client left early
+
+    def usage(ev: Event) -> dict:
+        return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
+                "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+
+    async def respond(body, r, q, request, chat: bool):
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.stream:
+            text, last = [], Event()
+            async for ev in events(r, q, request):
+                text.append(ev.text)
+                last = ev
+            if last.finish_reason == "error":
+                raise APIError(500, f"generation failed: {last.error}", "server_error")
+            choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(text)}
+            else:
+                choice["text"] = "".join(text)
+            return {"id": rid, "object": obj, "created": created, "model": cfg.model_name, "choices": [choice],
+                    "usage": usage(last)}
+
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else {}
+                if delta_text:
+                    delta["content"] = delta_text
+                c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                c = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            data = {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created,
+                    "model": cfg.model_name, "choices": [c]}
+            return f"data: {json.dumps(data)}\n\n"
+
+        async def sse():
+            if chat:
+                yield chunk(None, None, first=True)
+            async for ev in events(r, q, request):
+                if ev.finish_reason == "error":
+                    err = APIError(500, f"generation failed: {ev.error}", "server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    return
+                if ev.text or ev.finish_reason:
+                    yield chunk(ev.text or None, ev.finish_reason)
+                if ev.finish_reason and body.include_usage:
+                    yield f"data: {json.dumps({'id': rid, 'object': obj + '.chunk', 'created': created, 'model': cfg.model_name, 'choices': [], 'usage': usage(ev)})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise APIError(400, "one prompt per request (batch prompts are not supported)", param="prompt")
+            p = p[0]
+        ids = tok(p).input_ids if isinstance(p, str) else list(p)
+        if any(not 0 <= t < len(tok) for t in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {len(tok)})", param="prompt")
+        r, q = await start(body, ids, body.max_tokens if body.max_tokens is not None else 16)
+        return await respond(body, r, q, request, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
+    async def chat(body: ChatRequest, request: Request):
+        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # a template that rejects this conversation (roles order, ...)
+            raise APIError(400, f"chat template rejected the messages: {e}", param="messages")
+        ids = tok(text, add_special_tokens=False).input_ids
+        r, q = await start(body, ids, body.max_completion_tokens or body.max_tokens)
+        return await respond(body, r, q, request, chat=True)
+
+    return app

@@ -1,0 +1,281 @@
+"""The vLLM backend: turn an artifact's (or a recipe's) serving profile into a `vllm serve` command line, check
+that the installed vLLM can run it, then start it, wait for /health and forward signals.
+
+vLLM reads our compressed-tensors artifacts natively, so all qconv adds is the flags: the profile's context, KV
+dtype, speculation and memory settings, which otherwise live only in `qconv.json` / the recipe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qconv.errors import QconvError
+
+# Architectures whose decoder mixes Gated-DeltaNet (mamba-style state) with attention: they take
+# --mamba-ssm-cache-dtype, and vLLM's prefix caching is off for them (wrong reuse of recurrent state).
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+# Multimodal wrappers that vLLM can load text-only with --language-model-only.
+MULTIMODAL_ARCHS = ("Qwen3_5ForConditionalGeneration",)
+KV_TO_VLLM = {"bf16": "auto", "fp8_e4m3": "fp8_e4m3"}  # kvarn_* pass through under their own name
+
+
+@dataclass
+class ServeSource:
+    """What the command is built from: a model folder plus the profiles/speculation that ship with it."""
+
+    model_dir: Path
+    name: str
+    config: dict
+    profiles: dict[str, dict]
+    default_profile: str
+    speculative: dict
+    requires: list[dict] = field(default_factory=list)
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
+
+    @property
+    def architecture(self) -> str:
+        return (self.config.get("architectures") or [""])[0]
+
+    @property
+    def hybrid(self) -> bool:
+        return self.model_type in HYBRID_MODEL_TYPES
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        text = self.config.get("text_config") or self.config
+        return text.get("max_position_embeddings")
+
+    @property
+    def has_mtp(self) -> bool:
+        text = self.config.get("text_config") or self.config
+        return int(text.get("mtp_num_hidden_layers", 0) or text.get("num_nextn_predict_layers", 0) or 0) > 0
+
+
+def load_source(path: str | Path, recipe: str | None = None) -> ServeSource:
+    """An artifact (profiles from `qconv.json`) or a plain config folder with `--recipe` (no weights needed)."""
+    from qconv.manifest import MANIFEST, read_manifest
+
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise QconvError(f"no config.json in {path}", where=str(path),
+                         fix="pass an artifact folder (qconv build --out) or an HF config folder with --recipe")
+    config = json.loads(cfg_path.read_text())
+    if recipe is None and (path / MANIFEST).is_file():
+        m = read_manifest(path)
+        profiles = m.profiles
+        default = m.recipe.resolved.get("default_profile") or next(iter(profiles), "")
+        return ServeSource(path, path.name, config, profiles, default, m.speculative, m.requires)
+    if recipe is None:
+        raise QconvError(f"{path} has no {MANIFEST}, so it carries no serving profiles", where=str(path),
+                         fix="pass --recipe NAME (e.g. --recipe 3090) to take the profiles from a recipe")
+    from qconv.recipes import load_recipe
+
+    r = load_recipe(recipe).to_dict()
+    return ServeSource(path, path.name, config, r["profiles"], r["default_profile"], r["speculative"], [])
+
+
+def pick_profile(src: ServeSource, profile: str | None) -> tuple[str, dict]:
+    name = profile or src.default_profile
+    if name not in src.profiles:
+        raise QconvError(f"unknown profile {name!r}", where="--profile",
+                         fix=f"profiles of {src.name}: {', '.join(src.profiles) or '(none)'}")
+    return name, src.profiles[name]
+
+
+def kvarn_block_size(kv: str) -> int:
+    """KVarN quantizes KV in tiles of its group size; the vLLM block must be one tile."""
+    return int(kv.rsplit("_g", 1)[1])
+
+
+def speculative_config(src: ServeSource) -> dict | None:
+    """vLLM's --speculative-config. vLLM runs one method per server: `hybrid` (MTP + prompt lookup in qconv's
+    runtime) becomes MTP when the checkpoint has an MTP head, else n-gram lookup."""
+    spec = src.speculative or {}
+    method = spec.get("method", "none")
+    n = int(spec.get("num_speculative_tokens", 0) or 0)
+    if method == "none" or n <= 0:
+        return None
+    if method in ("mtp", "hybrid") and src.has_mtp:
+        return {"method": "mtp", "num_speculative_tokens": n}
+    if method == "mtp":
+        raise QconvError(f"speculative method mtp, but {src.name} has no MTP head (mtp_num_hidden_layers = 0)",
+                         fix="use a recipe with speculative.method lookup or none")
+    lk = spec.get("lookup") or {}
+    return {"method": "ngram", "num_speculative_tokens": n,
+            "prompt_lookup_max": int(lk.get("ngram_max", 4)), "prompt_lookup_min": int(lk.get("ngram_min", 2))}
+
+
+@dataclass
+class LaunchOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tensor_parallel_size: int = 1
+    max_num_seqs: int | None = None  # overrides the profile's
+    python: str = sys.executable  # the interpreter that has vLLM installed (may be another venv)
+    extra_args: list[str] = field(default_factory=list)
+
+
+def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:
+    """The argv that serves `src` under `profile` (pure: no vLLM needed)."""
+    pname, p = pick_profile(src, profile)
+    kv = p.get("kv_cache", "bf16")
+    argv = [opts.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(src.model_dir),
+            "--served-model-name", src.name, "--host", opts.host, "--port", str(opts.port),
+            "--max-model-len", str(min(int(p["context_length"]), src.max_position_embeddings or 1 << 62)),
+            "--kv-cache-dtype", KV_TO_VLLM.get(kv, kv)]
+    if kv.startswith("kvarn_"):
+        argv += ["--block-size", str(kvarn_block_size(kv)), "--dtype", "float16"]  # KVarN computes in fp16
+    argv += ["--max-num-seqs", str(opts.max_num_seqs or int(p.get("max_num_seqs", 1)))]
+    argv += ["--gpu-memory-utilization", str(p.get("gpu_memory_utilization", 0.92))]
+    if src.hybrid:
+        argv += ["--mamba-ssm-cache-dtype", p.get("mamba_ssm_cache_dtype", "auto"), "--no-enable-prefix-caching"]
+    if src.architecture in MULTIMODAL_ARCHS and p.get("language_model_only", True):
+        argv += ["--language-model-only"]
+    if (spec := speculative_config(src)) is not None:
+        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    if opts.tensor_parallel_size != 1:
+        argv += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]
+    return argv + list(opts.extra_args)
+
+
+# Run inside the vLLM interpreter (vLLM may live in another venv). Reads vLLM's model registry and KV dtype list
+# from its source with `ast` instead of importing vLLM, which takes tens of seconds; prints one JSON line.
+_PROBE = r"""
+import ast, importlib.metadata as md, importlib.util, json, os
+spec = importlib.util.find_spec("vllm")
+if spec is None:
+    print(json.dumps({"error": "No module named 'vllm'"})); raise SystemExit
+root = spec.submodule_search_locations[0]
+dist = (md.packages_distributions().get("vllm") or ["vllm"])[0]
+out = {"version": md.version(dist), "archs": None, "kv_dtypes": None}
+def tree(rel):
+    try:
+        return ast.parse(open(os.path.join(root, rel)).read())
+    except OSError:
+        return None
+t = tree("model_executor/models/registry.py")
+if t is not None:
+    archs = set()
+    for node in t.body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict):
+            name = getattr(node.targets[0], "id", "")
+            if name.endswith("_MODELS") and "PREVIOUSLY" not in name and "OOT" not in name:
+                archs |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    out["archs"] = sorted(archs) or None
+t = tree("config/cache.py")
+for node in (t.body if t is not None else []):
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CacheDType":
+        elts = getattr(node.value.slice, "elts", [node.value.slice])
+        out["kv_dtypes"] = [e.value for e in elts if isinstance(e, ast.Constant)]
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class VllmInfo:
+    version: str
+    archs: list[str] | None  # None: not readable from this vLLM's source (let vLLM decide)
+    kv_dtypes: list[str] | None
+
+
+def probe_vllm(python: str) -> VllmInfo:
+    try:
+        r = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise QconvError(f"cannot run the vLLM interpreter {python}: {e}", where="--vllm-python",
+                         fix="pass --vllm-python PATH to a python with vLLM installed, or use --backend native")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    data = json.loads(lines[-1]) if lines else {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
+    if "error" in data:
+        raise QconvError(f"vLLM is not usable from {python}: {data['error']}", where="--backend vllm",
+                         fix="pip install vllm (GPU) or run scripts/setup_vllm_cpu.sh and pass --vllm-python; "
+                             "or serve with --backend native")
+    return VllmInfo(data["version"], data["archs"], data["kv_dtypes"])
+
+
+def _accepts_kv(info: VllmInfo, kv: str) -> bool:
+    return info.kv_dtypes is None or KV_TO_VLLM.get(kv, kv) in info.kv_dtypes
+
+
+def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo) -> None:
+    """Refuse, before a long load, what this vLLM cannot run, naming the profile that it can."""
+    pname, p = pick_profile(src, profile)
+    if src.architecture and info.archs is not None and src.architecture not in info.archs:
+        raise QconvError(f"vLLM {info.version} does not know the architecture {src.architecture}",
+                         where=str(src.model_dir), fix="upgrade vLLM (pip install -U vllm) or use --backend native")
+    kv = p.get("kv_cache", "bf16")
+    if not _accepts_kv(info, kv):
+        ok = [n for n, q in src.profiles.items() if _accepts_kv(info, q.get("kv_cache", "bf16"))]
+        need = "the KVarN build of vLLM" if kv.startswith("kvarn_") else "a vLLM that accepts it"
+        fallback = f"use --profile {ok[0]} ({src.profiles[ok[0]].get('kv_cache')} KV)" if ok else "no profile fits"
+        raise QconvError(f"profile {pname!r} needs KV cache dtype {kv}, which vLLM {info.version} does not accept "
+                         f"(needs {need})", where="--profile",
+                         fix=f"{fallback}, or serve this profile with --backend native")
+    for req in src.requires:
+        if str(req.get("needs", "")).lower() in ("qconv", "qconv-runtime", "native"):
+            raise QconvError(f"{src.name}: {req.get('feature')} needs qconv's runtime ({req.get('reason', '')})",
+                             where="qconv.json requires", fix="serve it with --backend native")
+
+
+def vllm_env(api_key: str | None = None) -> dict[str, str]:
+    """The API key goes to vLLM through its environment (VLLM_API_KEY), not argv, which `ps` shows to everyone.
+    vLLM's CPU backend also needs a KV budget in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    return env
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise QconvError(f"vLLM exited with code {proc.returncode} before it was healthy",
+                             fix="read its log above; try another --profile or --backend native")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise QconvError(f"vLLM did not become healthy within {timeout:.0f} s ({url})", fix="check its log")
+
+
+def run_vllm(argv: list[str], host: str, port: int, *, api_key: str | None = None,
+             health_timeout: float = 1800.0) -> int:
+    """Start vLLM, wait for /health, then stay in the foreground forwarding SIGINT/SIGTERM; its exit code."""
+    proc = subprocess.Popen(argv, env=vllm_env(api_key))
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        wait_healthy(proc, f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health",
+                     health_timeout)
+        print(f"vLLM is serving on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,88 @@
+"""The continuous-batching scheduler on the runtime model API, without HTTP: batched requests produce what they
+produce alone, prompt-lookup speculation (drafts, verification, cache rollback incl. Gated-DeltaNet state) changes
+nothing in greedy output, and the queue bound holds."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from qconv.runtime.sampling import SamplingParams
+from qconv.serve.scheduler import GenRequest, QueueFull, Scheduler
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):\n    return a + b\n\n",
+           "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. First", "0123456789"]
+
+
+def _run(sched: Scheduler, prompts: list[str], max_tokens: int = 24, **kw) -> list[tuple[list[int], str]]:
+    """Submit all prompts at once; (token ids, finish reason) per prompt once every one has finished."""
+    done, lock, out = threading.Event(), threading.Lock(), {}
+
+    def sink(i):
+        def emit(ev):
+            if ev.finish_reason:
+                with lock:
+                    out[i] = ev.finish_reason
+                    if len(out) == len(prompts):
+                        done.set()
+        return emit
+
+    reqs = [GenRequest(sched.tokenizer(p).input_ids, max_tokens, sink(i), **kw) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.submit(r)
+    assert done.wait(300), "requests did not finish"
+    return [(r.out_ids, out[i]) for i, r in enumerate(reqs)]
+
+
+def _scheduler(path, **kw) -> Scheduler:
+    from qconv.runtime.loader import load_model, load_tokenizer
+
+    return Scheduler(load_model(path, max_batch=4), load_tokenizer(path), max_batch=4, max_len=256, **kw).start()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_batched_and_speculative_greedy_equal_alone(tiny_models, family):
+    path = tiny_models(family)
+    plain = _scheduler(path)
+    try:
+        alone = [_run(plain, [p])[0] for p in PROMPTS]
+        together = _run(plain, PROMPTS)
+    finally:
+        plain.stop()
+    assert together == alone
+    spec = _scheduler(path, spec_tokens=4)
+    try:
+        drafted = _run(spec, PROMPTS)
+    finally:
+        spec.stop()
+    assert drafted == alone
+    m = spec.metrics
+    assert m.draft_tokens > 0  # lookup found something to propose in these repetitive prompts
+    assert 0 <= m.accepted_tokens <= m.draft_tokens
+    assert m.step_tokens == m.generation_tokens - len(PROMPTS)  # prefill makes each request's first token
+    assert sorted(plain.free) == sorted(spec.free) == list(range(4))  # every slot came back
+
+
+def test_seeded_sampling_independent_of_batch(tiny_qwen3):
+    sched = _scheduler(tiny_qwen3, spec_tokens=3)
+    try:
+        kw = dict(sampling=SamplingParams(temperature=0.9, top_p=0.95), seed=11)
+        alone = _run(sched, PROMPTS[:1], **kw)[0]
+        with_others = _run(sched, PROMPTS[:1] + PROMPTS[1:], **kw)[0]
+    finally:
+        sched.stop()
+    assert with_others == alone
+
+
+def test_queue_bound_and_limits(tiny_qwen3):
+    from qconv.runtime.loader import load_model, load_tokenizer
+
+    sched = Scheduler(load_model(tiny_qwen3), load_tokenizer(tiny_qwen3), max_batch=1, max_len=32, max_queue=2)
+    mk = lambda n=4: GenRequest([5, 6, 7], n, lambda ev: None)  # noqa: E731
+    sched.submit(mk())
+    sched.submit(mk())
+    with pytest.raises(QueueFull):
+        sched.submit(mk())
+    with pytest.raises(ValueError, match="> 32"):
+        sched.submit(mk(40))

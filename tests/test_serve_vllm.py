@@ -1,0 +1,136 @@
+"""The vLLM command builder and its checks (no vLLM needed): flags per profile, speculation, refusal messages."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from click.testing import CliRunner
+
+from qconv.cli import main
+from qconv.errors import QconvError
+from qconv.serve import vllm
+
+
+def _flags(argv: list[str]) -> dict[str, str | bool]:
+    """--flag value pairs (a flag followed by another flag is a boolean)."""
+    out, i = {}, argv.index("--model")
+    while i < len(argv):
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out[argv[i]] = argv[i + 1]
+            i += 2
+        else:
+            out[argv[i]] = True
+            i += 1
+    return out
+
+
+def _print_command(args: list[str]) -> list[str]:
+    r = CliRunner().invoke(main, ["serve", *args, "--backend", "vllm", "--print-command"])
+    assert r.exit_code == 0, r.output
+    return shlex.split(r.output.strip())
+
+
+@pytest.mark.parametrize("profile, kv, ctx, mamba", [("fast", "auto", "65536", "float32"),
+                                                     ("long", "fp8_e4m3", "150000", "float32"),
+                                                     ("huge", "kvarn_k4v2_g128", "262144", "float16")])
+def test_27b_print_command_per_profile(config_27b, profile, kv, ctx, mamba):
+    argv = _print_command([str(config_27b), "--recipe", "3090", "--profile", profile])
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    f = _flags(argv)
+    assert f["--model"] == str(config_27b)
+    assert f["--max-model-len"] == ctx
+    assert f["--kv-cache-dtype"] == kv
+    assert f["--mamba-ssm-cache-dtype"] == mamba
+    assert f["--max-num-seqs"] == "1" and f["--gpu-memory-utilization"] == "0.92"
+    assert f["--language-model-only"] is True and f["--no-enable-prefix-caching"] is True
+    assert json.loads(f["--speculative-config"]) == {"method": "mtp", "num_speculative_tokens": 4}
+    assert f["--host"] == "127.0.0.1"
+    assert "--tensor-parallel-size" not in f
+    if profile == "huge":
+        assert f["--block-size"] == "128" and f["--dtype"] == "float16"
+    else:
+        assert "--block-size" not in f
+
+
+def test_passthrough_options(config_27b):
+    argv = _print_command([str(config_27b), "--recipe", "3090", "--tensor-parallel-size", "2", "--max-batch", "6",
+                           "--host", "0.0.0.0", "--port", "9001", "--api-key", "sekrit", "--vllm-python", "/x/python"])
+    f = _flags(argv)
+    assert argv[0] == "/x/python"
+    assert f["--tensor-parallel-size"] == "2" and f["--max-num-seqs"] == "6"
+    assert f["--host"] == "0.0.0.0" and f["--port"] == "9001"
+    assert "sekrit" not in argv  # the key travels in VLLM_API_KEY, never on the command line
+    assert vllm.vllm_env("sekrit")["VLLM_API_KEY"] == "sekrit"
+
+
+def _source(tmp_path, config: dict, spec: dict, profiles: dict | None = None) -> vllm.ServeSource:
+    profiles = profiles or {"fast": {"kv_cache": "bf16", "context_length": 4096, "max_num_seqs": 4}}
+    return vllm.ServeSource(tmp_path, "m", config, profiles, "fast", spec)
+
+
+def test_speculative_mapping(tmp_path):
+    dense = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    lookup = {"method": "lookup", "num_speculative_tokens": 5, "lookup": {"ngram_max": 4, "ngram_min": 2}}
+    assert vllm.speculative_config(_source(tmp_path, dense, lookup)) == {
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    # hybrid without an MTP head falls back to prompt lookup; with one it is MTP
+    hybrid = {**lookup, "method": "hybrid"}
+    assert vllm.speculative_config(_source(tmp_path, dense, hybrid))["method"] == "ngram"
+    mtp_cfg = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
+    assert vllm.speculative_config(_source(tmp_path, mtp_cfg, hybrid)) == {"method": "mtp", "num_speculative_tokens": 5}
+    assert vllm.speculative_config(_source(tmp_path, dense, {"method": "none"})) is None
+    with pytest.raises(QconvError, match="no MTP head"):
+        vllm.speculative_config(_source(tmp_path, dense, {"method": "mtp", "num_speculative_tokens": 2}))
+    argv = vllm.build_command(_source(tmp_path, dense, lookup), None, vllm.LaunchOptions())
+    f = _flags(argv)
+    # a dense text model: no mamba/multimodal flags
+    assert "--mamba-ssm-cache-dtype" not in f and "--language-model-only" not in f
+    assert f["--max-num-seqs"] == "4" and f["--kv-cache-dtype"] == "auto"
+
+
+def test_checks_name_the_fallback_profile(config_27b):
+    src = vllm.load_source(config_27b, "3090")
+    arch = src.architecture
+    plain = vllm.VllmInfo("0.32.0", [arch], ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    vllm.check_vllm(src, "long", plain)
+    with pytest.raises(QconvError) as e:
+        vllm.check_vllm(src, "huge", plain)
+    assert "KVarN build of vLLM" in e.value.what and "--profile fast" in e.value.fix
+    with pytest.raises(QconvError, match="does not know the architecture"):
+        vllm.check_vllm(src, "fast", vllm.VllmInfo("0.8.0", ["LlamaForCausalLM"], None))
+    kvarn = vllm.VllmInfo("0.22.0+kvarn", [arch], ["auto", "fp8_e4m3", "kvarn_k4v2_g128"])
+    vllm.check_vllm(src, "huge", kvarn)
+
+
+def test_missing_vllm_is_a_clear_error(tmp_path):
+    with pytest.raises(QconvError, match="vLLM is not usable") as e:
+        vllm.probe_vllm(__import__("sys").executable if not _has_vllm() else "/nonexistent/python")
+    assert "--backend native" in e.value.fix
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def test_config_folder_needs_recipe_and_known_profile(config_27b):
+    r = CliRunner().invoke(main, ["serve", str(config_27b), "--print-command"])
+    assert r.exit_code == 2 and "--recipe" in r.output
+    r = CliRunner().invoke(main, ["serve", str(config_27b), "--recipe", "3090", "--print-command", "--profile", "nope"])
+    assert r.exit_code == 2 and "fast, long, huge" in r.output
+
+
+def test_cpu_recipe_loads():
+    from qconv.recipes import load_recipe
+
+    r = load_recipe("cpu")
+    assert not list(r.validate())
+    w8a8 = r.schemes["w8a8"]
+    assert w8a8.label == "w8a8" and w8a8.weights.strategy == "channel"
+    assert w8a8.activations.strategy == "token" and w8a8.activations.dynamic
+    assert {r.scheme_for(x) for x in ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down")} == {"w8a8"}
+    assert r.scheme_for("embed") == r.scheme_for("lm_head") == "bf16"
+    assert set(r.profiles) == {"fast", "long"} and r.speculative.method == "lookup"

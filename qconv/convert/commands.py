@@ -59,7 +59,10 @@ def _profile_fits(dr) -> list[str]:
         left = card.memory_gib * 2**30 - card.reserve_gib * 2**30 - dr.plan.total_bytes
         return [f"on {card.name} ({card.memory_gib} GiB, {card.reserve_gib} GiB reserve): {left / 2**30:.2f} GiB left "
                 f"for KV cache and state"]
-    return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes)
+    roles = dr.plan.bytes_by_role()
+    return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes,
+                             vision_bytes=roles.get("vision", {}).get("bytes", 0),
+                             mtp_bytes=roles.get("mtp", {}).get("bytes", 0))
 
 
 @click.command()
@@ -75,19 +78,37 @@ def _profile_fits(dr) -> list[str]:
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @click.option("--no-gates", is_flag=True, help="Keep a build whose quality gates fail (marked failed).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and size estimate; load no weights.")
-def build(model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run):
+@click.option("--work-dir", type=click.Path(path_type=Path), help="Stage cache (default: QCONV_HOME/work/<source hash>).")
+@click.option("--fresh", is_flag=True, help="Ignore cached stages in the work dir.")
+@click.option("--stream/--no-stream", default=None, help="Stream layers from safetensors (default: when RAM is short).")
+@click.option("--int8-budget", help="INT8 byte budget, overrides the recipe (0, 300MB, 1.5GiB, 5%).")
+@click.option("--sensitivity", type=click.Choice(["proxy", "kld"]), default="proxy", show_default=True,
+              help="Unit sensitivity: per-layer proxy, or model-level KLD (one forward pass per unit).")
+def build(model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
+          work_dir, fresh, stream, int8_budget, sensitivity):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
     from qconv.convert.build import BuildOptions, build as run_build, dry_run as run_dry
     from qconv.errors import QconvError
 
     opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
-                        seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text)
+                        seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text,
+                        work_dir=work_dir, fresh=fresh, stream=stream, int8_budget=int8_budget,
+                        sensitivity=sensitivity)
     if dry_run:
-        print_plan(run_dry(opts))
+        dr = run_dry(opts)
+        print_plan(dr)
+        if dr.selection is not None:
+            from qconv.calibrate.select import format_table
+
+            click.echo(format_table(dr.selection))
         return
     if out is None:
         raise QconvError("missing --out", where="qconv build", fix="pass --out DIR (or --dry-run to only plan)")
     m = run_build(opts)
+    if m.selection.get("units"):
+        from qconv.calibrate.select import Selection, format_table
+
+        click.echo(format_table(Selection.from_dict(m.selection)))
     click.echo(f"artifact: {out}  ({m.total_size() / 1e9:.3f} GB, status {m.status})")
 
 

@@ -1,0 +1,290 @@
+"""The memory-fit planner: what a model (or artifact) needs on a card, per runtime profile, and what fits.
+
+Per sequence: full-attention KV bytes per token x (context + draft block) + the scheme's exact fp16 tokens (KVarN
+sink and tile in progress) + Gated-DeltaNet state (conv + recurrent) x state slots, where speculative decoding keeps
+one slot per draft position. Budget: card x gpu_memory_utilization - activation/workspace reserve - weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qconv.errors import QconvError
+from qconv.kv.base import EXACT_DTYPE
+from qconv.kv.schemes import get_kv_scheme
+from qconv.recipes.recipe import Profile, Recipe
+
+GIB = 1 << 30
+# Nominal memory per card (GiB). --card-gib overrides.
+CARDS: dict[str, tuple[str, float]] = {
+    "3060": ("RTX 3060 12GB", 12), "4060ti": ("RTX 4060 Ti 16GB", 16), "4080": ("RTX 4080", 16),
+    "3090": ("RTX 3090", 24), "4090": ("RTX 4090", 24), "5090": ("RTX 5090", 32),
+    "a6000": ("RTX A6000", 48), "l40s": ("L40S", 48), "a100-40": ("A100 40GB", 40), "a100-80": ("A100 80GB", 80),
+    "h100-80": ("H100 80GB", 80), "h200": ("H200", 141),
+}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+COMPARE = ("bf16", "fp8_e4m3", "kvarn_k4v4_g128", "kvarn_k4v2_g128")
+
+
+@dataclass
+class ModelDims:
+    full_layers: int
+    kv_heads: int
+    head_dim: int
+    linear_layers: int = 0
+    conv_elems: int = 0  # per linear layer: conv_dim x (kernel - 1)
+    recurrent_elems: int = 0  # per linear layer: v_heads x k_dim x v_dim
+    config_ssm_dtype: str = "float32"
+    mtp_layers: int = 0
+    max_position: int = 0
+
+
+def model_dims(config: dict) -> ModelDims:
+    tc = config.get("text_config", config)
+    types = tc.get("layer_types") or ["full_attention"] * tc["num_hidden_layers"]
+    full = sum(t == "full_attention" for t in types)
+    linear = sum(t == "linear_attention" for t in types)
+    hd = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
+    d = ModelDims(full, tc.get("num_key_value_heads") or tc["num_attention_heads"], hd, linear,
+                  mtp_layers=int(tc.get("mtp_num_hidden_layers") or 0),
+                  max_position=tc.get("max_position_embeddings", 0))
+    if linear:
+        nk, nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
+        dk, dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
+        d.conv_elems = (2 * nk * dk + nv * dv) * (tc["linear_conv_kernel_dim"] - 1)
+        d.recurrent_elems = nv * dk * dv
+        d.config_ssm_dtype = tc.get("mamba_ssm_dtype", "float32")
+    return d
+
+
+@dataclass
+class Weights:
+    total: int  # every weight file
+    resident: int  # what the GPU holds for the profile (vision tower dropped, MTP only when it drafts)
+    source: str  # "manifest" | "estimate"
+    vision: int = 0
+    mtp: int = 0
+
+
+def weights(folder: Path, config: dict, recipe: Recipe) -> tuple[int, int, int, str]:
+    """(total, vision, mtp) bytes: the artifact's file table when qconv.json exists, else an estimate from the
+    config + recipe (qconv.convert.layout, tensor shapes only: no weights are loaded)."""
+    from qconv.convert.layout import module_bytes, plan_model
+
+    if (folder / "qconv.json").is_file():
+        from qconv.manifest import read_manifest
+
+        m = read_manifest(folder)
+        total = sum(f["size"] for n, f in m.files.items() if n.endswith(".safetensors"))
+        modules, source = m.modules, "manifest"
+    else:
+        p = plan_model(folder, config, recipe)
+        total, modules, source = p.total_bytes, p.modules, "estimate"
+    by_role = {r: sum(module_bytes(x) for x in modules if x.role == r) for r in ("vision", "mtp")}
+    return total, by_role["vision"], by_role["mtp"], source
+
+
+@dataclass
+class ProfileFit:
+    name: str
+    profile: Profile
+    kv_per_token: int  # model's full-attention layers
+    draft_kv_per_token: int  # the MTP drafter's own attention layer(s)
+    kv_exact_bytes: int  # exact fp16 tokens per sequence (sink + tile in progress)
+    state_bytes: int  # one GDN state slot
+    state_slots: int
+    draft_block: int  # draft tokens a sequence may hold beyond its context while verifying
+    usable: int  # bytes left for KV + state after weights and reserve
+    max_context: dict[str, int] = field(default_factory=dict)  # single sequence, per KV scheme
+
+    def per_seq(self, context: int) -> int:
+        kv = (self.kv_per_token + self.draft_kv_per_token) * (context + self.draft_block) + self.kv_exact_bytes
+        return kv + self.state_bytes * self.state_slots
+
+    @property
+    def need(self) -> int:
+        return self.per_seq(self.profile.context_length) * self.profile.max_num_seqs
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.usable
+
+    @property
+    def max_seqs(self) -> int:
+        return max(0, self.usable // self.per_seq(self.profile.context_length))
+
+
+@dataclass
+class FitReport:
+    model: str
+    card: str
+    card_gib: float
+    reserve_gib: float
+    dims: ModelDims
+    weights: Weights
+    speculative: str
+    profiles: list[ProfileFit]
+
+
+def _max_context(usable: int, kv_tok: int, fixed: int) -> int:
+    return max(0, (usable - fixed) // kv_tok) if kv_tok else 0
+
+
+def fit_profile(name: str, p: Profile, dims: ModelDims, recipe: Recipe, w_resident: int, card_gib: float,
+                draft_len: int, uses_mtp: bool) -> ProfileFit:
+    usable = int(card_gib * GIB * p.gpu_memory_utilization - recipe.card.reserve_gib * GIB) - w_resident
+    ssm = dims.config_ssm_dtype if p.mamba_ssm_cache_dtype == "auto" else p.mamba_ssm_cache_dtype
+    state = dims.linear_layers * (dims.conv_elems * 2 + dims.recurrent_elems * DTYPE_BYTES[ssm])
+    spec = recipe.speculative
+    block = 0 if spec.method == "none" else max(spec.num_speculative_tokens, spec.lookup.max_block)
+    slots = 1 + (draft_len if dims.linear_layers else 0)
+
+    def kv(scheme_name: str) -> tuple[int, int, int]:
+        s = get_kv_scheme(scheme_name)
+        per_head = s.bytes_per_token_per_head(dims.head_dim)
+        exact = s.max_exact_tokens() * 2 * dims.head_dim * EXACT_DTYPE.itemsize
+        draft_layers = dims.mtp_layers if uses_mtp else 0
+        return (round(dims.full_layers * dims.kv_heads * per_head), round(draft_layers * dims.kv_heads * per_head),
+                (dims.full_layers + draft_layers) * dims.kv_heads * exact)
+
+    tok, draft_tok, exact = kv(p.kv_cache)
+    fit = ProfileFit(name, p, tok, draft_tok, exact, state, slots, block, usable)
+    for s in dict.fromkeys((p.kv_cache, *COMPARE)):
+        t, d, e = kv(s)
+        fit.max_context[s] = max(0, _max_context(usable, t + d, e + state * slots) - block)
+    return fit
+
+
+def plan_fit(model: str | Path, *, card: str = "3090", card_gib: float | None = None, recipe: str | None = None,
+             profile: str | None = None, draft_len: int | None = None) -> FitReport:
+    """`qconv plan`: read the folder (artifact, model or config only), pick recipe and card, fit every profile."""
+    from qconv.recipes.recipe import load_recipe
+    from qconv.recipes.schema import from_dict
+
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise QconvError(f"no config.json in {folder}", where="MODEL_OR_ARTIFACT",
+                         fix="pass a model folder, an artifact folder or a config-only folder")
+    config = json.loads((folder / "config.json").read_text())
+    if recipe is None and (folder / "qconv.json").is_file():
+        from qconv.manifest import read_manifest
+
+        m = read_manifest(folder)
+        rec = from_dict(Recipe, m.recipe.resolved, "", f"{folder}/qconv.json recipe")
+    else:
+        rec = load_recipe(recipe or "3090")
+    if card_gib is None:
+        if card.lower() not in CARDS:
+            raise QconvError(f"unknown card {card!r}", where="--card",
+                             fix=f"use one of {', '.join(CARDS)} or give the memory with --card-gib N")
+        card_name, card_gib = CARDS[card.lower()]
+    else:
+        card_name = card if card.lower() not in CARDS else CARDS[card.lower()][0]
+        if card_gib <= 0:
+            raise QconvError(f"--card-gib must be > 0, got {card_gib}", where="--card-gib")
+    if profile is not None and profile not in rec.profiles:  # before the (slow) weight estimate
+        raise QconvError(f"unknown profile {profile!r} in recipe {rec.name}", where="--profile",
+                         fix=f"use one of {', '.join(rec.profiles)}")
+    return build_report(str(folder), config, rec, *weights(folder, config, rec), card_name, card_gib,
+                        profile=profile, draft_len=draft_len)
+
+
+def build_report(label: str, config: dict, rec: Recipe, total: int, vision: int, mtp: int, source: str,
+                 card_name: str, card_gib: float, *, profile: str | None = None,
+                 draft_len: int | None = None) -> FitReport:
+    """The fit of every (or one) profile of `rec` for a model of `config` whose weight files total `total` bytes."""
+    dims = model_dims(config)
+    spec = rec.speculative
+    uses_mtp = spec.method in ("mtp", "hybrid") and mtp > 0
+    if draft_len is None:
+        draft_len = 0 if spec.method == "none" else spec.num_speculative_tokens
+    fits = []
+    for name, p in rec.profiles.items():
+        if profile is not None and name != profile:
+            continue
+        resident = total - (vision if p.language_model_only else 0) - (0 if uses_mtp else mtp)
+        fits.append(fit_profile(name, p, dims, rec, resident, card_gib, draft_len, uses_mtp))
+    resident = total - vision - (0 if uses_mtp else mtp)
+    spec_s = "none" if spec.method == "none" else (
+        f"{spec.method}: {spec.num_speculative_tokens} drafted tokens (lookup block up to {spec.lookup.max_block})"
+        + (f", {draft_len} extra GDN state slot(s) per sequence" if dims.linear_layers else ""))
+    return FitReport(label, card_name, card_gib, rec.card.reserve_gib, dims,
+                     Weights(total, resident, source, vision, mtp if uses_mtp else 0), spec_s, fits)
+
+
+def profile_fit_lines(config: dict, recipe: Recipe, total_bytes: int, vision_bytes: int = 0,
+                      mtp_bytes: int = 0) -> list[str]:
+    """One line per profile on the recipe's own card, for `qconv build --dry-run`."""
+    r = build_report("", config, recipe, total_bytes, vision_bytes, mtp_bytes, "estimate", recipe.card.name,
+                     recipe.card.memory_gib)
+    return [f"profile {f.name} on {r.card} ({r.card_gib:g} GiB): {f.profile.kv_cache} KV at "
+            f"{f.profile.context_length:,} tokens needs {_gib(f.need)} of {_gib(f.usable)} left for KV + state -> "
+            + ("fits" if f.fits else "DOES NOT FIT")
+            + f"; one sequence reaches {f.max_context[f.profile.kv_cache]:,} tokens" for f in r.profiles]
+
+
+def _gib(b: int | float) -> str:
+    return f"{b / GIB:.2f} GiB"
+
+
+def render(r: FitReport) -> str:
+    d, w = r.dims, r.weights
+    bf16 = d.full_layers * d.kv_heads * get_kv_scheme("bf16").bytes_per_token_per_head(d.head_dim)
+    lines = [
+        f"model: {r.model}",
+        f"card: {r.card}, {r.card_gib:g} GiB; activation/workspace reserve {r.reserve_gib:g} GiB",
+        f"weights ({w.source}): {w.total:,} B ({_gib(w.total)}) in files; on the GPU {w.resident:,} B "
+        f"({_gib(w.resident)}): vision tower ({_gib(w.vision)}) left out, MTP drafter ({_gib(w.mtp)}) kept",
+        f"attention: {d.full_layers} full-attention layers x {d.kv_heads} KV heads x head_dim {d.head_dim}"
+        + (f"; {d.linear_layers} Gated-DeltaNet layers" if d.linear_layers else ""),
+        "KV bytes per token (full-attention layers, K+V):",
+    ]
+    for s in dict.fromkeys((*COMPARE, *(f.profile.kv_cache for f in r.profiles), "int4_g32", "kivi_k4v4_g128")):
+        sch = get_kv_scheme(s)
+        b = d.full_layers * d.kv_heads * sch.bytes_per_token_per_head(d.head_dim)
+        lines.append(f"  {s:<17} {b:>10,.0f} B  ({sch.bits_per_element(d.head_dim):.3f} bits/elem, "
+                     f"{bf16 / b:.2f}x smaller than bf16)")
+    if d.linear_layers:
+        lines.append(f"GDN state per sequence slot: {d.linear_layers} layers x (conv {d.conv_elems:,} elems x 2 B + "
+                     f"recurrent {d.recurrent_elems:,} elems x 4 B fp32 or 2 B fp16)")
+    lines.append(f"speculative: {r.speculative}")
+    for f in r.profiles:
+        p = f.profile
+        lines += [
+            "",
+            f"profile {f.name}: {p.kv_cache} KV, context {p.context_length:,}, max_num_seqs {p.max_num_seqs}, "
+            f"gpu_memory_utilization {p.gpu_memory_utilization}, GDN state {p.mamba_ssm_cache_dtype}",
+            f"  usable for KV + state: {_gib(f.usable)}",
+            f"  KV {f.kv_per_token:,} B/token"
+            + (f" + MTP drafter {f.draft_kv_per_token:,} B/token" if f.draft_kv_per_token else "")
+            + (f" + {_gib(f.kv_exact_bytes)} exact fp16 tokens" if f.kv_exact_bytes else "")
+            + (f"; GDN state {f.state_bytes:,} B x {f.state_slots} slots = {_gib(f.state_bytes * f.state_slots)}"
+               if f.state_bytes else "")
+            + (f"; draft block {f.draft_block} tokens" if f.draft_block else ""),
+            f"  per sequence at {p.context_length:,} tokens: {_gib(f.per_seq(p.context_length))}; "
+            f"needs {_gib(f.need)} for {p.max_num_seqs} -> " + ("FITS" if f.fits else "DOES NOT FIT")
+            + f" (headroom {_gib(f.usable - f.need)})",
+            f"  max context for one sequence: {f.max_context[p.kv_cache]:,} tokens"
+            + (f" (model limit {d.max_position:,})" if d.max_position else "")
+            + f"; max sequences at {p.context_length:,}: {f.max_seqs}",
+            "  one sequence, same settings, other KV caches: " + ", ".join(
+                f"{s} {n:,} ({n / max(1, f.max_context['bf16']):.2f}x bf16)" for s, n in f.max_context.items()),
+        ]
+    return "\n".join(lines)
+
+
+def check_fits(r: FitReport) -> None:
+    """Refuse (exit 2) when a profile does not fit, saying what would."""
+    bad = [f for f in r.profiles if not f.fits]
+    if not bad:
+        return
+    what = "; ".join(f"{f.name} needs {_gib(f.need)} for KV + state, {_gib(max(0, f.usable))} is left" for f in bad)
+    if bad[0].usable <= 0:
+        fix = (f"the weights ({_gib(r.weights.resident)}) and the {r.reserve_gib:g} GiB reserve already fill the card: "
+               "use a larger card (--card / --card-gib) or a smaller recipe")
+    else:
+        best = max(bad[0].max_context.items(), key=lambda kv: kv[1])
+        fix = (f"lower context_length to at most {bad[0].max_context[bad[0].profile.kv_cache]:,}, use a smaller KV "
+               f"cache ({best[0]} reaches {best[1]:,} tokens), or a larger card")
+    raise QconvError(f"profile does not fit on {r.card} ({r.card_gib:g} GiB): {what}", where="--profile", fix=fix)

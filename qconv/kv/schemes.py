@@ -1,0 +1,25 @@
+"""Registry of KV-cache schemes by name (the names recipes' `kv_cache` and `qconv eval --kv` use)."""
+
+from __future__ import annotations
+
+from qconv.errors import QconvError
+from qconv.kv.base import KVScheme
+from qconv.kv.baselines import BF16, FP8, IntGroup, kivi
+from qconv.kv.kvarn import kvarn
+
+_SCHEMES: dict[str, KVScheme] = {s.name: s for s in (
+    BF16("bf16"),
+    FP8("fp8_e4m3"),
+    IntGroup("int8_token", bits=8),
+    IntGroup("int4_g32", bits=4, group=32),
+    kivi(4, 4), kivi(4, 2), kivi(2, 2),
+    kvarn(4, 4, 128), kvarn(4, 2, 128), kvarn(4, 4, 64), kvarn(4, 2, 64),
+)}
+KV_SCHEME_NAMES = tuple(_SCHEMES)
+
+
+def get_kv_scheme(name: str) -> KVScheme:
+    if name not in _SCHEMES:
+        raise QconvError(f"unknown KV scheme {name!r}", where="--kv",
+                         fix=f"use one of {', '.join(KV_SCHEME_NAMES)}")
+    return _SCHEMES[name]

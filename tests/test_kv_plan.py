@@ -1,0 +1,88 @@
+"""`qconv plan`: the published KV arithmetic for the 27B, GDN state, fit/refusal per profile."""
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from qconv.cli import main
+from qconv.kv.plan import GIB, model_dims, plan_fit, profile_fit_lines, render
+from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, SourceInfo
+from qconv.recipes import load_recipe
+
+
+@pytest.fixture
+def artifact_27b(config_27b, tmp_path):
+    """A config-only 27B 'artifact': qconv.json with a files table (15 GB of shards) and a vision module."""
+    shutil.copy(config_27b / "config.json", tmp_path / "config.json")
+    r = load_recipe("3090")
+    Manifest(source=SourceInfo(kind="hf_dir", id="x"), recipe=RecipeInfo(r.name, r.sha256, r.to_dict()),
+             modules=[ModuleDecision("model.visual.blocks.0.mlp.fc1", "vision", "bf16", shape=[4304, 1152]),
+                      ModuleDecision("mtp.layers.0.mlp.up_proj", "mtp", "bf16", shape=[17408, 5120])],
+             files={"model-00001.safetensors": {"sha256": "0", "size": 15_000_000_000},
+                    "tokenizer.json": {"sha256": "0", "size": 10_000_000}}).write(tmp_path)
+    return tmp_path
+
+
+def test_27b_dims_and_published_kv_arithmetic(config_27b):
+    d = model_dims(json.loads((config_27b / "config.json").read_text()))
+    assert (d.full_layers, d.kv_heads, d.head_dim, d.linear_layers) == (16, 4, 256, 48)
+    assert d.conv_elems == (2 * 16 * 128 + 48 * 128) * 3 and d.recurrent_elems == 48 * 128 * 128
+
+
+def test_plan_from_manifest(artifact_27b):
+    r = plan_fit(artifact_27b, card="3090")
+    assert r.weights.source == "manifest" and r.weights.total == 15_000_000_000
+    assert r.weights.vision == 4304 * 1152 * 2 and r.weights.mtp == 17408 * 5120 * 2  # hybrid drafts with MTP
+    fits = {f.name: f for f in r.profiles}
+    fast, long_, huge = fits["fast"], fits["long"], fits["huge"]
+    assert fast.kv_per_token == 2 * 16 * 4 * 256 * 2 == 65536
+    assert long_.kv_per_token == 32768
+    assert huge.kv_per_token == 16 * 4 * 210  # KVarN k4v2_g128 at D=256: 210 B/token/head
+    # GDN state: fp32 recurrent for fast, fp16 for huge; one slot per draft position (4) plus the live one
+    conv = 48 * (2 * 16 * 128 + 48 * 128) * 3 * 2
+    assert fast.state_bytes == conv + 48 * 48 * 128 * 128 * 4 and fast.state_slots == 5
+    assert huge.state_bytes == conv + 48 * 48 * 128 * 128 * 2
+    usable = int(24 * GIB * 0.92 - 1.5 * GIB) - (15_000_000_000 - r.weights.vision)
+    assert fast.usable == usable
+    assert all(f.fits for f in r.profiles)
+    # KVarN lets one sequence get ~4.8x longer than bf16 under the same settings
+    assert 4.7 < huge.max_context["kvarn_k4v2_g128"] / huge.max_context["bf16"] < 4.9
+    text = render(r)
+    assert "65,536 B" in text and "32,768 B" in text and "4.88x smaller" in text
+
+
+def test_plan_refuses_what_does_not_fit(artifact_27b):
+    res = CliRunner().invoke(main, ["plan", str(artifact_27b), "--card", "3060"])
+    assert res.exit_code == 2, res.output
+    assert "does not fit on RTX 3060" in res.output and "already fill the card" in res.output
+    res = CliRunner().invoke(main, ["plan", str(artifact_27b), "--card-gib", "22", "--profile", "long"])
+    assert res.exit_code == 2 and "long needs" in res.output and "lower context_length to at most" in res.output
+    ok = CliRunner().invoke(main, ["plan", str(artifact_27b), "--card", "5090", "--profile", "huge"])
+    assert ok.exit_code == 0, ok.output
+    assert "profile huge" in ok.output and "profile fast" not in ok.output and "FITS" in ok.output
+
+
+def test_profile_fit_lines_for_build_dry_run(config_27b):
+    config = json.loads((config_27b / "config.json").read_text())
+    lines = profile_fit_lines(config, load_recipe("3090"), 16_000_000_000, vision_bytes=900_000_000)
+    assert len(lines) == 3 and all(" fits;" in x for x in lines)
+    assert lines[2].startswith("profile huge on RTX 3090 (24 GiB): kvarn_k4v2_g128 KV at 262,144 tokens")
+    assert "DOES NOT FIT" in profile_fit_lines(config, load_recipe("3090"), 22_000_000_000)[0]
+
+
+@pytest.mark.parametrize("args,msg", [(["--card", "gtx480"], "unknown card"), (["--profile", "x"], "unknown profile")])
+def test_plan_bad_input_is_one_clear_error(artifact_27b, args, msg):
+    res = CliRunner().invoke(main, ["plan", str(artifact_27b), *args])
+    assert res.exit_code == 2 and msg in res.output
+
+
+@pytest.mark.slow
+def test_plan_estimates_weights_from_config_and_recipe(config_27b):
+    """No qconv.json: weights estimated from the config + recipe via qconv.convert.layout (meta device)."""
+    r = plan_fit(config_27b, card="3090", recipe="3090", profile="huge")
+    assert r.weights.source == "estimate"
+    assert 14 * GIB < r.weights.resident < 16 * GIB
+    (huge,) = r.profiles
+    assert huge.fits and huge.max_context["kvarn_k4v2_g128"] >= 262144

@@ -1,0 +1,32 @@
+"""KVarN inside attention on a real model (SmolLM2-135M, head_dim 64): it must beat int4 per token at 4 bits."""
+
+import pytest
+import torch
+
+from tests.conftest_kv import one_thread  # noqa: F401  (fixture)
+
+
+@pytest.mark.slow
+def test_kvarn_k4v4_beats_int4_per_token_on_smollm2(smollm2, shared_data, one_thread):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qconv.eval.kvsim import kv_simulation
+    from qconv.kv import get_kv_scheme
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    text = (shared_data / "wikitext-2-raw-test.txt").read_text()[200_000:260_000]
+    x = torch.tensor([tok(text, add_special_tokens=False)["input_ids"][:640]])
+    first = 320  # sink tile + 4 quantized tiles of 128; the second half is scored
+
+    @torch.inference_mode()
+    def logp():
+        logits = model(input_ids=x, use_cache=False, logits_to_keep=x.shape[1] - first + 1).logits
+        return torch.log_softmax(logits[0, :-1], -1)
+
+    ref = logp()
+    kld = {}
+    for name in ("int4_g32", "kvarn_k4v4_g128"):
+        with kv_simulation(model, get_kv_scheme(name)):
+            kld[name] = float((ref.exp() * (ref - logp())).sum(-1).mean())
+    assert 0 < kld["kvarn_k4v4_g128"] < 0.5 * kld["int4_g32"], kld

@@ -1,0 +1,78 @@
+"""Packed KV stores: appends in any chunking equal the one-shot simulation, rollback, runtime adapter."""
+
+import pytest
+import torch
+
+from tests.conftest_kv import one_thread  # noqa: F401  (fixture)
+
+from qconv.kv import get_kv_scheme
+from qconv.kv.store import PackedKV
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _kv(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).half(), torch.randn(*shape, generator=g).half()
+
+
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g64", "kivi_k4v4_g128", "int4_g32", "int8_token", "bf16"])
+def test_store_matches_fake_quant_for_any_chunking(name):
+    s = get_kv_scheme(name)
+    k, v = _kv(2, 3, 333, 64)  # [layers, heads, tokens, D]
+    want_k, want_v = s.fake_quant(k, v)
+    for chunks in ([333], [1] * 5 + [60, 7, 200, 61], [64, 64, 205]):
+        st, i = PackedKV(s, 64), 0
+        for c in chunks:
+            st.append(k[..., i:i + c, :], v[..., i:i + c, :])
+            i += c
+        got_k, got_v = st.dequantize(torch.float16)
+        assert st.length == 333
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), chunks
+        assert st.nbytes == 2 * 3 * s.stored_bytes_per_head(333, 64)
+
+
+def test_store_holds_packed_records_of_the_stated_size():
+    s = get_kv_scheme("kvarn_k4v2_g128")
+    k, v = _kv(4, 5 * 128 + 17, 128)
+    st = PackedKV(s, 128)
+    st.append(k, v)
+    assert st.records.dtype == torch.uint8 and st.n_tiles == 4
+    assert st.records[..., :st.n_tiles, :].shape == (4, 4, 13824)
+    fp16 = k.numel() * 2 * 2
+    assert st.nbytes == 4 * (4 * 13824 + (128 + 17) * 128 * 2 * 2)
+    assert st.nbytes < fp16 / 2.2
+
+
+def test_rollback_inside_the_newest_tile_is_exact():
+    s = get_kv_scheme("kvarn_k4v2_g64")
+    k, v = _kv(2, 200, 64, seed=1)
+    st = PackedKV(s, 64, keep_last_tile=True)
+    st.append(k[:, :190], v[:, :190])  # sink + 1 quantized tile (64..127) + 62 in progress
+    st.append(k[:, 190:200], v[:, 190:200])  # fills tile 128..191 -> quantized
+    st.truncate(185)  # back inside the newest quantized tile: exact values come back
+    st.append(k[:, 185:200], v[:, 185:200])
+    want = s.fake_quant(k, v)
+    got = st.dequantize(torch.float16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert st.lossy_rollbacks == 0
+    st.truncate(100)  # two tiles back: the tile is decoded (lossy), and counted
+    assert st.lossy_rollbacks == 1 and st.length == 100 and st.dequantize()[0].shape == (2, 100, 64)
+    st.truncate(10)  # into the sink: exact
+    assert torch.equal(st.dequantize(torch.float16)[0], k[:, :10])
+
+
+def test_runtime_adapter_follows_kvstore_protocol():
+    s = get_kv_scheme("kvarn_k4v4_g64")
+    store = s.new_store(layers=2, max_batch=3, max_len=512, heads=2, head_dim=64, dtype=torch.float32)
+    k, v = _kv(2, 150, 2, 64, seed=2)  # [B, T, H, D] as the runtime writes
+    store.write(1, [0, 2], [0, 0], k[:, :100], v[:, :100])
+    store.write(1, [0, 2], [100, 100], k[:, 100:], v[:, 100:])
+    rk, rv = store.read(1, [2, 0], 160)
+    assert rk.shape == (2, 2, 160, 64) and torch.equal(rk[:, :, 150:], torch.zeros_like(rk[:, :, 150:]))
+    want_k, _ = s.fake_quant(k.transpose(1, 2), v.transpose(1, 2))
+    assert torch.equal(rk[1, :, :150].half(), want_k[0]) and torch.equal(rk[0, :, :150].half(), want_k[1])
+    store.truncate([0], [140])
+    store.write(1, [0], [140], k[:1, 140:], v[:1, 140:])
+    assert torch.equal(store.read(1, [0], 150)[0][0].half(), want_k[0])
+    assert store.nbytes > 0

@@ -1,0 +1,74 @@
+"""`qconv eval` and `qconv check`: thin click layers over qconv.eval.run."""
+
+from __future__ import annotations
+
+import click
+
+
+def _text_options(f):
+    for opt in reversed([
+        click.option("--reference", help="Full-precision source model (default: the source in qconv.json)."),
+        click.option("--text", help="Held-out text: a file, or an HF dataset id org/name[:config][@split]."),
+        click.option("--window", type=int, help="Tokens per window (default 2048)."),
+        click.option("--max-tokens", type=int, help="Use at most this many tokens of the text (default 8192)."),
+        click.option("--kv", help="KV-cache scheme to simulate (fp8_e4m3, kvarn_…, or 'auto' = the recipe's)."),
+        click.option("--recipe", help="Judge by this recipe's gates instead of the one recorded in qconv.json."),
+        click.option("--out", type=click.Path(file_okay=False), help="Write report.json/report.md/kld.png here."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _print(report: dict) -> None:
+    from qconv.eval.report import render_md
+
+    click.echo(render_md(report))
+
+
+@click.command("eval")
+@click.argument("artifact", type=click.Path())
+@_text_options
+@click.option("--ref-topk", type=int, help="Reference storage: 0 = full log-probs, K = top-K (default: auto).")
+@click.option("--tasks", help="lm-eval tasks, comma-separated (shipped: gsm8k_local, wikitext_local).")
+@click.option("--limit", type=int, help="At most this many documents per task.")
+@click.option("--task-data", multiple=True, metavar="TASK=PATH", help="Local data file for a shipped task.")
+@click.option("--max-gen-toks", type=int, help="Cap generation length of shipped generative tasks (CPU smoke runs).")
+def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, ref_topk, tasks, limit, task_data,
+             max_gen_toks):
+    """Measure ARTIFACT's quality cost against its source: KLD, top-1, PPL (and KV cache, tasks)."""
+    from qconv.errors import QconvError
+    from qconv.eval.quality import EvalSettings
+    from qconv.eval.run import evaluate
+
+    if not text:
+        raise QconvError("qconv eval needs held-out text", where="--text", fix="pass --text FILE_OR_HF_DATASET_ID")
+    data = {}
+    for item in task_data:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise QconvError(f"bad --task-data {item!r}", where="--task-data", fix="use TASK=PATH")
+        data[name] = path
+    settings = EvalSettings(text=text, window=window or 2048, max_tokens=max_tokens or 8192, kv=kv,
+                            ref_topk=ref_topk)
+    report = evaluate(artifact, settings, reference=reference, recipe=recipe,
+                      tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
+                      limit=limit, task_data=data, max_gen_toks=max_gen_toks, out=out)
+    _print(report)
+
+
+@click.command("check")
+@click.argument("artifact", type=click.Path())
+@_text_options
+@click.option("--against", help="Regress against this artifact or report.json (default: the recorded report).")
+@click.option("--junit", type=click.Path(dir_okay=False), help="Write JUnit XML for CI.")
+def check(artifact, reference, text, window, max_tokens, kv, recipe, out, against, junit):
+    """Re-measure ARTIFACT; exit 1 on a failed quality gate or a regression beyond tolerance."""
+    from qconv.eval.run import check as run_check
+
+    report = run_check(artifact, against=against, junit=junit, reference=reference, recipe=recipe, text=text,
+                       window=window, max_tokens=max_tokens, kv=kv, out=out)
+    _print(report)
+    click.echo(f"check passed: {len(report['verdicts'])} checks ({report['tier'].get('name')} tier)")
+
+
+COMMANDS = [eval_cmd, check]

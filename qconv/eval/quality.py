@@ -1,0 +1,125 @@
+"""Measure an artifact against its source: reference (cached) vs quantized, weights only and weights + KV."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qconv.errors import QconvError
+from qconv.eval.kvsim import get_scheme, kv_simulation
+from qconv.eval.metrics import TokenStats, summarize
+from qconv.eval.reference import Reference, build_reference, load_causal_lm, window_logits
+from qconv.eval.text import Windows, load_text, make_windows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSettings:
+    text: str
+    window: int = 2048
+    max_tokens: int | None = 8192
+    stride: int | None = None
+    kv: str | None = None  # KV scheme simulated for the weights+KV section
+    ref_topk: int | None = None  # None: auto (full for small vocabularies), 0: full, k: top-k
+
+
+@dataclass
+class Source:
+    path: Path
+    sha256: str
+    num_parameters: int
+
+
+def safetensors_stats(folder: str | Path) -> tuple[int, int]:
+    """(number of stored elements, bytes of tensor data) over a folder's *.safetensors, read from headers only."""
+    import json
+    import struct
+
+    numel = nbytes = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for k, t in header.items():
+            if k != "__metadata__":
+                numel += int(np.prod(t["shape"], dtype=np.int64))
+                nbytes += t["data_offsets"][1] - t["data_offsets"][0]
+    return numel, nbytes
+
+
+def resolve_reference(reference: str | Path | None, manifest) -> Source:
+    """The source model to compare against: --reference, else the source recorded in the artifact's manifest."""
+    from qconv.convert.sources import resolve_source
+
+    spec = str(reference) if reference else (manifest.source.id if manifest else None)
+    if not spec:
+        raise QconvError("no reference model: the artifact's qconv.json names no source", where="--reference",
+                         fix="pass --reference SOURCE (the full-precision model folder, hub id or .gguf)")
+    try:
+        src = resolve_source(spec, revision=None if reference else manifest.source.revision)
+    except QconvError as e:
+        raise QconvError(f"reference model not available: {e.what}", where=f"--reference {spec}",
+                         fix=e.fix or "pass --reference with the full-precision source model") from e
+    same = manifest is not None and not reference
+    sha = manifest.source.sha256 if same and manifest.source.sha256 else src.info().sha256
+    nparams = manifest.source.num_parameters if same and manifest.source.num_parameters else 0
+    return Source(path=src.path, sha256=sha, num_parameters=nparams or safetensors_stats(src.path)[0])
+
+
+def _run(model, ref: Reference, windows: Windows, kv_scheme=None) -> tuple[dict, np.ndarray]:
+    from tqdm.auto import tqdm
+
+    stats = TokenStats()
+    with kv_simulation(model, kv_scheme):
+        for i in tqdm(range(len(windows.ids)), desc=f"eval{'+' + kv_scheme.name if kv_scheme else ''}",
+                      unit="window", leave=False):
+            logits, targets = window_logits(model, windows.ids[i], windows.first_scored(i))
+            stats.add(ref.window(i), logits, targets)
+    return summarize(stats), stats.arrays()["kld"]
+
+
+def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings) -> tuple[dict, dict[str, np.ndarray]]:
+    """The report dict (no verdicts yet) and the per-token KLD arrays by section, for the plot."""
+    from transformers import AutoTokenizer
+
+    t0 = time.time()
+    text = load_text(settings.text)
+    tok = AutoTokenizer.from_pretrained(source.path)
+    windows = make_windows(tok, text, window=settings.window, max_tokens=settings.max_tokens,
+                           stride=settings.stride)
+    ref = build_reference(source.path, windows, source_sha256=source.sha256, text_sha256=text.sha256,
+                          topk=settings.ref_topk)
+    kv = get_scheme(settings.kv) if settings.kv else None
+    model = load_causal_lm(artifact_dir)
+    weights, kld_w = _run(model, ref, windows)
+    sections, klds = {"weights": weights}, {"weights": kld_w}
+    if kv is not None:
+        sections["weights_kv"], klds["weights_kv"] = _run(model, ref, windows, kv)
+    numel, nbytes = safetensors_stats(artifact_dir)
+    report = {
+        "schema": 1,
+        "artifact": str(Path(artifact_dir).resolve()),
+        "source": {"path": str(source.path), "sha256": source.sha256, "num_parameters": source.num_parameters},
+        "settings": asdict(settings),
+        "text": {"label": text.label, "sha256": text.sha256, "tokens_scored": windows.num_scored,
+                 "windows": len(windows.ids), "window": windows.window, "stride": windows.stride},
+        "reference": {"storage": ref.storage, "topk": ref.topk, "vocab_size": ref.vocab_size,
+                      "describe": ref.describe(), "cache": str(ref.folder)},
+        "bits_per_weight": 8 * nbytes / source.num_parameters,
+        "artifact_bytes": nbytes,
+        "kv_scheme": kv.name if kv else None,
+        **sections,
+        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
+                   f"{'cuda ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "elapsed_s": round(time.time() - t0, 1),
+    }
+    return report, klds

@@ -1,0 +1,152 @@
+"""Reference log-probs of the source model, computed once per (source, text, window, stride, storage) and cached.
+
+Two storages, named in every report:
+- full: every log-prob as fp16 (|error| <= |log p| * 2**-11, largest on tokens of negligible probability);
+  for vocabularies up to FULL_VOCAB_MAX.
+- top-k: the k largest log-probs (fp32) + their ids; the tail mass is 1 - sum(top-k). Each position also keeps
+  its exact entropy and the exact log-prob of the next token, so PPL and top-1 stay exact and the KLD of the
+  unseen tail is bracketed (see metrics.kld_topk).
+Windows are computed one at a time and written one file each, so memory stays at one window of logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qconv.errors import QconvError
+from qconv.fsutil import sha256_json, write_json_atomic
+from qconv.paths import qconv_home
+
+log = logging.getLogger(__name__)
+
+FULL_VOCAB_MAX = 65_536
+DEFAULT_TOPK = 1024
+
+
+@dataclass
+class RefWindow:
+    target_logp: torch.Tensor  # [n] exact log p(next token), fp32
+    entropy: torch.Tensor  # [n] exact H(P), fp32
+    logp: torch.Tensor | None = None  # [n, V] fp16 (full storage)
+    topk_idx: torch.Tensor | None = None  # [n, k] int64, sorted by descending probability
+    topk_logp: torch.Tensor | None = None  # [n, k] fp32
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.contiguous() for k, v in vars(self).items() if v is not None}
+
+    def top1(self) -> torch.Tensor:
+        return self.topk_idx[:, 0] if self.logp is None else self.logp.argmax(-1)
+
+
+def ref_window_from_logits(logits: torch.Tensor, targets: torch.Tensor, topk: int | None) -> RefWindow:
+    """logits [n, V] of the positions scored, targets [n] the tokens that follow them."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    target_logp = logp.gather(-1, targets[:, None])[:, 0]
+    if not topk:
+        return RefWindow(target_logp=target_logp, entropy=entropy, logp=logp.to(torch.float16))
+    vals, idx = logp.topk(topk, dim=-1, sorted=True)
+    return RefWindow(target_logp=target_logp, entropy=entropy, topk_idx=idx, topk_logp=vals)
+
+
+@dataclass
+class Reference:
+    """A cache folder of reference windows; `window(i)` loads one from disk."""
+    folder: Path
+    storage: str  # "full" | "topk"
+    topk: int | None
+    vocab_size: int
+
+    def window(self, i: int) -> RefWindow:
+        from safetensors.torch import load_file
+
+        return RefWindow(**load_file(self.folder / f"window_{i:05d}.safetensors"))
+
+    def describe(self) -> str:
+        if self.storage == "full":
+            return f"full log-probs of all {self.vocab_size} tokens, stored fp16"
+        return (f"top-{self.topk} log-probs (fp32) + tail mass of {self.vocab_size} tokens, with exact entropy and "
+                "next-token log-prob; KLD is bracketed per token (stated as kld_bound)")
+
+
+def choose_storage(vocab_size: int, topk: int | None) -> tuple[str, int | None]:
+    """topk None: auto (full up to FULL_VOCAB_MAX, else DEFAULT_TOPK); 0: full; k: top-k."""
+    if topk is None:
+        topk = 0 if vocab_size <= FULL_VOCAB_MAX else DEFAULT_TOPK
+    if topk < 0 or topk >= vocab_size:
+        raise QconvError(f"--ref-topk {topk} is outside 0..{vocab_size - 1}", where="--ref-topk",
+                         fix="use 0 for full log-probs or a k smaller than the vocabulary")
+    return ("topk", topk) if topk else ("full", None)
+
+
+def load_causal_lm(path: str | Path):
+    """Any HF causal-LM folder, eval mode, CPU/GPU. A compressed-tensors artifact is decompressed once at load
+    (run_compressed=False): the same dequantized weights, without unpacking them again on every forward."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kwargs = {}
+    qcfg = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    if qcfg.get("quant_method") == "compressed-tensors":
+        from transformers.utils.quantization_config import CompressedTensorsConfig
+
+        kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device, **kwargs)
+    model.eval()
+    return model
+
+
+@torch.inference_mode()
+def window_logits(model, ids: list[int], first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of positions first..len-2 and the tokens they predict, for one window."""
+    x = torch.tensor([ids], device=model.device)
+    logits = model(input_ids=x, use_cache=False, logits_to_keep=0).logits[0, first:-1].float().cpu()
+    return logits, x[0, first + 1:].cpu()
+
+
+def reference_key(source_sha256: str, text_sha256: str, window: int, stride: int, storage: str,
+                  topk: int | None) -> str:
+    return sha256_json({"source": source_sha256, "text": text_sha256, "window": window, "stride": stride,
+                        "storage": storage, "topk": topk, "v": 1})[:32]
+
+
+def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text_sha256: str,
+                    topk: int | None = None, model=None) -> Reference:
+    """Reference for `windows` (text.Windows), computing only the windows not cached yet."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(source_dir)
+    vocab = getattr(cfg.get_text_config(), "vocab_size")
+    storage, k = choose_storage(vocab, topk)
+    key = reference_key(source_sha256, text_sha256, windows.window, windows.stride, storage, k)
+    folder = qconv_home() / "reference" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(folder / "meta.json", {"source_sha256": source_sha256, "text_sha256": text_sha256,
+                                             "window": windows.window, "stride": windows.stride,
+                                             "storage": storage, "topk": k, "vocab_size": vocab})
+    missing = [i for i in range(len(windows.ids)) if not (folder / f"window_{i:05d}.safetensors").is_file()]
+    if missing:
+        log.info("reference logits: computing %d of %d windows (%s) into %s", len(missing), len(windows.ids),
+                 storage if not k else f"top-{k}", folder)
+        model = model or load_causal_lm(source_dir)
+        for i in _progress(missing, "reference"):
+            logits, targets = window_logits(model, windows.ids[i], windows.first_scored(i))
+            rw = ref_window_from_logits(logits, targets, k)
+            tmp = folder / f".window_{i:05d}.{os.getpid()}.tmp"
+            save_file(rw.to_tensors(), str(tmp))
+            os.replace(tmp, folder / f"window_{i:05d}.safetensors")
+    return Reference(folder=folder, storage=storage, topk=k, vocab_size=vocab)
+
+
+def _progress(items, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit="window", leave=False)

@@ -1,0 +1,109 @@
+"""report.json (machine), report.md (human: llama.cpp-style table + verdicts) and kld.png (distribution / CDF)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from qconv.eval.metrics import format_llamacpp
+from qconv.fsutil import write_json_atomic, write_text_atomic
+
+REPORT_JSON, REPORT_MD, REPORT_PNG = "report.json", "report.md", "kld.png"
+SUMMARY_KEYS = ("tokens", "kld_mean", "kld_se", "kld_median", "kld_p99", "kld_max", "kld_bound", "top1",
+                "ppl_base", "ppl_q", "ppl_ratio", "ln_ppl_ratio")
+
+
+def summary(report: dict) -> dict:
+    """The compact record that goes into qconv.json's `quality` (and that `check` regresses against)."""
+    out = {"report": REPORT_JSON, "text": report["text"], "settings": report["settings"],
+           "reference": {k: report["reference"][k] for k in ("storage", "topk")},
+           "kv_scheme": report.get("kv_scheme"), "tier": report.get("tier"),
+           "bits_per_weight": report.get("bits_per_weight")}
+    for section in ("weights", "weights_kv"):
+        if report.get(section):
+            out[section] = {k: report[section][k] for k in SUMMARY_KEYS}
+    if report.get("tasks"):
+        out["tasks"] = report["tasks"]
+    out["verdicts"] = [v for v in report.get("verdicts", []) if not v["passed"]]
+    out["passed"] = report.get("passed")
+    return out
+
+
+def _row(name: str, s: dict) -> str:
+    return (f"| {name} | {s['kld_mean']:.4f} ± {s['kld_se']:.4f} | {s['kld_median']:.4f} | {s['kld_p90']:.4f} | "
+            f"{s['kld_p99']:.4f} | {s['kld_p999']:.4f} | {s['kld_max']:.4f} | {100 * s['top1']:.2f}% | "
+            f"{s['ppl_base']:.3f} | {s['ppl_q']:.3f} | {s['ln_ppl_ratio']:.4f} | {s['ppl_ratio']:.4f} |")
+
+
+TABLE_HEAD = ("| model | mean KLD | median | p90 | p99 | p99.9 | max | same top | PPL base | PPL Q | "
+              "ln(PPL_Q/PPL_base) | PPL ratio |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def render_md(report: dict) -> str:
+    t, ref = report["text"], report["reference"]
+    lines = [f"# Quality report: {Path(report['artifact']).name}", "",
+             f"- source: `{report['source']['path']}` ({report['source']['num_parameters'] / 1e6:.1f}M parameters, "
+             f"sha256 {report['source']['sha256'][:16]}…)",
+             f"- text: `{t['label']}` — {t['tokens_scored']} tokens scored in {t['windows']} windows of {t['window']}"
+             f" (stride {t['stride']}), sha256 {t['sha256'][:16]}…",
+             f"- reference: {ref['describe']}",
+             f"- bits per weight: {report['bits_per_weight']:.2f} (tensor bytes × 8 / source parameters)",
+             f"- machine: {report['machine']}, {report['date']}, {report['elapsed_s']} s", ""]
+    tier = report.get("tier") or {}
+    if tier:
+        lines += [f"**Gate tier:** {tier.get('note') or tier.get('name')}", ""]
+    lines += [TABLE_HEAD, _row("weights only", report["weights"])]
+    if report.get("weights_kv"):
+        lines.append(_row(f"weights + KV {report['kv_scheme']}", report["weights_kv"]))
+    if report["weights"].get("kld_bound", 0) > 0:
+        lines += ["", f"Top-k reference: the exact mean KLD lies in [mean, mean + {report['weights']['kld_bound']:.5f}]"
+                      " (per-token bracket, see qconv/eval/metrics.py)."]
+    if report.get("tasks"):
+        lines += ["", "| task | metric | original | quantized | recovery |", "|---|---|---|---|---|"]
+        for name, r in report["tasks"]["results"].items():
+            rec = "n/a" if r.get("recovery") is None else f"{r['recovery']:.3f}"
+            lines.append(f"| {name} | {r['metric']} | {r['base']:.4f} | {r['quantized']:.4f} | {rec} |")
+    if report.get("verdicts") is not None:
+        lines += ["", f"## Verdict: {'PASS' if report.get('passed') else 'FAIL'}", ""]
+        lines += [f"- {'✅' if v['passed'] else '❌'} {v['message']}" for v in report["verdicts"]] or ["- no gates"]
+    lines += ["", "## llama.cpp-style statistics (weights only)", "", "```", format_llamacpp(report["weights"]), "```"]
+    if report.get("weights_kv"):
+        lines += ["", f"## weights + KV ({report['kv_scheme']})", "", "```", format_llamacpp(report["weights_kv"]),
+                  "```"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_kld(path: str | Path, klds: dict[str, np.ndarray]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, k in klds.items():
+        k = np.clip(np.sort(k), 1e-6, None)
+        bins = np.logspace(np.log10(k[0]), np.log10(max(k[-1], 1e-5)), 60)
+        ax1.hist(k, bins=bins, histtype="step", label=name)
+        ax2.plot(k, np.arange(1, len(k) + 1) / len(k), label=name)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xlabel("per-token KLD(original ‖ quantized), nats")
+        ax.legend()
+    ax1.set_ylabel("tokens")
+    ax2.set_ylabel("fraction of tokens ≤ x")
+    ax1.set_title("KLD distribution")
+    ax2.set_title("KLD CDF")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_reports(out_dir: str | Path, report: dict, klds: dict[str, np.ndarray]) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / REPORT_JSON, report)
+    write_text_atomic(out / REPORT_MD, render_md(report))
+    tmp = out / f".{REPORT_PNG}.tmp.png"
+    plot_kld(tmp, klds)
+    tmp.replace(out / REPORT_PNG)

@@ -1,0 +1,172 @@
+"""The three entry points: `qconv eval`, `qconv check`, and the build's `quality_report`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from qconv.errors import GateFailure, QconvError
+from qconv.eval.gates import Verdict, apply_gates, regressions, tier_info, write_junit
+from qconv.eval.quality import EvalSettings, Source, measure, resolve_reference, safetensors_stats
+from qconv.eval.report import REPORT_JSON, summary, write_reports
+from qconv.manifest import read_manifest, verify_files
+from qconv.recipes.recipe import Recipe, load_recipe
+
+log = logging.getLogger(__name__)
+
+
+def manifest_recipe(manifest) -> Recipe:
+    from qconv.recipes.schema import from_dict
+
+    return from_dict(Recipe, manifest.recipe.resolved, "", f"recipe recorded in qconv.json ({manifest.recipe.name})")
+
+
+def auto_kv(recipe: Recipe) -> str | None:
+    """The most aggressive non-bf16 KV scheme among the recipe's profiles that we can simulate, in profile order."""
+    from qconv.eval.kvsim import get_scheme
+
+    found = None
+    for p in recipe.profiles.values():
+        if p.kv_cache != "bf16":
+            try:
+                get_scheme(p.kv_cache)
+                found = p.kv_cache
+            except QconvError:
+                log.info("KV scheme %s not available for simulation yet; skipped", p.kv_cache)
+    return found
+
+
+def _judge(report: dict, recipe: Recipe, extra: list[Verdict] = ()) -> dict:
+    report["tier"] = tier_info(recipe.quality, report["source"]["num_parameters"])
+    tier = recipe.quality.tier_for(report["source"]["num_parameters"])
+    verdicts = list(extra) + apply_gates(report, tier)
+    report["verdicts"] = [v.to_dict() for v in verdicts]
+    report["passed"] = all(v.passed for v in verdicts)
+    return report
+
+
+def _with_tasks(report: dict, artifact: Path, source: Source, tasks, limit, task_data, max_gen_toks=None) -> dict:
+    if tasks:
+        from qconv.eval.tasks import run_tasks
+
+        report["tasks"] = run_tasks(source.path, artifact, tasks, limit=limit, task_data=task_data,
+                                    max_gen_toks=max_gen_toks)
+    return report
+
+
+def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | None = None,
+             recipe: str | None = None, tasks: list[str] | None = None, limit: int | None = None,
+             task_data: dict[str, str] | None = None, max_gen_toks: int | None = None,
+             out: str | Path | None = None) -> dict:
+    """`qconv eval`: measure, judge by the recipe's tier gates (reported, not raised), write reports to `out`."""
+    artifact = Path(artifact)
+    manifest = read_manifest(artifact)
+    if tasks:
+        from qconv.eval.tasks import resolve_tasks
+
+        resolve_tasks(tasks, task_data)  # fail on an unknown task before minutes of measuring
+    source = resolve_reference(reference, manifest)
+    rec = load_recipe(recipe) if recipe else manifest_recipe(manifest)
+    if settings.kv == "auto":
+        settings = replace(settings, kv=auto_kv(rec))
+    report, klds = measure(artifact, source, settings)
+    report = _judge(_with_tasks(report, artifact, source, tasks, limit, task_data, max_gen_toks), rec)
+    if out:
+        write_reports(out, report, klds)
+    return report
+
+
+def load_recorded(against: str | Path | None, manifest) -> dict | None:
+    """A report to regress against: a report.json, an artifact folder (its report.json, else its qconv.json
+    quality), or by default this artifact's own recorded quality."""
+    if against is None:
+        return manifest.quality if manifest.quality and manifest.quality.get("weights") else None
+    p = Path(against)
+    if p.is_dir():
+        if (p / REPORT_JSON).is_file():
+            p = p / REPORT_JSON
+        else:
+            other = read_manifest(p)
+            if not (other.quality and other.quality.get("weights")):
+                raise QconvError(f"{against} records no quality report", where="--against",
+                                 fix="pass an artifact built with quality gates, or its report.json")
+            return other.quality
+    if not p.is_file():
+        raise QconvError(f"--against not found: {against}", where="--against",
+                         fix="pass an artifact folder or a report.json")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise QconvError(f"{p} is not valid JSON: {e}", where="--against", fix="pass a report.json") from e
+
+
+def check(artifact: str | Path, *, against: str | None = None, junit: str | None = None,
+          reference: str | None = None, recipe: str | None = None, text: str | None = None,
+          window: int | None = None, max_tokens: int | None = None, kv: str | None = None,
+          out: str | Path | None = None) -> dict:
+    """`qconv check`: verify files, re-measure with the recorded settings, apply gates and regression tolerances.
+    Raises GateFailure (exit 1) naming every failed gate with its measured value."""
+    artifact = Path(artifact)
+    manifest = read_manifest(artifact)
+    rec = load_recipe(recipe) if recipe else manifest_recipe(manifest)
+    recorded_settings = (manifest.quality or {}).get("settings") or {}
+    settings = EvalSettings(**{**recorded_settings, **{k: v for k, v in dict(
+        text=text, window=window, max_tokens=max_tokens, kv=kv).items() if v is not None}})
+    if not settings.text:
+        settings = replace(settings, text=rec.quality.text)
+    if not settings.text:
+        raise QconvError("no held-out text to measure on: the artifact records none and the recipe sets none",
+                         where="--text", fix="pass --text FILE_OR_HF_DATASET_ID")
+    if settings.kv == "auto":
+        settings = replace(settings, kv=auto_kv(rec))
+    recorded = load_recorded(against, manifest)
+    problems = verify_files(artifact, manifest)
+    files = Verdict("files", "files match qconv.json", not problems, message="files: " + (
+        "all match qconv.json" if not problems else "; ".join(problems[:5]) + " — FAILED"))
+    source = resolve_reference(reference, manifest)
+    report, klds = measure(artifact, source, settings)
+    extra = [files] + (regressions(report, recorded, rec.quality.regression) if recorded else [])
+    report = _judge(report, rec, extra)
+    if out:
+        write_reports(out, report, klds)
+    if junit:
+        write_junit(junit, [Verdict(**v) for v in report["verdicts"]])
+    failed = [v["message"] for v in report["verdicts"] if not v["passed"]]
+    if failed:
+        raise GateFailure(f"quality check failed for {artifact} ({report['tier'].get('name')} tier):\n  "
+                          + "\n  ".join(failed), fix="inspect report.md; rebuild or relax the recipe's gates")
+    return report
+
+
+def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Recipe, *, text: str | None = None,
+                   kv: str | None = "auto", source_sha256: str | None = None, num_parameters: int | None = None,
+                   tasks: list[str] | None = None, limit: int | None = None) -> dict:
+    """For `qconv build`: measure the fresh artifact, write report.json/report.md/kld.png into it, return the
+    summary for qconv.json (`passed` False when a gate failed; the caller marks the manifest and exits 1).
+    Call it before hashing the artifact's files: the reports are part of the artifact."""
+    text = text or recipe.quality.text
+    if not text:
+        return {"passed": None, "note": "no held-out text (recipe quality.text or --eval-text): not measured"}
+    q = recipe.quality
+    settings = EvalSettings(text=text, window=q.window, max_tokens=q.max_tokens,
+                            kv=auto_kv(recipe) if kv == "auto" else kv)
+    if not source_sha256:
+        from qconv.convert.sources import source_files
+        from qconv.fsutil import sha256_json
+
+        source_sha256 = sha256_json(source_files(Path(source_dir)))
+    source = Source(path=Path(source_dir), sha256=source_sha256,
+                    num_parameters=num_parameters or safetensors_stats(source_dir)[0])
+    report, klds = measure(artifact_dir, source, settings)
+    report = _judge(_with_tasks(report, Path(artifact_dir), source, tasks, limit, None), recipe)
+    write_reports(artifact_dir, report, klds)
+    return summary(report)
+
+
+def gate_failure(quality_summary: dict) -> GateFailure:
+    """The error `qconv build` raises after marking the manifest failed."""
+    msgs = [v["message"] for v in quality_summary.get("verdicts", [])]
+    return GateFailure("quality gates failed:\n  " + "\n  ".join(msgs),
+                       fix="see report.md in the artifact; pass --no-gates to keep it anyway")

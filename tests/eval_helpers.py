@@ -1,0 +1,82 @@
+"""Test/benchmark helpers for the eval area: plain llmcompressor W4A16 artifacts (RTN or GPTQ) with a minimal
+qconv.json, so quality measurement can be tested without the build pipeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from qconv.fsutil import atomic_dir
+
+
+def group_for(in_features: int, sizes=(128, 64, 32)) -> int:
+    return next(g for g in sizes if in_features % g == 0)
+
+
+def _config_groups(model) -> tuple[dict, dict[str, int]]:
+    """One W4A16 sym group per group size: 128 where it divides in_features, else 64/32 (recorded per module)."""
+    import torch
+
+    chosen = {n: group_for(m.in_features) for n, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+    groups = {}
+    for g in sorted(set(chosen.values()), reverse=True):
+        names = [n for n, v in chosen.items() if v == g]
+        groups[f"group_{g}"] = {
+            "targets": [f"re:^{n}$" for n in names],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": g},
+        }
+    return groups, chosen
+
+
+def calibration_dataset(tokenizer, text_file: Path, samples: int, seq_len: int):
+    from datasets import Dataset
+
+    ids = tokenizer(Path(text_file).read_text(), add_special_tokens=False)["input_ids"]
+    rows = [ids[i * seq_len:(i + 1) * seq_len] for i in range(min(samples, len(ids) // seq_len))]
+    return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
+
+
+def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_text: Path | None = None,
+                     samples: int = 32, seq_len: int = 512, pipeline: str = "basic",
+                     gates_recipe: str = "3090") -> Path:
+    """RTN (QuantizationModifier) or GPTQ W4A16 of every Linear but lm_head, saved compressed + qconv.json."""
+    import torch
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qconv.convert.sources import ResolvedSource
+    from qconv.recipes.recipe import load_recipe
+    from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, hash_artifact_files, tool_versions
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(source)
+    groups, chosen = _config_groups(model)
+    num_params = sum(p.numel() for p in model.parameters())
+    if algorithm == "gptq":
+        ds = calibration_dataset(tok, calib_text, samples, seq_len)
+        modifier = GPTQModifier(config_groups=groups, ignore=["lm_head"], dampening_frac=0.01)
+        oneshot(model=model, recipe=modifier, dataset=ds, num_calibration_samples=len(ds), max_seq_length=seq_len,
+                pipeline=pipeline)
+    else:
+        oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=["lm_head"]))
+    src = ResolvedSource(path=Path(source), kind="hf_dir", id=str(Path(source).resolve()))
+    info = src.info()
+    info.num_parameters = num_params
+    with atomic_dir(out, force=True) as tmp:
+        model.save_pretrained(tmp, save_compressed=True)
+        tok.save_pretrained(tmp)
+        # Gates come from the recorded recipe; these plain W4A16 artifacts are judged by the 3090 recipe's tiers.
+        recipe = load_recipe(gates_recipe)
+        m = Manifest(source=info, recipe=RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
+                     modules=[ModuleDecision(name=n, role="linear", scheme="w4a16", bits=4, group_size=g)
+                              for n, g in chosen.items()],
+                     tools=tool_versions(), status="unchecked")
+        m.files = hash_artifact_files(tmp)
+        m.write(tmp)
+    return out
+
+
+def load_json(p: Path) -> dict:
+    return json.loads(Path(p).read_text())

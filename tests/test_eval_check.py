@@ -1,0 +1,162 @@
+"""`qconv eval` / `qconv check` end to end on a tiny RTN W4 artifact: reports written, a damaged artifact fails a
+tight gate (exit 1, gate + measured value named) while the undamaged one passes, and bad inputs exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from qconv.cli import main
+from tests.tiny import CORPUS
+
+WINDOW = ["--window", "64", "--max-tokens", "512"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("text") / "heldout.txt"
+    p.write_text(CORPUS * 3)
+    return p
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_llama, tmp_path_factory) -> Path:
+    from tests.eval_helpers import make_w4_artifact
+
+    return make_w4_artifact(tiny_llama, tmp_path_factory.mktemp("art") / "tiny-rtn", algorithm="rtn")
+
+
+def qconv(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def evaluated(artifact, text_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "r"
+    r = qconv("eval", artifact, "--text", text_file, *WINDOW, "--kv", "fp8_e4m3", "--out", out)
+    assert r.exit_code == 0, r.output
+    return out, r.output
+
+
+def test_eval_writes_reports(evaluated):
+    out, output = evaluated
+    rep = json.loads((out / "report.json").read_text())
+    assert {"report.json", "report.md", "kld.png"} <= {p.name for p in out.iterdir()}
+    assert (out / "kld.png").read_bytes()[:4] == b"\x89PNG"
+    w, kv = rep["weights"], rep["weights_kv"]
+    assert w["tokens"] == rep["text"]["tokens_scored"] > 400
+    assert 0 < w["kld_mean"] and w["kld_median"] <= w["kld_p90"] <= w["kld_p99"] <= w["kld_p999"] <= w["kld_max"]
+    assert kv["kld_mean"] != w["kld_mean"] and rep["kv_scheme"] == "fp8_e4m3"
+    assert rep["reference"]["storage"] == "full" and rep["tier"]["name"].startswith("small")
+    assert "outside this recipe's target class" in rep["tier"]["note"]
+    assert "Mean    KLD" in output and "Same top p" in output and "| weights only |" in output
+
+
+def _tight_recipe(path: Path, report: dict) -> Path:
+    """The 3090 recipe with one tier whose gates sit 20% above what the undamaged artifact measured."""
+    from qconv.recipes.recipe import load_recipe
+
+    d = load_recipe("3090").to_dict()
+    w = report["weights"]
+    d["quality"]["tiers"] = [{"name": "tight test tier", "min_params": 0,
+                              "weights": {"max_mean_kld": 1.2 * w["kld_mean"], "min_top1": w["top1"] - 0.05},
+                              "weights_kv": {}}]
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def _damage(src: Path, dst: Path) -> str:
+    """Copy the artifact, multiply one layer's weight_scale by 1.5, and re-record the file hashes (a bad build,
+    not a corrupted download)."""
+    from safetensors.torch import load_file, save_file
+
+    from qconv.manifest import hash_artifact_files, read_manifest
+
+    shutil.copytree(src, dst)
+    st = dst / "model.safetensors"
+    tensors = load_file(st)
+    name = sorted(k for k in tensors if k.endswith("mlp.down_proj.weight_scale"))[0]
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, st, metadata={"format": "pt"})
+    m = read_manifest(dst)
+    m.files = hash_artifact_files(dst)
+    m.write(dst)
+    return name
+
+
+def test_damaged_artifact_fails_check_undamaged_passes(artifact, evaluated, text_file, tmp_path):
+    report = json.loads((evaluated[0] / "report.json").read_text())
+    recipe = _tight_recipe(tmp_path / "tight.yaml", report)
+    junit = tmp_path / "ok.xml"
+    ok = qconv("check", artifact, "--text", text_file, *WINDOW, "--recipe", recipe, "--junit", junit)
+    assert ok.exit_code == 0, ok.output
+    assert "check passed" in ok.output
+    assert ET.parse(junit).getroot().find("testsuite").get("failures") == "0"
+
+    bad = tmp_path / "damaged"
+    _damage(artifact, bad)
+    junit = tmp_path / "bad.xml"
+    r = qconv("check", bad, "--text", text_file, *WINDOW, "--recipe", recipe, "--junit", junit,
+              "--against", evaluated[0] / "report.json")
+    assert r.exit_code == 1, r.output
+    assert "weights.max_mean_kld: measured" in r.output and "FAILED" in r.output
+    assert "weights.kld_mean vs recorded" in r.output  # the regression against the undamaged report
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert int(suite.get("failures")) >= 2
+
+
+def test_check_detects_files_not_matching_manifest(artifact, text_file, tmp_path):
+    bad = tmp_path / "tampered"
+    shutil.copytree(artifact, bad)
+    (bad / "extra.bin").write_bytes(b"x")
+    r = qconv("check", bad, "--text", text_file, *WINDOW)
+    assert r.exit_code == 1 and "extra.bin: not in manifest" in r.output
+
+
+def test_bad_inputs_exit_2(artifact, text_file, tmp_path, tiny_llama):
+    short = tmp_path / "short.txt"
+    short.write_text("hello there")
+    r = qconv("eval", artifact, "--text", short, *WINDOW)
+    assert r.exit_code == 2 and "shorter than one window" in r.output
+
+    r = qconv("eval", artifact, "--text", text_file, *WINDOW, "--reference", tmp_path / "no-such-model")
+    assert r.exit_code == 2 and "reference model not available" in r.output
+
+    r = qconv("eval", tiny_llama, "--text", text_file, *WINDOW)
+    assert r.exit_code == 2 and "no qconv.json" in r.output
+
+    r = qconv("eval", artifact, "--text", text_file, *WINDOW, "--tasks", "gsm8k_local")
+    assert r.exit_code == 2 and "--task-data gsm8k_local=PATH" in r.output
+
+    r = qconv("check", artifact, "--text", tmp_path / "missing.txt", *WINDOW)
+    assert r.exit_code == 2 and "not found" in r.output
+
+
+def test_unknown_task_exit_2(artifact, text_file):
+    r = qconv("eval", artifact, "--text", text_file, *WINDOW, "--tasks", "no_such_task_xyz")
+    assert r.exit_code == 2 and "unknown task" in r.output
+
+
+def test_quality_report_for_build(artifact, text_file, tiny_llama, tmp_path):
+    """The build's entry point: reports land in the artifact, the summary carries tier, metrics and verdicts."""
+    from dataclasses import replace
+
+    from qconv.eval import quality_report
+    from qconv.recipes.recipe import load_recipe
+
+    art = tmp_path / "a"
+    shutil.copytree(artifact, art)
+    recipe = load_recipe("3090")
+    recipe.quality = replace(recipe.quality, window=64, max_tokens=256)
+    s = quality_report(tiny_llama, art, recipe, text=str(text_file), kv="fp8_e4m3")
+    assert {"report.json", "report.md", "kld.png"} <= {p.name for p in art.iterdir()}
+    assert s["weights"]["tokens"] == 63 * 4 and s["weights_kv"]["kld_mean"] > 0
+    assert s["kv_scheme"] == "fp8_e4m3" and s["tier"]["name"].startswith("small")
+    assert isinstance(s["passed"], bool) and all(not v["passed"] for v in s["verdicts"])
+    assert quality_report(tiny_llama, art, recipe, text=None)["passed"] is None  # no text: unchecked

@@ -1,0 +1,141 @@
+"""Speculative decoding benchmark: workloads built from user files, our decode with and without speculation in the
+same run (interleaved per prompt, so machine load hits both alike), and optionally transformers' own prompt lookup
+(`generate(prompt_lookup_num_tokens=...)`) on the same weights and prompts, against its own greedy decode."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from qconv.errors import QconvError
+from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
+
+WORKLOADS = ("copy", "code", "chat", "math")
+COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
+CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{}```"
+
+
+def _jsonl(path: Path, field: str, n: int) -> list:
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            out.append(row[field])
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise QconvError(f"line {i + 1} is not a JSON object with a {field!r} field", where=str(path),
+                             fix="pass the jsonl file this workload expects (see qconv bench --help)") from e
+        if len(out) == n:
+            break
+    return out
+
+
+def _passages(path: Path, n: int, min_chars: int = 400, max_chars: int = 900) -> list[str]:
+    """Paragraphs of a plain-text file (headings and short lines skipped), cut at a sentence end."""
+    out = []
+    for para in path.read_text(errors="replace").split("\n"):
+        para = para.strip()
+        if len(para) < min_chars or para.startswith("="):
+            continue
+        cut = para[:max_chars]
+        end = cut.rfind(". ")
+        out.append(cut[: end + 1] if end > min_chars // 2 else cut)
+        if len(out) == n:
+            break
+    return out
+
+
+def workload_texts(workload: str, data: Path, n: int) -> list[str]:
+    """The user messages of a workload: copy = a text file's passages; code = HumanEval-style jsonl ("prompt");
+    chat = MT-Bench-style jsonl (first of "turns"); math = GSM8K-style jsonl ("question")."""
+    if workload not in WORKLOADS:
+        raise QconvError(f"unknown workload {workload!r}", fix=f"one of {', '.join(WORKLOADS)}")
+    data = Path(data)
+    if not data.is_file():
+        raise QconvError("data file not found", where=str(data), fix="pass --data FILE for this workload")
+    if workload == "copy":
+        texts = [COPY_INSTRUCTION + p for p in _passages(data, n)]
+    elif workload == "code":
+        texts = [CODE_INSTRUCTION.format(p) for p in _jsonl(data, "prompt", n)]
+    elif workload == "chat":
+        texts = [turns[0] for turns in _jsonl(data, "turns", n)]
+    else:
+        texts = _jsonl(data, "question", n)
+    if not texts:
+        raise QconvError(f"no {workload} prompts found", where=str(data))
+    return texts
+
+
+def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> dict:
+    """Plain and speculative decode per prompt, interleaved. Greedy outputs must agree token for token."""
+    plain, spec = GenerationStats(), GenerationStats()
+    identical = True
+    for ids in prompts:
+        a = list(generate_tokens(model, ids, replace(cfg, spec="none"), plain))
+        b = list(generate_tokens(model, ids, cfg, spec))
+        identical &= a == b
+    d = spec.to_dict()
+    d.update(plain_decode_tok_s=round(plain.decode_tok_s, 2),
+             speedup=round(plain.decode_s / spec.decode_s, 3) if spec.decode_s else None,
+             speedup_end_to_end=round((plain.prefill_s + plain.decode_s) / (spec.prefill_s + spec.decode_s), 3),
+             identical_to_plain=identical if cfg.sampling.greedy else None)
+    return d
+
+
+def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: int, eos: list[int]) -> dict:
+    """transformers' greedy vs its prompt lookup on the same prompts; forwards counted with a hook."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    calls = [0]
+    hf.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    res = {"greedy": [0, 0.0, 0], "lookup": [0, 0.0, 0]}  # tokens, seconds, forwards
+    for ids in prompts:
+        x = torch.tensor([ids])
+        for mode, extra in (("greedy", {}), ("lookup", {"prompt_lookup_num_tokens": block})):
+            calls[0] = 0
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=eos[0], **extra)
+            r = res[mode]
+            r[0] += out.shape[1] - x.shape[1]
+            r[1] += time.perf_counter() - t
+            r[2] += calls[0]
+    g, lk = res["greedy"], res["lookup"]
+    return {"tokens_per_forward": round(lk[0] / lk[2], 4), "greedy_tok_s": round(g[0] / g[1], 2),
+            "lookup_tok_s": round(lk[0] / lk[1], 2), "speedup": round((lk[0] / lk[1]) / (g[0] / g[1]), 3),
+            "new_tokens": lk[0]}
+
+
+def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None,
+              compare_transformers: bool = False, threads: int = 0) -> dict:
+    """One workload: our speculative decode vs our plain decode (and optionally vs transformers)."""
+    import torch
+
+    from qconv.runtime.loader import load_model, load_tokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    path = Path(path)
+    cfg = cfg or GenerationConfig(max_tokens=128, spec="lookup")
+    texts = workload_texts(workload, Path(data), prompts)
+    tok = load_tokenizer(path)
+    ids = [encode_prompt(tok, t, chat=bool(getattr(tok, "chat_template", None))) for t in texts]
+    model = load_model(path)
+    report = {"workload": workload, "model": str(path), "prompts": len(ids), "max_tokens": cfg.max_tokens,
+              "spec": cfg.spec, "max_block": cfg.max_block, "threads": torch.get_num_threads(),
+              "ours": _ours(model, ids, cfg)}
+    if compare_transformers:
+        eos = list(model.config.eos_token_ids)
+        del model
+        t = _transformers(path, ids, cfg.max_tokens, cfg.max_block, eos)
+        report["transformers"] = t
+        report["tokens_per_step_vs_transformers"] = round(report["ours"]["tokens_per_step"] / t["tokens_per_forward"],
+                                                          3)
+    return report
+

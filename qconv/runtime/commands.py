@@ -1,0 +1,116 @@
+"""CLI verbs of the bundled runtime: `generate` (streaming, optionally speculative) and `bench` (speculative
+decoding workloads). Thin layers over qconv.runtime.generate / qconv.runtime.bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from qconv.errors import QconvError
+
+SPEC_CHOICES = click.Choice(["none", "lookup", "mtp", "hybrid"])
+
+
+def _model_dir(path: str) -> Path:
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise QconvError("not a model folder or qconv artifact (no config.json)", where=str(p),
+                         fix="pass the folder written by `qconv build` or an HF model folder")
+    return p
+
+
+def _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop=()):
+    from qconv.runtime.generate import GenerationConfig
+    from qconv.runtime.sampling import SamplingParams
+
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_tokens < 1:
+        raise QconvError("bad sampling settings", fix="need temperature >= 0, 0 < top-p <= 1, top-k >= 0, "
+                                                      "max-tokens >= 1")
+    if not 0 <= max_block <= 15:
+        raise QconvError(f"--max-block {max_block} out of range", fix="use 0..15")
+    return GenerationConfig(max_tokens=max_tokens, sampling=SamplingParams(temperature, top_p, top_k), seed=seed,
+                            stop=tuple(stop), spec=spec, max_block=max_block)
+
+
+def _sampling_options(f):
+    for opt in reversed([
+        click.option("--max-tokens", default=256, show_default=True, help="Most new tokens."),
+        click.option("--temperature", default=0.0, show_default=True, help="0 = greedy."),
+        click.option("--top-p", default=1.0, show_default=True),
+        click.option("--top-k", default=0, show_default=True, help="0 = off."),
+        click.option("--seed", default=0, show_default=True),
+        click.option("--max-block", default=15, show_default=True, help="Most draft tokens verified per step."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@click.command("generate")
+@click.argument("model")
+@click.option("--prompt", help="Raw text prompt.")
+@click.option("--chat", "chat_text", help="One user message, through the model's chat template.")
+@click.option("--spec", type=SPEC_CHOICES, default="lookup", show_default=True, help="Speculative decoding.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--stats", is_flag=True, help="Print tokens/step, acceptance and speed to stderr at the end.")
+@_sampling_options
+def generate(model, prompt, chat_text, spec, stop, stats, max_tokens, temperature, top_p, top_k, seed, max_block):
+    """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
+    from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
+    from qconv.runtime.loader import load_model, load_tokenizer
+
+    if (prompt is None) == (chat_text is None):
+        raise QconvError("give exactly one of --prompt and --chat")
+    path = _model_dir(model)
+    cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
+    tok = load_tokenizer(path)
+    ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
+    m = load_model(path)
+    st = GenerationStats()
+    for piece in stream_text(tok, generate_tokens(m, ids, cfg, st), cfg.stop):
+        click.echo(piece, nl=False)
+    click.echo()
+    if stats:
+        click.echo(json.dumps(st.to_dict()), err=True)
+
+
+@click.command("bench")
+@click.argument("model")
+@click.option("--workload", type=click.Choice(["copy", "code", "chat", "math"]), required=True,
+              help="copy: passages of a text file to repeat; code: HumanEval-style jsonl ('prompt'); "
+                   "chat: MT-Bench-style jsonl ('turns'); math: GSM8K-style jsonl ('question').")
+@click.option("--data", type=click.Path(), required=True, help="The workload's input file.")
+@click.option("--prompts", default=5, show_default=True)
+@click.option("--spec", type=SPEC_CHOICES, default="lookup", show_default=True)
+@click.option("--compare-transformers", is_flag=True, help="Also run transformers' prompt lookup vs its greedy.")
+@click.option("--threads", default=0, help="torch CPU threads (0 = torch default).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@_sampling_options
+def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, max_tokens, temperature,
+          top_p, top_k, seed, max_block):
+    """Speculative decoding on MODEL: tokens/step, acceptance and drafter hit rate per position, tok/s, and the
+    speedup over plain decoding measured in the same run."""
+    from qconv.runtime.bench import run_bench
+
+    path = _model_dir(model)
+    cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block)
+    r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
+                  threads=threads)
+    if as_json:
+        click.echo(json.dumps(r))
+        return
+    o = r["ours"]
+    click.echo(f"{workload}: {r['prompts']} prompts, {o['new_tokens']} tokens, spec={spec}")
+    click.echo(f"  tokens/step            {o['tokens_per_step']:.2f}")
+    click.echo(f"  tok/s spec | plain     {o['decode_tok_s']:.2f} | {o['plain_decode_tok_s']:.2f}  "
+               f"(speedup {o['speedup']:.2f}x, identical to plain: {o['identical_to_plain']})")
+    click.echo("  acceptance/position    " + " ".join(f"{a:.2f}" for a in o["acceptance_per_position"]))
+    click.echo("  drafter hit/position   " + " ".join(f"{a:.2f}" for a in o["drafter_hit_rate_per_position"]))
+    if "transformers" in r:
+        t = r["transformers"]
+        click.echo(f"  transformers lookup    {t['tokens_per_forward']:.2f} tokens/forward, {t['speedup']:.2f}x its "
+                   f"greedy; ours/theirs tokens per step {r['tokens_per_step_vs_transformers']:.2f}")
+
+
+COMMANDS = [generate, bench]

@@ -1,18 +1,25 @@
-"""`qconv build`: source + recipe -> a compressed-tensors artifact folder with its manifest, all or nothing."""
+"""`qconv build`: source + recipe -> a compressed-tensors artifact folder with its manifest, all or nothing.
+
+The work happens in stages cached in a work dir (see stages.py): a rerun of a killed build picks up where it
+stopped, and every input that feeds the weights (source hashes, calibration hash, recipe hash, selection, tool
+versions) is in the stage keys and in the manifest.
+"""
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qconv.convert.artifact import copy_mtp, copy_side_files, finalize, write_index
 from qconv.convert.layout import Plan, plan_model
-from qconv.convert.sources import read_config, resolve_source
+from qconv.convert.sources import ResolvedSource, read_config, resolve_source
+from qconv.convert.stages import DONE, WorkDir, default_work_dir, stage_key
 from qconv.errors import GateFailure, QconvError
-from qconv.fsutil import atomic_dir
-from qconv.manifest import Manifest, RecipeInfo, tool_versions
+from qconv.fsutil import atomic_dir, sha256_file
+from qconv.manifest import CalibrationInfo, Manifest, RecipeInfo, SourceInfo, tool_versions
 from qconv.recipes.recipe import KEEP, Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -31,6 +38,11 @@ class BuildOptions:
     force: bool = False
     gates: bool = True
     eval_text: str | None = None
+    work_dir: Path | None = None  # default: QCONV_HOME/work/<hash of the source>
+    fresh: bool = False  # ignore cached stages
+    stream: bool | None = None  # None: stream when the model is large against free RAM
+    int8_budget: str | None = None  # overrides the recipe's selection.budget
+    sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
 
 
 @dataclass
@@ -38,6 +50,7 @@ class DryRun:
     plan: Plan
     recipe: Recipe
     config: dict
+    selection: object | None = None  # calibrate.select.Selection when scores are cached in the work dir
 
 
 def requirements(recipe: Recipe, plan: Plan) -> list[dict]:
@@ -53,23 +66,108 @@ def requirements(recipe: Recipe, plan: Plan) -> list[dict]:
     return req
 
 
-def dry_run(opts: BuildOptions) -> DryRun:
-    """The plan without loading weights: shapes come from safetensors headers or a meta-device model."""
+def _recipe(opts: BuildOptions) -> Recipe:
     recipe = load_recipe(opts.recipe)
+    if opts.int8_budget is not None:
+        recipe.selection = replace(recipe.selection, budget=str(opts.int8_budget))
+    return recipe
+
+
+def _work(opts: BuildOptions, src_id: str) -> WorkDir:
+    return WorkDir(Path(opts.work_dir) if opts.work_dir else default_work_dir(src_id, opts.revision), fresh=opts.fresh)
+
+
+def dry_run(opts: BuildOptions) -> DryRun:
+    """The plan without loading weights: shapes come from safetensors headers or a meta-device model. When the
+    work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
+    from qconv.calibrate.select import candidate_units, parse_budget, select
+    from qconv.calibrate.sensitivity import Scores
+
+    recipe = _recipe(opts)
     src = resolve_source(opts.model, revision=opts.revision, weights=False)
     config = read_config(src.path)
-    return DryRun(plan_model(src.path, config, recipe), recipe, config)
+    plan = plan_model(src.path, config, recipe)
+    selection = None
+    budget = parse_budget(recipe.selection.budget, plan.total_bytes)
+    work_root = Path(opts.work_dir) if opts.work_dir else default_work_dir(src.id, opts.revision)
+    cached = WorkDir(work_root).latest("sensitivity") if work_root.is_dir() else None
+    units = candidate_units(plan, recipe)
+    if cached and set(cached["values"]) >= {u.name for u in units}:
+        selection = select(units, Scores(cached["method"], cached["values"], cached["tokens"]), budget,
+                           budget=recipe.selection.budget, scheme=recipe.selection.scheme)
+    return DryRun(plan, recipe, config, selection)
+
+
+def _source_info(src: ResolvedSource, work: WorkDir) -> SourceInfo:
+    """Stage `import`: hashing a 55 GB source takes minutes, so its file hashes are cached by name/size/mtime."""
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(src.path.iterdir()) if p.is_file()]
+    key = stage_key("import", str(src.path), src.kind, src.id, src.revision, stats)
+    cached = work.load_json("import", key)
+    if cached:
+        return SourceInfo(**cached)
+    info = src.info()
+    work.save_json("import", key, asdict(info))
+    return info
+
+
+def _calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: int):
+    """Stage `calibration`: token ids, keyed by the source and everything that picks them."""
+    from qconv.calibrate.data import CalibSet, load_calibration
+
+    cal = recipe.calibration
+    dataset = opts.dataset or cal.dataset
+    samples, seq_len = opts.samples or cal.samples, opts.seq_len or cal.seq_len
+    file_sha = sha256_file(Path(dataset).expanduser()) if dataset and Path(dataset).expanduser().is_file() else None
+    key = stage_key("calibration", src_sha, dataset, file_sha, samples, seq_len, seed, cal.default_dataset, cal.split)
+    cached = work.load_json("calibration", key)
+    if cached:
+        return CalibSet(cached["input_ids"], CalibrationInfo(**cached["info"]))
+    calib = load_calibration(dataset, tok, samples=samples, seq_len=seq_len, seed=seed,
+                             default_dataset=cal.default_dataset, split=cal.split, model_loader=model_loader)
+    work.save_json("calibration", key, {"input_ids": calib.input_ids, "info": asdict(calib.info)})
+    return calib
+
+
+def _sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, sens_samples: int = 8):
+    """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions."""
+    from qconv.calibrate.sensitivity import Scores, model_kld_scores, proxy_scores
+
+    ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
+    key = stage_key("sensitivity", src_sha, calib.info.sha256, opts.sensitivity, sens_samples,
+                    [(u.name, [asdict(m) for m in u.w4], [asdict(m) for m in u.w8]) for u in units])
+    cached = work.load_json("sensitivity", key)
+    if cached:
+        return Scores(cached["method"], cached["values"], cached["tokens"])
+    model = model_loader()
+    fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
+    scores = fn(model, units, ids)
+    work.save_json("sensitivity", key, asdict(scores))
+    return scores
+
+
+def use_streaming(opts: BuildOptions, plan: Plan) -> bool:
+    from qconv.convert.stream import should_stream
+
+    stream = opts.stream if opts.stream is not None else should_stream(plan.source_bytes)
+    if stream and plan.untie_embeddings:
+        if opts.stream:
+            raise QconvError("--stream cannot untie tied embeddings (the disk-offloaded lm_head shares the "
+                             "embedding's storage)", where="--stream",
+                             fix="build this model in memory (drop --stream); tied embeddings come with small models")
+        log.warning("tied embeddings: building in memory although RAM is short (streaming cannot untie them)")
+        return False
+    return stream
 
 
 def build(opts: BuildOptions) -> Manifest:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from qconv.calibrate.data import load_calibration
+    from qconv.calibrate.select import apply_selection, candidate_units, format_table, parse_budget, select
     from qconv.convert.quantize import load_source_model, quantize
 
     t0 = time.time()
-    recipe = load_recipe(opts.recipe)
+    recipe = _recipe(opts)
     if opts.out is None:
         raise QconvError("no output folder", where="--out", fix="pass --out DIR")
     out = Path(opts.out)
@@ -81,7 +179,17 @@ def build(opts: BuildOptions) -> Manifest:
     plan = plan_model(src.path, config, recipe)
     for w in plan.warnings:
         log.warning("plan: %s", w)
-    source_info = src.info()
+    budget = parse_budget(recipe.selection.budget, plan.total_bytes)
+    units = candidate_units(plan, recipe)
+    stream = use_streaming(opts, plan)
+    if budget > 0 and stream and any(not u.refusal for u in units):
+        raise QconvError("INT8 selection is not RAM-bounded yet: its sensitivity pass (forward + backward) would "
+                         "hold every layer of a streamed model", where="--int8-budget / selection.budget",
+                         fix="stream with budget 0 (uniform W4), or build in memory where the model fits")
+    work = _work(opts, src.id)
+    work.clean_partials()
+    log.info("work dir %s%s", work.root, " (--fresh: cached stages ignored)" if opts.fresh else "")
+    source_info = _source_info(src, work)
     source_info.num_parameters = plan.num_parameters
 
     cal = recipe.calibration
@@ -92,54 +200,87 @@ def build(opts: BuildOptions) -> Manifest:
 
     def model_loader():
         if "m" not in model_box:
-            model_box["m"] = load_source_model(src.path, config)
+            if stream:
+                from qconv.convert.stream import load_streamed_model
+
+                model_box["m"] = load_streamed_model(src.path, config, work.root / "offload")
+            else:
+                model_box["m"] = load_source_model(src.path, config)
+            model_box["m"].eval()
         return model_box["m"]
 
-    calib = load_calibration(opts.dataset or cal.dataset, tok, samples=opts.samples or cal.samples,
-                             seq_len=opts.seq_len or cal.seq_len, seed=seed, default_dataset=cal.default_dataset,
-                             split=cal.split, model_loader=model_loader)
-    model = model_loader()
-    model.eval()
+    calib = _calibration(opts, recipe, source_info.sha256, tok, model_loader, work, seed)
+    scores = None
+    if budget > 0 and any(not u.refusal for u in units):
+        scores = _sensitivity(opts, units, calib, source_info.sha256, model_loader, work)
+    selection = select(units, scores, budget, budget=recipe.selection.budget, scheme=recipe.selection.scheme)
+    modules = apply_selection(plan, units, selection)
+    if units:
+        log.info("%s", format_table(selection))
+    final_plan = replace(plan, modules=modules)
 
     manifest = Manifest(
         source=source_info,
         recipe=RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
-        modules=plan.modules,
+        modules=modules,
         calibration=calib.info,
         profiles={k: asdict(v) for k, v in recipe.profiles.items()},
         speculative=asdict(recipe.speculative),
-        requires=requirements(recipe, plan),
+        requires=requirements(recipe, final_plan),
+        selection=selection.to_dict(),
         tools=tool_versions(),
         status="unchecked",
         build={"seed": seed, "family": plan.family, "untied_embeddings": plan.untie_embeddings,
-               "estimated_bytes": plan.total_bytes, "source_bytes": plan.source_bytes, "warnings": plan.warnings},
+               "estimated_bytes": final_plan.total_bytes, "source_bytes": plan.source_bytes,
+               "warnings": plan.warnings, "streamed": stream, "work_dir": str(work.root)},
     )
+    qkey = stage_key("quantization", source_info.sha256, calib.info.sha256, [asdict(m) for m in modules],
+                     asdict(recipe.quantizer), {k: asdict(v) for k, v in recipe.schemes.items()}, seed,
+                     plan.untie_embeddings, manifest.tools)
+    qdir = work.cached_dir("quantization", qkey)
+    if qdir is None:
+        with work.new_dir("quantization", qkey) as tmp:
+            quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed)
+        qdir = work.root / f"quantization-{qkey}"
+    model_box.clear()
+    shutil.rmtree(work.root / "offload", ignore_errors=True)
     gate_error = None
     with atomic_dir(out, force=opts.force) as tmp:
-        quantize(model, plan.modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed)
-        del model_box["m"], model
-        copy_side_files(src.path, tmp)
-        gen_cfg = src.path / "generation_config.json"
-        if gen_cfg.is_file():
-            GenerationConfig.from_pretrained(src.path).save_pretrained(tmp)
-        n_mtp = copy_mtp(src.path, tmp)
-        if n_mtp:
-            log.info("kept %d mtp.* tensors (bf16, in `ignore`) for MTP speculation", n_mtp)
-        write_index(tmp)
+        _package(src.path, qdir, tmp, GenerationConfig)
+        manifest.build["stages"] = work.record
         manifest.build["elapsed_s"] = round(time.time() - t0, 1)
         finalize(tmp, manifest)
-        gate_error = _quality(opts, recipe, src.path, tmp, manifest)
+        gate_error = _quality(opts, recipe, src.path, tmp, manifest, work)
+        manifest.build["stages"] = work.record
         finalize(tmp, manifest)
     size = manifest.total_size()
-    log.info("built %s: %.2f GB (source %.2f GB, %.1f%%) in %.0f s", out, size / 1e9, plan.source_bytes / 1e9,
-             100 * size / max(plan.source_bytes, 1), time.time() - t0)
+    reused = [s for s, r in work.record.items() if r["reused"]]
+    log.info("built %s: %.2f GB (source %.2f GB, %.1f%%) in %.0f s%s", out, size / 1e9, plan.source_bytes / 1e9,
+             100 * size / max(plan.source_bytes, 1), time.time() - t0,
+             f"; reused stages: {', '.join(reused)}" if reused else "")
     if gate_error:
         raise gate_error
     return manifest
 
 
-def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, manifest: Manifest) -> GateFailure | None:
-    """Measure the quality cost and apply the recipe's gates (eval area). Returns the gate failure, if any."""
+def _package(source: Path, qdir: Path, tmp: Path, GenerationConfig) -> None:
+    """Stage `packaging`: the quantized folder + tokenizer, generation config, MTP shard and index."""
+    for p in sorted(qdir.iterdir()):
+        if p.is_file() and p.name != DONE:
+            shutil.copy2(p, tmp / p.name)
+    copy_side_files(source, tmp)
+    if (source / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(source).save_pretrained(tmp)
+    n_mtp = copy_mtp(source, tmp)
+    if n_mtp:
+        log.info("kept %d mtp.* tensors (bf16, in `ignore`) for MTP speculation", n_mtp)
+    write_index(tmp)
+
+
+def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, manifest: Manifest,
+             work: WorkDir) -> GateFailure | None:
+    """Stage `quality`: measure the quality cost and apply the recipe's gates (eval area). Returns the gate
+    failure, if any. Cached by the weight files' hashes and the evaluation settings."""
     text = opts.eval_text or recipe.quality.text
     if not text:
         log.warning("quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
@@ -151,8 +292,14 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
     except ImportError:
         log.warning("quality report skipped: qconv.eval is not available in this install")
         return None
-    summary = quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
-                             num_parameters=manifest.source.num_parameters)
+    weights = {k: v["sha256"] for k, v in manifest.files.items() if k.endswith(".safetensors")}
+    text_id = sha256_file(Path(text)) if Path(text).is_file() else text
+    key = stage_key("quality", weights, text_id, asdict(recipe.quality), manifest.source.sha256)
+    summary = work.load_json("quality", key)
+    if summary is None:
+        summary = quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
+                                 num_parameters=manifest.source.num_parameters)
+        work.save_json("quality", key, summary)
     manifest.quality = summary
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")

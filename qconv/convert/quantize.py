@@ -32,7 +32,17 @@ def _exact(name: str) -> str:
 
 
 def _key(m: ModuleDecision) -> tuple:
-    return (m.scheme, m.bits, m.group_size)
+    return (m.scheme, m.bits, m.group_size, _format(m))
+
+
+def _format(m: ModuleDecision) -> str | None:
+    """vLLM reads weight-only int4 *and* int8 Linear layers (CompressedTensorsWNA16) only as pack-quantized;
+    embeddings and lm_head keep plain int8 (`int-quantized`), which transformers and qconv's runtime load."""
+    if m.scheme == KEEP:
+        return None
+    if m.scheme.endswith("a16") and (m.bits == 4 or m.role not in ("embed", "lm_head")):
+        return "pack-quantized"
+    return "int-quantized"
 
 
 def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, list[str]]:
@@ -56,7 +66,7 @@ def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, 
     schemes = {s.label: s for s in recipe.schemes.values()}
     groups = {}
     for i, (key, tg) in enumerate(sorted(targets.items(), key=lambda kv: str(kv[0]))):
-        label, bits, g = key
+        label, bits, g, fmt = key
         s = schemes[label]
         w = s.weights
         wargs = QuantizationArgs(num_bits=bits, type="int", symmetric=w.symmetric, strategy=w.strategy,
@@ -67,11 +77,10 @@ def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, 
             a = s.activations
             aargs = QuantizationArgs(num_bits=a.bits, type="int", symmetric=a.symmetric, strategy=a.strategy,
                                      dynamic=a.dynamic)
-        fmt = "pack-quantized" if bits == 4 and not aargs else "int-quantized"
         groups[f"group_{i}"] = QuantizationScheme(targets=tg, weights=wargs, input_activations=aargs, format=fmt)
     ignore = ["re:^mtp\\..*"]  # vLLM must leave the MTP head unquantized; transformers never builds it
     for role in sorted({m.role for m in modules if m.scheme == KEEP} - {"mtp"}):
-        if all(_key(m) == (KEEP, None, None) for m in modules if m.role == role):
+        if all(m.scheme == KEEP for m in modules if m.role == role):
             ignore.append(_role_target(role))
         else:
             ignore.extend(_exact(m.name) for m in modules if m.role == role and m.scheme == KEEP)
@@ -81,6 +90,7 @@ def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, 
 def calibrate_embeddings(model) -> None:
     """GPTQ only calibrates Linear layers; give quantized embeddings round-to-nearest qparams from their weights."""
     import torch
+    from compressed_tensors.offload import update_offload_parameter
     from compressed_tensors.quantization.utils import calculate_qparams
 
     for name, mod in model.named_modules():
@@ -91,9 +101,11 @@ def calibrate_embeddings(model) -> None:
         g = args.group_size if args.strategy == "group" else w.shape[1]
         wg = w.view(w.shape[0], w.shape[1] // g, g)
         scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
-        mod.weight_scale.data.copy_(scale.view_as(mod.weight_scale).to(mod.weight_scale.dtype))
+        # update_offload_parameter also writes through to a disk-offloaded (streamed) module
+        update_offload_parameter(mod, "weight_scale", scale.view_as(mod.weight_scale).to(mod.weight_scale.dtype))
         if hasattr(mod, "weight_zero_point"):
-            mod.weight_zero_point.data.copy_(zp.view_as(mod.weight_zero_point).to(mod.weight_zero_point.dtype))
+            update_offload_parameter(mod, "weight_zero_point",
+                                     zp.view_as(mod.weight_zero_point).to(mod.weight_zero_point.dtype))
         log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
 
 

@@ -1,0 +1,123 @@
+"""Peak RSS of a RAM-bounded (`--stream`) 3090 build of a random >= 2B-parameter qwen3_5_text model.
+
+Writes the model as bf16 safetensors shards one tensor at a time (never the whole model in memory), builds it in
+a child process (`qconv build --recipe 3090 --stream`), and reports the child's peak RSS against the model's bf16
+size. Prints one JSON line.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/build_memory.py --work /tmp/qconv-mem
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def model_config(layers: int, vocab: int):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128, full_attention_interval=4,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False, mtp_num_hidden_layers=0, max_position_embeddings=4096,
+        bos_token_id=0, eos_token_id=2, pad_token_id=0, architectures=["Qwen3_5ForCausalLM"])
+
+
+def write_model(out: Path, layers: int, vocab: int, shard_bytes: int = 1 << 29, seed: int = 0) -> tuple[int, int]:
+    """A seeded random model, one tensor at a time, in shards of ~shard_bytes. Returns (parameters, bytes)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5ForCausalLM
+
+    sys.path.insert(0, str(REPO))
+    from tests.tiny import make_tokenizer
+
+    cfg = model_config(layers, vocab)
+    with torch.device("meta"):
+        meta = Qwen3_5ForCausalLM(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    shard, size, n_shard, weight_map, total, params = {}, 0, 0, {}, 0, 0
+    names = [(n, p.shape) for n, p in meta.named_parameters()]
+
+    def flush():
+        nonlocal shard, size, n_shard
+        if shard:
+            name = f"model-{n_shard:05d}.safetensors"
+            save_file(shard, out / name, metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            shard, size, n_shard = {}, 0, n_shard + 1
+
+    for name, shape in names:
+        if len(shape) == 2:
+            t = (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+        elif name.endswith("A_log"):
+            t = torch.zeros(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.ones(shape) if "norm" in name else torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+        shard[name] = t.contiguous()
+        size += t.numel() * 2
+        total += t.numel() * 2
+        params += t.numel()
+        if size >= shard_bytes:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": weight_map}, indent=1))
+    cfg.save_pretrained(out)
+    make_tokenizer().save_pretrained(out)
+    return params, total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/tmp/qconv-build-memory"))
+    ap.add_argument("--layers", type=int, default=27)
+    ap.add_argument("--vocab", type=int, default=65536)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    args = ap.parse_args()
+    src, out = args.work / "model", args.work / "artifact"
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        total = json.loads(index.read_text())["metadata"]["total_size"]
+        params = total // 2
+    else:
+        params, total = write_model(src, args.layers, args.vocab)
+    cal = args.work / "cal.txt"
+    sys.path.insert(0, str(REPO))
+    from tests.tiny import CORPUS
+
+    cal.write_text(CORPUS * 50)
+    cmd = [sys.executable, "-m", "qconv.cli", "build", "--recipe", "3090", "--model", str(src), "--out", str(out),
+           "--dataset", str(cal), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--stream",
+           "--force", "--fresh", "--work-dir", str(args.work / "work")]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    elapsed = time.time() - t0
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if proc.returncode:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
+        raise SystemExit(proc.returncode)
+    from safetensors import safe_open
+
+    art_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
+        packed = any(k.endswith("weight_packed") for k in f.keys())
+    print(json.dumps({"bench": "build_memory", "params": params, "bf16_bytes": total, "peak_rss_bytes": peak,
+                      "rss_over_bf16": round(peak / total, 3), "pass": peak < 0.75 * total,
+                      "artifact_bytes": art_bytes, "int4_packed": packed, "elapsed_s": round(elapsed, 1),
+                      "samples": args.samples, "seq_len": args.seq_len}))
+
+
+if __name__ == "__main__":
+    main()

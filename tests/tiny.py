@@ -57,36 +57,16 @@ def _config(family: str, vocab: int):
 
 
 def mtp_weights(model, seed: int = 1) -> dict[str, torch.Tensor]:
-    """Random weights named like the real checkpoint's MTP head: fc, two pre-fc norms, one full-attention layer."""
+    """Random weights for the real checkpoint's MTP head, with the names and shapes the planner sizes it by
+    (`qconv.convert.layout.mtp_shapes`): matrices ~N(0, 0.02), norms ones."""
+    from qconv.convert.layout import mtp_shapes
+
     g = torch.Generator().manual_seed(seed)
-    c = model.config
-    h, i, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    nq, nkv = c.num_attention_heads, c.num_key_value_heads
-
-    def w(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
-
-    def ones(n):
-        return torch.ones(n, dtype=torch.bfloat16)
-
-    L = "mtp.layers.0."
-    return {
-        "mtp.fc.weight": w(h, 2 * h),
-        "mtp.pre_fc_norm_embedding.weight": ones(h),
-        "mtp.pre_fc_norm_hidden.weight": ones(h),
-        "mtp.norm.weight": ones(h),
-        L + "input_layernorm.weight": ones(h),
-        L + "post_attention_layernorm.weight": ones(h),
-        L + "self_attn.q_proj.weight": w(nq * hd * 2, h),  # query + output gate
-        L + "self_attn.k_proj.weight": w(nkv * hd, h),
-        L + "self_attn.v_proj.weight": w(nkv * hd, h),
-        L + "self_attn.o_proj.weight": w(h, nq * hd),
-        L + "self_attn.q_norm.weight": ones(hd),
-        L + "self_attn.k_norm.weight": ones(hd),
-        L + "mlp.gate_proj.weight": w(i, h),
-        L + "mlp.up_proj.weight": w(i, h),
-        L + "mlp.down_proj.weight": w(h, i),
-    }
+    out = {}
+    for name, shape in mtp_shapes(model.config.to_dict()).items():
+        t = torch.ones(shape) if len(shape) == 1 else torch.randn(*shape, generator=g) * 0.02
+        out[name] = t.to(torch.bfloat16)
+    return out
 
 
 def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
@@ -96,7 +76,7 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
     tok = make_tokenizer()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(family, len(tok)))
-    with torch.no_grad():  # random init is too tame for quantization to matter; widen it a little
+    with torch.no_grad():  # seeded, explicit init so every family's weights have the same spread
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, STD)

@@ -134,3 +134,25 @@ def test_cpu_recipe_loads():
     assert {r.scheme_for(x) for x in ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down")} == {"w8a8"}
     assert r.scheme_for("embed") == r.scheme_for("lm_head") == "bf16"
     assert set(r.profiles) == {"fast", "long"} and r.speculative.method == "lookup"
+
+
+def test_requires_refuse_until_the_vllm_feature_is_declared(config_27b):
+    src = vllm.load_source(config_27b, "3090")
+    plain = vllm.VllmInfo("0.32.0", [src.architecture], ["auto", "fp8_e4m3"])
+    src.requires = [{"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings",
+                     "vllm_feature": "quantized-embeddings", "reason": "r"},
+                    {"feature": "profile huge: kvarn_k4v2_g128 KV cache", "profile": "huge",
+                     "needs": "qconv runtime or the KVarN build of vLLM", "vllm_feature": "kv-cache:kvarn_k4v2_g128"}]
+    with pytest.raises(QconvError) as e:
+        vllm.check_vllm(src, "fast", plain)
+    assert "int8 embed_tokens" in e.value.what and "--vllm-feature quantized-embeddings" in e.value.fix
+    assert "--backend native" in e.value.fix
+    vllm.check_vllm(src, "fast", plain, ("quantized-embeddings",))  # the KV entry belongs to another profile
+    # a manifest written before feature tokens existed is read by its wording
+    src.requires = [{"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings"}]
+    with pytest.raises(QconvError, match="int8 embed_tokens"):
+        vllm.check_vllm(src, "fast", plain)
+    vllm.check_vllm(src, "fast", plain, ("quantized-embeddings",))
+    src.requires = [{"feature": "x", "needs": "qconv-runtime"}]  # nothing a vLLM can declare satisfies this
+    with pytest.raises(QconvError, match="needs qconv-runtime"):
+        vllm.check_vllm(src, "fast", plain, ("x", "qconv-runtime"))

@@ -100,3 +100,47 @@ def test_vllm_cpu_serves_w8a8_artifact_and_agrees_with_native(tiny_qwen3, vllm_p
         # ... and it scores its own picks as we do
         diff = (ours - torch.tensor(vllm_lp, dtype=torch.float32)).abs()
         assert float(diff.max()) <= TOLERANCE, diff.tolist()
+
+
+@pytest.mark.slow
+def test_stock_vllm_refuses_the_3090_artifact_up_front(tiny_qwen3, vllm_python, tmp_path):
+    """int8 embed_tokens / lm_head (the 3090 recipe) are listed in qconv.json `requires`; the launcher refuses them
+    by name, and when the user declares the features anyway, vLLM's own compressed-tensors parser is run on the
+    config first: stock vLLM rejects it there, in seconds, instead of after a long load."""
+    from click.testing import CliRunner
+
+    from qconv.cli import main
+    from qconv.manifest import read_manifest
+
+    art = tmp_path / "tiny-qwen3-3090"
+    r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(tiny_qwen3), "--out", str(art),
+                                  "--samples", "8", "--seq-len", "64"])
+    assert r.exit_code == 0, r.output
+    feats = {q.get("vllm_feature") for q in read_manifest(art).requires}
+    assert {"quantized-embeddings", "quantized-lm-head"} <= feats
+    base = ["serve", str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--profile", "fast"]
+    r = CliRunner().invoke(main, base)
+    assert r.exit_code == 2 and "int8 embed_tokens" in r.output and "--vllm-feature" in r.output, r.output
+    r = CliRunner().invoke(main, [*base, "--vllm-feature", "quantized-embeddings",
+                                  "--vllm-feature", "quantized-lm-head"])
+    assert r.exit_code == 2 and "rejects the quantization_config" in r.output, r.output
+
+
+@pytest.mark.slow
+def test_3090_vllm_recipe_passes_stock_vllm_checks(tiny_qwen3, vllm_python, tmp_path):
+    """The stock-vLLM variant of the 3090 recipe requires nothing, and vLLM's own parser accepts its config."""
+    from click.testing import CliRunner
+
+    from qconv.cli import main
+    from qconv.manifest import read_manifest
+    from qconv.serve import vllm
+
+    art = tmp_path / "tiny-qwen3-3090-vllm"
+    r = CliRunner().invoke(main, ["build", "--recipe", "3090-vllm", "--model", str(tiny_qwen3), "--out", str(art),
+                                  "--samples", "8", "--seq-len", "64"])
+    assert r.exit_code == 0, r.output
+    assert read_manifest(art).requires == []
+    src = vllm.load_source(art)
+    info = vllm.probe_vllm(vllm_python)
+    vllm.check_vllm(src, "long", info)
+    vllm.check_quant_config(src, vllm_python, info.version)

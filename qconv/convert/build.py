@@ -15,12 +15,13 @@ from pathlib import Path
 
 from qconv.convert.artifact import copy_mtp, copy_side_files, finalize, write_index
 from qconv.convert.layout import Plan, plan_model
+from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.convert.stages import DONE, WorkDir, default_work_dir, stage_key
 from qconv.errors import GateFailure, QconvError
 from qconv.fsutil import atomic_dir, sha256_file
 from qconv.manifest import CalibrationInfo, Manifest, RecipeInfo, SourceInfo, tool_versions
-from qconv.recipes.recipe import KEEP, Recipe, load_recipe
+from qconv.recipes.recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +52,6 @@ class DryRun:
     recipe: Recipe
     config: dict
     selection: object | None = None  # calibrate.select.Selection when scores are cached in the work dir
-
-
-def requirements(recipe: Recipe, plan: Plan) -> list[dict]:
-    """What a stock vLLM cannot do with this artifact, so the launcher can check before it starts."""
-    req = []
-    if any(m.role == "embed" and m.scheme != KEEP for m in plan.modules):
-        req.append({"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings",
-                    "reason": "stock vLLM loads embed_tokens unquantized"})
-    for name, p in recipe.profiles.items():
-        if p.kv_cache.startswith("kvarn"):
-            req.append({"feature": f"profile {name}: {p.kv_cache} KV cache", "needs": "qconv runtime or the KVarN build of vLLM",
-                        "reason": "KVarN is not a stock vLLM kv-cache dtype"})
-    return req
 
 
 def _recipe(opts: BuildOptions) -> Recipe:

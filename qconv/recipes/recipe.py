@@ -210,7 +210,49 @@ def builtin_recipes() -> list[str]:
 
 
 def load_recipe(name_or_path: str) -> Recipe:
-    """A built-in recipe by name (`3090`) or a user's YAML file by path."""
+    """A built-in recipe by name (`3090`) or a user's YAML file by path. `extends: NAME_OR_PATH` at the top takes
+    that recipe and overrides it: mappings merge key by key, anything else is replaced, and `key: null` over a
+    mapping removes it (e.g. a profile), so a variant states only what differs from its base."""
+    data, source = _recipe_data(name_or_path, ())
+    return from_dict(Recipe, data, "", source)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if v is None and isinstance(base.get(k), dict):
+            out.pop(k)
+        elif isinstance(v, dict) and isinstance(base.get(k), dict):
+            out[k] = _merge(base[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _recipe_data(name_or_path: str, chain: tuple[str, ...]) -> tuple[dict, str]:
+    text, source = _recipe_text(name_or_path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise QconvError(f"recipe is not valid YAML: {e}", where=source, fix="fix the YAML syntax") from e
+    if not isinstance(data, dict) or "extends" not in data:
+        return data, source
+    base = data.pop("extends")
+    if not isinstance(base, (str, int)):
+        raise QconvError(f"bad extends: {base!r}", where=f"{source}: extends", fix="name a recipe or a YAML path")
+    base = str(base)
+    if base.endswith((".yaml", ".yml")) and not Path(base).is_absolute() and Path(source).is_file():
+        base = str(Path(source).parent / base)  # a user's variant names its base relative to itself
+    chain = (*chain, str(Path(source).resolve()) if Path(source).is_file() else name_or_path)
+    key = str(Path(base).resolve()) if Path(base).is_file() else base
+    if key in chain:
+        raise QconvError(f"recipes extend each other in a cycle: {' -> '.join([*chain, key])}",
+                         where=f"{source}: extends", fix="break the cycle")
+    parent, _ = _recipe_data(base, chain)
+    return _merge(parent, data), source
+
+
+def _recipe_text(name_or_path: str) -> tuple[str, str]:
     p = Path(name_or_path).expanduser()
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
@@ -222,8 +264,4 @@ def load_recipe(name_or_path: str) -> Recipe:
             raise QconvError(f"unknown recipe {name_or_path!r}", where="--recipe",
                              fix=f"use one of {', '.join(builtin_recipes())} (see `qconv recipes list`) or a path to a YAML file")
         text, source = res.read_text(), f"recipe {name_or_path}"
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise QconvError(f"recipe is not valid YAML: {e}", where=source, fix="fix the YAML syntax") from e
-    return from_dict(Recipe, data, "", source)
+    return text, source

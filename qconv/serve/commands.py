@@ -50,12 +50,15 @@ def _cuda_gpu() -> bool:
 @click.option("--max-model-len", default=None, type=int, help="Native: cap the context (the cache is preallocated).")
 @click.option("--vllm-python", default=None, envvar="QCONV_VLLM_PYTHON",
               help="Python interpreter with vLLM installed (default: this one), e.g. the scripts/setup_vllm_cpu.sh venv.")
+@click.option("--vllm-feature", "vllm_features", multiple=True, metavar="TOKEN",
+              help="Declare that your vLLM handles a feature the artifact's qconv.json requires (e.g. "
+                   "quantized-embeddings for a patched vLLM); repeatable.")
 @click.option("--spec-tokens", default=None, type=int,
               help="Native: prompt-lookup draft tokens per step (0: off; default: the artifact's speculative config).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve(target, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-          max_model_len, vllm_python, spec_tokens, served_model_name, vllm_args) -> None:
+          max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args) -> None:
     """Serve ARTIFACT_OR_NAME over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
@@ -66,7 +69,8 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     if print_command:
         backend = "vllm"
     if backend == "auto":
-        backend = "vllm" if _cuda_gpu() and _has_vllm(python) else "native"
+        backend = "vllm" if _cuda_gpu() and _has_vllm(python) and _fits_vllm(path, recipe, profile, vllm_features) \
+            else "native"
     if backend == "native":
         if vllm_args:
             raise QconvError(f"extra arguments {' '.join(vllm_args)!r} are for vLLM", where="--backend native",
@@ -86,9 +90,23 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     if print_command:
         click.echo(shlex.join(argv))
         return
-    vllm.check_vllm(src, profile, vllm.probe_vllm(python))
+    info = vllm.probe_vllm(python)
+    vllm.check_vllm(src, profile, info, vllm_features)
+    vllm.check_quant_config(src, python, info.version)
     click.echo(f"starting: {shlex.join(argv)}", err=True)
     sys.exit(vllm.run_vllm(argv, host, port, api_key=api_key))
+
+
+def _fits_vllm(path, recipe, profile, features) -> bool:
+    """--backend auto: an artifact whose qconv.json requires what a stock vLLM lacks goes to the native engine."""
+    from qconv.convert.requires import missing_for_vllm
+    from qconv.serve import vllm
+
+    src = vllm.load_source(path, recipe)
+    missing = missing_for_vllm(src.requires, vllm.pick_profile(src, profile)[0], set(features))
+    if missing:
+        click.echo(f"auto: native backend ({missing[0].get('feature')} needs {missing[0].get('needs')})", err=True)
+    return not missing
 
 
 def _has_vllm(python: str) -> bool:

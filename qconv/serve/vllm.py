@@ -17,6 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qconv.convert.requires import KV_PREFIX, missing_for_vllm, vllm_feature
 from qconv.errors import QconvError
 
 # Architectures whose decoder mixes Gated-DeltaNet (mamba-style state) with attention: they take
@@ -209,7 +210,8 @@ def _accepts_kv(info: VllmInfo, kv: str) -> bool:
     return info.kv_dtypes is None or KV_TO_VLLM.get(kv, kv) in info.kv_dtypes
 
 
-def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo) -> None:
+def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo,
+               features: tuple[str, ...] = ()) -> None:
     """Refuse, before a long load, what this vLLM cannot run, naming the profile that it can."""
     pname, p = pick_profile(src, profile)
     if src.architecture and info.archs is not None and src.architecture not in info.archs:
@@ -223,10 +225,54 @@ def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo) -> None:
         raise QconvError(f"profile {pname!r} needs KV cache dtype {kv}, which vLLM {info.version} does not accept "
                          f"(needs {need})", where="--profile",
                          fix=f"{fallback}, or serve this profile with --backend native")
-    for req in src.requires:
-        if str(req.get("needs", "")).lower() in ("qconv", "qconv-runtime", "native"):
-            raise QconvError(f"{src.name}: {req.get('feature')} needs qconv's runtime ({req.get('reason', '')})",
-                             where="qconv.json requires", fix="serve it with --backend native")
+    for req in missing_for_vllm(src.requires, pname, set(features)):
+        feat = vllm_feature(req)
+        declare = f", or, if your vLLM is built to handle it, pass --vllm-feature {feat}" if feat else ""
+        raise QconvError(f"{src.name}: {req.get('feature')} needs {req.get('needs')} ({req.get('reason', '')})",
+                         where="qconv.json requires",
+                         fix="serve it with --backend native, or rebuild with a recipe that keeps it bf16 "
+                             f"(3090-vllm){declare}")
+
+
+# Run inside the vLLM interpreter: vLLM's own compressed-tensors parser on the artifact's quantization_config.
+# It imports vLLM (seconds), so it runs only for quantized artifacts; prints one JSON line.
+_QUANT_PROBE = r"""
+import json, sys, traceback
+q = json.load(open(sys.argv[1]))["quantization_config"]
+try:
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+    CompressedTensorsConfig.from_config(q)
+    print(json.dumps({"ok": True}))
+except Exception as e:
+    f = traceback.extract_tb(e.__traceback__)[-1]
+    print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}".strip(": "),
+                      "at": f"{f.filename.split('site-packages/')[-1]}:{f.lineno}"}))
+"""
+
+
+def check_quant_config(src: ServeSource, python: str, version: str) -> None:
+    """Refuse an artifact whose quantization_config this vLLM cannot even parse (e.g. stock vLLM 0.32 asserts on
+    a weight-only `int-quantized` group, which is how int8 embed_tokens/lm_head are stored), before a long load."""
+    if src.config.get("quantization_config", {}).get("quant_method") != "compressed-tensors":
+        return
+    try:
+        r = subprocess.run([python, "-c", _QUANT_PROBE, str(src.model_dir / "config.json")], capture_output=True,
+                           text=True, timeout=600, env=vllm_env())
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise QconvError(f"cannot run the vLLM interpreter {python}: {e}", where="--vllm-python",
+                         fix="pass --vllm-python PATH to a python with vLLM installed, or use --backend native")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    data = json.loads(lines[-1]) if lines else {"ok": False, "error": (r.stderr.strip().splitlines() or ["?"])[-1],
+                                                 "at": "import"}
+    if not data["ok"]:
+        needs = "; ".join(f"{q.get('feature')}: {q.get('needs')}" for q in src.requires
+                          if vllm_feature(q) and not vllm_feature(q).startswith(KV_PREFIX))
+        raise QconvError(f"vLLM {version} cannot load {src.name}: its compressed-tensors parser rejects the "
+                         f"quantization_config ({data['error']} at {data['at']})" + (f"; the artifact needs {needs}"
+                                                                                       if needs else ""),
+                         where=str(src.model_dir / "config.json"),
+                         fix="serve it with --backend native, or rebuild with a recipe that stock vLLM loads "
+                             "(--recipe 3090-vllm keeps embed_tokens/lm_head bf16)")
 
 
 def vllm_env(api_key: str | None = None) -> dict[str, str]:

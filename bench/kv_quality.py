@@ -6,7 +6,8 @@ query reads it — pessimistic next to decoding, where a query's own tile is sti
 each window (llama.cpp's convention). Prints one JSON line.
 
     .venv/bin/python bench/kv_quality.py [--windows 4] [--window 2048] [--schemes a,b,...] [--threads 1]
-    (--schemes may include int4_g32+sink128: the int4 baseline with KVarN's exact fp16 sink, an ablation)
+    (--schemes may include int4_g32+sinkN, e.g. int4_g32+sink128: the int4 baseline with an exact fp16 sink of
+    N tokens like KVarN's, an ablation)
 """
 
 from __future__ import annotations
@@ -21,21 +22,23 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SINK_ABLATION = "int4_g32+sink128"  # int4_g32 with KVarN's fp16 first 128 tokens: is the win only the sink?
+SINK_ABLATION = "int4_g32+sink"  # + N: int4_g32 with KVarN's fp16 first N tokens: is the win only the sink?
 
 
-def _sink_ablation():
+def _sink_ablation(name: str):
     from dataclasses import dataclass
 
     from qconv.kv.baselines import IntGroup
 
+    sink = int(name.removeprefix(SINK_ABLATION))
+
     @dataclass(frozen=True)
     class Int4Sink(IntGroup):
         def split(self, tokens):
-            n = min(tokens, 128)
+            n = min(tokens, sink)
             return n, tokens - n, 0
 
-    return Int4Sink(SINK_ABLATION, bits=4, group=32)
+    return Int4Sink(name, bits=4, group=32)
 
 
 def main() -> None:
@@ -67,7 +70,7 @@ def main() -> None:
     names = a.schemes.split(",")
 
     def scheme(n):
-        return _sink_ablation() if n == SINK_ABLATION else get_kv_scheme(n)
+        return _sink_ablation(n) if n.startswith(SINK_ABLATION) else get_kv_scheme(n)
 
     acc = {n: {"kld": [], "agree": [], "nll": []} for n in names}
     ref_nll = []

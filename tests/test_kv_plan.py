@@ -51,6 +51,7 @@ def test_plan_from_manifest(artifact_27b):
     assert 4.7 < huge.max_context["kvarn_k4v2_g128"] / huge.max_context["bf16"] < 4.9
     text = render(r)
     assert "65,536 B" in text and "32,768 B" in text and "4.88x smaller" in text
+    assert "kvarn_k4v2_g256       13,056 B" in text and "kvarn_k4v4_g256       17,152 B" in text  # 204, 268 B/tok/head
 
 
 def test_plan_refuses_what_does_not_fit(artifact_27b):

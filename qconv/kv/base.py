@@ -88,11 +88,12 @@ class KVScheme:
         return k.reshape(*lead, self.tile, head_dim), v.reshape(*lead, self.tile, head_dim)
 
     def new_store(self, *, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int,
-                  dtype: torch.dtype, device=None):
-        """The runtime's KVStore (qconv.runtime.cache) holding this scheme's packed records per (layer, slot)."""
+                  dtype: torch.dtype, device=None, decoded_cache_bytes: int = 0):
+        """The runtime's KVStore (qconv.runtime.cache) holding this scheme's packed records per (layer, slot);
+        decoded_cache_bytes > 0 lets reads reuse decoded closed tiles (a speed cache, outside the memory bound)."""
         from qconv.kv.store import SlotKVStore
 
-        return SlotKVStore(self, layers, max_batch, heads, head_dim, dtype, device)
+        return SlotKVStore(self, layers, max_batch, heads, head_dim, dtype, device, decoded_cache_bytes)
 
     # --- simulation ----------------------------------------------------------------------------------------------
     def fake_quant(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,4 +132,9 @@ class TileScheme(KVScheme):
 
 
 def kvarn(k_bits: int, v_bits: int, tile: int) -> TileScheme:
+    """Preset `kvarn_k{k}v{v}_g{tile}`. Tile sizes: 128 is the design's default; 64 costs a few % more bytes for a
+    little less error; 256 is for head_dim <= 64, where each record's per-channel fields (a_d, z_d, c_d: 6 B per
+    channel) weigh twice as much against the codes as at D=128 and g128 ends up larger than q4_0 (k4v4 at D=64:
+    73 B/token/head vs int4_g32's 72) -- a 256-token tile halves their share (71.5 B). The price: a 256-token fp16
+    sink and up to 255 fp16 tokens in progress per sequence."""
     return TileScheme(name=f"kvarn_k{k_bits}v{v_bits}_g{tile}", tile=tile, k_bits=k_bits, v_bits=v_bits)

@@ -240,7 +240,9 @@ def render(r: FitReport) -> str:
         + (f"; {d.linear_layers} Gated-DeltaNet layers" if d.linear_layers else ""),
         "KV bytes per token (full-attention layers, K+V):",
     ]
-    for s in dict.fromkeys((*COMPARE, *(f.profile.kv_cache for f in r.profiles), "int4_g32", "kivi_k4v4_g128")):
+    listed = (*COMPARE, *(f.profile.kv_cache for f in r.profiles), "kvarn_k4v4_g256", "kvarn_k4v2_g256", "int4_g32",
+              "kivi_k4v4_g128")
+    for s in dict.fromkeys(listed):
         sch = get_kv_scheme(s)
         b = d.full_layers * d.kv_heads * sch.bytes_per_token_per_head(d.head_dim)
         lines.append(f"  {s:<17} {b:>10,.0f} B  ({sch.bits_per_element(d.head_dim):.3f} bits/elem, "

@@ -13,7 +13,7 @@ _SCHEMES: dict[str, KVScheme] = {s.name: s for s in (
     IntGroup("int8_token", bits=8),
     IntGroup("int4_g32", bits=4, group=32),
     kivi(4, 4), kivi(4, 2), kivi(2, 2),
-    kvarn(4, 4, 128), kvarn(4, 2, 128), kvarn(4, 4, 64), kvarn(4, 2, 64),
+    kvarn(4, 4, 128), kvarn(4, 2, 128), kvarn(4, 4, 64), kvarn(4, 2, 64), kvarn(4, 4, 256), kvarn(4, 2, 256),
 )}
 KV_SCHEME_NAMES = tuple(_SCHEMES)
 

@@ -16,10 +16,18 @@ class PackedKV:
     """One sequence's cache: sink tile (fp16), quantized records, tile in progress (fp16).
 
     keep_last_tile keeps an fp16 copy of the newest quantized tile, so a speculative rollback that lands inside it
-    restores exact values; a rollback further back decodes the tile instead (counted in `lossy_rollbacks`)."""
+    restores exact values; a rollback further back decodes the tile instead (counted in `lossy_rollbacks`).
 
-    def __init__(self, scheme: KVScheme, head_dim: int, *, keep_last_tile: bool = False, device=None):
+    decoded_tiles > 0 keeps the first that many closed tiles decoded (in the dtype last read) so that a read decodes
+    only the tiles closed since the previous one; tiles past the cap are decoded on every read as before. That
+    buffer is a speed cache outside the memory bound: `decoded_nbytes` reports it, `nbytes` does not."""
+
+    def __init__(self, scheme: KVScheme, head_dim: int, *, keep_last_tile: bool = False, decoded_tiles: int = 0,
+                 device=None):
         self.scheme, self.head_dim, self.keep_last_tile, self.device = scheme, head_dim, keep_last_tile, device
+        self.decoded_tiles = decoded_tiles
+        self.dec: tuple[torch.Tensor, torch.Tensor] | None = None  # [..., capacity tokens, D] each
+        self.n_dec = 0  # closed tiles whose decoded values are in `dec`
         self.length = 0
         self.n_tiles = 0
         self.records: torch.Tensor | None = None  # [..., capacity, record_bytes]
@@ -64,17 +72,63 @@ class PackedKV:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """All held tokens as (k, v) [..., length, D]."""
-        ks, vs = [], []
-        if self.sink is not None:
-            ks.append(self.sink[0].to(dtype)), vs.append(self.sink[1].to(dtype))
-        if self.n_tiles:
-            kd, vd = self.scheme.decode(self.records[..., :self.n_tiles, :], self.head_dim, dtype)
-            ks.append(kd.flatten(-3, -2)), vs.append(vd.flatten(-3, -2))
-        if self.cur is not None:
-            ks.append(self.cur[0].to(dtype)), vs.append(self.cur[1].to(dtype))
-        if not ks:
+        if not self.length:
             raise QconvError("the KV store holds no tokens yet")
-        return torch.cat(ks, -2), torch.cat(vs, -2)
+        lead = (self.sink or self.cur)[0].shape[:-2]
+        k = torch.empty(*lead, self.length, self.head_dim, dtype=dtype, device=(self.sink or self.cur)[0].device)
+        v = torch.empty_like(k)
+        self.read_into(k, v)
+        return k, v
+
+    def read_into(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the first min(length, k.shape[-2]) held tokens into k, v [..., n, D] (their dtype), piece by piece:
+        sink, decoded tiles (reused from the decoded-tile cache where it holds them), tile in progress."""
+        n, g, pos = min(self.length, k.shape[-2]), self.scheme.tile, 0
+
+        def put(pk: torch.Tensor, pv: torch.Tensor) -> None:
+            nonlocal pos
+            t = min(pk.shape[-2], n - pos)
+            k[..., pos:pos + t, :], v[..., pos:pos + t, :] = pk[..., :t, :], pv[..., :t, :]
+            pos += t
+
+        if self.sink is not None:
+            put(*self.sink)
+        m = self._decode_cached(k.dtype)
+        if m:
+            put(self.dec[0][..., :m * g, :], self.dec[1][..., :m * g, :])
+        last = min(self.n_tiles, m + -(-max(0, n - pos) // g))  # only the tiles that reach into the first n
+        if last > m:
+            kd, vd = self.scheme.decode(self.records[..., m:last, :], self.head_dim, k.dtype)
+            put(kd.flatten(-3, -2), vd.flatten(-3, -2))
+        if self.cur is not None and pos < n:
+            put(*self.cur)
+
+    def _decode_cached(self, dtype: torch.dtype) -> int:
+        """Bring the decoded buffer up to min(n_tiles, decoded_tiles) tiles in `dtype`; returns that tile count."""
+        m, g = min(self.n_tiles, self.decoded_tiles), self.scheme.tile
+        if not m:
+            return 0
+        if self.dec is None or self.dec[0].dtype != dtype:
+            self.dec, self.n_dec = None, 0
+        if self.dec is None or self.dec[0].shape[-2] < m * g:
+            cap = min(self.decoded_tiles, max(m, 2 * self.n_dec, 4)) * g
+            lead = self.records.shape[:-2]
+            new = [torch.empty(*lead, cap, self.head_dim, dtype=dtype, device=self.records.device) for _ in (0, 1)]
+            if self.n_dec:
+                for x, old in zip(new, self.dec):
+                    x[..., :self.n_dec * g, :] = old[..., :self.n_dec * g, :]
+            self.dec = (new[0], new[1])
+        if self.n_dec < m:
+            kd, vd = self.scheme.decode(self.records[..., self.n_dec:m, :], self.head_dim, dtype)
+            self.dec[0][..., self.n_dec * g:m * g, :] = kd.flatten(-3, -2)
+            self.dec[1][..., self.n_dec * g:m * g, :] = vd.flatten(-3, -2)
+            self.n_dec = m
+        return m
+
+    @property
+    def decoded_nbytes(self) -> int:
+        """Bytes of the decoded-tile speed cache (0 unless decoded_tiles > 0)."""
+        return sum(x.numel() * x.element_size() for x in self.dec) if self.dec is not None else 0
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens (speculative rollback)."""
@@ -98,6 +152,7 @@ class PackedKV:
             self.cur = (self.sink[0][..., :n, :], self.sink[1][..., :n, :])
             self.sink, self.n_tiles, self.last = None, 0, None
         self.length = n
+        self.n_dec = min(self.n_dec, self.n_tiles)
 
     @property
     def nbytes(self) -> int:
@@ -111,12 +166,17 @@ class SlotKVStore:
     """qconv.runtime.cache.KVStore over PackedKV: one packed sequence per (layer, slot); heads are batched."""
 
     def __init__(self, scheme: KVScheme, layers: int, max_batch: int, heads: int, head_dim: int,
-                 dtype: torch.dtype, device=None):
+                 dtype: torch.dtype, device=None, decoded_cache_bytes: int = 0):
+        """decoded_cache_bytes: total budget for decoded closed tiles (see PackedKV), split evenly over the
+        (layer, slot) sequences; 0 (default) decodes every closed tile on every read."""
         self.scheme, self.heads, self.head_dim, self.dtype, self.device = scheme, heads, head_dim, dtype, device
+        tile_bytes = 2 * heads * scheme.tile * head_dim * dtype.itemsize
+        self.decoded_tiles = decoded_cache_bytes // (layers * max_batch * tile_bytes) if layers * max_batch else 0
         self.seqs = [[self._new() for _ in range(max_batch)] for _ in range(layers)]
 
     def _new(self) -> PackedKV:
-        return PackedKV(self.scheme, self.head_dim, keep_last_tile=True, device=self.device)
+        return PackedKV(self.scheme, self.head_dim, keep_last_tile=True, decoded_tiles=self.decoded_tiles,
+                        device=self.device)
 
     def write(self, layer: int, slots: list[int], starts: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, T, H, D], appended at starts[b] of slots[b] (a start below the held length truncates first)."""
@@ -131,14 +191,12 @@ class SlotKVStore:
 
     def read(self, layer: int, slots: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, H, length, D] in the compute dtype; positions a slot does not hold are zeros (masked by the caller)."""
-        k = torch.zeros(len(slots), self.heads, length, self.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.zeros_like(k)
+        k = torch.empty(len(slots), self.heads, length, self.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.empty_like(k)
         for b, s in enumerate(slots):
-            seq = self.seqs[layer][s]
-            if seq.length:
-                kd, vd = seq.dequantize(self.dtype)
-                n = min(length, seq.length)
-                k[b, :, :n], v[b, :, :n] = kd[..., :n, :], vd[..., :n, :]
+            held = min(length, self.seqs[layer][s].length)
+            self.seqs[layer][s].read_into(k[b], v[b])
+            k[b, :, held:], v[b, :, held:] = 0, 0
         return k, v
 
     def truncate(self, slots: list[int], n_keep: list[int]) -> None:
@@ -152,3 +210,7 @@ class SlotKVStore:
     @property
     def nbytes(self) -> int:
         return sum(seq.nbytes for layer in self.seqs for seq in layer)
+
+    @property
+    def decoded_nbytes(self) -> int:
+        return sum(seq.decoded_nbytes for layer in self.seqs for seq in layer)

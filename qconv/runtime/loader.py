@@ -1,4 +1,5 @@
-"""Load a plain HF folder or a qconv (compressed-tensors) artifact into our model, dequantizing on load.
+"""Load a plain HF folder or a qconv (compressed-tensors) artifact into our model: dequantized on load, and for bf16
+on CPU the int4 Linears and int8 embedding also run from their integer form (int_linear.py).
 
 Checkpoint names are mapped to ours here: q/k/v and gate/up (and the four GDN input projections) are fused into one
 matrix each, and qwen3_5's zero-centred norms get their +1 folded into the weight."""
@@ -14,6 +15,7 @@ import torch
 from qconv.errors import QconvError
 from qconv.runtime.config import RuntimeConfig, load_config
 from qconv.runtime.cpu_pack import PackedLinear, pack_linears, packing_available
+from qconv.runtime.int_linear import IntWeight, attach_int_kernels, int_kernels_available
 from qconv.runtime.model import Transformer
 
 FUSED = {  # our name -> checkpoint names concatenated along the output dim, in order
@@ -39,14 +41,46 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def quantization_config(path: Path) -> dict | None:
+    return json.loads((path / "config.json").read_text()).get("quantization_config") or None
+
+
 def dequantize(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Replace compressed-tensors modules (weight_packed / int8 weight + scales) by dense weights."""
-    qcfg = json.loads((path / "config.json").read_text()).get("quantization_config")
+    qcfg = quantization_config(path)
     if not qcfg:
         return tensors
     from qconv.runtime.quant import dequantize_tensors
 
     return dequantize_tensors(qcfg, tensors, dtype, where=str(path))
+
+
+def our_int_weights(path: Path, tensors: dict[str, torch.Tensor], cfg: RuntimeConfig) -> dict[str, IntWeight]:
+    """The artifact's integer weights under our module names, fused like the dense ones; a fused projection whose
+    parts differ in format (or are not all quantized) is left out and runs dense."""
+    from qconv.runtime.quant import int_weights
+
+    qcfg = quantization_config(path)
+    found = int_weights(qcfg, tensors, where=str(path)) if qcfg else {}
+    out: dict[str, IntWeight] = {}
+    pending: dict[str, dict[str, IntWeight]] = {}
+    for name, w in found.items():
+        ours = _our_name(name + ".weight", cfg)
+        if ours is None:
+            continue
+        module = ours[:-len(".weight")]
+        owner, _, leaf = module.rpartition(".")
+        if leaf not in PART_OF:
+            out[module] = w
+            continue
+        fused, parts = PART_OF[leaf]
+        pending.setdefault(f"{owner}.{fused}", {})[leaf] = w
+        if len(pending[f"{owner}.{fused}"]) == len(parts):
+            got = pending.pop(f"{owner}.{fused}")
+            cat = IntWeight.cat([got[p] for p in parts])
+            if cat is not None:
+                out[f"{owner}.{fused}"] = cat
+    return out
 
 
 def _our_name(name: str, cfg: RuntimeConfig) -> str | None:
@@ -93,13 +127,29 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: RuntimeConfig, dty
     return sd
 
 
-def load_model(path, *, dtype: torch.dtype = torch.float32, max_batch: int = 1, pack: bool | None = None
-               ) -> Transformer:
+def runtime_dtype(path, dequantize: bool = False) -> torch.dtype:
+    """The dtype the CLI runs a model in: bf16 for a compressed artifact when the CPU int kernels exist (its int4
+    Linears then run as int4), else float32 (dequantized on load). dequantize=True forces the float32 path."""
+    compressed = (quantization_config(Path(path)) or {}).get("quantization_status") == "compressed"
+    use_int = compressed and not dequantize and int_kernels_available(torch.device("cpu"), torch.bfloat16)
+    return torch.bfloat16 if use_int else torch.float32
+
+
+def load_model(path, *, dtype: torch.dtype = torch.float32, max_batch: int = 1, pack: bool | None = None,
+               int_kernels: bool | None = None) -> Transformer:
     """A plain HF folder (llama/qwen2/qwen3/qwen3_5) or a qconv artifact -> our Transformer, eval mode.
 
-    pack: repack Linear weights into oneDNN's layout for faster CPU decode (default: on CPU when available)."""
+    pack: repack Linear weights into oneDNN's layout for faster CPU decode (default: on CPU when available).
+    int_kernels: run an artifact's int4 Linears through torch's CPU int4 kernel and look its int8 embedding up from
+    the int8 table (default: on for bf16 on CPU when the kernels exist; False = dequantized only)."""
     path = Path(path)
-    tensors = dequantize(path, read_safetensors(path), dtype)
+    if int_kernels is None:
+        int_kernels = int_kernels_available(torch.device("cpu"), dtype)
+    elif int_kernels and not int_kernels_available(torch.device("cpu"), dtype):
+        raise QconvError(f"int kernels need bfloat16 on a CPU torch with the int4 kernel (got {dtype})",
+                         fix="load with dtype=torch.bfloat16, or int_kernels=False")
+    raw = read_safetensors(path)
+    tensors = dequantize(path, raw, dtype)
     cfg = load_config(path, has_mtp=any(k.startswith("mtp.fc.") for k in tensors))
     cfg.attention_bias = any(k.endswith("self_attn.q_proj.bias") for k in tensors)
     cfg.o_bias = any(k.endswith("self_attn.o_proj.bias") for k in tensors)
@@ -120,6 +170,8 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, max_batch: int = 1, 
         pack_linears(model)
         if model.lm_head is None:
             model.tied_head = PackedLinear(model.embed_tokens.weight, None)
+    if int_kernels:
+        attach_int_kernels(model, our_int_weights(path, raw, cfg))
     return model.eval()
 
 

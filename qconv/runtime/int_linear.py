@@ -1,0 +1,129 @@
+"""Run a qconv artifact's int4 Linears through torch's CPU int4 kernel and look its int8 embedding up row by row,
+instead of holding them dequantized.
+
+Why: batch-1 CPU decode streams every weight once per token; int4 streams a quarter of bf16's bytes. Measured on this
+CPU (1 thread, bf16 activations, see docs/BENCHMARKS.md): `_weight_int4pack_mm_for_cpu` beats oneDNN-packed bf16 by
+1.3-3x per matmul at 1 row, but its cost grows linearly with rows (~3x slower than dense at 16 rows, 6-9x at 64),
+so steps with more rows than `int4_max_rows` (prefill, speculative verification, batched decode) use a dense packed
+copy of the same weights. The group-64 int8 lm_head stays dense: torch's int8 kernel is per-channel only and
+splitting K into groups (9 calls) or masking rows measured slower than the packed bf16 GEMV.
+
+Exactness: compressed-tensors stores symmetric int4 as q in [-8, 7] (offset +8 when packed); torch's int4 convention
+is w = (u - 8) * scale + zero with u in [0, 15], so u = q + 8 and zero = 0 give w = q * scale, computed by the kernel
+in fp32 -- the same value the dequantized path computes in fp32 (it then rounds it to the model dtype)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+INT4_MAX_ROWS = 2  # rows per call up to which the int4 kernel is at least as fast as the dense packed GEMM ...
+INT4_MAX_ROWS_LARGE = 4  # ... and for matrices of LARGE_WEIGHTS or more (SmolLM2: gate/up, down; not q/k/v, o)
+LARGE_WEIGHTS = 768 * 1024
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's CPU int4 kernel is used with here
+
+
+@dataclass
+class IntWeight:
+    """Symmetric integer weight of one Linear/Embedding: w[n, k] = q[n, k] * scale[n, k // group]."""
+
+    bits: int
+    q: torch.Tensor  # int8 [N, K], signed
+    scale: torch.Tensor  # [N, K // group]
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """Dense weight, computed in fp32 like compressed-tensors' decompress, then rounded to dtype."""
+        N, K = self.q.shape
+        w = self.q.view(N, -1, self.group).float() * self.scale.float()[..., None]
+        return w.view(N, K).to(dtype)
+
+    @staticmethod
+    def cat(parts: list[IntWeight]) -> IntWeight | None:
+        """Concatenate along the output dim (fused q/k/v, gate/up); None when the parts' formats differ."""
+        if len({(p.bits, p.group, p.scale.dtype) for p in parts}) != 1:
+            return None
+        return IntWeight(parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def int_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The CPU int4 kernel exists and the model computes in bf16 (with fp32 activations it is ~50x slower)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"))
+
+
+def int4_max_rows(out_features: int, in_features: int) -> int:
+    return INT4_MAX_ROWS_LARGE if out_features * in_features >= LARGE_WEIGHTS else INT4_MAX_ROWS
+
+
+def int4_supported(w: IntWeight, in_features: int) -> bool:
+    """The kernel's layout wants N % 16 == 0; bf16 must hold the scales exactly (else the kernel's weights would
+    differ from the checkpoint's)."""
+    return (w.bits == 4 and w.group in INT4_GROUPS and in_features % w.group == 0 and w.q.shape[1] == in_features
+            and w.q.shape[0] % 16 == 0 and torch.equal(w.scale.to(torch.bfloat16).float(), w.scale.float()))
+
+
+class Int4Linear(nn.Module):
+    """A Linear whose weight lives in torch's CPU int4 layout; steps with many rows go to `dense` (same weights)."""
+
+    def __init__(self, w: IntWeight, dense: nn.Module):
+        super().__init__()
+        self.out_features, self.in_features = w.q.shape
+        self.group = w.group
+        self.max_rows = int4_max_rows(self.out_features, self.in_features)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32) + 8, 1)
+        s = w.scale.to(torch.bfloat16).t()  # [K // group, N]
+        self.scales_zeros = torch.stack([s, torch.zeros_like(s)], dim=-1).contiguous()
+        self.dense = dense
+        self.bias = getattr(dense, "bias", None)
+
+    def int4_mm(self, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d [M, K] bf16 @ W.T through the int4 kernel, any M (no bias)."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group, self.scales_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows > self.max_rows or x.dtype != torch.bfloat16:
+            return self.dense(x)
+        y = self.int4_mm(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Embedding(nn.Module):
+    """Embedding lookup from the int8 table: gather the rows, then scale them (no dense copy of the table)."""
+
+    def __init__(self, w: IntWeight, dtype: torch.dtype):
+        super().__init__()
+        self.q, self.scale, self.group = w.q, w.scale, w.group
+        # Transformer.dtype / .device read embed_tokens.weight; this empty tensor answers them.
+        self.register_buffer("weight", torch.empty(0, dtype=dtype), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = self.q[tokens]
+        w = rows.view(*rows.shape[:-1], -1, self.group).float() * self.scale[tokens].float()[..., None]
+        return w.view(rows.shape).to(self.weight.dtype)
+
+
+def attach_int_kernels(model: nn.Module, weights: dict[str, IntWeight]) -> int:
+    """Swap the modules named in `weights` (our module names) for their int versions where supported; returns how
+    many were swapped. Linears keep their dense module for many-row steps; the embedding is replaced outright unless
+    the lm_head is tied to it (the tied head needs the dense table)."""
+    swapped = 0
+    for name, w in weights.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        mod = getattr(owner, leaf, None)
+        if name == "embed_tokens" and isinstance(mod, nn.Embedding):
+            if w.bits == 8 and getattr(model, "lm_head", None) is not None:
+                setattr(owner, leaf, Int8Embedding(w, mod.weight.dtype))
+                swapped += 1
+        elif mod is not None and hasattr(mod, "in_features") and int4_supported(w, mod.in_features):
+            setattr(owner, leaf, Int4Linear(w, mod))
+            swapped += 1
+    return swapped

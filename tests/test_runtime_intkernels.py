@@ -1,0 +1,155 @@
+"""Artifacts through torch's CPU int kernels (qconv/runtime/int_linear.py) vs the dequantize-on-load path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qconv.errors import QconvError
+from qconv.runtime import load_model
+from qconv.runtime.int_linear import Int4Linear, Int8Embedding, IntWeight, int4_supported, int_kernels_available
+from tests.test_runtime_model import _one_thread, _quantize, _tokens  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.skipif(not int_kernels_available(torch.device("cpu"), torch.bfloat16),
+                                reason="this torch build has no CPU int4 kernel")
+
+# The 3090 SmolLM2 recipe's layout: int4 g64 attention + gate/up, int4 g128 down_proj, int8 g64 embedding + lm_head.
+SMOLLM2_LAYOUT = {"int4": (["re:.*self_attn.*", "re:.*mlp\\.(gate|up)_proj$"], 4, 64),
+                  "down": (["re:.*mlp\\.down_proj$"], 4, 128),
+                  "int8": (["re:.*lm_head$", "re:.*embed_tokens$"], 8, 64)}
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tiny_qwen3, tmp_path_factory):
+    return _quantize(tiny_qwen3, tmp_path_factory.mktemp("intk") / "q3", SMOLLM2_LAYOUT)
+
+
+@pytest.fixture(scope="module")
+def tiny35_artifact(tiny_qwen3_5, tmp_path_factory):
+    """qwen3_5: int4 g64 for every Linear but the tiny GDN a/b projections (so the fused GDN in_proj stays dense)."""
+    return _quantize(tiny_qwen3_5, tmp_path_factory.mktemp("intk35") / "q35", {
+        "int4": (["Linear"], 4, 64), "int8": (["re:.*lm_head$"], 8, 64)},
+        ignore=["re:.*in_proj_a$", "re:.*in_proj_b$"])
+
+
+def _int4_modules(model) -> list[Int4Linear]:
+    return [m for m in model.modules() if isinstance(m, Int4Linear)]
+
+
+def test_effective_weights_equal_dequantized(tiny_artifact):
+    """The int4 kernel's weights (kernel applied to the identity) and the int8 embedding rows are bit-identical to
+    the dequantize-on-load weights; above `max_rows` rows the dense copy answers."""
+    ints = load_model(tiny_artifact, dtype=torch.bfloat16)
+    dense = load_model(tiny_artifact, dtype=torch.bfloat16, int_kernels=False, pack=False)
+    mods = dict(ints.named_modules())
+    swapped = {n: m for n, m in mods.items() if isinstance(m, Int4Linear)}
+    assert len(swapped) == 4 * ints.config.num_layers  # qkv, o, gate_up, down per layer
+    for name, m in swapped.items():
+        w = dense.get_submodule(name).weight  # [N, K] bf16, compressed-tensors' decompress rounded to bf16
+        eye = torch.eye(m.in_features, dtype=torch.bfloat16)
+        assert torch.equal(m.int4_mm(eye).t(), w), name
+        x = torch.randn(m.max_rows + 1, m.in_features).to(torch.bfloat16)
+        assert torch.equal(m(x), m.dense(x))  # many rows: the dense path
+        assert torch.equal(m(x[:1]), m.int4_mm(x[:1]))
+    assert isinstance(ints.embed_tokens, Int8Embedding)
+    every = torch.arange(ints.config.vocab_size)
+    assert torch.equal(ints.embed_tokens(every), dense.embed_tokens.weight)
+    # the integers and scales handed to the kernels, in fp32, against compressed-tensors' own fp32 decompression
+    from qconv.runtime.loader import our_int_weights, read_safetensors
+
+    fp32 = load_model(tiny_artifact, pack=False)
+    for name, iw in our_int_weights(tiny_artifact, read_safetensors(tiny_artifact), fp32.config).items():
+        assert torch.equal(iw.dequantize(torch.float32), fp32.get_submodule(name).weight), name
+
+
+@pytest.mark.parametrize("artifact", ["tiny_artifact", "tiny35_artifact"])
+def test_int_kernel_logits_match_dequantized(artifact, request):
+    """bf16 logits, prefill + decode, vs the fp32 dequantized model: the int path's error stays within twice the
+    dense bf16 path's error measured in the same run. Both paths use the same (exact) weights, so what separates
+    them from fp32 is bf16 activation rounding; the int kernel accumulates in fp32 with unrounded q*scale weights,
+    so it is not expected to be worse -- 2x leaves room for a different summation order, while a wrong scale,
+    zero point, group or packing would be off by the size of the logits."""
+    path = request.getfixturevalue(artifact)
+    ref = load_model(path)  # fp32, dequantized
+    ints = load_model(path, dtype=torch.bfloat16)
+    deq = load_model(path, dtype=torch.bfloat16, int_kernels=False)
+    assert _int4_modules(ints)
+    toks = _tokens(ref.config.vocab_size, 24)
+    caches = [m.new_cache(1, 40) for m in (ref, ints, deq)]
+    errs = {"int": [], "deq": []}
+    same = True
+    steps = [toks[:, :16]] + [toks[:, i:i + 1] for i in range(16, 20)] + [toks[:, 20:22], toks[:, 22:24]]
+    for step in steps:  # prefill (dense), decode steps of 1 and 2 rows (int4)
+        r, a, b = (m(step, c) for m, c in zip((ref, ints, deq), caches))
+        errs["int"].append((a - r).abs().max().item())
+        errs["deq"].append((b - r).abs().max().item())
+        same = same and torch.equal(a, b)
+    scale = ref(toks[:, :4], ref.new_cache(1, 4)).abs().max().item()
+    for e_int, e_deq in zip(errs["int"], errs["deq"]):
+        assert e_int <= 2 * e_deq + 1e-3 * scale, errs
+    assert not same  # the decode steps really ran a different kernel
+
+
+def test_int4_supported_shapes():
+    """Shapes/scales the int4 layout cannot hold exactly stay dense (the loader then keeps the dense Linear)."""
+    def w(n, k, group, scale_dtype=torch.bfloat16, bits=4):
+        return IntWeight(bits, torch.zeros(n, k, dtype=torch.int8), torch.full((n, k // group), 0.1).to(scale_dtype))
+
+    assert int4_supported(w(32, 128, 64), 128)
+    assert not int4_supported(w(8, 128, 64), 128)  # kernel layout needs N % 16 == 0
+    assert not int4_supported(w(32, 96, 96), 96)  # group size the kernel is not used with
+    assert not int4_supported(w(32, 128, 64, torch.float32), 128)  # 0.1 in fp32 is not a bf16 value
+    assert not int4_supported(w(32, 128, 64, bits=8), 128)
+
+
+def test_int_kernels_flag_and_dtype(tiny_artifact, tiny_qwen3):
+    assert _int4_modules(load_model(tiny_artifact, dtype=torch.bfloat16))
+    assert not _int4_modules(load_model(tiny_artifact, dtype=torch.bfloat16, int_kernels=False))
+    assert not _int4_modules(load_model(tiny_artifact))  # fp32: the int kernels want bf16 activations
+    assert not _int4_modules(load_model(tiny_qwen3, dtype=torch.bfloat16))  # plain folder: nothing to run as int
+    with pytest.raises(QconvError, match="bfloat16"):
+        load_model(tiny_artifact, int_kernels=True)
+
+
+def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
+    """`qconv generate ARTIFACT` runs bf16 through the int kernels; `--dequantize` the float32 dequantized path."""
+    from click.testing import CliRunner
+
+    import qconv.runtime.loader as loader
+    from qconv.runtime.commands import generate
+
+    assert loader.runtime_dtype(tiny_artifact) == torch.bfloat16
+    assert loader.runtime_dtype(tiny_artifact, dequantize=True) == torch.float32
+    assert loader.runtime_dtype(tiny_qwen3) == torch.float32  # plain folders keep the float32 default
+    loaded = []
+    real = loader.load_model
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    for flags in ([], ["--dequantize"]):
+        r = CliRunner().invoke(generate, [str(tiny_artifact), "--prompt", "def add", "--max-tokens", "4", *flags])
+        assert r.exit_code == 0, r.output
+    assert [m.dtype for m in loaded] == [torch.bfloat16, torch.float32]
+    assert [bool(_int4_modules(m)) for m in loaded] == [True, False]
+
+
+@pytest.mark.slow
+def test_smollm2_int_kernels_decode(smollm2, tmp_path):
+    """SmolLM2-135M in the 3090 layout (RTN): greedy decode through the int kernels stays on the dequantized
+    path's tokens for most of 24 steps (bf16: a near-tie may flip later), and decode is faster in the same run."""
+    import time
+
+    art = _quantize(smollm2, tmp_path / "smol", SMOLLM2_LAYOUT)
+    ints = load_model(art, dtype=torch.bfloat16)
+    deq = load_model(art, dtype=torch.bfloat16, int_kernels=False)
+    assert len(_int4_modules(ints)) == 4 * ints.config.num_layers
+    prompt = _tokens(ints.config.vocab_size, 12)
+    outs, secs = {}, {}
+    for name, m in (("int", ints), ("deq", deq), ("int2", ints), ("deq2", deq)):  # interleaved
+        cache, tok, out = m.new_cache(1, 40), prompt, []
+        t0 = time.perf_counter()
+        for _ in range(24):
+            tok = m(tok, cache)[:, -1:].argmax(-1)
+            out.append(int(tok))
+        secs[name], outs[name] = time.perf_counter() - t0, out
+    agree = next((i for i, (x, y) in enumerate(zip(outs["int"], outs["deq"])) if x != y), 24)
+    assert agree >= 12, outs
+    assert min(secs["deq"], secs["deq2"]) > min(secs["int"], secs["int2"]), secs

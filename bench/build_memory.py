@@ -2,7 +2,8 @@
 
 Writes the model as bf16 safetensors shards one tensor at a time (never the whole model in memory), builds it in
 a child process (`qconv build --recipe 3090 --stream`), and reports the child's peak RSS against the model's bf16
-size. Prints one JSON line.
+size. Prints one JSON line. While the child runs, its VmRSS/VmHWM are sampled every second and written with the
+child's latest log line to `--work`/rss_trace.tsv, so a peak can be traced to the build step that made it.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/build_memory.py --work /tmp/qconv-mem
 """
@@ -15,6 +16,7 @@ import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +80,49 @@ def write_model(out: Path, layers: int, vocab: int, shard_bytes: int = 1 << 29, 
     return params, total
 
 
+def _status(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) in bytes; zeros once the process is gone."""
+    vals = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    vals[line[:5]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return vals.get("VmRSS", 0), vals.get("VmHWM", 0)
+
+
+def run_traced(cmd: list[str], trace: Path) -> tuple[int, str, str]:
+    """Run the build; every second write (seconds, RSS, peak RSS, latest log line) to `trace`. Returns the exit
+    code, the output's tail, and the log line that was latest when the peak grew for the last time."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    state = {"line": "", "tail": []}
+
+    def read():
+        for line in proc.stdout:
+            line = line.strip().rsplit("\r", 1)[-1]
+            if line:
+                state["line"] = line[-160:]
+                state["tail"] = (state["tail"] + [line])[-60:]
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    t0, hwm, peak_step = time.time(), 0, ""
+    with open(trace, "w") as f:
+        f.write("seconds\trss_bytes\thwm_bytes\tlog\n")
+        while proc.poll() is None:
+            rss, new_hwm = _status(proc.pid)
+            if new_hwm > hwm:
+                hwm, peak_step = new_hwm, state["line"]
+            f.write(f"{time.time() - t0:.0f}\t{rss}\t{new_hwm}\t{state['line']}\n")
+            f.flush()
+            time.sleep(1)
+    reader.join(timeout=10)
+    return proc.returncode, "\n".join(state["tail"]), peak_step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", type=Path, default=Path("/tmp/qconv-build-memory"))
@@ -102,12 +147,12 @@ def main() -> None:
            "--dataset", str(cal), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--stream",
            "--force", "--fresh", "--work-dir", str(args.work / "work")]
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
+    rc, tail, peak_step = run_traced(cmd, args.work / "rss_trace.tsv")
     elapsed = time.time() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    if proc.returncode:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-        raise SystemExit(proc.returncode)
+    if rc:
+        sys.stderr.write(tail)
+        raise SystemExit(rc)
     from safetensors import safe_open
 
     art_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
@@ -116,7 +161,7 @@ def main() -> None:
     print(json.dumps({"bench": "build_memory", "params": params, "bf16_bytes": total, "peak_rss_bytes": peak,
                       "rss_over_bf16": round(peak / total, 3), "pass": peak < 0.75 * total,
                       "artifact_bytes": art_bytes, "int4_packed": packed, "elapsed_s": round(elapsed, 1),
-                      "samples": args.samples, "seq_len": args.seq_len}))
+                      "samples": args.samples, "seq_len": args.seq_len, "peak_during": peak_step}))
 
 
 if __name__ == "__main__":

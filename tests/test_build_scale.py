@@ -175,15 +175,26 @@ def test_budget_zero_all_and_between(tiny_qwen3_5, tmp_path, calib_txt, caplog):
 def test_rebuild_reuses_stages_and_fresh_is_identical(tiny_llama, tmp_path, calib_txt, caplog):
     import logging
 
+    from tests.tiny import CORPUS
+
     caplog.set_level(logging.INFO)
-    work = tmp_path / "w"
-    r = run(*build_args(tiny_llama, tmp_path / "A", calib_txt, work, "--int8-budget", "5%"))
+    work, held_out = tmp_path / "w", tmp_path / "held_out.txt"
+    held_out.write_text(CORPUS[::-1] * 30)
+    r = run(*build_args(tiny_llama, tmp_path / "A", calib_txt, work, "--int8-budget", "5%", "--eval-text", held_out,
+                        "--no-gates"))
     assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "A" / "report.json").read_text())
+    assert report["artifact"] == str((tmp_path / "A").resolve())  # not the build's temp folder
+    assert "# Quality report: A" in (tmp_path / "A" / "report.md").read_text()
     caplog.clear()
-    r = run(*build_args(tiny_llama, tmp_path / "B", calib_txt, work, "--int8-budget", "5%"))
+    r = run(*build_args(tiny_llama, tmp_path / "B", calib_txt, work, "--int8-budget", "5%", "--eval-text", held_out,
+                        "--no-gates"))
     assert r.exit_code == 0, r.output
-    for stage in ("import", "calibration", "sensitivity", "quantization"):
+    for stage in ("import", "calibration", "sensitivity", "quantization", "quality"):
         assert f"stage {stage}: reusing" in caplog.text
+    reused = json.loads((tmp_path / "B" / "report.json").read_text())  # a reused quality stage brings its reports
+    assert reused["artifact"] == str((tmp_path / "B").resolve()) and reused["weights"] == report["weights"]
+    assert read_manifest(tmp_path / "B").quality == read_manifest(tmp_path / "A").quality
     caplog.clear()
     r = run(*build_args(tiny_llama, tmp_path / "C", calib_txt, work, "--int8-budget", "5%", "--fresh"))
     assert r.exit_code == 0, r.output
@@ -224,11 +235,16 @@ def test_sigkill_after_sensitivity_then_resume(tiny_llama, tmp_path, calib_txt):
 
 
 @pytest.mark.slow
-def test_streamed_build_equals_in_memory_build(tiny_qwen3_5, tmp_path, calib_txt, caplog):
+def test_streamed_build_equals_in_memory_build(tiny_qwen3_5, tmp_path, calib_txt, caplog, monkeypatch):
     """--stream keeps every weight in the source shards (disk offload) and onloads a layer at a time; the
-    artifact is byte-for-byte the in-memory build's. A tied model cannot be streamed: clear error."""
+    artifact is byte-for-byte the in-memory build's. The shard bound is lowered so that the tiny model is saved
+    in several shards, as a large streamed model is (one shard in memory at a time)."""
     import logging
 
+    from qconv.convert import quantize, stream
+
+    for mod in (quantize, stream):
+        monkeypatch.setattr(mod, "MAX_SHARD_SIZE", "200KB")
     caplog.set_level(logging.INFO)
     r = run(*build_args(tiny_qwen3_5, tmp_path / "mem", calib_txt, tmp_path / "w1", "--no-stream"))
     assert r.exit_code == 0, r.output
@@ -236,8 +252,82 @@ def test_streamed_build_equals_in_memory_build(tiny_qwen3_5, tmp_path, calib_txt
     assert r.exit_code == 0, r.output
     assert "streaming build" in caplog.text and read_manifest(tmp_path / "str").build["streamed"] is True
     assert weight_shas(tmp_path / "mem") == weight_shas(tmp_path / "str")
+    assert len([k for k in weight_shas(tmp_path / "str") if k.startswith("model-0")]) > 1
     assert (tmp_path / "mem" / "config.json").read_bytes() == (tmp_path / "str" / "config.json").read_bytes()
     assert not (tmp_path / "w2" / "offload").exists()
+
+
+@pytest.mark.parametrize("strategy, group", [("group", 32), ("channel", None)])
+def test_row_blocked_gptq_equals_whole_matrix(strategy, group):
+    """GPTQ quantizes each output row on its own against the shared Hessian: running it on blocks of rows (how a
+    65,536-row lm_head stays small in memory) gives the same weights and losses."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from llmcompressor.modifiers.gptq import base
+
+    from qconv.convert.stream import row_blocked_gptq
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 1000, 256
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy=strategy, group_size=group)
+    w = torch.randn(1, rows, cols, generator=g)
+    x = torch.randn(512, cols, generator=g)
+    h = (x.T @ x / 512)[None]
+    wg = w.view(1, rows, cols // (group or cols), group or cols)
+    scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+    kw = dict(scale=scale, zero_point=zp, global_scale=None, quant_args=args, blocksize=128, percdamp=0.01)
+    whole = base.quantize_weight(weights=w.clone(), hessians=h.clone(), **kw)
+    orig, block_rows = base.quantize_weight, []
+
+    def counting(weights, *a, **k):
+        block_rows.append(weights.shape[1])
+        return orig(weights, *a, **k)
+
+    base.quantize_weight = counting
+    try:
+        with row_blocked_gptq(block_bytes=4 * cols * 300):
+            blocked = base.quantize_weight(weights=w.clone(), hessians=h.clone(), **kw)
+    finally:
+        base.quantize_weight = orig
+    assert block_rows == [300, 300, 300, 100]
+    assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[2], blocked[2])
+    assert torch.allclose(whole[1], blocked[1], rtol=1e-5)
+
+
+_FRAGMENT = """
+import sys
+import torch
+from qconv.convert.stream import pin_mmap_threshold
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+if sys.argv[1] == "pin" and not pin_mmap_threshold():
+    print(-1)
+    raise SystemExit
+torch.ones(30 << 18)  # a freed 30 MB block: glibc's mmap threshold rises to 30 MB unless pinned
+start, keep = rss(), []
+for i in range(24):  # per module: work buffers larger than the last module's, a small result kept
+    a, b = torch.ones((8 + i) << 18), torch.ones((8 + i) << 18)
+    keep.append(a[:1].clone())
+    del a
+    keep.append(torch.ones(1 << 16))
+    del b
+print(rss() - start)
+"""
+
+
+def test_pinned_mmap_threshold_returns_freed_blocks():
+    """The streamed build's allocation pattern (buffers of growing size freed between small kept results) grows
+    RSS by hundreds of MB under glibc's sliding mmap threshold; pinned, freed blocks go back to the system."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    growth = {m: int(subprocess.run([sys.executable, "-c", _FRAGMENT, m], env=env, capture_output=True, text=True,
+                                    check=True).stdout.split()[-1]) for m in ("pin", "default")}
+    if growth["pin"] < 0:
+        pytest.skip("no mallopt in this C library")
+    assert growth["pin"] * 4 < growth["default"], growth
 
 
 def test_stream_refuses_tied_embeddings(tiny_llama, tmp_path, calib_txt):

@@ -7,6 +7,7 @@ versions) is in the stage keys and in the manifest.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -19,7 +20,7 @@ from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.convert.stages import DONE, WorkDir, default_work_dir, stage_key
 from qconv.errors import GateFailure, QconvError
-from qconv.fsutil import atomic_dir, sha256_file
+from qconv.fsutil import atomic_dir, sha256_file, write_json_atomic, write_text_atomic
 from qconv.manifest import CalibrationInfo, Manifest, RecipeInfo, SourceInfo, tool_versions
 from qconv.recipes.recipe import Recipe, load_recipe
 
@@ -153,6 +154,7 @@ def build(opts: BuildOptions) -> Manifest:
 
     from qconv.calibrate.select import apply_selection, candidate_units, format_table, parse_budget, select
     from qconv.convert.quantize import load_source_model, quantize
+    from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq
 
     t0 = time.time()
     recipe = _recipe(opts)
@@ -224,10 +226,10 @@ def build(opts: BuildOptions) -> Manifest:
     )
     qkey = stage_key("quantization", source_info.sha256, calib.info.sha256, [asdict(m) for m in modules],
                      asdict(recipe.quantizer), {k: asdict(v) for k, v in recipe.schemes.items()}, seed,
-                     plan.untie_embeddings, manifest.tools)
+                     plan.untie_embeddings, manifest.tools, MAX_SHARD_SIZE)
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp:
+        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq():
             quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
@@ -238,7 +240,7 @@ def build(opts: BuildOptions) -> Manifest:
         manifest.build["stages"] = work.record
         manifest.build["elapsed_s"] = round(time.time() - t0, 1)
         finalize(tmp, manifest)
-        gate_error = _quality(opts, recipe, src.path, tmp, manifest, work)
+        gate_error = _quality(opts, recipe, src.path, tmp, manifest, work, final=out)
         manifest.build["stages"] = work.record
         finalize(tmp, manifest)
     size = manifest.total_size()
@@ -266,9 +268,10 @@ def _package(source: Path, qdir: Path, tmp: Path, GenerationConfig) -> None:
 
 
 def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, manifest: Manifest,
-             work: WorkDir) -> GateFailure | None:
+             work: WorkDir, final: Path) -> GateFailure | None:
     """Stage `quality`: measure the quality cost and apply the recipe's gates (eval area). Returns the gate
-    failure, if any. Cached by the weight files' hashes and the evaluation settings."""
+    failure, if any. Cached by the weight files' hashes and the evaluation settings. `artifact` is the build's
+    temp folder; `final` is where it ends up, the path the reports name."""
     text = opts.eval_text or recipe.quality.text
     if not text:
         log.warning("quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
@@ -276,6 +279,8 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
         return None
     try:
         from qconv.eval import quality_report
+        from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG
+        from qconv.eval.report import summary as summary_of
         from qconv.eval.run import gate_failure
     except ImportError:
         log.warning("quality report skipped: qconv.eval is not available in this install")
@@ -283,14 +288,39 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
     weights = {k: v["sha256"] for k, v in manifest.files.items() if k.endswith(".safetensors")}
     text_id = sha256_file(Path(text)) if Path(text).is_file() else text
     key = stage_key("quality", weights, text_id, asdict(recipe.quality), manifest.source.sha256)
-    summary = work.load_json("quality", key)
-    if summary is None:
-        summary = quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
-                                 num_parameters=manifest.source.num_parameters)
-        work.save_json("quality", key, summary)
+    reports = (REPORT_JSON, REPORT_MD, REPORT_PNG)  # part of the artifact: a reused stage puts them back
+    qdir = work.cached_dir("quality", key)
+    if qdir is None:
+        with work.new_dir("quality", key) as tmp:
+            quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
+                           num_parameters=manifest.source.num_parameters)
+            _copy_files(artifact, tmp, reports)
+    else:
+        _copy_files(qdir, artifact, reports)
+    _name_final_path(artifact, final)
+    summary = summary_of(json.loads((artifact / REPORT_JSON).read_text()))
     manifest.quality = summary
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
     if passed is False and opts.gates:
         return gate_failure(summary)
     return None
+
+
+def _copy_files(src: Path, dst: Path, names) -> None:
+    for name in names:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def _name_final_path(artifact: Path, final: Path) -> None:
+    """The reports are written inside the build's temp folder (atomic_dir) and would name it; point them at the
+    folder the artifact is renamed to."""
+    from qconv.eval.report import REPORT_JSON, REPORT_MD, render_md
+
+    path = artifact / REPORT_JSON
+    if path.is_file():
+        report = json.loads(path.read_text())
+        report["artifact"] = str(Path(final).resolve())
+        write_json_atomic(path, report)
+        write_text_atomic(artifact / REPORT_MD, render_md(report))

@@ -8,6 +8,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from qconv.convert.stream import MAX_SHARD_SIZE
 from qconv.manifest import ModuleDecision
 from qconv.recipes.recipe import KEEP, Recipe
 from qconv.recipes.roles import _ROLE_PATTERNS
@@ -148,4 +149,4 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
     oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=max_len, num_calibration_samples=len(calib_ids),
             pipeline="sequential" if q.algorithm == "gptq" else "datafree", shuffle_calibration_samples=False)
     calibrate_embeddings(model)
-    model.save_pretrained(out, save_compressed=True)
+    model.save_pretrained(out, save_compressed=True, max_shard_size=MAX_SHARD_SIZE)

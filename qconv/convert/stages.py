@@ -1,7 +1,7 @@
 """The build's work dir: every stage's result stored under a key hashed from everything that feeds it.
 
 Stages: import (source file hashes), calibration (token ids), sensitivity (scores), quantization (the compressed
-model folder), quality (the report summary); packaging always runs and only copies. A stage whose key is already
+model folder), quality (the report files); packaging always runs and only copies. A stage whose key is already
 in the work dir is reused and the log says so, which is what makes a killed build resumable and a rerun cheap.
 Results are written to a temp name and renamed, so a kill never leaves a half stage that looks finished.
 """

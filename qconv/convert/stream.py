@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -11,6 +12,17 @@ log = logging.getLogger(__name__)
 # An in-memory build holds the bf16 model plus GPTQ's float32 work buffers and the calibration activations:
 # stream once the model alone would take more than this share of the memory that is free now.
 STREAM_FRACTION = 0.5
+# Largest float32 working block of one GPTQ call: a 65,536 x 2,048 lm_head would otherwise hold its weight in fp32
+# plus an error-propagation product of the same size at once (a 248,320 x 5,120 head: ~10 GB).
+GPTQ_BLOCK_BYTES = 64 << 20
+# Safetensors shard bound of the saved model: save_pretrained holds one shard's tensors in memory while writing it
+# (llmcompressor's default, 20 GB, is one shard = the whole compressed model).
+MAX_SHARD_SIZE = "512MB"
+# glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), so a build that allocates and
+# frees tens of MB per module serves them from the heap, which fragments and is never given back: compressing the
+# 170 modules of a 2B model grew RSS by 2.3 GB. Pinned, every block above it is mmapped and returned on free.
+MMAP_THRESHOLD = 4 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 
 
 def available_ram() -> int:
@@ -30,6 +42,19 @@ def should_stream(source_bytes: int) -> bool:
     return False
 
 
+def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold (see MMAP_THRESHOLD) for this process. False where the C library has no
+    mallopt (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
+    except (OSError, AttributeError):
+        return False
+
+
 def tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors shard that holds it (from the headers; nothing is read)."""
     from qconv.convert.layout import read_safetensors_header
@@ -42,9 +67,11 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
 
     The model is built on the meta device and each parameter is registered in compressed-tensors' disk offload
     cache as a link to its tensor in the source shard (no copy, nothing read). llmcompressor's sequential pipeline
-    then onloads one decoder layer at a time for calibration and GPTQ, updated tensors are written to the offload
-    folder, and compression on save goes module by module: resident memory stays near one layer plus the
-    calibration activations. The quantization code is the in-memory build's, so the artifact is the same."""
+    then onloads one decoder layer at a time for calibration and GPTQ (large matrices in row blocks, see
+    row_blocked_gptq), updated tensors are written to the offload folder, compression on save goes module by module
+    (compressed tensors go back to the offload folder) and save_pretrained reads one shard of at most
+    MAX_SHARD_SIZE back at a time: resident memory stays near one layer plus the calibration activations. The
+    quantization code is the in-memory build's, so the artifact is the same."""
     import torch
     import transformers
     from compressed_tensors.offload.cache.disk import DiskCache
@@ -63,6 +90,8 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
     shutil.rmtree(offload_dir, ignore_errors=True)  # links or updates left by a killed run
     offload_dir.mkdir(parents=True)
     log.info("streaming build: weights stay in %s, one layer in memory at a time (offload folder %s)", path, offload_dir)
+    if not pin_mmap_threshold():
+        log.warning("could not pin the C library's mmap threshold: freed memory may not return to the system")
     for mod_name, module in list(model.named_modules()):
         for buf_name, buf in list(module.named_buffers(recurse=False)):
             if buf.is_meta:  # computed at init, not stored (rotary inv_freq): rebuild the module on the CPU
@@ -83,3 +112,38 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
                                                     "dtype": str(p.dtype).removeprefix("torch.")}, offload_dir)
         offload_module(module, "cpu", "disk", offload_dir=str(offload_dir))
     return model
+
+
+def _rows(t, sl: slice, rows: int):
+    return t[:, sl] if t is not None and t.dim() >= 2 and t.shape[1] == rows else t
+
+
+@contextlib.contextmanager
+def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
+    """Run llmcompressor's GPTQ on blocks of output rows. GPTQ quantizes each row on its own against the shared
+    Hessian (the error of a column is propagated along the row), so blocks of rows give the same weights while the
+    float32 work buffers shrink from the whole matrix to one block. Each block gets a fresh copy of the Hessian,
+    which GPTQ factorizes in place."""
+    from llmcompressor.modifiers.gptq import base
+
+    whole = base.quantize_weight
+
+    def blocked(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize=128, percdamp=0.01):
+        batch, rows, cols = weights.shape
+        step = max(1, block_bytes // (4 * batch * cols))
+        if rows <= step:
+            return whole(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize, percdamp)
+        losses, fallback = 0, None
+        for r0 in range(0, rows, step):
+            sl = slice(r0, min(r0 + step, rows))
+            q, loss, fb = whole(weights[:, sl], hessians.clone(), _rows(scale, sl, rows), _rows(zero_point, sl, rows),
+                                global_scale, quant_args, blocksize, percdamp)
+            weights[:, sl] = q
+            losses, fallback = losses + loss, fb if fallback is None else fallback | fb
+        return weights, losses, fallback
+
+    base.quantize_weight = blocked
+    try:
+        yield
+    finally:
+        base.quantize_weight = whole

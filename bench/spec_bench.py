@@ -34,14 +34,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--fixed-blocks", action="store_true", help="verify every block in full (no adaptive trimming)")
+    ap.add_argument("--tree-nodes", type=int, default=63, help="0 = one linear draft chain per step")
+    ap.add_argument("--tolerance", type=float, default=GenerationConfig.tolerance,
+                    help="verify the largest draft whose expected speed is within this of the best one's")
+    ap.add_argument("--no-aliases", action="store_true", help="lookup matches exact tokens only")
     ap.add_argument("--data", default=str(DATA))
     a = ap.parse_args()
     out = {"bench": "runtime_spec", "model": a.model, "adaptive": not a.fixed_blocks, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "workloads": {}}
     for w in a.workloads.split(","):
-        cfg = GenerationConfig(max_tokens=a.max_tokens, spec=a.spec, adaptive=not a.fixed_blocks)
+        cfg = GenerationConfig(max_tokens=a.max_tokens, spec=a.spec, adaptive=not a.fixed_blocks,
+                               tree_nodes=a.tree_nodes, tolerance=a.tolerance)
         r = run_bench(a.model, w, Path(a.data) / FILES[w], prompts=a.prompts, cfg=cfg,
-                      compare_transformers=not a.no_transformers, threads=a.threads)
+                      compare_transformers=not a.no_transformers, threads=a.threads, aliases=not a.no_aliases)
         out["workloads"][w] = r
         print(json.dumps({w: r}), file=sys.stderr, flush=True)
     print(json.dumps(out))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -116,7 +118,7 @@ def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
     from click.testing import CliRunner
 
     import qconv.runtime.loader as loader
-    from qconv.runtime.commands import generate
+    from qconv.runtime.commands import bench, generate
 
     assert loader.runtime_dtype(tiny_artifact) == torch.bfloat16
     assert loader.runtime_dtype(tiny_artifact, dequantize=True) == torch.float32
@@ -127,8 +129,15 @@ def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
     for flags in ([], ["--dequantize"]):
         r = CliRunner().invoke(generate, [str(tiny_artifact), "--prompt", "def add", "--max-tokens", "4", *flags])
         assert r.exit_code == 0, r.output
-    assert [m.dtype for m in loaded] == [torch.bfloat16, torch.float32]
-    assert [bool(_int4_modules(m)) for m in loaded] == [True, False]
+    data = tiny_artifact.parent / "chat.jsonl"
+    data.write_text('{"turns": ["Say hello."]}\n')
+    for flags in ([], ["--dequantize"]):
+        r = CliRunner().invoke(bench, [str(tiny_artifact), "--workload", "chat", "--data", str(data), "--prompts", "1",
+                                       "--max-tokens", "4", "--json", *flags])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.output.strip().splitlines()[-1])["dtype"] == ("float32" if flags else "bfloat16")
+    assert [m.dtype for m in loaded] == [torch.bfloat16, torch.float32] * 2
+    assert [bool(_int4_modules(m)) for m in loaded] == [True, False] * 2
 
 
 @pytest.mark.slow

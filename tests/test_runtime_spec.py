@@ -3,6 +3,7 @@ prompt lookup, the adaptive controller; first on a toy model implementing the ru
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -176,16 +177,22 @@ def test_controller_backs_off_and_grows_after_saturation():
     assert ctl.cap == 4
 
 
-def test_cost_model_interpolates_measured_sizes():
+def test_cost_model_fits_a_power_law_to_wider_forwards():
     cm = CostModel(prior_slope=0.1)
     assert cm.relative(5) == pytest.approx(1.4)  # prior until a decode step is measured
-    for T, sec in ((1, 0.2), (4, 0.32), (16, 0.44), (1, 0.2)):
+    cm.observe(1, 0.2)
+    cm.observe(4, 0.32)
+    assert cm.relative(4) == pytest.approx(1.6) and cm.relative(3) == pytest.approx(1.4)  # one wider size: linear
+    assert cm.relative(6) == pytest.approx(1.8)  # past it: optimistic prior slope
+    for T, sec in ((16, 0.44), (1, 0.2)):
         cm.observe(T, sec)
-    assert cm.relative(4) == pytest.approx(1.6) and cm.relative(16) == pytest.approx(2.2)
-    assert cm.relative(10) == pytest.approx(1.9)  # between measured neighbours
-    assert cm.relative(2) == pytest.approx(1.2)
-    cm.observe(16, 0.54)  # an exponential average, not the last sample
-    assert 2.2 < cm.relative(16) < 2.7
+    assert cm.relative(4) == pytest.approx(1.6) and cm.relative(16) == pytest.approx(2.2)  # through both points
+    assert cm.relative(8) == pytest.approx(0.32 * 2 ** (math.log(0.44 / 0.32) / math.log(4)) / 0.2)
+    for T, sec in ((8, 0.9), (32, 0.5), (64, 0.6)):  # a noisy spike at T=8 does not make T=8 cost more than T=64
+        cm.observe(T, sec)
+    assert cm.relative(8) < cm.relative(32) < cm.relative(64) < 0.6 / 0.2 * 1.2
+    cm.observe(16, 0.9)  # recent observations count more
+    assert cm.relative(16) > 2.2
 
 
 def test_shadow_scorer_counts_hits_per_position():
@@ -288,11 +295,11 @@ class OracleDrafter:
         return Draft(toks, ["oracle"] * len(toks), [None] * len(toks))
 
 
-def _greedy_matches(model, prompts, spec, max_tokens):
+def _greedy_matches(model, prompts, spec, max_tokens, **kw):
     totals = GenerationStats()
     for ids in prompts:
         ref = list(generate_tokens(model, ids, GenerationConfig(max_tokens=max_tokens)))
-        out = list(generate_tokens(model, ids, GenerationConfig(max_tokens=max_tokens, spec=spec), totals))
+        out = list(generate_tokens(model, ids, GenerationConfig(max_tokens=max_tokens, spec=spec, **kw), totals))
         assert out == ref, f"{spec} diverged from plain greedy on prompt {ids[:8]}..."
     return totals
 
@@ -341,17 +348,24 @@ def test_qwen35_rollback_at_every_accept_length(qwen35_model, monkeypatch):
 
 
 @pytest.mark.slow
-def test_smollm2_lookup_greedy_equals_plain(smollm2, shared_data, one_thread):
+def test_smollm2_lookup_greedy_equals_plain(smollm2, shared_data, one_thread, monkeypatch):
+    """Token trees (SmolLM2 is attention-only with a dense KV cache: greedy lookup verifies trees)."""
     from qconv.runtime.generate import encode_prompt
     from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.runtime.spec import punctuation_aliases
+    from qconv.runtime.tree import TokenTree
 
     model, tok = load_model(smollm2), load_tokenizer(smollm2)
     lines = [s.strip() for s in (shared_data / "tinyshakespeare.txt").read_text().split("\n\n")[1:80]]
     texts = [s.replace("\n", " ")[:160] for s in lines if len(s) > 60][:20]
     prompts = [encode_prompt(tok, "Repeat exactly: " + t, chat=True) for t in texts]
     assert len(prompts) == 20
-    stats = _greedy_matches(model, prompts, "lookup", max_tokens=12)
+    branching, accept = [], TokenTree.accept_greedy
+    monkeypatch.setattr(TokenTree, "accept_greedy", lambda t, lg: branching.append(len(t.children[0])) or
+                        accept(t, lg))
+    stats = _greedy_matches(model, prompts, "lookup", max_tokens=12, lookup_aliases=punctuation_aliases(tok))
     assert stats.tokens_per_step > 1.2, stats.to_dict()  # copying pays even in 12 tokens
+    assert max(branching) > 1  # trees with several first-token candidates were verified
 
 
 # --- CLI ---

@@ -5,6 +5,7 @@ step outgrow the extra cost of scoring the draft; otherwise the controller draft
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_POS = 16
@@ -24,17 +25,23 @@ class HitStats:
     reached: list[int] = field(default_factory=lambda: [0] * MAX_POS)
     hits: list[int] = field(default_factory=lambda: [0] * MAX_POS)
 
-    def estimate(self, source: str, pos: int) -> float:
-        return self.rate.get((source, min(pos, MAX_POS - 1)), self.prior)
+    def estimate(self, source: str, pos: int, prior: float | None = None) -> float:
+        return self.rate.get((source, min(pos, MAX_POS - 1)), self.prior if prior is None else prior)
 
-    def update(self, source: str, pos: int, hit: bool) -> None:
+    def update(self, source: str, pos: int, hit: bool, count: bool = True) -> None:
+        """Learn from one scored draft; `count=False` leaves the reported per-position counts alone (token trees
+        count one event per depth, not one per sibling: see `count`)."""
         key = (source, min(pos, MAX_POS - 1))
         w = self.weight.get(key, self.prior_weight) + 1.0
         self.weight[key] = min(w, self.horizon)
         r = self.rate.get(key, self.prior)
         self.rate[key] = r + (float(hit) - r) / self.weight[key]
-        self.reached[key[1]] += 1
-        self.hits[key[1]] += int(hit)
+        if count:
+            self.count(pos, hit)
+
+    def count(self, pos: int, hit: bool) -> None:
+        self.reached[min(pos, MAX_POS - 1)] += 1
+        self.hits[min(pos, MAX_POS - 1)] += int(hit)
 
     def per_position(self) -> list[float | None]:
         return [h / r if r else None for h, r in zip(self.hits, self.reached)]
@@ -75,32 +82,49 @@ class ShadowScorer:
 
 @dataclass
 class CostModel:
-    """Wall time of a forward of T tokens, learned online per T (exponential average). On a CPU it is far from
-    linear (T=4 may cost 1.6x a decode step, T=16 only 2.2x), so unmeasured sizes are interpolated between
-    measured neighbours, and sizes past the largest measured one are assumed nearly as cheap as it (optimistic,
-    so wider blocks get tried and measured; on a GPU they really are that cheap)."""
+    """Wall time of a forward of T tokens, learned online. A decode step (T=1) is an exponential average of its
+    own; wider forwards follow a power law c * T^k fitted (least squares in log-log, recent observations weighted
+    more) to every wider forward seen. On a CPU the cost is far from linear (T=4 ~1.6x a decode step, T=16 ~2.5x,
+    T=64 ~5x) and single measurements on a shared machine are noisy (2x swings), so one smooth curve fitted to all
+    sizes ranks token trees of different sizes far better than per-size averages. Before two sizes are seen,
+    sizes past the largest measured one are assumed nearly as cheap as it (optimistic, so wider blocks get tried
+    and measured; on a GPU they really are that cheap)."""
 
     prior_slope: float = 0.03
     alpha: float = 0.2
+    memory: float = 0.97  # weight kept by older observations at each new one
     seconds: dict[int, float] = field(default_factory=dict)
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weighted n, x, y, xx, xy (x = log T, y = log s)
 
     def observe(self, T: int, seconds: float) -> None:
         old = self.seconds.get(T)
         self.seconds[T] = seconds if old is None else old + self.alpha * (seconds - old)
+        if T > 1 and seconds > 0:
+            x, y = math.log(T), math.log(seconds)
+            self.sums = [a * self.memory + b for a, b in zip(self.sums, (1.0, x, y, x * x, x * y))]
+
+    def _fit(self) -> tuple[float, float] | None:
+        n, sx, sy, sxx, sxy = self.sums
+        var = n * sxx - sx * sx
+        if sum(1 for t in self.seconds if t > 1) < 2 or var <= 1e-9 * max(n * sxx, 1e-12):
+            return None
+        k = min(max((n * sxy - sx * sy) / var, 0.0), 1.0)
+        return (sy - k * sx) / n, k
 
     def relative(self, T: int) -> float:
         """Cost of a T-token forward in units of a 1-token forward."""
         base = self.seconds.get(1)
         if base is None or T == 1:
             return 1.0 + self.prior_slope * (T - 1)
-        if T in self.seconds:
-            return max(self.seconds[T] / base, 1.0)
-        lo = max(t for t in self.seconds if t < T)
-        hi = min((t for t in self.seconds if t > T), default=None)
-        if hi is None:
-            return self.relative(lo) + self.prior_slope * (T - lo)
-        w = (T - lo) / (hi - lo)
-        return (1 - w) * self.relative(lo) + w * self.relative(hi)
+        fit = self._fit()
+        if fit is not None:
+            return max(math.exp(fit[0] + fit[1] * math.log(T)) / base, 1.0)
+        wider = [t for t in self.seconds if t > 1]
+        if not wider:
+            return 1.0 + self.prior_slope * (T - 1)
+        lo = max(wider)  # one wider size seen: interpolate from a decode step, extrapolate optimistically
+        rel = max(self.seconds[lo] / base, 1.0)
+        return 1.0 + (rel - 1.0) * (T - 1) / (lo - 1) if T < lo else rel + self.prior_slope * (T - lo)
 
 
 @dataclass
@@ -125,15 +149,32 @@ class SpecController:
         n = min(len(sources), self.cap)
         if not self.adaptive:
             return n
-        rates, expected, survive = [1.0], 1.0, 1.0
+        probs, survive = [], 1.0
         for i in range(n):
             survive *= self.stats.estimate(sources[i], i)
-            expected += survive
-            rates.append(expected / self.cost.relative(i + 2))
-        best = max(rates)
+            probs.append(survive)
+        return self._best_prefix(probs, range(n + 1))
+
+    def choose_tree(self, probs: list[float], sizes: tuple[int, ...]) -> int:
+        """How many nodes of a token tree to verify, given each node's estimated probability of acceptance
+        (best first, so every prefix is a tree): only forward sizes T = n + 1 in `sizes` (fewer distinct sizes
+        for the cost model to measure) or the whole tree."""
+        if not self.adaptive:
+            return len(probs)
+        return self._best_prefix(probs, [n for n in range(len(probs) + 1) if n + 1 in sizes or n == len(probs)])
+
+    def _best_prefix(self, probs: list[float], allowed) -> int:
+        """The n maximizing expected tokens per unit of step cost, (1 + sum(probs[:n])) / cost(n + 1); among the
+        n within `tolerance` of the best, the largest. 0 (plain decode) when no draft pays."""
+        expected, cum = [1.0], 1.0
+        for p in probs:
+            cum += p
+            expected.append(cum)
+        rates = {n: expected[n] / self.cost.relative(n + 1) for n in allowed}
+        best = max(rates.values())
         if best <= 1.0:
             return 0
-        return max(k for k, r in enumerate(rates) if r >= best * (1 - self.tolerance))
+        return max(n for n, r in rates.items() if r >= max(best * (1 - self.tolerance), 1.0))
 
     def after_step(self, drafted: int, accepted: int) -> None:
         if drafted and accepted == drafted:

@@ -10,7 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from qconv.errors import QconvError
+from qconv.runtime.adaptive import CostModel
 from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
+from qconv.runtime.spec import punctuation_aliases
 
 WORKLOADS = ("copy", "code", "chat", "math")
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
@@ -72,10 +74,11 @@ def workload_texts(workload: str, data: Path, n: int) -> list[str]:
 def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> dict:
     """Plain and speculative decode per prompt, interleaved. Greedy outputs must agree token for token."""
     plain, spec = GenerationStats(), GenerationStats()
+    cost = CostModel()  # learnt on the first prompt, reused after (a server keeps one per model likewise)
     identical = True
     for ids in prompts:
         a = list(generate_tokens(model, ids, replace(cfg, spec="none"), plain))
-        b = list(generate_tokens(model, ids, cfg, spec))
+        b = list(generate_tokens(model, ids, cfg, spec, cost))
         identical &= a == b
     d = spec.to_dict()
     d.update(plain_decode_tok_s=round(plain.decode_tok_s, 2),
@@ -113,11 +116,14 @@ def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: 
 
 
 def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None,
-              compare_transformers: bool = False, threads: int = 0) -> dict:
-    """One workload: our speculative decode vs our plain decode (and optionally vs transformers)."""
+              compare_transformers: bool = False, threads: int = 0, aliases: bool = True,
+              dequantize: bool = False) -> dict:
+    """One workload: our speculative decode vs our plain decode (and optionally vs transformers). `aliases`: let
+    prompt lookup match modulo spaced punctuation (spec.punctuation_aliases). An artifact runs in bf16 through the
+    int kernels unless `dequantize` (then fp32, like a plain folder)."""
     import torch
 
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
 
     if threads:
         torch.set_num_threads(threads)
@@ -126,9 +132,15 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
     texts = workload_texts(workload, Path(data), prompts)
     tok = load_tokenizer(path)
     ids = [encode_prompt(tok, t, chat=bool(getattr(tok, "chat_template", None))) for t in texts]
-    model = load_model(path)
-    report = {"workload": workload, "model": str(path), "prompts": len(ids), "max_tokens": cfg.max_tokens,
-              "spec": cfg.spec, "max_block": cfg.max_block, "threads": torch.get_num_threads(),
+    if aliases and cfg.lookup_aliases is None:
+        cfg = replace(cfg, lookup_aliases=punctuation_aliases(tok))
+    dtype = runtime_dtype(path, dequantize)
+    model = load_model(path, dtype=dtype)
+    report = {"workload": workload, "model": str(path), "dtype": str(dtype).removeprefix("torch."),
+              "prompts": len(ids), "max_tokens": cfg.max_tokens,
+              "spec": cfg.spec, "max_block": cfg.max_block, "tree_nodes": cfg.tree_nodes,
+              "tolerance": cfg.tolerance,
+              "aliases": bool(cfg.lookup_aliases), "threads": torch.get_num_threads(),
               "ours": _ours(model, ids, cfg)}
     if compare_transformers:
         eos = list(model.config.eos_token_ids)

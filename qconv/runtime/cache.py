@@ -61,6 +61,12 @@ class DenseKV:
     def truncate(self, slots, n_keep):  # dense rows past the length are simply overwritten later
         return None
 
+    def gather(self, slot: int, start: int, rows: list[int]) -> None:
+        """Move rows start + rows[i] to start + i (token-tree compaction: keep the accepted path)."""
+        src = torch.tensor(rows, device=self.k[0].device) + start
+        for c in self.k + self.v:
+            c[slot, :, start:start + len(rows)] = c[slot, :, src]
+
 
 def make_kv_store(scheme: str, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int,
                   dtype: torch.dtype, device=None) -> KVStore | None:
@@ -139,6 +145,22 @@ class ModelCache:
             self.lengths[s] = n
         if self.kv is not None:
             self.kv.truncate(slots, n_keep)
+
+    @property
+    def supports_tree(self) -> bool:
+        """Token trees need a KV-only cache whose rows can be moved (the dense store)."""
+        return not self.conv and hasattr(self.kv, "gather")
+
+    def compact(self, slot: int, start: int, rows: list[int]) -> None:
+        """After a token-tree forward written from `start`: keep the nodes at start + rows (the accepted
+        root-to-leaf path, in order) as positions start .. start + len(rows), drop the rest."""
+        if not self.supports_tree:
+            raise QconvError("this cache cannot compact a token tree", fix="verify a linear draft chain instead")
+        if not start + len(rows) <= int(self.lengths[slot]) or any(r < 0 for r in rows):
+            raise QconvError(f"bad tree compaction of slot {slot}: rows {rows} from {start}")
+        if rows != list(range(len(rows))):
+            self.kv.gather(slot, start, rows)
+        self.rollback([slot], [start + len(rows)])
 
     def _rollback_gdn(self, s: int, n: int) -> None:
         from qconv.runtime.gdn import recurrent_gated_delta

@@ -4,6 +4,7 @@ decoding workloads). Thin layers over qconv.runtime.generate / qconv.runtime.ben
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -47,6 +48,12 @@ def _sampling_options(f):
     return f
 
 
+_dequantize_option = click.option(
+    "--dequantize", is_flag=True,
+    help="Artifact: dequantize to float32 on load instead of running its int4 Linears through the CPU int kernels "
+         "(bf16).")
+
+
 @click.command("generate")
 @click.argument("model")
 @click.option("--prompt", help="Raw text prompt.")
@@ -54,19 +61,23 @@ def _sampling_options(f):
 @click.option("--spec", type=SPEC_CHOICES, default="lookup", show_default=True, help="Speculative decoding.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stats", is_flag=True, help="Print tokens/step, acceptance and speed to stderr at the end.")
+@_dequantize_option
 @_sampling_options
-def generate(model, prompt, chat_text, spec, stop, stats, max_tokens, temperature, top_p, top_k, seed, max_block):
+def generate(model, prompt, chat_text, spec, stop, stats, dequantize, max_tokens, temperature, top_p, top_k, seed,
+             max_block):
     """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
     from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
+    from qconv.runtime.spec import punctuation_aliases
 
     if (prompt is None) == (chat_text is None):
         raise QconvError("give exactly one of --prompt and --chat")
     path = _model_dir(model)
     cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
     tok = load_tokenizer(path)
+    cfg = replace(cfg, lookup_aliases=punctuation_aliases(tok))
     ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
-    m = load_model(path)
+    m = load_model(path, dtype=runtime_dtype(path, dequantize))
     st = GenerationStats()
     for piece in stream_text(tok, generate_tokens(m, ids, cfg, st), cfg.stop):
         click.echo(piece, nl=False)
@@ -86,9 +97,10 @@ def generate(model, prompt, chat_text, spec, stop, stats, max_tokens, temperatur
 @click.option("--compare-transformers", is_flag=True, help="Also run transformers' prompt lookup vs its greedy.")
 @click.option("--threads", default=0, help="torch CPU threads (0 = torch default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@_dequantize_option
 @_sampling_options
-def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, max_tokens, temperature,
-          top_p, top_k, seed, max_block):
+def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, dequantize, max_tokens,
+          temperature, top_p, top_k, seed, max_block):
     """Speculative decoding on MODEL: tokens/step, acceptance and drafter hit rate per position, tok/s, and the
     speedup over plain decoding measured in the same run."""
     from qconv.runtime.bench import run_bench
@@ -96,7 +108,7 @@ def bench(model, workload, data, prompts, spec, compare_transformers, threads, a
     path = _model_dir(model)
     cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block)
     r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
-                  threads=threads)
+                  threads=threads, dequantize=dequantize)
     if as_json:
         click.echo(json.dumps(r))
         return

@@ -1,5 +1,6 @@
 """Single-request generation: prefill, then per step draft -> verify all k+1 positions in one forward -> accept ->
-roll the cache back to the accepted length. Streams token ids (or text), stops on eos / stop strings / max tokens,
+roll the cache back to the accepted length. Greedy prompt lookup on attention-only models verifies a token tree of
+several lookup candidates instead (tree.py). Streams token ids (or text), stops on eos / stop strings / max tokens,
 and records per-step statistics (tokens per step, acceptance and drafter hit rate per draft position)."""
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from dataclasses import dataclass, field
 import torch
 
 from qconv.errors import QconvError
-from qconv.runtime.adaptive import MAX_POS, ShadowScorer, SpecController
+from qconv.runtime.adaptive import MAX_POS, CostModel, ShadowScorer, SpecController
 from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
-from qconv.runtime.spec import Draft, make_drafter
+from qconv.runtime.spec import Draft, PromptLookup, make_drafter
+from qconv.runtime.tree import TreeSpeculator
 
 
 @dataclass
@@ -26,9 +28,13 @@ class GenerationConfig:
     max_block: int = 15  # most draft tokens verified in one step
     base_block: int = 0  # block cap after a rejection; 0 = the MTP k (mtp/hybrid) or max_block (lookup)
     adaptive: bool = True  # trim drafts that do not pay for their verify cost (False: always verify the cap)
+    tolerance: float = 0.2  # verify the largest draft whose expected speed is within this of the best one's
+    tree_nodes: int = 63  # greedy lookup on attention-only models: verify a token tree of up to this many
+    # draft nodes (0 = one linear draft chain, as for sampling, MTP/hybrid and packed KV stores)
     mtp_k: int = 4
     max_ngram: int = 4
     min_ngram: int = 1
+    lookup_aliases: dict[int, int] | None = None  # spec.punctuation_aliases(tokenizer): lookup matches modulo these
 
 
 @dataclass
@@ -82,29 +88,36 @@ def _forward(model, tokens: list[int], cache, need_hidden: bool):
     return (out[0][0], out[1][0]) if need_hidden else (out[0], None)
 
 
-def generate_tokens(model, prompt: list[int], cfg: GenerationConfig,
-                    stats: GenerationStats | None = None) -> Iterator[int]:
+def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: GenerationStats | None = None,
+                    cost: CostModel | None = None) -> Iterator[int]:
     """Yield the new token ids for one prompt. Lossless: with temperature 0 the output equals plain greedy
-    decoding token for token; with sampling it follows the target's processed distribution exactly."""
+    decoding token for token; with sampling it follows the target's processed distribution exactly. `cost`: a
+    forward-cost model to keep learning across requests (verify cost vs size is a property of model + machine)."""
     if not prompt:
         raise QconvError("empty prompt", fix="pass at least one token")
     stats = stats if stats is not None else GenerationStats()
     sp = cfg.sampling
     gen = torch.Generator().manual_seed(cfg.seed)
     drafter = make_drafter(cfg.spec, model, sp, gen, mtp_k=cfg.mtp_k, max_ngram=cfg.max_ngram,
-                           min_ngram=cfg.min_ngram)
+                           min_ngram=cfg.min_ngram, aliases=cfg.lookup_aliases)
     need_hidden = bool(drafter is not None and drafter.needs_hidden)
     base = cfg.base_block or (cfg.mtp_k if cfg.spec in ("mtp", "hybrid") else cfg.max_block)
-    ctl = SpecController(base=min(base, cfg.max_block), max_block=cfg.max_block, adaptive=cfg.adaptive)
+    ctl = SpecController(base=min(base, cfg.max_block), max_block=cfg.max_block, adaptive=cfg.adaptive,
+                         tolerance=cfg.tolerance, cost=cost if cost is not None else CostModel())
     scorer = ShadowScorer(ctl.stats)
     eos = set(model.config.eos_token_ids)
-    max_len = len(prompt) + cfg.max_tokens + cfg.max_block + 1
+    spare = max(cfg.max_block, cfg.tree_nodes) + 1  # cache rows a verify forward writes past the sequence
+    max_len = len(prompt) + cfg.max_tokens + spare
     limit = getattr(model.config, "max_position_embeddings", max_len)
     if len(prompt) + cfg.max_tokens > limit:
         raise QconvError(f"prompt ({len(prompt)}) + max tokens ({cfg.max_tokens}) exceed the model's context "
                          f"({limit})", fix="shorten the prompt or lower --max-tokens")
-    cache = model.new_cache(1, min(max_len, limit + cfg.max_block + 1))
+    cache = model.new_cache(1, min(max_len, limit + spare))
     slot0 = torch.zeros(1, dtype=torch.long)
+    tree = None
+    if (cfg.tree_nodes > 0 and sp.greedy and isinstance(drafter, PromptLookup)
+            and getattr(cache, "supports_tree", False)):
+        tree = TreeSpeculator(drafter, ctl, max_nodes=cfg.tree_nodes)
     stats.prompt_tokens += len(prompt)
 
     def pick(logits: torch.Tensor, draft: Draft) -> tuple[int, int]:
@@ -138,6 +151,10 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig,
                         return
                 tok = seq[-1]
                 draft = Draft()
+                if tree is not None:
+                    new, depth, n = tree.step(model, cache, seq, min(cfg.max_block, cfg.max_tokens - produced - 1))
+                    stats.record_step(depth, n)
+                    continue
                 if drafter is not None:
                     scorer.observe(seq)
                     # Model drafts cost a forward each: draft what the controller would verify (at least one,

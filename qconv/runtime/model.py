@@ -56,19 +56,30 @@ class Step:
     gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (qwen35.py)
 
     @classmethod
-    def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
+    def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype,
+              tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> Step:
+        """tree = (depth [T], ancestors [T, T] bool): the T tokens are a token tree in parent-before-child order;
+        token i sits at position start + depth[i] and attends to the history plus its ancestors (itself included)."""
         slots = list(range(B)) if slots is None else as_ints(slots)
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
         if length > cache.max_len:
             raise QconvError(f"sequence of {length} tokens exceeds the cache's max_len {cache.max_len}",
                              fix="create the cache with a larger max_len")
-        pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        offsets = torch.arange(T, device=device) if tree is None else tree[0].to(device)
+        pos = torch.tensor(starts, device=device)[:, None] + offsets
         freqs = pos[..., None].float() * cfg.inv_freq.to(device)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (emb.cos() * cfg.rope_scaling).to(dtype), (emb.sin() * cfg.rope_scaling).to(dtype)
         mask = None
-        if T > 1 or len(set(starts)) > 1:
+        if tree is not None:
+            keys = torch.arange(length, device=device)
+            mask = (keys[None, None, :] < torch.tensor(starts, device=device)[:, None, None]).expand(B, T, length)
+            mask = mask.clone()
+            for b, p in enumerate(starts):
+                mask[b, :, p:p + T] = tree[1].to(device)
+            mask = mask[:, None]
+        elif T > 1 or len(set(starts)) > 1:
             keys = torch.arange(length, device=device)
             mask = (keys[None, None, :] <= pos[..., None])[:, None]
         rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if T <= ROPE_MATRIX_MAX_T else None
@@ -204,10 +215,16 @@ class Transformer(nn.Module):
         return F.linear(h, self.embed_tokens.weight).float()
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: ModelCache, slots=None, return_hidden: bool = False):
-        """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden)."""
+    def forward(self, tokens: torch.Tensor, cache: ModelCache, slots=None, return_hidden: bool = False,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden).
+        `tree` = (depth [T], ancestors [T, T]) scores a token tree (see Step.begin; attention-only models): the
+        slot then holds all T nodes until `cache.compact` keeps the accepted path."""
         B, T = tokens.shape
-        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype)
+        if tree is not None and cache.conv:
+            raise QconvError("token-tree verification needs an attention-only model",
+                             fix="use the linear draft chain for models with recurrent (Gated-DeltaNet) layers")
+        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype, tree)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, st)

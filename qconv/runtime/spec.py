@@ -40,10 +40,11 @@ class PromptLookup:
 
     needs_hidden = False
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, aliases: dict[int, int] | None = None):
         if not 1 <= min_ngram <= max_ngram:
             raise QconvError(f"bad lookup n-gram range {min_ngram}..{max_ngram}", fix="need 1 <= min <= max")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.aliases = aliases or {}  # token -> the token it is matched as (see punctuation_aliases)
         self.begin([])
 
     def begin(self, prompt: list[int], cache=None, max_len: int = 0) -> None:
@@ -62,7 +63,7 @@ class PromptLookup:
         for e in range(self._indexed + 1, len(seq)):
             for n, idx in self._index.items():
                 if e >= n:
-                    idx.setdefault(tuple(seq[e - n:e]), []).append(e)
+                    idx.setdefault(self._key(seq[e - n:e]), []).append(e)
         self._indexed = max(self._indexed, len(seq) - 1)
 
     def _nearest(self, occ: list[int], length: int) -> int:
@@ -78,7 +79,7 @@ class PromptLookup:
         self._catch_up(seq)
         ext = seq + list(extra) if extra else seq
         for n in range(min(self.max_ngram, len(ext)), self.min_ngram - 1, -1):
-            occ = self._index[n].get(tuple(ext[len(ext) - n:]))
+            occ = self._index[n].get(self._key(ext[len(ext) - n:]))
             if occ:
                 e = self._nearest(occ, len(ext))
                 self._cursor = (e, len(ext))
@@ -91,13 +92,41 @@ class PromptLookup:
         e, n = self.match(seq, extra)
         if e < 0:
             return Draft()
-        ext = seq + list(extra)
-        out: list[int] = []
-        for j in range(k):  # past the end of the sequence the match repeats with period len(ext) - e
-            i = e + j
-            out.append(ext[i] if i < len(ext) else out[i - len(ext)])
         src = f"lookup{min(n, 4)}"
-        return Draft(out, [src] * k, [None] * k)
+        return Draft(_continuation(seq + list(extra), e, k), [src] * k, [None] * k)
+
+    def candidates(self, seq: list[int], k: int, limit: int) -> list[tuple[list[int], int]]:
+        """Up to `limit` continuations (k tokens each, with the n of their match) for a token tree: first the
+        one `propose` would give, then the other occurrences of the longest matching suffix and of shorter
+        ones, most recent first. Duplicates are left to the trie."""
+        e, n = self.match(seq)
+        if e < 0 or k <= 0:
+            return []
+        out, seen = [(_continuation(seq, e, k), n)], {e}
+        for m in range(n, self.min_ngram - 1, -1):
+            for e2 in reversed(self._index[m].get(self._key(seq[len(seq) - m:]), ())):
+                if len(out) >= limit:
+                    return out
+                if e2 not in seen:
+                    seen.add(e2)
+                    out.append((_continuation(seq, e2, k), m))
+        return out
+
+    def normalized(self, tokens: list[int]) -> list[int]:
+        """tokens with every alias replaced by its canonical token (how a model that normalizes them writes)."""
+        return [self.aliases.get(t, t) for t in tokens]
+
+    def _key(self, ngram: list[int]) -> tuple[int, ...]:
+        return tuple(self.aliases.get(t, t) for t in ngram) if self.aliases else tuple(ngram)
+
+
+def _continuation(ext: list[int], e: int, k: int) -> list[int]:
+    """k tokens from ext[e]; past the end of the sequence the match repeats with period len(ext) - e."""
+    out: list[int] = []
+    for j in range(k):
+        i = e + j
+        out.append(ext[i] if i < len(ext) else out[i - len(ext)])
+    return out
 
 
 class MTPDrafter:
@@ -174,14 +203,33 @@ class HybridDrafter:
         return head.extend(self.lookup.propose(seq, k - len(head), extra=head.tokens))
 
 
+CLOSING_PUNCTUATION = set(",.;:!?)]}")
+
+
+def punctuation_aliases(tokenizer) -> dict[int, int]:
+    """Space-prefixed closing punctuation tokens -> the same punctuation without the space (" ," -> ","), for tokenizers
+    that mark a leading space in the token string (byte-level BPE "Ġ", sentencepiece "▁"). Text such as
+    wikitext spaces its punctuation ("film , television") and a model copying it writes "film, television":
+    matching n-grams modulo these aliases keeps the copy's place, and token trees also propose the normalized
+    form. Both forms are always verified by the target, so aliases change speed, never output."""
+    vocab = tokenizer.get_vocab()
+    out = {}
+    for text, i in vocab.items():
+        if text[:1] in ("Ġ", "▁") and len(text) > 1:
+            rest = text[1:]
+            if rest in vocab and all(c in CLOSING_PUNCTUATION for c in rest):
+                out[i] = vocab[rest]
+    return out
+
+
 def make_drafter(mode: str, model, params: SamplingParams, generator: torch.Generator | None = None, *,
-                 mtp_k: int = 4, max_ngram: int = 4, min_ngram: int = 1):
+                 mtp_k: int = 4, max_ngram: int = 4, min_ngram: int = 1, aliases: dict[int, int] | None = None):
     """The drafter for a --spec mode (None for "none")."""
     if mode not in SPEC_MODES:
         raise QconvError(f"unknown speculative mode {mode!r}", fix=f"one of {', '.join(SPEC_MODES)}")
     if mode == "none":
         return None
     if mode == "lookup":
-        return PromptLookup(max_ngram, min_ngram)
+        return PromptLookup(max_ngram, min_ngram, aliases)
     mtp = MTPDrafter(model, mtp_k, params, generator)
-    return mtp if mode == "mtp" else HybridDrafter(mtp, PromptLookup(max_ngram, min_ngram))
+    return mtp if mode == "mtp" else HybridDrafter(mtp, PromptLookup(max_ngram, min_ngram, aliases))

@@ -1,0 +1,192 @@
+"""Token-tree speculation for prompt lookup (greedy): several lookup continuations merged into a trie and scored in
+one forward with a tree attention mask (SpecInfer token trees, REST / lookahead decoding's n-gram branch).
+
+Why: one lookup candidate per step hits the first draft position only ~50% of the time on a copy and ~25% on code;
+the other occurrences of the matched n-gram, and of shorter ones, often hold the token the model really produces.
+Each node gets an estimated probability of being accepted (its parent's times the running hit rate of its kind:
+source n-gram length, rank among its siblings, depth), and the controller verifies the best-first prefix of the
+nodes that maximizes expected tokens per unit of measured forward cost. After the forward the accepted root-to-leaf
+path is compacted into contiguous cache rows, so the cache looks as if that path had been decoded as a chain."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from qconv.runtime.adaptive import HitStats, SpecController
+from qconv.runtime.spec import PromptLookup
+
+TREE_DEPTH_KEYS = 4  # hit rates per depth 1..3, then one rate for all deeper nodes (fewer keys to learn)
+FIRST_CHILD_PRIOR, OTHER_CHILD_PRIOR = 0.5, 0.15  # before any evidence: alternatives seldom hit
+
+# Forward sizes (tree nodes + root) the controller picks among: few sizes, so the cost model measures each often.
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+@dataclass
+class TokenTree:
+    """Node 0 is the root: the last accepted token (scored for the next position, not a draft). Nodes are kept in
+    parent-before-child order, which is also the order of the rows written to the cache."""
+
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    keys: list[str] = field(default_factory=lambda: [""])
+    children: list[dict[int, int]] = field(default_factory=lambda: [{}])
+
+    @classmethod
+    def root(cls, token: int) -> TokenTree:
+        return cls([token])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def insert(self, continuation: list[int], kind: str, max_nodes: int) -> None:
+        """Add a draft continuation below the root, sharing the prefix it has in common with earlier ones."""
+        node = 0
+        for tok in continuation:
+            child = self.children[node].get(tok)
+            if child is None:
+                if len(self.tokens) >= max_nodes:
+                    return
+                child = len(self.tokens)
+                rank = min(len(self.children[node]), 2)
+                self.tokens.append(tok)
+                self.parents.append(node)
+                self.depths.append(self.depths[node] + 1)
+                self.keys.append(f"{kind}r{rank}")
+                self.children.append({})
+                self.children[node][tok] = child
+            node = child
+
+    def probs(self, stats: HitStats) -> list[float]:
+        """Estimated P(node accepted) per node (root: 1), from the running hit rates."""
+        p = [1.0]
+        for i in range(1, len(self.tokens)):
+            prior = FIRST_CHILD_PRIOR if self.keys[i].endswith("r0") else OTHER_CHILD_PRIOR
+            p.append(p[self.parents[i]] * stats.estimate(self.keys[i], _pos(self.depths[i]), prior))
+        return p
+
+    def best(self, n: int, probs: list[float]) -> TokenTree:
+        """The root and the n nodes most likely to be accepted (a tree: a child never beats its parent, and ties
+        keep the parent first), re-indexed in parent-before-child order."""
+        keep = sorted(sorted(range(1, len(self.tokens)), key=lambda i: (-probs[i], i))[:n])
+        out = TokenTree.root(self.tokens[0])
+        new = {0: 0}
+        for i in keep:
+            new[i] = len(out.tokens)
+            par = new[self.parents[i]]
+            out.tokens.append(self.tokens[i])
+            out.parents.append(par)
+            out.depths.append(self.depths[i])
+            out.keys.append(self.keys[i])
+            out.children.append({})
+            out.children[par][self.tokens[i]] = new[i]
+        return out
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(depth [T], ancestors [T, T] bool, a node being its own ancestor): what Transformer.forward(tree=)
+        takes."""
+        T = len(self.tokens)
+        anc = torch.zeros(T, T, dtype=torch.bool)
+        for i in range(T):
+            if i:
+                anc[i] = anc[self.parents[i]]
+            anc[i, i] = True
+        return torch.tensor(self.depths), anc
+
+    def accept_greedy(self, logits: torch.Tensor) -> tuple[list[int], int]:
+        """logits [T, V] scored at every node. Returns the accepted path (node ids, root excluded) - the longest
+        one whose every token is the target's argmax after its parent - and the target's next token after it."""
+        best = logits.argmax(-1).tolist()
+        path, node = [], 0
+        while (child := self.children[node].get(best[node])) is not None:
+            path.append(child)
+            node = child
+        return path, best[node]
+
+
+def _pos(depth: int) -> int:
+    return min(depth, TREE_DEPTH_KEYS) - 1
+
+
+@dataclass
+class _Pending:
+    start: int  # sequence length when proposed: a node at depth d predicts seq[start + d - 1]
+    tree: TokenTree
+    node: int = 0  # deepest node known to lie on the produced sequence
+
+
+@dataclass
+class TreeScorer:
+    """Scores every proposed tree (the full one, not just the verified part) against the tokens really produced:
+    each child of a node on the produced path is a hit or a miss for its kind's running rate; the reported
+    per-position hit rate counts one event per depth (hit = some candidate had the produced token)."""
+
+    stats: HitStats
+    pending: list[_Pending] = field(default_factory=list)
+
+    def propose(self, start: int, tree: TokenTree) -> None:
+        if len(tree) > 1:
+            self.pending.append(_Pending(start, tree))
+
+    def observe(self, seq: list[int]) -> None:
+        keep = []
+        for p in self.pending:
+            t = p.tree
+            while t.children[p.node] and p.start + t.depths[p.node] < len(seq):
+                d = t.depths[p.node]
+                target = seq[p.start + d]
+                for tok, child in t.children[p.node].items():
+                    self.stats.update(t.keys[child], _pos(d + 1), tok == target, count=False)
+                hit = t.children[p.node].get(target)
+                self.stats.count(d, hit is not None)
+                if hit is None:
+                    break
+                p.node = hit
+            else:
+                if t.children[p.node]:
+                    keep.append(p)
+        self.pending = keep
+
+
+@dataclass
+class TreeSpeculator:
+    """One greedy speculative step with a lookup token tree: build, choose the size, verify, compact the cache."""
+
+    lookup: PromptLookup
+    ctl: SpecController
+    max_nodes: int = 63  # draft nodes at most (one forward of up to max_nodes + 1 tokens)
+    max_candidates: int = 24
+    scorer: TreeScorer = field(init=False)
+
+    def __post_init__(self):
+        self.scorer = TreeScorer(self.ctl.stats)
+
+    def propose(self, seq: list[int], depth: int) -> TokenTree:
+        """The verified subtree of this step (the full candidate tree is handed to the scorer)."""
+        self.scorer.observe(seq)
+        tree = TokenTree.root(seq[-1])
+        for cont, n in self.lookup.candidates(seq, depth, self.max_candidates):
+            tree.insert(cont, f"tree{min(n, 4)}", 4 * self.max_nodes)
+            if self.lookup.aliases:
+                tree.insert(self.lookup.normalized(cont), f"alias{min(n, 4)}", 4 * self.max_nodes)
+        self.scorer.propose(len(seq), tree)
+        probs = tree.probs(self.ctl.stats)
+        ranked = sorted(probs[1:], reverse=True)[: self.max_nodes]
+        n = self.ctl.choose_tree(ranked, TREE_SIZES)
+        return tree.best(n, probs)
+
+    def step(self, model, cache, seq: list[int], depth: int) -> tuple[list[int], int, int]:
+        """Returns (new tokens: the accepted drafts and the target's next token, verified depth, accepted)."""
+        tree = self.propose(seq, depth)
+        start = int(cache.lengths[0])
+        t0 = time.perf_counter()
+        x = torch.tensor([tree.tokens], dtype=torch.long)
+        logits = model(x, cache, tree=tree.layout() if len(tree) > 1 else None)[0]
+        path, nxt = tree.accept_greedy(logits)
+        cache.compact(0, start, [0] + path)
+        self.ctl.cost.observe(len(tree), time.perf_counter() - t0)
+        return [tree.tokens[i] for i in path] + [nxt], max(tree.depths), len(path)

@@ -1,0 +1,174 @@
+"""Token-tree speculation: the trie and its ranking, the tree attention mask (every node's logits equal those of
+its root-to-node path run as a plain chain), KV compaction after accepting a non-first branch, lookup candidates
+and punctuation aliases, and greedy tree decoding == plain greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qconv.errors import QconvError
+from qconv.runtime.adaptive import HitStats, SpecController
+from qconv.runtime.generate import GenerationConfig, GenerationStats, generate_tokens
+from qconv.runtime.spec import PromptLookup
+from qconv.runtime.tree import TokenTree, TreeScorer
+
+
+def _tree(root: int, branches: list[list[int]]) -> TokenTree:
+    t = TokenTree.root(root)
+    for b in branches:
+        t.insert(b, "tree4", 100)
+    return t
+
+
+# --- the trie ---
+def test_trie_shares_prefixes_and_ranks_siblings():
+    t = _tree(7, [[1, 2, 3], [1, 2, 4], [5, 6]])
+    assert t.tokens == [7, 1, 2, 3, 4, 5, 6]
+    assert t.parents == [-1, 0, 1, 2, 2, 0, 5] and t.depths == [0, 1, 2, 3, 3, 1, 2]
+    assert t.keys[3] == "tree4r0" and t.keys[4] == "tree4r1" and t.keys[5] == "tree4r1"
+    depth, anc = t.layout()
+    assert depth.tolist() == t.depths
+    assert anc[4].nonzero().flatten().tolist() == [0, 1, 2, 4] and anc[6].nonzero().flatten().tolist() == [0, 5, 6]
+    t.insert([9, 9, 9], "tree1", 8)  # the node budget stops the insertion
+    assert len(t) == 8
+
+
+def test_best_nodes_form_a_tree_and_accept_greedy_walks_it():
+    t = _tree(7, [[1, 2, 3], [5, 6]])
+    stats = HitStats()
+    stats.update("tree4r1", 0, True)  # siblings ranked 1 at depth 1 look better than the first candidate
+    for _ in range(5):
+        stats.update("tree4r0", 0, False)
+    probs = t.probs(stats)
+    sub = t.best(2, probs)
+    assert sub.tokens == [7, 5, 6] and sub.parents == [-1, 0, 1]
+    V = 10
+    logits = torch.zeros(3, V)
+    logits[0, 5] = logits[1, 6] = logits[2, 8] = 1.0  # accepts 5, 6, then the target says 8
+    assert sub.accept_greedy(logits) == ([1, 2], 8)
+    logits[0, 5], logits[0, 1] = 0.0, 1.0  # target wants 1: not in the subtree, nothing accepted
+    assert sub.accept_greedy(logits) == ([], 1)
+
+
+def test_tree_scorer_scores_every_candidate_against_the_produced_tokens():
+    stats = HitStats()
+    sc = TreeScorer(stats)
+    seq = [0, 0, 7]
+    sc.propose(len(seq), _tree(7, [[1, 2, 3], [5, 6]]))
+    sc.observe(seq + [1])  # depth 1: "1" hit, "5" missed; depth 2 not produced yet
+    assert stats.reached[0] == 1 and stats.hits[0] == 1 and len(sc.pending) == 1
+    assert stats.rate[("tree4r0", 0)] > 0.5 > stats.rate[("tree4r1", 0)]
+    sc.observe(seq + [1, 9])  # depth 2 missed: done
+    assert stats.reached[1] == 1 and stats.hits[1] == 0 and not sc.pending
+
+
+def test_controller_grows_the_tree_only_while_it_pays():
+    ctl = SpecController(max_block=15)
+    for T in (1, 4, 8, 16, 32, 64):
+        ctl.cost.observe(T, 0.1 * T ** 0.5)  # relative cost sqrt(T)
+    sizes = (1, 4, 8, 16, 32, 64)
+    assert ctl.choose_tree([0.05] * 63, sizes) == 0  # nothing likely: plain decode
+    assert ctl.choose_tree([0.9] * 3 + [0.3] * 4 + [0.01] * 56, sizes) == 3  # T = 4
+    assert ctl.choose_tree([0.9] * 63, sizes) == 63
+    assert ctl.choose_tree([0.9] * 10, sizes) == 10  # the whole tree is always a candidate size
+    ctl.tolerance = 0.1
+    assert ctl.choose_tree([0.9] * 3 + [0.3] * 4 + [0.01] * 56, sizes) == 7  # within 10% of the best: larger
+    ctl.adaptive = False
+    assert ctl.choose_tree([0.05] * 10, sizes) == 10
+
+
+# --- lookup candidates ---
+def test_lookup_candidates_and_aliases():
+    seq = [1, 2, 3, 9, 1, 2, 4, 8, 2, 5, 1, 2]
+    cands = PromptLookup(4, 1).candidates(seq, 2, 8)
+    assert cands[0] == ([4, 8], 2)  # the longest match, most recent
+    assert ([3, 9], 2) in cands and ([5, 1], 1) in cands  # the other occurrences of "1 2" and of "2"
+    lk = PromptLookup(4, 1, aliases={50: 5})  # token 50 (" ,") matches as 5 (",")
+    seq = [1, 50, 2, 3, 7, 1, 5, 2]
+    assert lk.propose(seq, 2).tokens == [3, 7]
+    assert lk.normalized([50, 3]) == [5, 3]
+    assert PromptLookup(4, 1).propose(seq, 2).tokens == [3, 7]  # only the 1-gram "2" matches without aliases
+
+
+# --- the tree forward on a real (tiny) llama ---
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    from qconv.runtime.loader import load_model
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(tiny_llama, dtype=torch.float32)
+    torch.set_num_threads(n)
+
+
+def _chain_logits(model, tokens: list[int]) -> torch.Tensor:
+    cache = model.new_cache(1, 128)
+    return model(torch.tensor([tokens]), cache)[0]
+
+
+def test_tree_mask_matches_plain_chains(llama):
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 300, (20,), generator=g).tolist()
+    t = _tree(prefix[-1], [[11, 12, 13, 14], [11, 12, 21], [11, 31, 32], [41, 42, 43], [51]])
+    cache = llama.new_cache(1, 128)
+    llama(torch.tensor([prefix[:-1]]), cache)
+    logits = llama(torch.tensor([t.tokens]), cache, tree=t.layout())[0]
+    assert int(cache.lengths[0]) == len(prefix) - 1 + len(t)
+    for i in range(len(t)):
+        path, node = [], i
+        while node > 0:
+            path.append(t.tokens[node])
+            node = t.parents[node]
+        ref = _chain_logits(llama, prefix + path[::-1])[-1]
+        assert (logits[i] - ref).abs().max() <= 1e-4, i
+
+
+def test_compaction_after_a_non_first_branch(llama):
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 300, (17,), generator=g).tolist()
+    t = _tree(prefix[-1], [[11, 12, 13, 14], [41, 42, 43], [11, 31, 32]])
+    cache = llama.new_cache(1, 128)
+    llama(torch.tensor([prefix[:-1]]), cache)
+    start = int(cache.lengths[0])
+    llama(torch.tensor([t.tokens]), cache, tree=t.layout())
+    path = [t.children[0][11], t.children[t.children[0][11]][31]]  # the third branch: 11 -> 31
+    cache.compact(0, start, [0] + path)
+    assert int(cache.lengths[0]) == start + 3
+    nxt = llama(torch.tensor([[32, 7]]), cache)[0]
+    ref = _chain_logits(llama, prefix + [11, 31, 32, 7])[-2:]
+    assert (nxt - ref).abs().max() <= 1e-4
+    path = [t.children[0][41]]  # the second branch, one token
+    cache = llama.new_cache(1, 128)
+    llama(torch.tensor([prefix[:-1]]), cache)
+    llama(torch.tensor([t.tokens]), cache, tree=t.layout())
+    cache.compact(0, start, [0] + path)
+    assert (llama(torch.tensor([[5]]), cache)[0, -1] - _chain_logits(llama, prefix + [41, 5])[-1]).abs().max() <= 1e-4
+
+
+def test_tree_needs_an_attention_only_model(tiny_qwen3_5):
+    from qconv.runtime.loader import load_model
+
+    model = load_model(tiny_qwen3_5, dtype=torch.float32)
+    cache = model.new_cache(1, 32)
+    assert not cache.supports_tree
+    with pytest.raises(QconvError, match="attention-only"):
+        model(torch.tensor([[1, 2]]), cache, tree=_tree(1, [[2]]).layout())
+
+
+def test_tiny_llama_tree_greedy_equals_plain(llama, monkeypatch):
+    monkeypatch.setattr(llama.config, "eos_token_ids", [])  # the random model says eos early: run 40 tokens
+    g = torch.Generator().manual_seed(2)
+    prompts = []
+    for _ in range(6):  # repetitive prompts, so lookup finds several candidates
+        base = torch.randint(3, 300, (6,), generator=g).tolist()
+        prompts.append(base * 3 + base[:2] + torch.randint(3, 300, (3,), generator=g).tolist() + base[:3])
+    for adaptive in (False, True):
+        stats = GenerationStats()
+        for ids in prompts:
+            ref = list(generate_tokens(llama, ids, GenerationConfig(max_tokens=40)))
+            out = list(generate_tokens(llama, ids, GenerationConfig(max_tokens=40, spec="lookup",
+                                                                    adaptive=adaptive), stats))
+            assert out == ref
+        if not adaptive:
+            assert stats.drafted[1] > 0 and stats.hit_reached[0] > 0 and stats.forwards < stats.new_tokens, stats.to_dict()

@@ -68,6 +68,12 @@ def decode_speed(a) -> dict:
             "dense_same_tokens": gen == first}
 
 
+def _now(device: str) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def main() -> None:
     from qconv.kv import get_kv_scheme
     from qconv.kv.store import PackedKV
@@ -85,6 +91,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the cache lives and is (de)quantized, e.g. cuda")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.decode:
@@ -99,12 +106,13 @@ def main() -> None:
         outl = torch.where(torch.rand(a.heads, 1, a.head_dim, generator=g) < 0.03, 10.0, 1.0)
         k = (torch.randn(*shape, generator=g) * outl + torch.randn(a.heads, 1, a.head_dim, generator=g)).half()
         v = (torch.randn(*shape, generator=g) * torch.rand(a.heads, a.tokens, 1, generator=g).add_(0.5)).half()
+        k, v = k.to(a.device), v.to(a.device)
         store = PackedKV(s, a.head_dim)
-        t0 = time.perf_counter()
+        t0 = _now(a.device)
         store.append(k, v)
-        t1 = time.perf_counter()
+        t1 = _now(a.device)
         kd, vd = store.dequantize(torch.float16)
-        t2 = time.perf_counter()
+        t2 = _now(a.device)
         t_q, t_dq, stored = t_q + t1 - t0, t_dq + t2 - t1, stored + store.nbytes
         err_k += float((kd.float() - k.float()).pow(2).mean() / k.float().pow(2).mean()) / a.layers
         err_v += float((vd.float() - v.float()).pow(2).mean() / v.float().pow(2).mean()) / a.layers
@@ -112,7 +120,7 @@ def main() -> None:
     fp16 = a.layers * a.heads * a.tokens * a.head_dim * 2 * 2
     print(json.dumps({
         "bench": "kv_speed", "scheme": a.scheme, "layers": a.layers, "heads": a.heads, "tokens": a.tokens,
-        "head_dim": a.head_dim, "threads": a.threads, "cpu": platform.machine(),
+        "head_dim": a.head_dim, "threads": a.threads, "cpu": platform.machine(), "device": a.device,
         "quantize_s": round(t_q, 1), "dequantize_s": round(t_dq, 1),
         "quantize_head_tokens_per_s": round(a.layers * a.heads * a.tokens / t_q),
         "stored_bytes": int(stored), "fp16_bytes": fp16, "ratio_vs_fp16": round(fp16 / stored, 3),

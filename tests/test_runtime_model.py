@@ -30,10 +30,11 @@ def _tokens(vocab: int, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, n), generator=g)
 
 
-def parity(path, prompt_len: int = 40, steps: int = 32) -> tuple[float, float]:
-    """Max |Δlogit| vs transformers on a prefill and on `steps` greedy decode steps (reference picks the tokens)."""
-    ref, ours = _hf(path), load_model(path)
-    toks = _tokens(ours.config.vocab_size, prompt_len)
+def parity(path, prompt_len: int = 40, steps: int = 32, device: str = "cpu") -> tuple[float, float]:
+    """Max |Δlogit| vs transformers on a prefill and on `steps` greedy decode steps (reference picks the tokens).
+    `device`: both models run there (bench/gpu_check.py uses cuda)."""
+    ref, ours = _hf(path).to(device), load_model(path).to(device)
+    toks = _tokens(ours.config.vocab_size, prompt_len).to(device)
     cache = ours.new_cache(1, prompt_len + steps + 1)
     with torch.no_grad():
         out = ref(toks, use_cache=True)

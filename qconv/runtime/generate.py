@@ -83,7 +83,7 @@ class GenerationStats:
 
 
 def _forward(model, tokens: list[int], cache, need_hidden: bool):
-    x = torch.tensor([tokens], dtype=torch.long)
+    x = torch.tensor([tokens], dtype=torch.long, device=model.device)
     out = model(x, cache, return_hidden=need_hidden)
     return (out[0][0], out[1][0]) if need_hidden else (out[0], None)
 

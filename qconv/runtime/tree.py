@@ -184,7 +184,7 @@ class TreeSpeculator:
         tree = self.propose(seq, depth)
         start = int(cache.lengths[0])
         t0 = time.perf_counter()
-        x = torch.tensor([tree.tokens], dtype=torch.long)
+        x = torch.tensor([tree.tokens], dtype=torch.long, device=model.device)
         logits = model(x, cache, tree=tree.layout() if len(tree) > 1 else None)[0]
         path, nxt = tree.accept_greedy(logits)
         cache.compact(0, start, [0] + path)

@@ -39,6 +39,9 @@ def main() -> None:
                     help="verify the largest draft whose expected speed is within this of the best one's")
     ap.add_argument("--no-aliases", action="store_true", help="lookup matches exact tokens only")
     ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--history", type=int, default=None, metavar="N",
+                    help="cross-request history: token trees also draft from N other prompts' outputs (not "
+                         "measured) and from the earlier measured prompts")
     a = ap.parse_args()
     out = {"bench": "runtime_spec", "model": a.model, "adaptive": not a.fixed_blocks, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "workloads": {}}
@@ -46,7 +49,8 @@ def main() -> None:
         cfg = GenerationConfig(max_tokens=a.max_tokens, spec=a.spec, adaptive=not a.fixed_blocks,
                                tree_nodes=a.tree_nodes, tolerance=a.tolerance)
         r = run_bench(a.model, w, Path(a.data) / FILES[w], prompts=a.prompts, cfg=cfg,
-                      compare_transformers=not a.no_transformers, threads=a.threads, aliases=not a.no_aliases)
+                      compare_transformers=not a.no_transformers, threads=a.threads, aliases=not a.no_aliases,
+                      history=a.history)
         out["workloads"][w] = r
         print(json.dumps({w: r}), file=sys.stderr, flush=True)
     print(json.dumps(out))

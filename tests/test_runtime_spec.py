@@ -386,6 +386,10 @@ def test_cli_generate_and_bench(tiny_llama, tmp_path, one_thread):
 
     rep = json.loads(r.output.strip().splitlines()[-1])
     assert rep["prompts"] == 2 and rep["ours"]["identical_to_plain"] is True and rep["ours"]["new_tokens"] > 0
+    r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "chat", "--data", str(data), "--prompts",
+                                  "2", "--max-tokens", "8", "--json", "--history", "1"])
+    rep = json.loads(r.output.strip().splitlines()[-1])
+    assert rep["history_warmup_prompts"] == 1 and rep["ours"]["identical_to_plain"] is True
     r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "code", "--data", str(data)])
     assert r.exit_code == 2 and "'prompt' field" in r.output  # a chat file given to the code workload
     r = CliRunner().invoke(main, ["generate", str(tmp_path), "--prompt", "x"])

@@ -10,7 +10,7 @@ import torch
 from qconv.errors import QconvError
 from qconv.runtime.adaptive import HitStats, SpecController
 from qconv.runtime.generate import GenerationConfig, GenerationStats, generate_tokens
-from qconv.runtime.spec import PromptLookup
+from qconv.runtime.spec import History, PromptLookup
 from qconv.runtime.tree import TokenTree, TreeScorer
 
 
@@ -89,6 +89,19 @@ def test_lookup_candidates_and_aliases():
     assert lk.propose(seq, 2).tokens == [3, 7]
     assert lk.normalized([50, 3]) == [5, 3]
     assert PromptLookup(4, 1).propose(seq, 2).tokens == [3, 7]  # only the 1-gram "2" matches without aliases
+
+
+def test_history_candidates_longest_first_distinct_and_bounded():
+    h = History(max_ngram=3, min_ngram=2, max_tokens=20)
+    h.add([1, 2, 3, 4, 5])
+    h.add([9, 2, 3, 7, 7, 8])
+    h.add([5, 5, 1, 2, 3, 4, 6])
+    # suffix "1 2 3": only sequences 0 and 2 have it (most recent first); "2 3" adds sequence 1's continuation
+    assert h.candidates([0, 1, 2, 3], 2, 8) == [([4, 6], 3), ([4, 5], 3), ([7, 7], 2)]
+    assert h.candidates([0, 2, 3], 2, 1) == [([4, 6], 2)]
+    assert h.candidates([0, 3], 2, 8) == []  # single tokens do not match across requests
+    h.add([8] * 6)  # over max_tokens: the oldest sequence goes, with its index entries
+    assert len(h) <= 20 and h.candidates([1, 2, 3], 2, 8) == [([4, 6], 3), ([7, 7], 2)]
 
 
 # --- the tree forward on a real (tiny) llama ---
@@ -170,5 +183,9 @@ def test_tiny_llama_tree_greedy_equals_plain(llama, monkeypatch):
             out = list(generate_tokens(llama, ids, GenerationConfig(max_tokens=40, spec="lookup",
                                                                     adaptive=adaptive), stats))
             assert out == ref
+            hist = History()  # other requests' text as candidates too: still lossless
+            hist.add(list(reversed(ids)) + ref)
+            assert list(generate_tokens(llama, ids, GenerationConfig(max_tokens=40, spec="lookup", history=hist,
+                                                                     adaptive=adaptive))) == ref
         if not adaptive:
             assert stats.drafted[1] > 0 and stats.hit_reached[0] > 0 and stats.forwards < stats.new_tokens, stats.to_dict()

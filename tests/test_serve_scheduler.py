@@ -86,3 +86,26 @@ def test_queue_bound_and_limits(tiny_qwen3):
         sched.submit(mk())
     with pytest.raises(ValueError, match="> 32"):
         sched.submit(mk(40))
+
+
+def test_history_drafts_from_earlier_requests_and_changes_nothing(tiny_qwen3):
+    """A finished request's prompt + output drafts for later ones whose own text has no match (suffix decoding);
+    greedy output stays what plain decoding gives."""
+    plain = _scheduler(tiny_qwen3)
+    try:
+        first = _run(plain, PROMPTS[:1])[0][0]
+        later = _run(plain, PROMPTS[1:2])[0]
+    finally:
+        plain.stop()
+    spec = _scheduler(tiny_qwen3, spec_tokens=4)
+    try:
+        assert _run(spec, PROMPTS[:1])[0][0] == first
+        tok = spec.tokenizer
+        # a new request that continues what the first one wrote: its own text is too short to match itself
+        cont = tok.decode(tok(PROMPTS[0]).input_ids[-3:] + first[:2])
+        before = spec.metrics.history_drafts
+        _run(spec, [cont])
+        assert spec.metrics.history_drafts > before
+        assert _run(spec, PROMPTS[1:2])[0] == later
+    finally:
+        spec.stop()

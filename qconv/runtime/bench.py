@@ -12,7 +12,7 @@ from pathlib import Path
 from qconv.errors import QconvError
 from qconv.runtime.adaptive import CostModel
 from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
-from qconv.runtime.spec import punctuation_aliases
+from qconv.runtime.spec import History, punctuation_aliases
 
 WORKLOADS = ("copy", "code", "chat", "math")
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
@@ -77,7 +77,7 @@ def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> dict:
     cost = CostModel()  # learnt on the first prompt, reused after (a server keeps one per model likewise)
     identical = True
     for ids in prompts:
-        a = list(generate_tokens(model, ids, replace(cfg, spec="none"), plain))
+        a = list(generate_tokens(model, ids, replace(cfg, spec="none", history=None), plain))  # never its own answer
         b = list(generate_tokens(model, ids, cfg, spec, cost))
         identical &= a == b
     d = spec.to_dict()
@@ -117,10 +117,12 @@ def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: 
 
 def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None,
               compare_transformers: bool = False, threads: int = 0, aliases: bool = True,
-              dequantize: bool = False) -> dict:
+              dequantize: bool = False, history: int | None = None) -> dict:
     """One workload: our speculative decode vs our plain decode (and optionally vs transformers). `aliases`: let
     prompt lookup match modulo spaced punctuation (spec.punctuation_aliases). An artifact runs in bf16 through the
-    int kernels unless `dequantize` (then fp32, like a plain folder)."""
+    int kernels unless `dequantize` (then fp32, like a plain folder). `history`: None = none; N >= 0 = token trees
+    also draft from a cross-request History, first filled by N other prompts of the same file (generated, not
+    measured: a server that has already answered N requests), then by each measured prompt in turn."""
     import torch
 
     from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
@@ -129,18 +131,25 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
         torch.set_num_threads(threads)
     path = Path(path)
     cfg = cfg or GenerationConfig(max_tokens=128, spec="lookup")
-    texts = workload_texts(workload, Path(data), prompts)
+    texts = workload_texts(workload, Path(data), prompts + (history or 0))
     tok = load_tokenizer(path)
     ids = [encode_prompt(tok, t, chat=bool(getattr(tok, "chat_template", None))) for t in texts]
+    ids, warm = ids[:prompts], ids[prompts:]
     if aliases and cfg.lookup_aliases is None:
         cfg = replace(cfg, lookup_aliases=punctuation_aliases(tok))
     dtype = runtime_dtype(path, dequantize)
     model = load_model(path, dtype=dtype)
+    if history is not None:
+        cfg = replace(cfg, history=History(aliases=cfg.lookup_aliases))
+        for w in warm:
+            for _ in generate_tokens(model, w, cfg):
+                pass
     report = {"workload": workload, "model": str(path), "dtype": str(dtype).removeprefix("torch."),
               "prompts": len(ids), "max_tokens": cfg.max_tokens,
               "spec": cfg.spec, "max_block": cfg.max_block, "tree_nodes": cfg.tree_nodes,
               "tolerance": cfg.tolerance,
               "aliases": bool(cfg.lookup_aliases), "threads": torch.get_num_threads(),
+              "history_warmup_prompts": None if history is None else len(warm),
               "ours": _ours(model, ids, cfg)}
     if compare_transformers:
         eos = list(model.config.eos_token_ids)

@@ -98,9 +98,12 @@ def generate(model, prompt, chat_text, spec, stop, stats, dequantize, max_tokens
 @click.option("--threads", default=0, help="torch CPU threads (0 = torch default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @_dequantize_option
+@click.option("--history", type=int, default=None, metavar="N",
+              help="Cross-request drafting: token trees also draft from earlier requests' text, first N other "
+                   "prompts of the file (generated, not measured), then the measured ones in turn.")
 @_sampling_options
-def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, dequantize, max_tokens,
-          temperature, top_p, top_k, seed, max_block):
+def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, dequantize, history,
+          max_tokens, temperature, top_p, top_k, seed, max_block):
     """Speculative decoding on MODEL: tokens/step, acceptance and drafter hit rate per position, tok/s, and the
     speedup over plain decoding measured in the same run."""
     from qconv.runtime.bench import run_bench
@@ -108,7 +111,7 @@ def bench(model, workload, data, prompts, spec, compare_transformers, threads, a
     path = _model_dir(model)
     cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block)
     r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
-                  threads=threads, dequantize=dequantize)
+                  threads=threads, dequantize=dequantize, history=history)
     if as_json:
         click.echo(json.dumps(r))
         return

@@ -14,7 +14,7 @@ import torch
 from qconv.errors import QconvError
 from qconv.runtime.adaptive import MAX_POS, CostModel, ShadowScorer, SpecController
 from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
-from qconv.runtime.spec import Draft, PromptLookup, make_drafter
+from qconv.runtime.spec import Draft, History, PromptLookup, make_drafter
 from qconv.runtime.tree import TreeSpeculator
 
 
@@ -35,6 +35,8 @@ class GenerationConfig:
     max_ngram: int = 4
     min_ngram: int = 1
     lookup_aliases: dict[int, int] | None = None  # spec.punctuation_aliases(tokenizer): lookup matches modulo these
+    history: History | None = None  # shared across requests: token trees also draft from earlier requests' text,
+    # and each finished request's prompt + output is added to it
 
 
 @dataclass
@@ -117,7 +119,7 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
     tree = None
     if (cfg.tree_nodes > 0 and sp.greedy and isinstance(drafter, PromptLookup)
             and getattr(cache, "supports_tree", False)):
-        tree = TreeSpeculator(drafter, ctl, max_nodes=cfg.tree_nodes)
+        tree = TreeSpeculator(drafter, ctl, max_nodes=cfg.tree_nodes, history=cfg.history)
     stats.prompt_tokens += len(prompt)
 
     def pick(logits: torch.Tensor, draft: Draft) -> tuple[int, int]:
@@ -177,6 +179,8 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
                     drafter.observe(hidden[: n + 1], new)
         finally:
             stats.decode_s += time.perf_counter() - t_dec
+            if cfg.history is not None:
+                cfg.history.add(seq)
             for i in range(MAX_POS):
                 stats.hit_reached[i] += ctl.stats.reached[i]
                 stats.hit_hits[i] += ctl.stats.hits[i]

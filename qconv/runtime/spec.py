@@ -120,6 +120,58 @@ class PromptLookup:
         return tuple(self.aliases.get(t, t) for t in ngram) if self.aliases else tuple(ngram)
 
 
+class History:
+    """Cross-request n-gram memory (as in suffix decoding): the prompts and outputs of earlier requests, so a
+    request's token tree can also try what other requests wrote after the same n-gram (code idioms, boilerplate,
+    a template's phrasing). Only n >= min_ngram (2) matches, since other texts' single tokens are mostly noise.
+    Bounded: past max_tokens the oldest sequences are dropped. Lossless like every drafter: the target verifies."""
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, max_tokens: int = 1 << 20,
+                 aliases: dict[int, int] | None = None):
+        self.max_ngram, self.min_ngram, self.max_tokens = max_ngram, min_ngram, max_tokens
+        self.aliases = aliases or {}
+        self.seqs: dict[int, list[int]] = {}
+        self._next = 0
+        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.seqs.values())
+
+    def add(self, tokens: list[int]) -> None:
+        sid, self._next = self._next, self._next + 1
+        self.seqs[sid] = list(tokens)
+        self._index_seq(sid)
+        if len(self) > self.max_tokens:
+            while len(self) > self.max_tokens and len(self.seqs) > 1:
+                self.seqs.pop(min(self.seqs))
+            self._index = {}
+            for i in self.seqs:
+                self._index_seq(i)
+
+    def _index_seq(self, sid: int) -> None:
+        seq = self.seqs[sid]
+        for e in range(1, len(seq)):
+            for n in range(self.min_ngram, min(self.max_ngram, e) + 1):
+                self._index.setdefault(self._key(seq[e - n:e]), []).append((sid, e))
+
+    def candidates(self, seq: list[int], k: int, limit: int) -> list[tuple[list[int], int]]:
+        """Up to `limit` distinct continuations (at most k tokens, with their n) of seq's longest suffixes."""
+        out: list[tuple[list[int], int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
+            for sid, e in reversed(self._index.get(self._key(seq[len(seq) - n:]), ())):
+                cont = self.seqs[sid][e:e + k]
+                if cont and tuple(cont) not in seen:
+                    seen.add(tuple(cont))
+                    out.append((cont, n))
+                    if len(out) >= limit:
+                        return out
+        return out
+
+    def _key(self, ngram: list[int]) -> tuple[int, ...]:
+        return tuple(self.aliases.get(t, t) for t in ngram)
+
+
 def _continuation(ext: list[int], e: int, k: int) -> list[int]:
     """k tokens from ext[e]; past the end of the sequence the match repeats with period len(ext) - e."""
     out: list[int] = []

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qconv.runtime.adaptive import HitStats, SpecController
-from qconv.runtime.spec import PromptLookup
+from qconv.runtime.spec import History, PromptLookup
 
 TREE_DEPTH_KEYS = 4  # hit rates per depth 1..3, then one rate for all deeper nodes (fewer keys to learn)
 FIRST_CHILD_PRIOR, OTHER_CHILD_PRIOR = 0.5, 0.15  # before any evidence: alternatives seldom hit
@@ -160,6 +160,7 @@ class TreeSpeculator:
     ctl: SpecController
     max_nodes: int = 63  # draft nodes at most (one forward of up to max_nodes + 1 tokens)
     max_candidates: int = 24
+    history: History | None = None  # other requests' text, a second source of candidates
     scorer: TreeScorer = field(init=False)
 
     def __post_init__(self):
@@ -173,6 +174,9 @@ class TreeSpeculator:
             tree.insert(cont, f"tree{min(n, 4)}", 4 * self.max_nodes)
             if self.lookup.aliases:
                 tree.insert(self.lookup.normalized(cont), f"alias{min(n, 4)}", 4 * self.max_nodes)
+        if self.history is not None:
+            for cont, n in self.history.candidates(seq, depth, self.max_candidates):
+                tree.insert(cont, f"hist{min(n, 4)}", 4 * self.max_nodes)
         self.scorer.propose(len(seq), tree)
         probs = tree.probs(self.ctl.stats)
         ranked = sorted(probs[1:], reverse=True)[: self.max_nodes]

@@ -19,7 +19,7 @@ import torch
 
 from qconv.runtime.sampling import (SamplingParams, probs_from_logits, sample_next, verify_greedy,
                                     verify_sampling)
-from qconv.runtime.spec import PromptLookup
+from qconv.runtime.spec import History, PromptLookup
 from qconv.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ class Scheduler:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.spec_tokens, self.lookup_ngram = spec_tokens, lookup_ngram  # prompt-lookup drafts per step (0: off)
+        # What earlier requests wrote drafts for a row whose own prompt + output has no match (suffix decoding)
+        self.history = History(max_ngram=lookup_ngram[0], min_ngram=max(2, lookup_ngram[1])) if spec_tokens else None
         self.cache = model.new_cache(max_batch, max_len, kv_scheme)
         self.eos = set(getattr(model.config, "eos_token_ids", []) or [])
         if tokenizer.eos_token_id is not None:
@@ -206,7 +208,13 @@ class Scheduler:
         k = min(self.spec_tokens, room, r.max_tokens - len(r.out_ids) - 1)
         if k <= 0 or r.lookup is None:
             return []
-        return r.lookup.propose(r.prompt_ids + r.out_ids, k).tokens
+        seq = r.prompt_ids + r.out_ids
+        draft = r.lookup.propose(seq, k).tokens
+        if not draft and self.history is not None and r.sampling.greedy:  # a seeded sample must not depend
+            # on what other requests wrote (rejection sampling draws differently per draft, though lossless)
+            draft = next(iter(self.history.candidates(seq, k, 1)), ([], 0))[0]
+            self.metrics.history_drafts += bool(draft)
+        return draft
 
     def _verify(self, r: GenRequest, draft: list[int], logits: torch.Tensor) -> list[int]:
         """Lossless: greedy keeps the drafts equal to the argmax; sampling uses rejection sampling, whose output
@@ -284,6 +292,8 @@ class Scheduler:
                             prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.out_ids), error=error))
         r.sent = len(text)
         self.metrics.finished(reason, time.monotonic() - r.arrival)
+        if self.history is not None and reason in ("stop", "length"):
+            self.history.add(r.prompt_ids + r.out_ids)
 
     def _send(self, r: GenRequest, ev: Event) -> None:
         try:

@@ -58,6 +58,7 @@ class ToyModel:
         self.config = SimpleNamespace(eos_token_ids=[eos], max_position_embeddings=4096, vocab_size=vocab)
         self.mtp = ToyMTP(vocab, hidden, g) if mtp else None
         self.forwards = []
+        self.device = torch.device("cpu")  # the runtime API: drivers put token tensors on the model's device
 
     def new_cache(self, max_batch, max_len, kv_scheme="none"):
         return ToyCache(max_batch, max_len)

@@ -321,13 +321,15 @@ print(rss() - start)
 
 def test_pinned_mmap_threshold_returns_freed_blocks():
     """The streamed build's allocation pattern (buffers of growing size freed between small kept results) grows
-    RSS by hundreds of MB under glibc's sliding mmap threshold; pinned, freed blocks go back to the system."""
+    RSS by hundreds of MB under glibc's sliding mmap threshold (usually ~840 MB here, but how much the heap keeps
+    varies run to run, so the default is not asserted); pinned, freed blocks go back to the system: the growth stays
+    at the ~8 MB the kept results and the allocator's own state take."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    growth = {m: int(subprocess.run([sys.executable, "-c", _FRAGMENT, m], env=env, capture_output=True, text=True,
-                                    check=True).stdout.split()[-1]) for m in ("pin", "default")}
-    if growth["pin"] < 0:
+    pin = int(subprocess.run([sys.executable, "-c", _FRAGMENT, "pin"], env=env, capture_output=True, text=True,
+                             check=True).stdout.split()[-1])
+    if pin < 0:
         pytest.skip("no mallopt in this C library")
-    assert growth["pin"] * 4 < growth["default"], growth
+    assert pin < 48 << 20, pin  # the 24 freed pairs of 16-62 MB buffers alone would be ~900 MB if kept
 
 
 def test_stream_refuses_tied_embeddings(tiny_llama, tmp_path, calib_txt):

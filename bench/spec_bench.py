@@ -42,15 +42,24 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=None, metavar="N",
                     help="cross-request history: token trees also draft from N other prompts' outputs (not "
                          "measured) and from the earlier measured prompts")
+    ap.add_argument("--dequantize", action="store_true",
+                    help="artifact: dense weights (float32, or bf16 with --dtype bfloat16) instead of the int kernels")
+    ap.add_argument("--no-text-lookup", action="store_true", help="no lookup on normalized text")
+    ap.add_argument("--datastore", nargs="+", default=None, metavar="PATH",
+                    help="retrieval drafting: token trees also draft from these files/folders (e.g. a stdlib)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="both engines' dtype (default: the CLI's, float32 for a plain folder)")
     a = ap.parse_args()
-    out = {"bench": "runtime_spec", "model": a.model, "adaptive": not a.fixed_blocks, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    out = {"bench": "runtime_spec", "model": a.model, "adaptive": not a.fixed_blocks,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "workloads": {}}
     for w in a.workloads.split(","):
         cfg = GenerationConfig(max_tokens=a.max_tokens, spec=a.spec, adaptive=not a.fixed_blocks,
                                tree_nodes=a.tree_nodes, tolerance=a.tolerance)
         r = run_bench(a.model, w, Path(a.data) / FILES[w], prompts=a.prompts, cfg=cfg,
                       compare_transformers=not a.no_transformers, threads=a.threads, aliases=not a.no_aliases,
-                      history=a.history)
+                      text_lookup=not a.no_text_lookup, dequantize=a.dequantize,
+                      history=a.history, datastore=a.datastore, dtype=a.dtype)
         out["workloads"][w] = r
         print(json.dumps({w: r}), file=sys.stderr, flush=True)
     print(json.dumps(out))

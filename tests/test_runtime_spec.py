@@ -63,7 +63,7 @@ class ToyModel:
     def new_cache(self, max_batch, max_len, kv_scheme="none"):
         return ToyCache(max_batch, max_len)
 
-    def __call__(self, tokens, cache, slots=None, return_hidden=False):
+    def __call__(self, tokens, cache, slots=None, return_hidden=False, exact=False):
         B, T = tokens.shape
         slots = torch.arange(B) if slots is None else slots
         self.forwards.append(T)
@@ -395,3 +395,20 @@ def test_cli_generate_and_bench(tiny_llama, tmp_path, one_thread):
     assert r.exit_code == 2 and "'prompt' field" in r.output  # a chat file given to the code workload
     r = CliRunner().invoke(main, ["generate", str(tmp_path), "--prompt", "x"])
     assert r.exit_code == 2 and "no config.json" in r.output
+
+
+def test_transformers_drafter_replay_reproduces_its_real_run(tiny_llama, one_thread):
+    """The replay of transformers' prompt-lookup drafter on our greedy outputs counts the forwards its real
+    `generate(prompt_lookup_num_tokens=...)` run takes when both engines produce the same text (fp32)."""
+    from qconv.runtime.bench import _transformers, transformers_lookup_replay
+    from qconv.runtime.loader import load_model
+
+    model = load_model(tiny_llama, dtype=torch.float32)
+    eos = list(model.config.eos_token_ids)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 300, (12,), generator=g).tolist() for _ in range(4)]  # the random model loops
+    outputs = [list(generate_tokens(model, p, GenerationConfig(max_tokens=24))) for p in prompts]
+    real = _transformers(tiny_llama, prompts, 24, 15, eos, torch.float32)
+    replay = transformers_lookup_replay(prompts, outputs, 24, 15, eos)
+    assert real["new_tokens"] == replay["new_tokens"] == sum(map(len, outputs))
+    assert replay["tokens_per_forward"] == real["tokens_per_forward"] > 1.5, (real, replay)

@@ -189,3 +189,67 @@ def test_tiny_llama_tree_greedy_equals_plain(llama, monkeypatch):
                                                                      adaptive=adaptive))) == ref
         if not adaptive:
             assert stats.drafted[1] > 0 and stats.hit_reached[0] > 0 and stats.forwards < stats.new_tokens, stats.to_dict()
+
+
+# --- bit-exact verification in bf16 (model.exact_rows) ---
+@pytest.fixture(scope="module")
+def llama_bf16(tiny_llama):
+    from qconv.runtime.cpu_pack import packing_available
+    from qconv.runtime.loader import load_model
+
+    if not packing_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("oneDNN packed bf16 Linears are not available in this torch")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_model(tiny_llama, dtype=torch.bfloat16)
+    torch.set_num_threads(n)
+
+
+def _decode_steps(model, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits of `tokens` fed one per forward after `prefix`: what plain decoding computes."""
+    cache = model.new_cache(1, 128)
+    model(torch.tensor([prefix]), cache)
+    return torch.stack([model(torch.tensor([[t]]), cache)[0, -1] for t in tokens])
+
+
+def test_exact_verify_reproduces_decode_steps_bit_for_bit(llama_bf16):
+    m = llama_bf16
+    assert m.exact_verify
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 300, (21,), generator=g).tolist()
+    t = _tree(prefix[-1], [[11, 12, 13, 14] + list(range(50, 70)), [11, 12, 21], [11, 31, 32], [41, 42, 43]])
+    assert len(t) > 16  # past the RoPE-matrix size (a plain forward of this size would switch RoPE paths)
+    cache = m.new_cache(1, 128)
+    m(torch.tensor([prefix[:-1]]), cache)
+    logits = m(torch.tensor([t.tokens]), cache, tree=t.layout(), exact=True)[0]
+    for i in range(len(t)):  # every node, on the first path (a key prefix) or off it (gathered keys)
+        path, node = [], i
+        while node > 0:
+            path.append(t.tokens[node])
+            node = t.parents[node]
+        assert torch.equal(logits[i], _decode_steps(m, prefix[:-1], [prefix[-1]] + path[::-1])[-1]), i
+    chain = prefix[-1:] + list(range(80, 100))
+    cache = m.new_cache(1, 128)
+    m(torch.tensor([prefix[:-1]]), cache)
+    assert torch.equal(m(torch.tensor([chain]), cache, exact=True)[0], _decode_steps(m, prefix[:-1], chain))
+
+
+def test_exact_verify_only_where_the_linears_are_batch_invariant(tiny_llama, tiny_qwen3_5):
+    from qconv.runtime.loader import load_model
+
+    assert not load_model(tiny_llama, dtype=torch.float32).exact_verify  # MKL's fp32 GEMM varies with rows
+    assert not load_model(tiny_qwen3_5, dtype=torch.bfloat16).exact_verify  # chunked vs recurrent GDN
+
+
+def test_bf16_greedy_speculation_equals_plain_greedy(llama_bf16, monkeypatch):
+    monkeypatch.setattr(llama_bf16.config, "eos_token_ids", [])
+    g = torch.Generator().manual_seed(4)
+    stats = GenerationStats()
+    for _ in range(6):
+        base = torch.randint(3, 300, (5,), generator=g).tolist()
+        ids = base * 4 + torch.randint(3, 300, (3,), generator=g).tolist() + base[:2]
+        ref = list(generate_tokens(llama_bf16, ids, GenerationConfig(max_tokens=48)))
+        for nodes in (63, 0):  # token trees and the linear chain
+            cfg = GenerationConfig(max_tokens=48, spec="lookup", adaptive=False, tree_nodes=nodes)
+            assert list(generate_tokens(llama_bf16, ids, cfg, stats)) == ref
+    assert stats.forwards < stats.new_tokens

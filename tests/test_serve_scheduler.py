@@ -109,3 +109,23 @@ def test_history_drafts_from_earlier_requests_and_changes_nothing(tiny_qwen3):
         assert _run(spec, PROMPTS[1:2])[0] == later
     finally:
         spec.stop()
+
+
+def test_datastore_drafts_when_nothing_else_matches_and_changes_nothing(tiny_qwen3):
+    """A --datastore corpus holding what the model writes drafts for greedy rows; the output stays plain greedy."""
+    from qconv.runtime.datastore import Datastore
+
+    plain = _scheduler(tiny_qwen3)
+    try:
+        ref = _run(plain, PROMPTS[2:3])[0][0]
+    finally:
+        plain.stop()
+    prompt_ids = plain.tokenizer(PROMPTS[2]).input_ids
+    store = Datastore.build([prompt_ids[-4:] + ref])  # a corpus that once saw this continuation
+    spec = _scheduler(tiny_qwen3, spec_tokens=4, datastore=store)
+    try:
+        assert _run(spec, PROMPTS[2:3])[0][0] == ref
+        assert spec.metrics.datastore_drafts > 0 and spec.metrics.accepted_tokens > 0
+        assert "qconv_spec_datastore_drafts_total" in spec.metrics.render()
+    finally:
+        spec.stop()

@@ -28,13 +28,14 @@ class HitStats:
     def estimate(self, source: str, pos: int, prior: float | None = None) -> float:
         return self.rate.get((source, min(pos, MAX_POS - 1)), self.prior if prior is None else prior)
 
-    def update(self, source: str, pos: int, hit: bool, count: bool = True) -> None:
+    def update(self, source: str, pos: int, hit: bool, count: bool = True, prior: float | None = None) -> None:
         """Learn from one scored draft; `count=False` leaves the reported per-position counts alone (token trees
-        count one event per depth, not one per sibling: see `count`)."""
+        count one event per depth, not one per sibling: see `count`). `prior`: where a new key's estimate starts
+        (the same one `estimate` falls back to for it)."""
         key = (source, min(pos, MAX_POS - 1))
         w = self.weight.get(key, self.prior_weight) + 1.0
         self.weight[key] = min(w, self.horizon)
-        r = self.rate.get(key, self.prior)
+        r = self.rate.get(key, self.prior if prior is None else prior)
         self.rate[key] = r + (float(hit) - r) / self.weight[key]
         if count:
             self.count(pos, hit)

@@ -10,9 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from qconv.errors import QconvError
-from qconv.runtime.adaptive import CostModel
+from qconv.runtime.adaptive import CostModel, HitStats
+from qconv.runtime.datastore import load_datastore
 from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
 from qconv.runtime.spec import History, punctuation_aliases
+from qconv.runtime.textlookup import TextLookup
 
 WORKLOADS = ("copy", "code", "chat", "math")
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
@@ -74,26 +76,60 @@ def workload_texts(workload: str, data: Path, n: int) -> list[str]:
 def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> dict:
     """Plain and speculative decode per prompt, interleaved. Greedy outputs must agree token for token."""
     plain, spec = GenerationStats(), GenerationStats()
-    cost = CostModel()  # learnt on the first prompt, reused after (a server keeps one per model likewise)
+    cost, hits = CostModel(), HitStats()  # learnt on the first prompt, reused after (a server keeps them likewise)
     identical = True
+    outputs = []
     for ids in prompts:
         a = list(generate_tokens(model, ids, replace(cfg, spec="none", history=None), plain))  # never its own answer
-        b = list(generate_tokens(model, ids, cfg, spec, cost))
+        b = list(generate_tokens(model, ids, cfg, spec, cost, hits))
         identical &= a == b
+        outputs.append(b)
     d = spec.to_dict()
     d.update(plain_decode_tok_s=round(plain.decode_tok_s, 2),
              speedup=round(plain.decode_s / spec.decode_s, 3) if spec.decode_s else None,
              speedup_end_to_end=round((plain.prefill_s + plain.decode_s) / (spec.prefill_s + spec.decode_s), 3),
              identical_to_plain=identical if cfg.sampling.greedy else None)
-    return d
+    return d, outputs
 
 
-def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: int, eos: list[int]) -> dict:
+def transformers_lookup_replay(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int, block: int,
+                               eos: list[int]) -> dict:
+    """transformers' prompt-lookup drafter (its own PromptLookupCandidateGenerator, as `generate` sets it up)
+    replayed on our greedy outputs: with greedy verification a step accepts the drafts that agree with the output,
+    so its forwards are a function of the token sequence alone. This compares the two drafters on the same text
+    even where the engines' numerics make their greedy texts differ (bf16); in float32, where the texts agree,
+    it reproduces the real run's count (tests/test_runtime_bench.py)."""
+    import torch
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    tokens = forwards = 0
+    for prompt, out in zip(prompts, outputs):
+        limit = len(prompt) + max_tokens
+        gen = PromptLookupCandidateGenerator(eos_token_id=torch.tensor(eos), num_output_tokens=block,
+                                             max_matching_ngram_size=2, max_length=limit)
+        seq, pos = list(prompt), 0
+        while pos < len(out):
+            cand = gen.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
+            n = 0
+            while n < len(cand) and pos + n < len(out) and cand[n] == out[pos + n]:
+                n += 1
+            if n == len(cand) > 0 and len(seq) + len(cand) >= limit:  # generate's is_done_candidate rule
+                n -= 1
+            take = min(n + 1, len(out) - pos)
+            seq += out[pos:pos + take]
+            pos += take
+            forwards += 1
+        tokens += len(out)
+    return {"tokens_per_forward": round(tokens / max(forwards, 1), 4), "forwards": forwards, "new_tokens": tokens}
+
+
+def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: int, eos: list[int],
+                  dtype) -> dict:
     """transformers' greedy vs its prompt lookup on the same prompts; forwards counted with a hook."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     calls = [0]
     hf.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     res = {"greedy": [0, 0.0, 0], "lookup": [0, 0.0, 0]}  # tokens, seconds, forwards
@@ -116,13 +152,17 @@ def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: 
 
 
 def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None,
-              compare_transformers: bool = False, threads: int = 0, aliases: bool = True,
-              dequantize: bool = False, history: int | None = None) -> dict:
-    """One workload: our speculative decode vs our plain decode (and optionally vs transformers). `aliases`: let
-    prompt lookup match modulo spaced punctuation (spec.punctuation_aliases). An artifact runs in bf16 through the
-    int kernels unless `dequantize` (then fp32, like a plain folder). `history`: None = none; N >= 0 = token trees
-    also draft from a cross-request History, first filled by N other prompts of the same file (generated, not
-    measured: a server that has already answered N requests), then by each measured prompt in turn."""
+              compare_transformers: bool = False, threads: int = 0, aliases: bool = True, text_lookup: bool = True,
+              dequantize: bool = False, history: int | None = None, datastore: list | None = None,
+              dtype: str | None = None) -> dict:
+    """One workload: our speculative decode vs our plain decode (and optionally vs transformers' run), and
+    transformers' prompt-lookup drafter replayed on our outputs. `aliases`: prompt lookup matches modulo spaced
+    punctuation (spec.punctuation_aliases); `text_lookup`: token trees also look the prompt up as normalized text
+    (textlookup.py). An artifact runs in bf16 through the int kernels unless `dequantize` (then fp32, like a plain
+    folder); `dtype` overrides either. `history`: None = none; N >= 0 = token trees also draft from a cross-request
+    History, first filled by N other prompts of the same file (generated, not measured: a server that has already
+    answered N requests), then by each measured prompt in turn. `datastore`: files/folders token trees also draft
+    from (runtime.datastore; indexed once, cached)."""
     import torch
 
     from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
@@ -137,8 +177,12 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
     ids, warm = ids[:prompts], ids[prompts:]
     if aliases and cfg.lookup_aliases is None:
         cfg = replace(cfg, lookup_aliases=punctuation_aliases(tok))
-    dtype = runtime_dtype(path, dequantize)
-    model = load_model(path, dtype=dtype)
+    if text_lookup and cfg.text_lookup is None:
+        cfg = replace(cfg, text_lookup=TextLookup(tok))
+    if datastore:
+        cfg = replace(cfg, datastore=load_datastore(datastore, tok, cfg.lookup_aliases))
+    dtype = getattr(torch, dtype) if dtype else runtime_dtype(path, dequantize)
+    model = load_model(path, dtype=dtype, int_kernels=False if dequantize else None)
     if history is not None:
         cfg = replace(cfg, history=History(aliases=cfg.lookup_aliases))
         for w in warm:
@@ -148,13 +192,20 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
               "prompts": len(ids), "max_tokens": cfg.max_tokens,
               "spec": cfg.spec, "max_block": cfg.max_block, "tree_nodes": cfg.tree_nodes,
               "tolerance": cfg.tolerance,
-              "aliases": bool(cfg.lookup_aliases), "threads": torch.get_num_threads(),
+              "aliases": bool(cfg.lookup_aliases), "text_lookup": cfg.text_lookup is not None,
+              "threads": torch.get_num_threads(),
               "history_warmup_prompts": None if history is None else len(warm),
-              "ours": _ours(model, ids, cfg)}
+              "datastore_tokens": len(cfg.datastore) if cfg.datastore is not None else None,
+              }
+    report["ours"], outputs = _ours(model, ids, cfg)
+    eos = list(model.config.eos_token_ids)
+    replay = transformers_lookup_replay(ids, outputs, cfg.max_tokens, cfg.max_block, eos)
+    report["transformers_drafter_on_our_output"] = replay
+    report["tokens_per_step_vs_transformers_drafter"] = round(report["ours"]["tokens_per_step"]
+                                                              / replay["tokens_per_forward"], 3)
     if compare_transformers:
-        eos = list(model.config.eos_token_ids)
         del model
-        t = _transformers(path, ids, cfg.max_tokens, cfg.max_block, eos)
+        t = _transformers(path, ids, cfg.max_tokens, cfg.max_block, eos, dtype)
         report["transformers"] = t
         report["tokens_per_step_vs_transformers"] = round(report["ours"]["tokens_per_step"] / t["tokens_per_forward"],
                                                           3)

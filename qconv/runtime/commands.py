@@ -48,10 +48,28 @@ def _sampling_options(f):
     return f
 
 
+_datastore_option = click.option(
+    "--datastore", multiple=True, type=click.Path(), metavar="PATH",
+    help="Retrieval drafting (repeatable): token trees also draft from these text files / folders (source code, "
+         "docs, past transcripts). Tokenized and indexed once, cached under QCONV_HOME.")
+_dtype_option = click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+    help="auto: bf16 for an artifact with the CPU int kernels, else float32. bfloat16 on a plain folder runs "
+         "oneDNN's packed bf16 GEMMs, whose verify forwards reproduce decode steps bit for bit.")
+
+
+def _dtype(path: Path, dtype: str, dequantize: bool):
+    import torch
+
+    from qconv.runtime.loader import runtime_dtype
+
+    return runtime_dtype(path, dequantize) if dtype == "auto" else getattr(torch, dtype)
+
+
 _dequantize_option = click.option(
     "--dequantize", is_flag=True,
-    help="Artifact: dequantize to float32 on load instead of running its int4 Linears through the CPU int kernels "
-         "(bf16).")
+    help="Artifact: dequantize on load (float32, or bf16 with --dtype bfloat16) instead of running its int4 "
+         "Linears through the CPU int kernels (bf16).")
 
 
 @click.command("generate")
@@ -62,22 +80,28 @@ _dequantize_option = click.option(
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stats", is_flag=True, help="Print tokens/step, acceptance and speed to stderr at the end.")
 @_dequantize_option
+@_dtype_option
+@_datastore_option
 @_sampling_options
-def generate(model, prompt, chat_text, spec, stop, stats, dequantize, max_tokens, temperature, top_p, top_k, seed,
-             max_block):
+def generate(model, prompt, chat_text, spec, stop, stats, dequantize, dtype, datastore, max_tokens, temperature,
+             top_p, top_k, seed, max_block):
     """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
+    from qconv.runtime.datastore import load_datastore
     from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
-    from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
+    from qconv.runtime.loader import load_model, load_tokenizer
     from qconv.runtime.spec import punctuation_aliases
+    from qconv.runtime.textlookup import TextLookup
 
     if (prompt is None) == (chat_text is None):
         raise QconvError("give exactly one of --prompt and --chat")
     path = _model_dir(model)
     cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
     tok = load_tokenizer(path)
-    cfg = replace(cfg, lookup_aliases=punctuation_aliases(tok))
+    cfg = replace(cfg, lookup_aliases=punctuation_aliases(tok), text_lookup=TextLookup(tok))
+    if datastore:
+        cfg = replace(cfg, datastore=load_datastore(list(datastore), tok, cfg.lookup_aliases))
     ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
-    m = load_model(path, dtype=runtime_dtype(path, dequantize))
+    m = load_model(path, dtype=_dtype(path, dtype, dequantize), int_kernels=False if dequantize else None)
     st = GenerationStats()
     for piece in stream_text(tok, generate_tokens(m, ids, cfg, st), cfg.stop):
         click.echo(piece, nl=False)
@@ -98,12 +122,14 @@ def generate(model, prompt, chat_text, spec, stop, stats, dequantize, max_tokens
 @click.option("--threads", default=0, help="torch CPU threads (0 = torch default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @_dequantize_option
+@_dtype_option
+@_datastore_option
 @click.option("--history", type=int, default=None, metavar="N",
               help="Cross-request drafting: token trees also draft from earlier requests' text, first N other "
                    "prompts of the file (generated, not measured), then the measured ones in turn.")
 @_sampling_options
-def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, dequantize, history,
-          max_tokens, temperature, top_p, top_k, seed, max_block):
+def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, dequantize, dtype, datastore,
+          history, max_tokens, temperature, top_p, top_k, seed, max_block):
     """Speculative decoding on MODEL: tokens/step, acceptance and drafter hit rate per position, tok/s, and the
     speedup over plain decoding measured in the same run."""
     from qconv.runtime.bench import run_bench
@@ -111,7 +137,8 @@ def bench(model, workload, data, prompts, spec, compare_transformers, threads, a
     path = _model_dir(model)
     cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block)
     r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
-                  threads=threads, dequantize=dequantize, history=history)
+                  threads=threads, dequantize=dequantize, history=history, datastore=list(datastore) or None,
+                  dtype=None if dtype == "auto" else dtype)
     if as_json:
         click.echo(json.dumps(r))
         return

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from qconv.errors import QconvError
-from qconv.runtime.adaptive import MAX_POS, CostModel, ShadowScorer, SpecController
+from qconv.runtime.adaptive import MAX_POS, CostModel, HitStats, ShadowScorer, SpecController
+from qconv.runtime.datastore import Datastore
 from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
 from qconv.runtime.spec import Draft, History, PromptLookup, make_drafter
+from qconv.runtime.textlookup import TextLookup
 from qconv.runtime.tree import TreeSpeculator
 
 
@@ -28,7 +30,7 @@ class GenerationConfig:
     max_block: int = 15  # most draft tokens verified in one step
     base_block: int = 0  # block cap after a rejection; 0 = the MTP k (mtp/hybrid) or max_block (lookup)
     adaptive: bool = True  # trim drafts that do not pay for their verify cost (False: always verify the cap)
-    tolerance: float = 0.2  # verify the largest draft whose expected speed is within this of the best one's
+    tolerance: float = 0.3  # verify the largest draft whose expected speed is within this of the best one's
     tree_nodes: int = 63  # greedy lookup on attention-only models: verify a token tree of up to this many
     # draft nodes (0 = one linear draft chain, as for sampling, MTP/hybrid and packed KV stores)
     mtp_k: int = 4
@@ -37,6 +39,8 @@ class GenerationConfig:
     lookup_aliases: dict[int, int] | None = None  # spec.punctuation_aliases(tokenizer): lookup matches modulo these
     history: History | None = None  # shared across requests: token trees also draft from earlier requests' text,
     # and each finished request's prompt + output is added to it
+    datastore: Datastore | None = None  # a tokenized corpus token trees also draft from (retrieval drafting)
+    text_lookup: TextLookup | None = None  # token trees also look the prompt up as normalized text
 
 
 @dataclass
@@ -84,17 +88,19 @@ class GenerationStats:
         }
 
 
-def _forward(model, tokens: list[int], cache, need_hidden: bool):
+def _forward(model, tokens: list[int], cache, need_hidden: bool, exact: bool = False):
     x = torch.tensor([tokens], dtype=torch.long, device=model.device)
-    out = model(x, cache, return_hidden=need_hidden)
+    out = model(x, cache, return_hidden=need_hidden, exact=exact)
     return (out[0][0], out[1][0]) if need_hidden else (out[0], None)
 
 
 def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: GenerationStats | None = None,
-                    cost: CostModel | None = None) -> Iterator[int]:
+                    cost: CostModel | None = None, hits: HitStats | None = None) -> Iterator[int]:
     """Yield the new token ids for one prompt. Lossless: with temperature 0 the output equals plain greedy
     decoding token for token; with sampling it follows the target's processed distribution exactly. `cost`: a
-    forward-cost model to keep learning across requests (verify cost vs size is a property of model + machine)."""
+    forward-cost model to keep learning across requests (verify cost vs size is a property of model + machine);
+    `hits`: the drafters' hit rates likewise (how often each kind of candidate is right, on this model and traffic:
+    a short request alone sees too few scored drafts to learn them)."""
     if not prompt:
         raise QconvError("empty prompt", fix="pass at least one token")
     stats = stats if stats is not None else GenerationStats()
@@ -105,7 +111,9 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
     need_hidden = bool(drafter is not None and drafter.needs_hidden)
     base = cfg.base_block or (cfg.mtp_k if cfg.spec in ("mtp", "hybrid") else cfg.max_block)
     ctl = SpecController(base=min(base, cfg.max_block), max_block=cfg.max_block, adaptive=cfg.adaptive,
-                         tolerance=cfg.tolerance, cost=cost if cost is not None else CostModel())
+                         tolerance=cfg.tolerance, cost=cost if cost is not None else CostModel(),
+                         stats=hits if hits is not None else HitStats())
+    reached0, hits0 = list(ctl.stats.reached), list(ctl.stats.hits)  # shared stats: report this request's only
     scorer = ShadowScorer(ctl.stats)
     eos = set(model.config.eos_token_ids)
     spare = max(cfg.max_block, cfg.tree_nodes) + 1  # cache rows a verify forward writes past the sequence
@@ -116,10 +124,13 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
                          f"({limit})", fix="shorten the prompt or lower --max-tokens")
     cache = model.new_cache(1, min(max_len, limit + spare))
     slot0 = torch.zeros(1, dtype=torch.long)
+    exact = getattr(model, "exact_verify", False)  # verify forwards reproduce decode steps bit for bit
     tree = None
     if (cfg.tree_nodes > 0 and sp.greedy and isinstance(drafter, PromptLookup)
             and getattr(cache, "supports_tree", False)):
-        tree = TreeSpeculator(drafter, ctl, max_nodes=cfg.tree_nodes, history=cfg.history)
+        tree = TreeSpeculator(drafter, ctl, max_nodes=cfg.tree_nodes, history=cfg.history,
+                              datastore=cfg.datastore, exact=exact,
+                              text=cfg.text_lookup.start(prompt) if cfg.text_lookup is not None else None)
     stats.prompt_tokens += len(prompt)
 
     def pick(logits: torch.Tensor, draft: Draft) -> tuple[int, int]:
@@ -167,7 +178,7 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
                     draft = full.truncate(ctl.choose(full.sources))
                 n_before = int(cache.lengths[0])
                 t1 = time.perf_counter()
-                logits, hidden = _forward(model, [tok] + draft.tokens, cache, need_hidden)
+                logits, hidden = _forward(model, [tok] + draft.tokens, cache, need_hidden, exact)
                 n, nxt = pick(logits, draft)
                 if n < len(draft):
                     cache.rollback(slot0, torch.tensor([n_before + 1 + n]))
@@ -182,8 +193,8 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
             if cfg.history is not None:
                 cfg.history.add(seq)
             for i in range(MAX_POS):
-                stats.hit_reached[i] += ctl.stats.reached[i]
-                stats.hit_hits[i] += ctl.stats.hits[i]
+                stats.hit_reached[i] += ctl.stats.reached[i] - reached0[i]
+                stats.hit_hits[i] += ctl.stats.hits[i] - hits0[i]
 
 
 def stream_text(tokenizer, tokens: Iterator[int], stop: tuple[str, ...] = ()) -> Iterator[str]:

@@ -53,13 +53,16 @@ class Step:
     sin: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, T, length] bool, None when plain causal over the whole history works
     rope_mat: torch.Tensor | None  # [B, T, D, D]: RoPE as one small matmul (short steps: fewer ops per layer)
+    rows: list | None = None  # exact mode: per query row, the keys a one-token decode at its place would see
     gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (qwen35.py)
 
     @classmethod
     def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype,
-              tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> Step:
+              tree: tuple[torch.Tensor, torch.Tensor] | None = None, exact: bool = False) -> Step:
         """tree = (depth [T], ancestors [T, T] bool): the T tokens are a token tree in parent-before-child order;
-        token i sits at position start + depth[i] and attends to the history plus its ancestors (itself included)."""
+        token i sits at position start + depth[i] and attends to the history plus its ancestors (itself included).
+        exact (one row): every query row gets the same attention call a one-token decode at its place makes
+        (see `exact_rows`), so verification reproduces plain decode bit for bit where the Linears do."""
         slots = list(range(B)) if slots is None else as_ints(slots)
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
@@ -82,8 +85,10 @@ class Step:
         elif T > 1 or len(set(starts)) > 1:
             keys = torch.arange(length, device=device)
             mask = (keys[None, None, :] <= pos[..., None])[:, None]
-        rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if T <= ROPE_MATRIX_MAX_T else None
-        return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat)
+        rows = exact_rows(starts[0], T, tree, device) if exact and B == 1 and T > 1 else None
+        use_mat = T <= ROPE_MATRIX_MAX_T or rows is not None  # a decode step's RoPE path, whatever T
+        rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if use_mat else None
+        return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat, rows)
 
     def end(self) -> None:
         for s in self.slots:
@@ -93,6 +98,26 @@ class Step:
             from qconv.runtime.qwen35 import commit_records
 
             commit_records(self)
+
+
+def exact_rows(start: int, T: int, tree, device) -> list:
+    """Per query row of a verify forward: the key length (a prefix of the cache, as a plain decode step at that
+    position reads it) or, for a tree node off the first path, the key indices (history + its ancestors).
+
+    Why: fused kernels (SDPA with a mask over T queries, MKL GEMMs) round differently for different T, and in
+    bf16 that flips near-tie argmaxes, so speculative output could drift from plain greedy decoding. One
+    single-query call per row over exactly the keys a decode step sees is the same computation as that step."""
+    if tree is None:
+        return [start + i + 1 for i in range(T)]
+    rows = []
+    for i in range(T):
+        anc = tree[1][i].nonzero().flatten()
+        d = len(anc)
+        if torch.equal(anc, torch.arange(d)):
+            rows.append(start + d)
+        else:
+            rows.append(torch.cat([torch.arange(start), start + anc]).to(device))
+    return rows
 
 
 def _rope_matrix(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
@@ -157,8 +182,15 @@ class Attention(nn.Module):
         kv = st.cache.kv
         kv.write(self.kv_index, st.slots, st.starts, k, v)
         keys, values = kv.read(self.kv_index, st.slots, st.length)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=st.mask,
-                                           enable_gqa=self.nh != self.nkv)
+        gqa = self.nh != self.nkv
+        if st.rows is not None:
+            qt = q.transpose(1, 2)
+            o = torch.cat([F.scaled_dot_product_attention(
+                qt[:, :, i:i + 1], *((keys[:, :, :r], values[:, :, :r]) if isinstance(r, int) else
+                                     (keys.index_select(2, r), values.index_select(2, r))), enable_gqa=gqa)
+                for i, r in enumerate(st.rows)], dim=2)
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=st.mask, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -216,7 +248,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, slots=None, return_hidden: bool = False,
-                tree: tuple[torch.Tensor, torch.Tensor] | None = None):
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None, exact: bool = False):
         """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden).
         `tree` = (depth [T], ancestors [T, T]) scores a token tree (see Step.begin; attention-only models): the
         slot then holds all T nodes until `cache.compact` keeps the accepted path."""
@@ -224,7 +256,7 @@ class Transformer(nn.Module):
         if tree is not None and cache.conv:
             raise QconvError("token-tree verification needs an attention-only model",
                              fix="use the linear draft chain for models with recurrent (Gated-DeltaNet) layers")
-        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype, tree)
+        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype, tree, exact)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, st)

@@ -117,7 +117,12 @@ class PromptLookup:
         return [self.aliases.get(t, t) for t in tokens]
 
     def _key(self, ngram: list[int]) -> tuple[int, ...]:
-        return tuple(self.aliases.get(t, t) for t in ngram) if self.aliases else tuple(ngram)
+        return alias_key(self.aliases, ngram)
+
+
+def alias_key(aliases: dict[int, int] | None, ngram) -> tuple[int, ...]:
+    """An n-gram as matched: every alias replaced by its canonical token (see punctuation_aliases)."""
+    return tuple(aliases.get(t, t) for t in ngram) if aliases else tuple(ngram)
 
 
 class History:
@@ -132,18 +137,20 @@ class History:
         self.aliases = aliases or {}
         self.seqs: dict[int, list[int]] = {}
         self._next = 0
+        self._tokens = 0  # sum of len(seq) over seqs
         self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
 
     def __len__(self) -> int:
-        return sum(len(s) for s in self.seqs.values())
+        return self._tokens
 
     def add(self, tokens: list[int]) -> None:
         sid, self._next = self._next, self._next + 1
         self.seqs[sid] = list(tokens)
+        self._tokens += len(tokens)
         self._index_seq(sid)
-        if len(self) > self.max_tokens:
-            while len(self) > self.max_tokens and len(self.seqs) > 1:
-                self.seqs.pop(min(self.seqs))
+        if self._tokens > self.max_tokens:
+            while self._tokens > self.max_tokens and len(self.seqs) > 1:
+                self._tokens -= len(self.seqs.pop(min(self.seqs)))
             self._index = {}
             for i in self.seqs:
                 self._index_seq(i)
@@ -169,7 +176,7 @@ class History:
         return out
 
     def _key(self, ngram: list[int]) -> tuple[int, ...]:
-        return tuple(self.aliases.get(t, t) for t in ngram)
+        return alias_key(self.aliases, ngram)
 
 
 def _continuation(ext: list[int], e: int, k: int) -> list[int]:

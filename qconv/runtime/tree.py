@@ -16,10 +16,20 @@ from dataclasses import dataclass, field
 import torch
 
 from qconv.runtime.adaptive import HitStats, SpecController
+from qconv.runtime.datastore import Datastore
 from qconv.runtime.spec import History, PromptLookup
+from qconv.runtime.textlookup import TextMatcher
 
-TREE_DEPTH_KEYS = 4  # hit rates per depth 1..3, then one rate for all deeper nodes (fewer keys to learn)
-FIRST_CHILD_PRIOR, OTHER_CHILD_PRIOR = 0.5, 0.15  # before any evidence: alternatives seldom hit
+TREE_DEPTH_KEYS = 8  # hit rates per depth 1..7, then one rate for all deeper nodes (fewer keys to learn)
+# Before any evidence: a candidate's next token continues a run that has matched so far more often the longer the
+# run (SmolLM2 copy/code/chat, first children per depth 1, 2, 3, 4+: ~.45-.75, .55-.85, .7-.85, .8-.95; with a flat
+# 0.5 prior, deep nodes were predicted 3-5x too unlikely and the controller cut copies short); alternatives (later
+# siblings) seldom hit. Estimates start here and move with the tree's own scored hits.
+FIRST_CHILD_PRIOR, OTHER_CHILD_PRIOR = (0.5, 0.65, 0.75) + (0.85,) * (TREE_DEPTH_KEYS - 3), 0.15
+
+
+def node_prior(key: str, depth: int) -> float:
+    return FIRST_CHILD_PRIOR[_pos(depth)] if key.endswith("r0") else OTHER_CHILD_PRIOR
 
 # Forward sizes (tree nodes + root) the controller picks among: few sizes, so the cost model measures each often.
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -65,8 +75,8 @@ class TokenTree:
         """Estimated P(node accepted) per node (root: 1), from the running hit rates."""
         p = [1.0]
         for i in range(1, len(self.tokens)):
-            prior = FIRST_CHILD_PRIOR if self.keys[i].endswith("r0") else OTHER_CHILD_PRIOR
-            p.append(p[self.parents[i]] * stats.estimate(self.keys[i], _pos(self.depths[i]), prior))
+            key, d = self.keys[i], self.depths[i]
+            p.append(p[self.parents[i]] * stats.estimate(key, _pos(d), node_prior(key, d)))
         return p
 
     def best(self, n: int, probs: list[float]) -> TokenTree:
@@ -140,7 +150,8 @@ class TreeScorer:
                 d = t.depths[p.node]
                 target = seq[p.start + d]
                 for tok, child in t.children[p.node].items():
-                    self.stats.update(t.keys[child], _pos(d + 1), tok == target, count=False)
+                    key = t.keys[child]
+                    self.stats.update(key, _pos(d + 1), tok == target, count=False, prior=node_prior(key, d + 1))
                 hit = t.children[p.node].get(target)
                 self.stats.count(d, hit is not None)
                 if hit is None:
@@ -161,22 +172,37 @@ class TreeSpeculator:
     max_nodes: int = 63  # draft nodes at most (one forward of up to max_nodes + 1 tokens)
     max_candidates: int = 24
     history: History | None = None  # other requests' text, a second source of candidates
+    datastore: Datastore | None = None  # a corpus the user pointed at (retrieval drafting), a third
+    exact: bool = False  # verify with one attention call per node (model.exact_rows): bit-exact vs decode steps
+    text: TextMatcher | None = None  # lookup on normalized text (the model rewrites the source's tokenization)
     scorer: TreeScorer = field(init=False)
 
     def __post_init__(self):
         self.scorer = TreeScorer(self.ctl.stats)
 
+    def _candidates(self, seq: list[int], depth: int) -> list[tuple[list[int], str]]:
+        """Every source's continuations with their kinds, interleaved by rank (each source's best first, then
+        each one's second, ...), so the node budget does not go to one source's long tail before another's best."""
+        lookup = []
+        for cont, n in self.lookup.candidates(seq, depth, self.max_candidates):
+            lookup.append((cont, f"tree{min(n, 4)}"))
+            if self.lookup.aliases:
+                lookup.append((self.lookup.normalized(cont), f"alias{min(n, 4)}"))
+        sources = [lookup]
+        if self.text is not None:
+            sources.append([(cont, f"text{n}") for cont, n in self.text.candidates(seq, depth)])
+        for kind, source in (("hist", self.history), ("ds", self.datastore)):
+            if source is not None:
+                sources.append([(c, f"{kind}{min(n, 6)}") for c, n in source.candidates(seq, depth,
+                                                                                       self.max_candidates)])
+        return [s[i] for i in range(max(map(len, sources))) for s in sources if i < len(s)]
+
     def propose(self, seq: list[int], depth: int) -> TokenTree:
         """The verified subtree of this step (the full candidate tree is handed to the scorer)."""
         self.scorer.observe(seq)
         tree = TokenTree.root(seq[-1])
-        for cont, n in self.lookup.candidates(seq, depth, self.max_candidates):
-            tree.insert(cont, f"tree{min(n, 4)}", 4 * self.max_nodes)
-            if self.lookup.aliases:
-                tree.insert(self.lookup.normalized(cont), f"alias{min(n, 4)}", 4 * self.max_nodes)
-        if self.history is not None:
-            for cont, n in self.history.candidates(seq, depth, self.max_candidates):
-                tree.insert(cont, f"hist{min(n, 4)}", 4 * self.max_nodes)
+        for cont, kind in self._candidates(seq, depth):
+            tree.insert(cont, kind, 4 * self.max_nodes)
         self.scorer.propose(len(seq), tree)
         probs = tree.probs(self.ctl.stats)
         ranked = sorted(probs[1:], reverse=True)[: self.max_nodes]
@@ -189,7 +215,7 @@ class TreeSpeculator:
         start = int(cache.lengths[0])
         t0 = time.perf_counter()
         x = torch.tensor([tree.tokens], dtype=torch.long, device=model.device)
-        logits = model(x, cache, tree=tree.layout() if len(tree) > 1 else None)[0]
+        logits = model(x, cache, tree=tree.layout() if len(tree) > 1 else None, exact=self.exact)[0]
         path, nxt = tree.accept_greedy(logits)
         cache.compact(0, start, [0] + path)
         self.ctl.cost.observe(len(tree), time.perf_counter() - t0)

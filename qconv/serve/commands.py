@@ -56,9 +56,12 @@ def _cuda_gpu() -> bool:
 @click.option("--spec-tokens", default=None, type=int,
               help="Native: prompt-lookup draft tokens per step (0: off; default: the artifact's speculative config).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
+@click.option("--datastore", multiple=True, type=click.Path(), metavar="PATH",
+              help="Native: greedy rows with no prompt-lookup match also draft from these text files / folders "
+                   "(repeatable; indexed once, cached under QCONV_HOME).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve(target, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-          max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args) -> None:
+          max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, datastore, vllm_args) -> None:
     """Serve ARTIFACT_OR_NAME over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
@@ -79,7 +82,7 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
 
         run_native(path, NativeOptions(host=host, port=port, api_key=api_key, max_batch=max_batch or 8,
                                        max_model_len=max_model_len, profile=profile, spec_tokens=spec_tokens,
-                                       served_model_name=served_model_name))
+                                       served_model_name=served_model_name, datastore=tuple(datastore)))
         return
     src = vllm.load_source(path, recipe)
     if served_model_name:

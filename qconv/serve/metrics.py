@@ -46,6 +46,7 @@ class Metrics:
     draft_tokens: int = 0  # speculative drafts proposed / accepted (acceptance = accepted / draft)
     accepted_tokens: int = 0
     history_drafts: int = 0  # drafts that came from earlier requests' text (the row's own text had no match)
+    datastore_drafts: int = 0  # drafts from the --datastore corpus (neither the row's text nor history matched)
     queue_depth: int = 0
     running: int = 0
     e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
@@ -93,6 +94,8 @@ class Metrics:
                    [f"qconv_spec_accepted_tokens_total {self.accepted_tokens}"])
             metric("qconv_spec_history_drafts_total", "counter", "Drafts taken from earlier requests' text.",
                    [f"qconv_spec_history_drafts_total {self.history_drafts}"])
+            metric("qconv_spec_datastore_drafts_total", "counter", "Drafts taken from the --datastore corpus.",
+                   [f"qconv_spec_datastore_drafts_total {self.datastore_drafts}"])
             acc = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
             metric("qconv_spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens.", [f"qconv_spec_acceptance_rate {acc:.4f}"])
             metric("qconv_queue_depth", "gauge", "Requests waiting for a slot.", [f"qconv_queue_depth {self.queue_depth}"])

@@ -27,6 +27,7 @@ class NativeOptions:
     served_model_name: str | None = None
     dtype: str = "float32"
     spec_tokens: int | None = None  # prompt-lookup drafts per step; None: the artifact's speculative config
+    datastore: tuple[str, ...] = ()  # text files / folders greedy rows also draft from (runtime.datastore)
 
 
 @dataclass
@@ -83,10 +84,19 @@ def build_native(path: str | Path, opts: NativeOptions):
     if not (path / "config.json").is_file():
         raise QconvError(f"no config.json in {path}", where=str(path), fix="pass a model or artifact folder")
     plan = native_plan(path, opts)
+    tok = load_tokenizer(path)
+    store = None
+    if opts.datastore:
+        if not plan.spec_tokens:
+            raise QconvError("--datastore drafts for speculation, which is off", where="--datastore",
+                             fix="add --spec-tokens N (N > 0), or serve an artifact whose recipe speculates")
+        from qconv.runtime.datastore import load_datastore
+
+        store = load_datastore(list(opts.datastore), tok)
     model = load_model(path, dtype=getattr(torch, opts.dtype), max_batch=opts.max_batch)
-    sched = Scheduler(model, load_tokenizer(path), max_batch=opts.max_batch, max_len=plan.context_len,
+    sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
                       max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec_tokens=plan.spec_tokens,
-                      lookup_ngram=plan.lookup_ngram).start()
+                      lookup_ngram=plan.lookup_ngram, datastore=store).start()
     cfg = ServerConfig(opts.served_model_name or path.name, plan.context_len, opts.api_key)
     return create_app(sched, cfg), sched
 

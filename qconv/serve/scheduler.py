@@ -19,6 +19,7 @@ import torch
 
 from qconv.runtime.sampling import (SamplingParams, probs_from_logits, sample_next, verify_greedy,
                                     verify_sampling)
+from qconv.runtime.datastore import Datastore
 from qconv.runtime.spec import History, PromptLookup
 from qconv.serve.metrics import Metrics
 
@@ -68,12 +69,13 @@ class GenRequest:
 class Scheduler:
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, max_queue: int = 64,
                  kv_scheme: str = "none", metrics: Metrics | None = None, seed: int = 0, spec_tokens: int = 0,
-                 lookup_ngram: tuple[int, int] = (4, 2)):
+                 lookup_ngram: tuple[int, int] = (4, 2), datastore: Datastore | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
         self.spec_tokens, self.lookup_ngram = spec_tokens, lookup_ngram  # prompt-lookup drafts per step (0: off)
         # What earlier requests wrote drafts for a row whose own prompt + output has no match (suffix decoding)
         self.history = History(max_ngram=lookup_ngram[0], min_ngram=max(2, lookup_ngram[1])) if spec_tokens else None
+        self.datastore = datastore if spec_tokens else None  # then a corpus the operator pointed at (REST)
         self.cache = model.new_cache(max_batch, max_len, kv_scheme)
         self.eos = set(getattr(model.config, "eos_token_ids", []) or [])
         if tokenizer.eos_token_id is not None:
@@ -214,6 +216,9 @@ class Scheduler:
             # on what other requests wrote (rejection sampling draws differently per draft, though lossless)
             draft = next(iter(self.history.candidates(seq, k, 1)), ([], 0))[0]
             self.metrics.history_drafts += bool(draft)
+        if not draft and self.datastore is not None and r.sampling.greedy:
+            draft = next(iter(self.datastore.candidates(seq, k, 1)), ([], 0))[0]
+            self.metrics.datastore_drafts += bool(draft)
         return draft
 
     def _verify(self, r: GenRequest, draft: list[int], logits: torch.Tensor) -> list[int]:

@@ -44,6 +44,7 @@ def main() -> None:
                          "measured) and from the earlier measured prompts")
     ap.add_argument("--dequantize", action="store_true",
                     help="artifact: dense weights (float32, or bf16 with --dtype bfloat16) instead of the int kernels")
+    ap.add_argument("--device", default=None, help="run our engine on this device (e.g. cuda)")
     ap.add_argument("--no-text-lookup", action="store_true", help="no lookup on normalized text")
     ap.add_argument("--datastore", nargs="+", default=None, metavar="PATH",
                     help="retrieval drafting: token trees also draft from these files/folders (e.g. a stdlib)")
@@ -58,7 +59,7 @@ def main() -> None:
                                tree_nodes=a.tree_nodes, tolerance=a.tolerance)
         r = run_bench(a.model, w, Path(a.data) / FILES[w], prompts=a.prompts, cfg=cfg,
                       compare_transformers=not a.no_transformers, threads=a.threads, aliases=not a.no_aliases,
-                      text_lookup=not a.no_text_lookup, dequantize=a.dequantize,
+                      text_lookup=not a.no_text_lookup, dequantize=a.dequantize, device=a.device,
                       history=a.history, datastore=a.datastore, dtype=a.dtype)
         out["workloads"][w] = r
         print(json.dumps({w: r}), file=sys.stderr, flush=True)

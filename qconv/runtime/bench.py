@@ -154,7 +154,7 @@ def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: 
 def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None,
               compare_transformers: bool = False, threads: int = 0, aliases: bool = True, text_lookup: bool = True,
               dequantize: bool = False, history: int | None = None, datastore: list | None = None,
-              dtype: str | None = None) -> dict:
+              dtype: str | None = None, device: str | None = None) -> dict:
     """One workload: our speculative decode vs our plain decode (and optionally vs transformers' run), and
     transformers' prompt-lookup drafter replayed on our outputs. `aliases`: prompt lookup matches modulo spaced
     punctuation (spec.punctuation_aliases); `text_lookup`: token trees also look the prompt up as normalized text
@@ -162,7 +162,7 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
     folder); `dtype` overrides either. `history`: None = none; N >= 0 = token trees also draft from a cross-request
     History, first filled by N other prompts of the same file (generated, not measured: a server that has already
     answered N requests), then by each measured prompt in turn. `datastore`: files/folders token trees also draft
-    from (runtime.datastore; indexed once, cached)."""
+    from (runtime.datastore; indexed once, cached). `device`: run our engine there (e.g. "cuda")."""
     import torch
 
     from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
@@ -183,6 +183,8 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
         cfg = replace(cfg, datastore=load_datastore(datastore, tok, cfg.lookup_aliases))
     dtype = getattr(torch, dtype) if dtype else runtime_dtype(path, dequantize)
     model = load_model(path, dtype=dtype, int_kernels=False if dequantize else None)
+    if device:
+        model = model.to(device)
     if history is not None:
         cfg = replace(cfg, history=History(aliases=cfg.lookup_aliases))
         for w in warm:
@@ -193,7 +195,7 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
               "spec": cfg.spec, "max_block": cfg.max_block, "tree_nodes": cfg.tree_nodes,
               "tolerance": cfg.tolerance,
               "aliases": bool(cfg.lookup_aliases), "text_lookup": cfg.text_lookup is not None,
-              "threads": torch.get_num_threads(),
+              "threads": torch.get_num_threads(), "device": str(model.device),
               "history_warmup_prompts": None if history is None else len(warm),
               "datastore_tokens": len(cfg.datastore) if cfg.datastore is not None else None,
               }

@@ -41,7 +41,7 @@ class Datastore:
         return int((self.tokens >= 0).sum())
 
     @classmethod
-    def build(cls, docs: list[list[int]], aliases: dict[int, int] | None = None, max_ngram: int = 8,
+    def build(cls, docs: list, aliases: dict[int, int] | None = None, max_ngram: int = 8,
               min_ngram: int = 2) -> Datastore:
         if not 1 <= min_ngram <= max_ngram:
             raise QconvError(f"bad datastore n-gram range {min_ngram}..{max_ngram}", fix="need 1 <= min <= max")
@@ -194,7 +194,7 @@ def load_datastore(paths: list[str | os.PathLike], tokenizer, aliases: dict[int,
     for f in files:
         text = f.read_text(errors="replace")
         if text.strip():
-            docs.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            docs.append(np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32))
     ds = Datastore.build(docs, aliases, max_ngram, min_ngram)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f".{cached.name}.{os.getpid()}.tmp.npz"

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from qconv.errors import QconvError
 from qconv.runtime.datastore import Datastore, _sort_by_prefix, load_datastore, text_files
 from qconv.runtime.generate import GenerationConfig, GenerationStats, generate_tokens
+from tests.test_runtime_spec_tree import llama  # noqa: F401  (fixture: the tiny llama, fp32, one thread)
 
 
 def test_prefix_sort_matches_a_brute_force_stable_sort():
@@ -66,16 +67,6 @@ def test_load_datastore_caches_and_rebuilds_when_files_change(tiny_llama, tmp_pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(QconvError, match="no text files"):
         load_datastore([tmp_path / "empty"], tok, cache_dir=cache)
-
-
-@pytest.fixture(scope="module")
-def llama(tiny_llama):
-    from qconv.runtime.loader import load_model
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(tiny_llama, dtype=torch.float32)
-    torch.set_num_threads(n)
 
 
 def test_greedy_with_a_datastore_equals_plain_and_drafts_from_it(llama, monkeypatch):

@@ -11,10 +11,8 @@ from pathlib import Path
 
 from qconv.errors import QconvError
 from qconv.runtime.adaptive import CostModel, HitStats
-from qconv.runtime.datastore import load_datastore
-from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
-from qconv.runtime.spec import History, punctuation_aliases
-from qconv.runtime.textlookup import TextLookup
+from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens, with_drafting
+from qconv.runtime.spec import History
 
 WORKLOADS = ("copy", "code", "chat", "math")
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
@@ -98,7 +96,7 @@ def transformers_lookup_replay(prompts: list[list[int]], outputs: list[list[int]
     replayed on our greedy outputs: with greedy verification a step accepts the drafts that agree with the output,
     so its forwards are a function of the token sequence alone. This compares the two drafters on the same text
     even where the engines' numerics make their greedy texts differ (bf16); in float32, where the texts agree,
-    it reproduces the real run's count (tests/test_runtime_bench.py)."""
+    it reproduces the real run's count (tests/test_runtime_spec.py)."""
     import torch
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
@@ -175,13 +173,8 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
     tok = load_tokenizer(path)
     ids = [encode_prompt(tok, t, chat=bool(getattr(tok, "chat_template", None))) for t in texts]
     ids, warm = ids[:prompts], ids[prompts:]
-    if aliases and cfg.lookup_aliases is None:
-        cfg = replace(cfg, lookup_aliases=punctuation_aliases(tok))
-    if text_lookup and cfg.text_lookup is None:
-        cfg = replace(cfg, text_lookup=TextLookup(tok))
-    if datastore:
-        cfg = replace(cfg, datastore=load_datastore(datastore, tok, cfg.lookup_aliases))
-    dtype = getattr(torch, dtype) if dtype else runtime_dtype(path, dequantize)
+    cfg = with_drafting(cfg, tok, aliases=aliases, text_lookup=text_lookup, datastore=datastore)
+    dtype = runtime_dtype(path, dequantize, dtype)
     model = load_model(path, dtype=dtype, int_kernels=False if dequantize else None)
     if device:
         model = model.to(device)

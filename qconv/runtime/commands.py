@@ -4,7 +4,6 @@ decoding workloads). Thin layers over qconv.runtime.generate / qconv.runtime.ben
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -58,14 +57,6 @@ _dtype_option = click.option(
          "oneDNN's packed bf16 GEMMs, whose verify forwards reproduce decode steps bit for bit.")
 
 
-def _dtype(path: Path, dtype: str, dequantize: bool):
-    import torch
-
-    from qconv.runtime.loader import runtime_dtype
-
-    return runtime_dtype(path, dequantize) if dtype == "auto" else getattr(torch, dtype)
-
-
 _dequantize_option = click.option(
     "--dequantize", is_flag=True,
     help="Artifact: dequantize on load (float32, or bf16 with --dtype bfloat16) instead of running its int4 "
@@ -86,22 +77,17 @@ _dequantize_option = click.option(
 def generate(model, prompt, chat_text, spec, stop, stats, dequantize, dtype, datastore, max_tokens, temperature,
              top_p, top_k, seed, max_block):
     """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
-    from qconv.runtime.datastore import load_datastore
-    from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
-    from qconv.runtime.loader import load_model, load_tokenizer
-    from qconv.runtime.spec import punctuation_aliases
-    from qconv.runtime.textlookup import TextLookup
+    from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text, with_drafting
+    from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
 
     if (prompt is None) == (chat_text is None):
         raise QconvError("give exactly one of --prompt and --chat")
     path = _model_dir(model)
     cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
     tok = load_tokenizer(path)
-    cfg = replace(cfg, lookup_aliases=punctuation_aliases(tok), text_lookup=TextLookup(tok))
-    if datastore:
-        cfg = replace(cfg, datastore=load_datastore(list(datastore), tok, cfg.lookup_aliases))
+    cfg = with_drafting(cfg, tok, datastore=list(datastore))
     ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
-    m = load_model(path, dtype=_dtype(path, dtype, dequantize), int_kernels=False if dequantize else None)
+    m = load_model(path, dtype=runtime_dtype(path, dequantize, dtype), int_kernels=False if dequantize else None)
     st = GenerationStats()
     for piece in stream_text(tok, generate_tokens(m, ids, cfg, st), cfg.stop):
         click.echo(piece, nl=False)
@@ -138,7 +124,7 @@ def bench(model, workload, data, prompts, spec, compare_transformers, threads, a
     cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block)
     r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
                   threads=threads, dequantize=dequantize, history=history, datastore=list(datastore) or None,
-                  dtype=None if dtype == "auto" else dtype)
+                  dtype=dtype)
     if as_json:
         click.echo(json.dumps(r))
         return

@@ -11,6 +11,7 @@ indexes are cached under qconv_home()/datastores, keyed by the files (path, size
 from __future__ import annotations
 
 import os
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,30 +59,15 @@ class Datastore:
             keys[ok] = lut[keys[ok]]
         return cls(tokens, keys, _sort_by_prefix(keys, max_ngram), max_ngram, min_ngram, aliases or None)
 
-    def _compare(self, pos: int, pattern: list[int]) -> int:
-        """-1 / 0 / 1: the n keys at pos vs pattern (a separator or the end sorts first, as in the index)."""
-        got = self.keys[pos:pos + len(pattern)].tolist()
-        if got == pattern:
-            return 0
-        return -1 if got < pattern else 1
-
     def _range(self, pattern: list[int]) -> tuple[int, int]:
-        """[lo, hi) of the index entries whose first len(pattern) keys equal pattern."""
-        lo, hi = 0, len(self.order)
-        while lo < hi:  # first entry >= pattern
-            mid = (lo + hi) // 2
-            if self._compare(int(self.order[mid]), pattern) < 0:
-                lo = mid + 1
-            else:
-                hi = mid
-        start, hi = lo, len(self.order)
-        while lo < hi:  # first entry > pattern
-            mid = (lo + hi) // 2
-            if self._compare(int(self.order[mid]), pattern) <= 0:
-                lo = mid + 1
-            else:
-                hi = mid
-        return start, lo
+        """[lo, hi) of the index entries whose first len(pattern) keys equal pattern. Python's list order is the
+        index's: a shorter list (a separator is -1, or the end of the array) sorts first."""
+        n = len(pattern)
+
+        def prefix(pos) -> list[int]:
+            return self.keys[pos:pos + n].tolist()
+
+        return bisect_left(self.order, pattern, key=prefix), bisect_right(self.order, pattern, key=prefix)
 
     def occurrences(self, seq: list[int], n: int) -> np.ndarray:
         """Continuation start positions of seq's last n tokens (evenly thinned to MAX_OCCURRENCES)."""

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from qconv.errors import QconvError
 from qconv.runtime.adaptive import MAX_POS, CostModel, HitStats, ShadowScorer, SpecController
-from qconv.runtime.datastore import Datastore
+from qconv.runtime.datastore import Datastore, load_datastore
 from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
-from qconv.runtime.spec import Draft, History, PromptLookup, make_drafter
+from qconv.runtime.spec import Draft, History, PromptLookup, make_drafter, punctuation_aliases
 from qconv.runtime.textlookup import TextLookup
 from qconv.runtime.tree import TreeSpeculator
 
@@ -86,6 +86,19 @@ class GenerationStats:
             "acceptance_per_position": ratios(self.accepted, self.drafted),
             "drafter_hit_rate_per_position": ratios(self.hit_hits, self.hit_reached),
         }
+
+
+def with_drafting(cfg: GenerationConfig, tokenizer, *, aliases: bool = True, text_lookup: bool = True,
+                  datastore: list | None = None) -> GenerationConfig:
+    """cfg with the drafting aids that need the tokenizer, where cfg does not set them already: punctuation
+    aliases for prompt lookup, lookup on normalized text, and a datastore indexed from `datastore` paths."""
+    if aliases and cfg.lookup_aliases is None:
+        cfg = replace(cfg, lookup_aliases=punctuation_aliases(tokenizer))
+    if text_lookup and cfg.text_lookup is None:
+        cfg = replace(cfg, text_lookup=TextLookup(tokenizer))
+    if datastore:
+        cfg = replace(cfg, datastore=load_datastore(list(datastore), tokenizer, cfg.lookup_aliases))
+    return cfg
 
 
 def _forward(model, tokens: list[int], cache, need_hidden: bool, exact: bool = False):

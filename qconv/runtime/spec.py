@@ -114,7 +114,7 @@ class PromptLookup:
 
     def normalized(self, tokens: list[int]) -> list[int]:
         """tokens with every alias replaced by its canonical token (how a model that normalizes them writes)."""
-        return [self.aliases.get(t, t) for t in tokens]
+        return list(alias_key(self.aliases, tokens))
 
     def _key(self, ngram: list[int]) -> tuple[int, ...]:
         return alias_key(self.aliases, ngram)

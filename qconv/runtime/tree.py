@@ -28,9 +28,6 @@ TREE_DEPTH_KEYS = 8  # hit rates per depth 1..7, then one rate for all deeper no
 FIRST_CHILD_PRIOR, OTHER_CHILD_PRIOR = (0.5, 0.65, 0.75) + (0.85,) * (TREE_DEPTH_KEYS - 3), 0.15
 
 
-def node_prior(key: str, depth: int) -> float:
-    return FIRST_CHILD_PRIOR[_pos(depth)] if key.endswith("r0") else OTHER_CHILD_PRIOR
-
 # Forward sizes (tree nodes + root) the controller picks among: few sizes, so the cost model measures each often.
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 
@@ -120,6 +117,10 @@ class TokenTree:
 
 def _pos(depth: int) -> int:
     return min(depth, TREE_DEPTH_KEYS) - 1
+
+
+def node_prior(key: str, depth: int) -> float:
+    return FIRST_CHILD_PRIOR[_pos(depth)] if key.endswith("r0") else OTHER_CHILD_PRIOR
 
 
 @dataclass

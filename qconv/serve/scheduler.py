@@ -212,14 +212,15 @@ class Scheduler:
             return []
         seq = r.prompt_ids + r.out_ids
         draft = r.lookup.propose(seq, k).tokens
-        if not draft and self.history is not None and r.sampling.greedy:  # a seeded sample must not depend
-            # on what other requests wrote (rejection sampling draws differently per draft, though lossless)
-            draft = next(iter(self.history.candidates(seq, k, 1)), ([], 0))[0]
-            self.metrics.history_drafts += bool(draft)
-        if not draft and self.datastore is not None and r.sampling.greedy:
-            draft = next(iter(self.datastore.candidates(seq, k, 1)), ([], 0))[0]
-            self.metrics.datastore_drafts += bool(draft)
-        return draft
+        if draft or not r.sampling.greedy:  # a seeded sample must not depend on what other requests wrote
+            return draft  # (rejection sampling draws differently per draft, though lossless)
+        # No match in the row's own text: earlier requests' text, then the operator's corpus.
+        for source, counter in ((self.history, "history_drafts"), (self.datastore, "datastore_drafts")):
+            draft = next(iter(source.candidates(seq, k, 1)), ([], 0))[0] if source is not None else []
+            if draft:
+                setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
+                return draft
+        return []
 
     def _verify(self, r: GenRequest, draft: list[int], logits: torch.Tensor) -> list[int]:
         """Lossless: greedy keeps the drafts equal to the argmax; sampling uses rejection sampling, whose output

@@ -178,6 +178,25 @@ def test_controller_backs_off_and_grows_after_saturation():
     assert ctl.cap == 4
 
 
+def test_controller_scales_expected_gains_by_what_verified_steps_really_accepted():
+    ctl = SpecController(base=15, max_block=15)
+    for T in (1, 4, 8, 16):
+        ctl.cost.observe(T, 0.1 * T ** 0.5)
+    assert ctl.stats.calibration() == 1.0  # no evidence yet
+    probs = [0.6] * 3
+    assert ctl.choose_tree(probs, (1, 4, 8, 16)) == 3 and ctl.predicted == pytest.approx(1.8)
+    for _ in range(20):  # the estimates are optimistic on this text: ~2 predicted, none accepted
+        ctl.after_step(3, 0)
+        ctl.predicted = 1.8
+    assert ctl.stats.calibration() < 0.25
+    assert ctl.choose_tree(probs, (1, 4, 8, 16)) == 0  # the same tree no longer pays
+    for _ in range(60):  # and pessimistic on the next one
+        ctl.stats.calibrate(1.0, 2)
+    assert ctl.stats.calibration() > 1.8  # the old steps have faded
+    assert ctl.choose_tree([0.3] * 3, (1, 4, 8, 16)) == 3  # a tree that pays only at the measured rate
+    assert SpecController(base=15, max_block=15, cost=ctl.cost).choose_tree([0.3] * 3, (1, 4, 8, 16)) == 0
+
+
 def test_cost_model_fits_a_power_law_to_wider_forwards():
     cm = CostModel(prior_slope=0.1)
     assert cm.relative(5) == pytest.approx(1.4)  # prior until a decode step is measured
@@ -391,6 +410,11 @@ def test_cli_generate_and_bench(tiny_llama, tmp_path, one_thread):
                                   "2", "--max-tokens", "8", "--json", "--history", "1"])
     rep = json.loads(r.output.strip().splitlines()[-1])
     assert rep["history_warmup_prompts"] == 1 and rep["ours"]["identical_to_plain"] is True
+    r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "chat", "--data", str(data), "--prompts",
+                                  "1", "--max-tokens", "8", "--json", "--tolerance", "0"])
+    assert r.exit_code == 0 and json.loads(r.output.strip().splitlines()[-1])["tolerance"] == 0, r.output
+    r = CliRunner().invoke(main, ["generate", str(tiny_llama), "--prompt", "x", "--tolerance", "1"])
+    assert r.exit_code == 2 and "--tolerance 1.0 out of range" in r.output
     r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "code", "--data", str(data)])
     assert r.exit_code == 2 and "'prompt' field" in r.output  # a chat file given to the code workload
     r = CliRunner().invoke(main, ["generate", str(tmp_path), "--prompt", "x"])

@@ -11,7 +11,7 @@ from qconv.errors import QconvError
 from qconv.runtime.adaptive import HitStats, SpecController
 from qconv.runtime.generate import GenerationConfig, GenerationStats, generate_tokens
 from qconv.runtime.spec import History, PromptLookup
-from qconv.runtime.tree import TokenTree, TreeScorer
+from qconv.runtime.tree import TokenTree, TreeScorer, node_prior
 
 
 def _tree(root: int, branches: list[list[int]]) -> TokenTree:
@@ -61,6 +61,19 @@ def test_tree_scorer_scores_every_candidate_against_the_produced_tokens():
     assert stats.rate[("tree4r0", 0)] > 0.5 > stats.rate[("tree4r1", 0)]
     sc.observe(seq + [1, 9])  # depth 2 missed: done
     assert stats.reached[1] == 1 and stats.hits[1] == 0 and not sc.pending
+
+
+def test_a_new_kind_starts_at_the_streams_rate_for_its_depth_and_rank():
+    stats = HitStats()
+    assert node_prior(stats, "ds3r0", 1) == 0.5  # nothing seen yet: the depth prior
+    sc = TreeScorer(stats)
+    for i in range(30):  # first children of every kind keep missing (a chat)
+        seq = [0, i + 100]
+        sc.propose(len(seq), _tree(seq[-1], [[1, 2]]))
+        sc.observe(seq + [9])
+    assert stats.rate[("*r0", 0)] < 0.1
+    assert node_prior(stats, "ds3r0", 1) < 0.1  # a kind never seen before starts there, not at 0.5
+    assert _tree(5, [[1, 2]]).probs(stats)[1] < 0.1
 
 
 def test_controller_grows_the_tree_only_while_it_pays():
@@ -205,11 +218,12 @@ def llama_bf16(tiny_llama):
     torch.set_num_threads(n)
 
 
-def _decode_steps(model, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+def _decode_steps(model, prefix: list[int], tokens: list[int], with_cache: bool = False):
     """Logits of `tokens` fed one per forward after `prefix`: what plain decoding computes."""
     cache = model.new_cache(1, 128)
     model(torch.tensor([prefix]), cache)
-    return torch.stack([model(torch.tensor([[t]]), cache)[0, -1] for t in tokens])
+    logits = torch.stack([model(torch.tensor([[t]]), cache)[0, -1] for t in tokens])
+    return (logits, cache) if with_cache else logits
 
 
 def test_exact_verify_reproduces_decode_steps_bit_for_bit(llama_bf16):
@@ -222,12 +236,17 @@ def test_exact_verify_reproduces_decode_steps_bit_for_bit(llama_bf16):
     cache = m.new_cache(1, 128)
     m(torch.tensor([prefix[:-1]]), cache)
     logits = m(torch.tensor([t.tokens]), cache, tree=t.layout(), exact=True)[0]
-    for i in range(len(t)):  # every node, on the first path (a key prefix) or off it (gathered keys)
+    kv, start = cache.kv, len(prefix) - 1
+    for i in range(len(t)):  # every node, on the first path (a key prefix) or off it (its ancestors moved in)
         path, node = [], i
         while node > 0:
             path.append(t.tokens[node])
             node = t.parents[node]
-        assert torch.equal(logits[i], _decode_steps(m, prefix[:-1], [prefix[-1]] + path[::-1])[-1]), i
+        ref, ref_cache = _decode_steps(m, prefix[:-1], [prefix[-1]] + path[::-1], with_cache=True)
+        assert torch.equal(logits[i], ref[-1]), i
+        for layer in range(len(kv.k)):  # the tree's rows are back in tree order, as decoding writes them
+            for ours, theirs in ((kv.k[layer], ref_cache.kv.k[layer]), (kv.v[layer], ref_cache.kv.v[layer])):
+                assert torch.equal(ours[0, :, start + i], theirs[0, :, start + len(path)]), (i, layer)
     chain = prefix[-1:] + list(range(80, 100))
     cache = m.new_cache(1, 128)
     m(torch.tensor([prefix[:-1]]), cache)

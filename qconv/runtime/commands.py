@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from qconv.errors import QconvError
+from qconv.runtime.generate import GenerationConfig
 
 SPEC_CHOICES = click.Choice(["none", "lookup", "mtp", "hybrid"])
 
@@ -21,8 +22,7 @@ def _model_dir(path: str) -> Path:
     return p
 
 
-def _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop=()):
-    from qconv.runtime.generate import GenerationConfig
+def _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, tolerance, stop=()):
     from qconv.runtime.sampling import SamplingParams
 
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_tokens < 1:
@@ -30,8 +30,10 @@ def _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, st
                                                       "max-tokens >= 1")
     if not 0 <= max_block <= 15:
         raise QconvError(f"--max-block {max_block} out of range", fix="use 0..15")
+    if not 0 <= tolerance < 1:
+        raise QconvError(f"--tolerance {tolerance} out of range", fix="use 0 <= tolerance < 1")
     return GenerationConfig(max_tokens=max_tokens, sampling=SamplingParams(temperature, top_p, top_k), seed=seed,
-                            stop=tuple(stop), spec=spec, max_block=max_block)
+                            stop=tuple(stop), spec=spec, max_block=max_block, tolerance=tolerance)
 
 
 def _sampling_options(f):
@@ -42,6 +44,9 @@ def _sampling_options(f):
         click.option("--top-k", default=0, show_default=True, help="0 = off."),
         click.option("--seed", default=0, show_default=True),
         click.option("--max-block", default=15, show_default=True, help="Most draft tokens verified per step."),
+        click.option("--tolerance", default=GenerationConfig.tolerance, show_default=True,
+                     help="Verify the largest draft whose expected speed is within this fraction of the best one's "
+                          "(more tokens per step; 0 = the fastest draft on this machine)."),
     ]):
         f = opt(f)
     return f
@@ -75,7 +80,7 @@ _dequantize_option = click.option(
 @_datastore_option
 @_sampling_options
 def generate(model, prompt, chat_text, spec, stop, stats, dequantize, dtype, datastore, max_tokens, temperature,
-             top_p, top_k, seed, max_block):
+             top_p, top_k, seed, max_block, tolerance):
     """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
     from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text, with_drafting
     from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
@@ -83,7 +88,7 @@ def generate(model, prompt, chat_text, spec, stop, stats, dequantize, dtype, dat
     if (prompt is None) == (chat_text is None):
         raise QconvError("give exactly one of --prompt and --chat")
     path = _model_dir(model)
-    cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
+    cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, tolerance, stop)
     tok = load_tokenizer(path)
     cfg = with_drafting(cfg, tok, datastore=list(datastore))
     ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
@@ -115,13 +120,13 @@ def generate(model, prompt, chat_text, spec, stop, stats, dequantize, dtype, dat
                    "prompts of the file (generated, not measured), then the measured ones in turn.")
 @_sampling_options
 def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, dequantize, dtype, datastore,
-          history, max_tokens, temperature, top_p, top_k, seed, max_block):
+          history, max_tokens, temperature, top_p, top_k, seed, max_block, tolerance):
     """Speculative decoding on MODEL: tokens/step, acceptance and drafter hit rate per position, tok/s, and the
     speedup over plain decoding measured in the same run."""
     from qconv.runtime.bench import run_bench
 
     path = _model_dir(model)
-    cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block)
+    cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, tolerance)
     r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
                   threads=threads, dequantize=dequantize, history=history, datastore=list(datastore) or None,
                   dtype=dtype)

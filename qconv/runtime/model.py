@@ -100,24 +100,47 @@ class Step:
             commit_records(self)
 
 
-def exact_rows(start: int, T: int, tree, device) -> list:
-    """Per query row of a verify forward: the key length (a prefix of the cache, as a plain decode step at that
-    position reads it) or, for a tree node off the first path, the key indices (history + its ancestors).
+def exact_rows(start: int, T: int, tree, device) -> list[tuple[int, list[int] | None]]:
+    """Per query row of a verify forward: (key length a plain decode step at its place reads, None) for the first
+    path (its keys are a prefix of the cache as written), or (length, its ancestors' node indices, itself last) for
+    a tree node off the first path, whose keys are the history plus those nodes in order.
 
     Why: fused kernels (SDPA with a mask over T queries, MKL GEMMs) round differently for different T, and in
     bf16 that flips near-tie argmaxes, so speculative output could drift from plain greedy decoding. One
     single-query call per row over exactly the keys a decode step sees is the same computation as that step."""
     if tree is None:
-        return [start + i + 1 for i in range(T)]
+        return [(start + i + 1, None) for i in range(T)]
     rows = []
     for i in range(T):
-        anc = tree[1][i].nonzero().flatten()
-        d = len(anc)
-        if torch.equal(anc, torch.arange(d)):
-            rows.append(start + d)
-        else:
-            rows.append(torch.cat([torch.arange(start), start + anc]).to(device))
+        anc = tree[1][i].nonzero().flatten().tolist()
+        rows.append((start + len(anc), None if anc == list(range(len(anc))) else anc))
     return rows
+
+
+def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st: Step, gqa: bool) -> torch.Tensor:
+    """Attention of q [1, H, T, D] row by row, each row over exactly the keys a one-token decode step at its place
+    reads (see `exact_rows`). The first path reads prefixes of the cache as written; for a node off it, its
+    ancestors' rows are moved into place behind the history (usually just the node itself: its parent was the
+    row before), so every call reads one contiguous prefix (no gathered copy of the history per row); the tree's
+    rows are put back afterwards."""
+    start, T = st.starts[0], st.T
+    out: list[torch.Tensor | None] = [None] * T
+    sdpa = F.scaled_dot_product_attention
+    for i, (n, anc) in enumerate(st.rows):
+        if anc is None:
+            out[i] = sdpa(q[:, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa)
+    tail = keys[:, :, start:start + T].clone(), values[:, :, start:start + T].clone()
+    at = list(range(T))  # which tree node's row sits at position start + j
+    for i, (n, anc) in enumerate(st.rows):
+        if anc is None:
+            continue
+        for j, node in enumerate(anc):
+            if at[j] != node:
+                keys[:, :, start + j], values[:, :, start + j] = tail[0][:, :, node], tail[1][:, :, node]
+                at[j] = node
+        out[i] = sdpa(q[:, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa)
+    keys[:, :, start:start + T], values[:, :, start:start + T] = tail
+    return torch.cat(out, dim=2)
 
 
 def _rope_matrix(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
@@ -184,11 +207,7 @@ class Attention(nn.Module):
         keys, values = kv.read(self.kv_index, st.slots, st.length)
         gqa = self.nh != self.nkv
         if st.rows is not None:
-            qt = q.transpose(1, 2)
-            o = torch.cat([F.scaled_dot_product_attention(
-                qt[:, :, i:i + 1], *((keys[:, :, :r], values[:, :, :r]) if isinstance(r, int) else
-                                     (keys.index_select(2, r), values.index_select(2, r))), enable_gqa=gqa)
-                for i, r in enumerate(st.rows)], dim=2)
+            o = exact_attention(q.transpose(1, 2), keys, values, st, gqa)
         else:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=st.mask, enable_gqa=gqa)
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.hd)

@@ -73,7 +73,7 @@ class TokenTree:
         p = [1.0]
         for i in range(1, len(self.tokens)):
             key, d = self.keys[i], self.depths[i]
-            p.append(p[self.parents[i]] * stats.estimate(key, _pos(d), node_prior(key, d)))
+            p.append(p[self.parents[i]] * stats.estimate(key, _pos(d), node_prior(stats, key, d)))
         return p
 
     def best(self, n: int, probs: list[float]) -> TokenTree:
@@ -119,7 +119,18 @@ def _pos(depth: int) -> int:
     return min(depth, TREE_DEPTH_KEYS) - 1
 
 
-def node_prior(key: str, depth: int) -> float:
+def _pool(key: str) -> str:
+    return "*" + key[-2:]  # every kind at one sibling rank ("r0": first children)
+
+
+def node_prior(stats: HitStats, key: str, depth: int) -> float:
+    """Where a kind's estimate starts: the rate of every kind at this depth and sibling rank on this stream (so a
+    source seen for the first time on a chat starts at the chat's rate, not at a copy's), which itself starts at
+    the depth priors."""
+    return stats.estimate(_pool(key), _pos(depth), _depth_prior(key, depth))
+
+
+def _depth_prior(key: str, depth: int) -> float:
     return FIRST_CHILD_PRIOR[_pos(depth)] if key.endswith("r0") else OTHER_CHILD_PRIOR
 
 
@@ -152,7 +163,10 @@ class TreeScorer:
                 target = seq[p.start + d]
                 for tok, child in t.children[p.node].items():
                     key = t.keys[child]
-                    self.stats.update(key, _pos(d + 1), tok == target, count=False, prior=node_prior(key, d + 1))
+                    self.stats.update(key, _pos(d + 1), tok == target, count=False,
+                                      prior=node_prior(self.stats, key, d + 1))
+                    self.stats.update(_pool(key), _pos(d + 1), tok == target, count=False,
+                                      prior=_depth_prior(key, d + 1))
                 hit = t.children[p.node].get(target)
                 self.stats.count(d, hit is not None)
                 if hit is None:
@@ -220,4 +234,6 @@ class TreeSpeculator:
         path, nxt = tree.accept_greedy(logits)
         cache.compact(0, start, [0] + path)
         self.ctl.cost.observe(len(tree), time.perf_counter() - t0)
+        if len(tree) > 1 and self.ctl.adaptive:
+            self.ctl.stats.calibrate(self.ctl.predicted, len(path))
         return [tree.tokens[i] for i in path] + [nxt], max(tree.depths), len(path)

@@ -11,7 +11,7 @@ from qconv.errors import QconvError
 from qconv.runtime.adaptive import HitStats, SpecController
 from qconv.runtime.generate import GenerationConfig, GenerationStats, generate_tokens
 from qconv.runtime.spec import History, PromptLookup
-from qconv.runtime.tree import TokenTree, TreeScorer, node_prior
+from qconv.runtime.tree import POOLED, NodeKind, TokenTree, TreeScorer, node_prior
 
 
 def _tree(root: int, branches: list[list[int]]) -> TokenTree:
@@ -26,7 +26,7 @@ def test_trie_shares_prefixes_and_ranks_siblings():
     t = _tree(7, [[1, 2, 3], [1, 2, 4], [5, 6]])
     assert t.tokens == [7, 1, 2, 3, 4, 5, 6]
     assert t.parents == [-1, 0, 1, 2, 2, 0, 5] and t.depths == [0, 1, 2, 3, 3, 1, 2]
-    assert t.keys[3] == "tree4r0" and t.keys[4] == "tree4r1" and t.keys[5] == "tree4r1"
+    assert t.keys[3] == NodeKind("tree4", 0) and t.keys[4] == t.keys[5] == NodeKind("tree4", 1)
     depth, anc = t.layout()
     assert depth.tolist() == t.depths
     assert anc[4].nonzero().flatten().tolist() == [0, 1, 2, 4] and anc[6].nonzero().flatten().tolist() == [0, 5, 6]
@@ -37,9 +37,9 @@ def test_trie_shares_prefixes_and_ranks_siblings():
 def test_best_nodes_form_a_tree_and_accept_greedy_walks_it():
     t = _tree(7, [[1, 2, 3], [5, 6]])
     stats = HitStats()
-    stats.update("tree4r1", 0, True)  # siblings ranked 1 at depth 1 look better than the first candidate
+    stats.update(NodeKind("tree4", 1), 0, True)  # siblings ranked 1 at depth 1 look better than the first candidate
     for _ in range(5):
-        stats.update("tree4r0", 0, False)
+        stats.update(NodeKind("tree4", 0), 0, False)
     probs = t.probs(stats)
     sub = t.best(2, probs)
     assert sub.tokens == [7, 5, 6] and sub.parents == [-1, 0, 1]
@@ -58,21 +58,21 @@ def test_tree_scorer_scores_every_candidate_against_the_produced_tokens():
     sc.propose(len(seq), _tree(7, [[1, 2, 3], [5, 6]]))
     sc.observe(seq + [1])  # depth 1: "1" hit, "5" missed; depth 2 not produced yet
     assert stats.reached[0] == 1 and stats.hits[0] == 1 and len(sc.pending) == 1
-    assert stats.rate[("tree4r0", 0)] > 0.5 > stats.rate[("tree4r1", 0)]
+    assert stats.rate[(NodeKind("tree4", 0), 0)] > 0.5 > stats.rate[(NodeKind("tree4", 1), 0)]
     sc.observe(seq + [1, 9])  # depth 2 missed: done
     assert stats.reached[1] == 1 and stats.hits[1] == 0 and not sc.pending
 
 
 def test_a_new_kind_starts_at_the_streams_rate_for_its_depth_and_rank():
     stats = HitStats()
-    assert node_prior(stats, "ds3r0", 1) == 0.5  # nothing seen yet: the depth prior
+    assert node_prior(stats, NodeKind("ds3", 0), 1) == 0.5  # nothing seen yet: the depth prior
     sc = TreeScorer(stats)
     for i in range(30):  # first children of every kind keep missing (a chat)
         seq = [0, i + 100]
         sc.propose(len(seq), _tree(seq[-1], [[1, 2]]))
         sc.observe(seq + [9])
-    assert stats.rate[("*r0", 0)] < 0.1
-    assert node_prior(stats, "ds3r0", 1) < 0.1  # a kind never seen before starts there, not at 0.5
+    assert stats.rate[(NodeKind(POOLED, 0), 0)] < 0.1
+    assert node_prior(stats, NodeKind("ds3", 0), 1) < 0.1  # a kind never seen before starts there, not at 0.5
     assert _tree(5, [[1, 2]]).probs(stats)[1] < 0.1
 
 

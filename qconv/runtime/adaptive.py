@@ -7,6 +7,7 @@ otherwise the controller drafts nothing (plain decode)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 MAX_POS = 16
@@ -21,8 +22,8 @@ class HitStats:
     prior: float = 0.5
     prior_weight: float = 2.0
     horizon: float = 32.0  # effective memory of the running estimate, in observations
-    rate: dict[tuple[str, int], float] = field(default_factory=dict)
-    weight: dict[tuple[str, int], float] = field(default_factory=dict)
+    rate: dict[tuple[Hashable, int], float] = field(default_factory=dict)  # (source, position) -> running rate
+    weight: dict[tuple[Hashable, int], float] = field(default_factory=dict)
     reached: list[int] = field(default_factory=lambda: [0] * MAX_POS)
     hits: list[int] = field(default_factory=lambda: [0] * MAX_POS)
     # Verified steps: decayed sums of the accepted drafts predicted (the sum of the verified nodes' estimates) and
@@ -34,10 +35,10 @@ class HitStats:
     calibration_memory: float = 0.95  # ~20 verified steps
     calibration_evidence: float = 2.0  # pseudo-tokens at ratio 1 (a new stream starts uncalibrated)
 
-    def estimate(self, source: str, pos: int, prior: float | None = None) -> float:
+    def estimate(self, source: Hashable, pos: int, prior: float | None = None) -> float:
         return self.rate.get((source, min(pos, MAX_POS - 1)), self.prior if prior is None else prior)
 
-    def update(self, source: str, pos: int, hit: bool, count: bool = True, prior: float | None = None) -> None:
+    def update(self, source: Hashable, pos: int, hit: bool, count: bool = True, prior: float | None = None) -> None:
         """Learn from one scored draft; `count=False` leaves the reported per-position counts alone (token trees
         count one event per depth, not one per sibling: see `count`). `prior`: where a new key's estimate starts
         (the same one `estimate` falls back to for it)."""

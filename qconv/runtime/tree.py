@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +29,18 @@ TREE_DEPTH_KEYS = 8  # hit rates per depth 1..7, then one rate for all deeper no
 FIRST_CHILD_PRIOR, OTHER_CHILD_PRIOR = (0.5, 0.65, 0.75) + (0.85,) * (TREE_DEPTH_KEYS - 3), 0.15
 
 
+class NodeKind(NamedTuple):
+    """What a node's hit rate is keyed by (with its depth): the source of the candidate that created it (e.g.
+    "tree4": prompt lookup matched on 4+ tokens, "ds3": the datastore on 3, "text32") and its rank among its
+    siblings (0: the first child, 2: the third or later). POOLED as the source: every source at that rank."""
+
+    source: str
+    rank: int
+
+
+POOLED = "*"
+
+
 # Forward sizes (tree nodes + root) the controller picks among: few sizes, so the cost model measures each often.
 TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 
@@ -40,7 +53,7 @@ class TokenTree:
     tokens: list[int]
     parents: list[int] = field(default_factory=lambda: [-1])
     depths: list[int] = field(default_factory=lambda: [0])
-    keys: list[str] = field(default_factory=lambda: [""])
+    keys: list[NodeKind] = field(default_factory=lambda: [NodeKind("", 0)])
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
     @classmethod
@@ -63,7 +76,7 @@ class TokenTree:
                 self.tokens.append(tok)
                 self.parents.append(node)
                 self.depths.append(self.depths[node] + 1)
-                self.keys.append(f"{kind}r{rank}")
+                self.keys.append(NodeKind(kind, rank))
                 self.children.append({})
                 self.children[node][tok] = child
             node = child
@@ -119,19 +132,15 @@ def _pos(depth: int) -> int:
     return min(depth, TREE_DEPTH_KEYS) - 1
 
 
-def _pool(key: str) -> str:
-    return "*" + key[-2:]  # every kind at one sibling rank ("r0": first children)
-
-
-def node_prior(stats: HitStats, key: str, depth: int) -> float:
+def node_prior(stats: HitStats, key: NodeKind, depth: int) -> float:
     """Where a kind's estimate starts: the rate of every kind at this depth and sibling rank on this stream (so a
     source seen for the first time on a chat starts at the chat's rate, not at a copy's), which itself starts at
     the depth priors."""
-    return stats.estimate(_pool(key), _pos(depth), _depth_prior(key, depth))
+    return stats.estimate(NodeKind(POOLED, key.rank), _pos(depth), _depth_prior(key, depth))
 
 
-def _depth_prior(key: str, depth: int) -> float:
-    return FIRST_CHILD_PRIOR[_pos(depth)] if key.endswith("r0") else OTHER_CHILD_PRIOR
+def _depth_prior(key: NodeKind, depth: int) -> float:
+    return FIRST_CHILD_PRIOR[_pos(depth)] if key.rank == 0 else OTHER_CHILD_PRIOR
 
 
 @dataclass
@@ -165,7 +174,7 @@ class TreeScorer:
                     key = t.keys[child]
                     self.stats.update(key, _pos(d + 1), tok == target, count=False,
                                       prior=node_prior(self.stats, key, d + 1))
-                    self.stats.update(_pool(key), _pos(d + 1), tok == target, count=False,
+                    self.stats.update(NodeKind(POOLED, key.rank), _pos(d + 1), tok == target, count=False,
                                       prior=_depth_prior(key, d + 1))
                 hit = t.children[p.node].get(target)
                 self.stats.count(d, hit is not None)

@@ -182,17 +182,17 @@ def test_controller_scales_expected_gains_by_what_verified_steps_really_accepted
     ctl = SpecController(base=15, max_block=15)
     for T in (1, 4, 8, 16):
         ctl.cost.observe(T, 0.1 * T ** 0.5)
-    assert ctl.stats.calibration() == 1.0  # no evidence yet
+    assert ctl.stats.calibration(1.8) == 1.0  # no evidence yet
     probs = [0.6] * 3
     assert ctl.choose_tree(probs, (1, 4, 8, 16)) == 3 and ctl.predicted == pytest.approx(1.8)
     for _ in range(20):  # the estimates are optimistic on this text: ~2 predicted, none accepted
         ctl.after_step(3, 0)
         ctl.predicted = 1.8
-    assert ctl.stats.calibration() < 0.25
+    assert ctl.stats.calibration(1.8) < 0.25 and ctl.stats.calibration(5.0) == 1.0  # per band of prediction
     assert ctl.choose_tree(probs, (1, 4, 8, 16)) == 0  # the same tree no longer pays
     for _ in range(60):  # and pessimistic on the next one
-        ctl.stats.calibrate(1.0, 2)
-    assert ctl.stats.calibration() > 1.8  # the old steps have faded
+        ctl.stats.calibrate(0.9, 2)
+    assert ctl.stats.calibration(0.9) > 1.8  # the old steps have faded
     assert ctl.choose_tree([0.3] * 3, (1, 4, 8, 16)) == 3  # a tree that pays only at the measured rate
     assert SpecController(base=15, max_block=15, cost=ctl.cost).choose_tree([0.3] * 3, (1, 4, 8, 16)) == 0
 

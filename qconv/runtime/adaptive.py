@@ -6,11 +6,13 @@ otherwise the controller drafts nothing (plain decode)."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 MAX_POS = 16
+CALIBRATION_BANDS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # predicted accepted drafts of a verified step
 
 
 @dataclass
@@ -26,14 +28,15 @@ class HitStats:
     weight: dict[tuple[Hashable, int], float] = field(default_factory=dict)
     reached: list[int] = field(default_factory=lambda: [0] * MAX_POS)
     hits: list[int] = field(default_factory=lambda: [0] * MAX_POS)
-    # Verified steps: decayed sums of the accepted drafts predicted (the sum of the verified nodes' estimates) and
-    # of those really accepted. The per-kind rates are right on average but not per verified tree (SmolLM2, bf16:
-    # on chat, trees predicted to accept ~0.5 drafts accepted ~0.25; on copy, trees predicted 1.5-2.7 accepted
-    # 1.3-1.6x that), so the expected gain of a draft is scaled by their ratio.
-    predicted: float = 0.0
-    accepted: float = 0.0
-    calibration_memory: float = 0.95  # ~20 verified steps
-    calibration_evidence: float = 2.0  # pseudo-tokens at ratio 1 (a new stream starts uncalibrated)
+    # Verified steps, per band of predicted gain (CALIBRATION_BANDS): decayed sums of the accepted drafts predicted
+    # (the sum of the verified nodes' estimates) and of those really accepted. The per-kind rates are right on
+    # average but not per verified tree, and not alike for small and large trees (SmolLM2, bf16, 3090 artifact,
+    # copy: trees predicted to accept 1-2 drafts accepted 1.7x that, those predicted 4+ 0.65x; chat: predicted
+    # ~0.5, accepted ~0.25), so a draft's expected gain is scaled by the ratio measured in its band.
+    predicted: dict[int, float] = field(default_factory=dict)
+    accepted: dict[int, float] = field(default_factory=dict)
+    calibration_memory: float = 0.9  # ~10 verified steps of the band
+    calibration_evidence: float = 1.0  # pseudo-tokens at ratio 1 (a band without evidence is taken as it comes)
 
     def estimate(self, source: Hashable, pos: int, prior: float | None = None) -> float:
         return self.rate.get((source, min(pos, MAX_POS - 1)), self.prior if prior is None else prior)
@@ -56,17 +59,22 @@ class HitStats:
 
     def calibrate(self, predicted: float, accepted: int) -> None:
         """One verified step: `predicted` accepted drafts (uncalibrated estimate), `accepted` really."""
-        m = self.calibration_memory
-        self.predicted = self.predicted * m + predicted
-        self.accepted = self.accepted * m + accepted
+        b, m = _band(predicted), self.calibration_memory
+        self.predicted[b] = self.predicted.get(b, 0.0) * m + predicted
+        self.accepted[b] = self.accepted.get(b, 0.0) * m + accepted
 
-    def calibration(self) -> float:
-        """Accepted / predicted drafts over the recent verified steps (1 before any evidence)."""
-        k = self.calibration_evidence
-        return min(max((self.accepted + k) / (self.predicted + k), 0.2), 2.0)
+    def calibration(self, predicted: float) -> float:
+        """Accepted / predicted drafts over the recent verified steps whose prediction fell in the band of
+        `predicted` (1 before any evidence)."""
+        b, k = _band(predicted), self.calibration_evidence
+        return min(max((self.accepted.get(b, 0.0) + k) / (self.predicted.get(b, 0.0) + k), 0.2), 2.0)
 
     def per_position(self) -> list[float | None]:
         return [h / r if r else None for h, r in zip(self.hits, self.reached)]
+
+
+def _band(predicted: float) -> int:
+    return bisect.bisect(CALIBRATION_BANDS, predicted)
 
 
 @dataclass
@@ -188,14 +196,14 @@ class SpecController:
 
     def _best_prefix(self, probs: list[float], allowed) -> int:
         """The n maximizing expected tokens per unit of step cost, (1 + c * sum(probs[:n])) / cost(n + 1) with c
-        the stats' calibration; among the n within `tolerance` of the best, the largest. 0 (plain decode) when no
+        the stats' calibration in the band of that sum; among the n within `tolerance` of the best, the largest. 0 (plain decode) when no
         draft pays."""
         sums, cum = [0.0], 0.0
         for p in probs:
             cum += p
             sums.append(cum)
-        c = self.stats.calibration()
-        rates = {n: (1.0 + c * sums[n]) / self.cost.relative(n + 1) for n in allowed}
+        cal = self.stats.calibration
+        rates = {n: (1.0 + cal(sums[n]) * sums[n]) / self.cost.relative(n + 1) for n in allowed}
         best = max(rates.values())
         n = 0 if best <= 1.0 else max(n for n, r in rates.items() if r >= max(best * (1 - self.tolerance), 1.0))
         self.predicted = sums[n]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_left, bisect_right
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,11 +116,12 @@ def _modal_path(rows: np.ndarray, k: int) -> list[int]:
             end = np.flatnonzero(rest < 0)
             return path + rest[: end[0] if len(end) else len(rest)].tolist()
         col = rows[:, d]
-        vals, cnt = np.unique(col[col >= 0], return_counts=True)
-        if not len(vals):
+        counts = Counter(col[col >= 0].tolist())  # a dict beats np.unique's sort on these few rows
+        if not counts:
             break
-        best = vals[int(np.argmax(cnt))]
-        path.append(int(best))
+        top = max(counts.values())
+        best = min(t for t, c in counts.items() if c == top)  # ties: the smallest token, as before
+        path.append(best)
         rows = rows[col == best]
     return path
 

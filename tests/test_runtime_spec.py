@@ -413,6 +413,9 @@ def test_cli_generate_and_bench(tiny_llama, tmp_path, one_thread):
     r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "chat", "--data", str(data), "--prompts",
                                   "1", "--max-tokens", "8", "--json", "--tolerance", "0"])
     assert r.exit_code == 0 and json.loads(r.output.strip().splitlines()[-1])["tolerance"] == 0, r.output
+    r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "chat", "--data", str(data), "--prompts",
+                                  "1", "--max-tokens", "8"])
+    assert r.exit_code == 0 and "transformers' drafter" in r.output and "tokens/step" in r.output, r.output
     r = CliRunner().invoke(main, ["generate", str(tiny_llama), "--prompt", "x", "--tolerance", "1"])
     assert r.exit_code == 2 and "--tolerance 1.0 out of range" in r.output
     r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "code", "--data", str(data)])

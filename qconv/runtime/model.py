@@ -85,7 +85,7 @@ class Step:
         elif T > 1 or len(set(starts)) > 1:
             keys = torch.arange(length, device=device)
             mask = (keys[None, None, :] <= pos[..., None])[:, None]
-        rows = exact_rows(starts[0], T, tree, device) if exact and B == 1 and T > 1 else None
+        rows = exact_rows(starts[0], T, tree) if exact and B == 1 and T > 1 else None
         use_mat = T <= ROPE_MATRIX_MAX_T or rows is not None  # a decode step's RoPE path, whatever T
         rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if use_mat else None
         return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat, rows)
@@ -100,7 +100,7 @@ class Step:
             commit_records(self)
 
 
-def exact_rows(start: int, T: int, tree, device) -> list[tuple[int, list[int] | None]]:
+def exact_rows(start: int, T: int, tree) -> list[tuple[int, list[int] | None]]:
     """Per query row of a verify forward: (key length a plain decode step at its place reads, None) for the first
     path (its keys are a prefix of the cache as written), or (length, its ancestors' node indices, itself last) for
     a tree node off the first path, whose keys are the history plus those nodes in order.

@@ -196,8 +196,8 @@ class SpecController:
 
     def _best_prefix(self, probs: list[float], allowed) -> int:
         """The n maximizing expected tokens per unit of step cost, (1 + c * sum(probs[:n])) / cost(n + 1) with c
-        the stats' calibration in the band of that sum; among the n within `tolerance` of the best, the largest. 0 (plain decode) when no
-        draft pays."""
+        the stats' calibration in the band of that sum; among the n within `tolerance` of the best, the largest.
+        0 (plain decode) when no draft pays."""
         sums, cum = [0.0], 0.0
         for p in probs:
             cum += p
@@ -209,9 +209,14 @@ class SpecController:
         self.predicted = sums[n]
         return n
 
-    def after_step(self, drafted: int, accepted: int) -> None:
-        if drafted and self.adaptive:
+    def verified(self, accepted: int) -> None:
+        """The draft of the last choice was verified and `accepted` of its tokens kept: calibrate on it."""
+        if self.adaptive:
             self.stats.calibrate(self.predicted, accepted)
+
+    def after_step(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.verified(accepted)
         if drafted and accepted == drafted:
             self.cap = min(self.max_block, max(self.cap * 2, self.base))
         elif drafted:

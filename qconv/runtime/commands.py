@@ -141,8 +141,8 @@ def bench(model, workload, data, prompts, spec, compare_transformers, threads, a
     click.echo("  acceptance/position    " + " ".join(f"{a:.2f}" for a in o["acceptance_per_position"]))
     click.echo("  drafter hit/position   " + " ".join(f"{a:.2f}" for a in o["drafter_hit_rate_per_position"]))
     replay = r["transformers_drafter_on_our_output"]
-    click.echo(f"  transformers' drafter  {replay['tokens_per_forward']:.2f} tokens/forward on the same text; ours/theirs "
-               f"{r['tokens_per_step_vs_transformers_drafter']:.2f}")
+    click.echo(f"  transformers' drafter  {replay['tokens_per_forward']:.2f} tokens/forward on the same text; "
+               f"ours/theirs {r['tokens_per_step_vs_transformers_drafter']:.2f}")
     if "transformers" in r:
         t = r["transformers"]
         click.echo(f"  transformers lookup    {t['tokens_per_forward']:.2f} tokens/forward, {t['speedup']:.2f}x its "

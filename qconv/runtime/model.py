@@ -124,16 +124,15 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     row before), so every call reads one contiguous prefix (no gathered copy of the history per row); the tree's
     rows are put back afterwards."""
     start, T = st.starts[0], st.T
-    out: list[torch.Tensor | None] = [None] * T
     sdpa = F.scaled_dot_product_attention
-    for i, (n, anc) in enumerate(st.rows):
-        if anc is None:
-            out[i] = sdpa(q[:, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa)
+    out = [sdpa(q[:, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa) if anc is None else None
+           for i, (n, anc) in enumerate(st.rows)]
+    off = [(i, n, anc) for i, (n, anc) in enumerate(st.rows) if anc is not None]
+    if not off:  # a chain, or a tree that is one path: nothing to move
+        return torch.cat(out, dim=2)
     tail = keys[:, :, start:start + T].clone(), values[:, :, start:start + T].clone()
     at = list(range(T))  # which tree node's row sits at position start + j
-    for i, (n, anc) in enumerate(st.rows):
-        if anc is None:
-            continue
+    for i, n, anc in off:
         for j, node in enumerate(anc):
             if at[j] != node:
                 keys[:, :, start + j], values[:, :, start + j] = tail[0][:, :, node], tail[1][:, :, node]

@@ -37,6 +37,9 @@ class NodeKind(NamedTuple):
     source: str
     rank: int
 
+    def pooled(self) -> NodeKind:
+        return NodeKind(POOLED, self.rank)
+
 
 POOLED = "*"
 
@@ -136,7 +139,7 @@ def node_prior(stats: HitStats, key: NodeKind, depth: int) -> float:
     """Where a kind's estimate starts: the rate of every kind at this depth and sibling rank on this stream (so a
     source seen for the first time on a chat starts at the chat's rate, not at a copy's), which itself starts at
     the depth priors."""
-    return stats.estimate(NodeKind(POOLED, key.rank), _pos(depth), _depth_prior(key, depth))
+    return stats.estimate(key.pooled(), _pos(depth), _depth_prior(key, depth))
 
 
 def _depth_prior(key: NodeKind, depth: int) -> float:
@@ -174,7 +177,7 @@ class TreeScorer:
                     key = t.keys[child]
                     self.stats.update(key, _pos(d + 1), tok == target, count=False,
                                       prior=node_prior(self.stats, key, d + 1))
-                    self.stats.update(NodeKind(POOLED, key.rank), _pos(d + 1), tok == target, count=False,
+                    self.stats.update(key.pooled(), _pos(d + 1), tok == target, count=False,
                                       prior=_depth_prior(key, d + 1))
                 hit = t.children[p.node].get(target)
                 self.stats.count(d, hit is not None)
@@ -243,6 +246,6 @@ class TreeSpeculator:
         path, nxt = tree.accept_greedy(logits)
         cache.compact(0, start, [0] + path)
         self.ctl.cost.observe(len(tree), time.perf_counter() - t0)
-        if len(tree) > 1 and self.ctl.adaptive:
-            self.ctl.stats.calibrate(self.ctl.predicted, len(path))
+        if len(tree) > 1:
+            self.ctl.verified(len(path))
         return [tree.tokens[i] for i in path] + [nxt], max(tree.depths), len(path)

@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
+from qconv.runtime.datastore import Datastore
 from qconv.runtime.sampling import (SamplingParams, probs_from_logits, sample_next, verify_greedy,
                                     verify_sampling)
-from qconv.runtime.datastore import Datastore
 from qconv.runtime.spec import History, PromptLookup
 from qconv.serve.metrics import Metrics
 

@@ -1,5 +1,6 @@
-"""What a token-tree verify forward costs against a decode step, fused (one masked attention call) and exact (one
-attention call per row, bit-equal to decoding each node's path: model.exact_rows / exact_attention), in bf16.
+"""What a token-tree verify forward costs against a decode step, fused (one masked attention call), exact (one
+attention call per row, bit-equal to decoding each node's path: model.exact_rows / exact_attention) and root-exact
+(the root row exact, the other nodes one fused call: what TreeSpeculator.step runs in exact mode), in bf16.
 
 The tree is shaped like a lookup tree: a first path of `--first-path` nodes, then branches hanging off random
 earlier nodes (seeded). Prints one JSON line: median milliseconds per forward over `--repeats` runs.
@@ -51,14 +52,14 @@ def main() -> None:
     cache = model.new_cache(1, a.history + 128)
     model(torch.randint(0, V, (1, a.history), generator=g), cache)
 
-    def median_ms(T: int, exact: bool) -> float:
+    def median_ms(T: int, exact: bool, prefix: int | None = None) -> float:
         tokens = torch.randint(0, V, (1, T), generator=g)
         tree = lookup_like_tree(T, a.first_path) if T > 1 else None
         times = []
         for _ in range(a.repeats):
             n = int(cache.lengths[0])
             t0 = time.perf_counter()
-            model(tokens, cache, tree=tree, exact=exact)
+            model(tokens, cache, tree=tree, exact=exact, exact_prefix=prefix)
             times.append(time.perf_counter() - t0)
             cache.rollback([0], [n])
         return round(1e3 * sorted(times)[len(times) // 2], 1)
@@ -66,7 +67,8 @@ def main() -> None:
     out = {"bench": "verify_cost", "model": a.model, "exact_verify": bool(model.exact_verify),
            "history": a.history, "threads": torch.get_num_threads(), "decode_ms": median_ms(1, False)}
     for T in (int(s) for s in a.sizes.split(",")):
-        out[f"T{T}"] = {"fused_ms": median_ms(T, False), "exact_ms": median_ms(T, True)}
+        out[f"T{T}"] = {"fused_ms": median_ms(T, False), "exact_ms": median_ms(T, True),
+                        "root_exact_ms": median_ms(T, False, 1)}
     print(json.dumps(out))
 
 

@@ -46,9 +46,9 @@ def test_best_nodes_form_a_tree_and_accept_greedy_walks_it():
     V = 10
     logits = torch.zeros(3, V)
     logits[0, 5] = logits[1, 6] = logits[2, 8] = 1.0  # accepts 5, 6, then the target says 8
-    assert sub.accept_greedy(logits) == ([1, 2], 8)
+    assert sub.accept_greedy(logits.argmax(-1).tolist()) == ([1, 2], 8)
     logits[0, 5], logits[0, 1] = 0.0, 1.0  # target wants 1: not in the subtree, nothing accepted
-    assert sub.accept_greedy(logits) == ([], 1)
+    assert sub.accept_greedy(logits.argmax(-1).tolist()) == ([], 1)
 
 
 def test_tree_scorer_scores_every_candidate_against_the_produced_tokens():
@@ -251,6 +251,37 @@ def test_exact_verify_reproduces_decode_steps_bit_for_bit(llama_bf16):
     cache = m.new_cache(1, 128)
     m(torch.tensor([prefix[:-1]]), cache)
     assert torch.equal(m(torch.tensor([chain]), cache, exact=True)[0], _decode_steps(m, prefix[:-1], chain))
+    # exact_prefix: a chain of 3 pending tokens in front of the tree; only those rows and the root are exact
+    from qconv.runtime.tree import _with_chain
+
+    pending = [90, 91, 92]
+    cache = m.new_cache(1, 128)
+    m(torch.tensor([prefix[:-1]]), cache)
+    tree = _tree(pending[-1], [[11, 12, 13], [21, 22]])
+    logits = m(torch.tensor([prefix[-1:] + pending[:-1] + tree.tokens]), cache, tree=_with_chain(tree, 3),
+               exact_prefix=4)[0]
+    assert torch.equal(logits[:4], _decode_steps(m, prefix[:-1], prefix[-1:] + pending))
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (256, 128), (512, 128), (128, 256)])
+def test_packed_bf16_linears_are_row_invariant_up_to_exact_max_rows(shape):
+    """What exact mode rests on: a row's bits do not depend on how many rows share the GEMM, up to
+    EXACT_MAX_ROWS (SmolLM2's shapes and the tiny test model's). Past it they may (SmolLM2's down_proj from 130)."""
+    from qconv.runtime.cpu_pack import EXACT_MAX_ROWS, PackedLinear, packing_available
+
+    if not packing_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("oneDNN packed bf16 Linears are not available in this torch")
+    g = torch.Generator().manual_seed(7)
+    lin = PackedLinear(torch.randn(shape, generator=g).to(torch.bfloat16) * 0.05, None)
+    x = torch.randn(EXACT_MAX_ROWS, shape[1], generator=g).to(torch.bfloat16)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = torch.cat([lin(x[i:i + 1]) for i in range(EXACT_MAX_ROWS)])
+        for m in (2, 7, 16, 33, 64, 100, EXACT_MAX_ROWS):
+            assert torch.equal(lin(x[:m]), rows[:m]), m
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_exact_verify_only_where_the_linears_are_batch_invariant(tiny_llama, tiny_qwen3_5):
@@ -272,3 +303,33 @@ def test_bf16_greedy_speculation_equals_plain_greedy(llama_bf16, monkeypatch):
             cfg = GenerationConfig(max_tokens=48, spec="lookup", adaptive=False, tree_nodes=nodes)
             assert list(generate_tokens(llama_bf16, ids, cfg, stats)) == ref
     assert stats.forwards < stats.new_tokens
+
+
+def test_bf16_provisional_drafts_are_confirmed_or_corrected(llama_bf16, monkeypatch):
+    """In exact mode a tree's nodes past the root are scored with one fused attention call and the drafts they
+    accept are provisional until the next forward recomputes them exactly (TreeSpeculator.step). Skew that fused
+    call on purpose: provisional tokens get overturned, and the output must still be plain greedy's."""
+    monkeypatch.setattr(llama_bf16.config, "eos_token_ids", [])
+    g = torch.Generator().manual_seed(5)
+    prompts = []
+    for _ in range(4):
+        base = torch.randint(3, 300, (6,), generator=g).tolist()
+        prompts.append(base * 4 + torch.randint(3, 300, (3,), generator=g).tolist() + base[:2])
+    refs = [list(generate_tokens(llama_bf16, ids, GenerationConfig(max_tokens=48))) for ids in prompts]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def skewed(q, k, v, attn_mask=None, **kw):  # tree rows only: not decode steps, exact rows or the prefill
+        out = sdpa(q, k, v, attn_mask=attn_mask, **kw)
+        return out * 1.5 if 1 < q.shape[2] < k.shape[2] else out
+
+    corrections = []
+    for skew in (False, True):
+        if skew:
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", skewed)
+        stats = GenerationStats()
+        for ids, ref in zip(prompts, refs):
+            cfg = GenerationConfig(max_tokens=48, spec="lookup", adaptive=False)
+            assert list(generate_tokens(llama_bf16, ids, cfg, stats)) == ref
+        assert stats.forwards < stats.new_tokens
+        corrections.append(stats.corrections)
+    assert corrections[1] > max(corrections[0], 2), corrections  # unskewed: only bf16's own near-ties

@@ -186,26 +186,27 @@ class SpecController:
             probs.append(survive)
         return self._best_prefix(probs, range(n + 1))
 
-    def choose_tree(self, probs: list[float], sizes: tuple[int, ...]) -> int:
+    def choose_tree(self, probs: list[float], sizes: tuple[int, ...], rows: int = 0) -> int:
         """How many nodes of a token tree to verify, given each node's estimated probability of acceptance
-        (best first, so every prefix is a tree): only forward sizes T = n + 1 in `sizes` (fewer distinct sizes
-        for the cost model to measure) or the whole tree."""
+        (best first, so every prefix is a tree): only forward sizes T = rows + n + 1 in `sizes` (fewer distinct
+        sizes for the cost model to measure) or the whole tree. `rows`: other rows the forward computes anyway."""
         if not self.adaptive:
             return len(probs)
-        return self._best_prefix(probs, [n for n in range(len(probs) + 1) if n + 1 in sizes or n == len(probs)])
+        allowed = [n for n in range(len(probs) + 1) if rows + n + 1 in sizes or n in (0, len(probs))]
+        return self._best_prefix(probs, allowed, rows)
 
-    def _best_prefix(self, probs: list[float], allowed) -> int:
-        """The n maximizing expected tokens per unit of step cost, (1 + c * sum(probs[:n])) / cost(n + 1) with c
-        the stats' calibration in the band of that sum; among the n within `tolerance` of the best, the largest.
-        0 (plain decode) when no draft pays."""
+    def _best_prefix(self, probs: list[float], allowed, rows: int = 0) -> int:
+        """The n maximizing expected tokens per unit of step cost, (1 + c * sum(probs[:n])) / cost(rows + n + 1)
+        with c the stats' calibration in the band of that sum; among the n within `tolerance` of the best, the
+        largest. 0 (no draft) when no draft pays. `allowed` holds 0."""
         sums, cum = [0.0], 0.0
         for p in probs:
             cum += p
             sums.append(cum)
         cal = self.stats.calibration
-        rates = {n: (1.0 + cal(sums[n]) * sums[n]) / self.cost.relative(n + 1) for n in allowed}
-        best = max(rates.values())
-        n = 0 if best <= 1.0 else max(n for n, r in rates.items() if r >= max(best * (1 - self.tolerance), 1.0))
+        rates = {n: (1.0 + cal(sums[n]) * sums[n]) / self.cost.relative(rows + n + 1) for n in allowed}
+        best, base = max(rates.values()), rates[0]  # base: no draft (a plain decode step when rows == 0)
+        n = 0 if best <= base else max(n for n, r in rates.items() if r >= max(best * (1 - self.tolerance), base))
         self.predicted = sums[n]
         return n
 

@@ -140,6 +140,9 @@ def bench(model, workload, data, prompts, spec, compare_transformers, threads, a
                f"(speedup {o['speedup']:.2f}x, identical to plain: {o['identical_to_plain']})")
     click.echo("  acceptance/position    " + " ".join(f"{a:.2f}" for a in o["acceptance_per_position"]))
     click.echo("  drafter hit/position   " + " ".join(f"{a:.2f}" for a in o["drafter_hit_rate_per_position"]))
+    if o["corrections"]:
+        click.echo(f"  corrections            {o['corrections']} (drafts accepted on fused rows that the next "
+                   "forward's exact ones overturned)")
     replay = r["transformers_drafter_on_our_output"]
     click.echo(f"  transformers' drafter  {replay['tokens_per_forward']:.2f} tokens/forward on the same text; "
                f"ours/theirs {r['tokens_per_step_vs_transformers_drafter']:.2f}")

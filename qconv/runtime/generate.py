@@ -57,6 +57,7 @@ class GenerationStats:
     accepted: list[int] = field(default_factory=lambda: [0] * MAX_POS)
     hit_reached: list[int] = field(default_factory=lambda: [0] * MAX_POS)  # drafter proposals scored at position i
     hit_hits: list[int] = field(default_factory=lambda: [0] * MAX_POS)
+    corrections: int = 0  # exact mode: provisional tokens the next forward's exact logits overturned
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.forwards += 1
@@ -65,7 +66,7 @@ class GenerationStats:
             self.accepted[i] += int(i < accepted)
 
     def merge(self, other: GenerationStats) -> None:
-        for name in ("prompt_tokens", "new_tokens", "forwards", "prefill_s", "decode_s"):
+        for name in ("prompt_tokens", "new_tokens", "forwards", "prefill_s", "decode_s", "corrections"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("drafted", "accepted", "hit_reached", "hit_hits"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
@@ -88,6 +89,7 @@ class GenerationStats:
             "decode_s": round(self.decode_s, 4), "decode_tok_s": round(self.decode_tok_s, 2),
             "acceptance_per_position": ratios(self.accepted, self.drafted),
             "drafter_hit_rate_per_position": ratios(self.hit_hits, self.hit_reached),
+            "corrections": self.corrections,
         }
 
 
@@ -145,7 +147,8 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
     if (cfg.tree_nodes > 0 and sp.greedy and isinstance(drafter, PromptLookup)
             and getattr(cache, "supports_tree", False)):
         tree = TreeSpeculator(drafter, ctl, max_nodes=cfg.tree_nodes, history=cfg.history,
-                              datastore=cfg.datastore, exact=exact,
+                              datastore=cfg.datastore, exact=exact, stop=frozenset(eos),
+                              max_rows=getattr(model, "exact_max_rows", None) if exact else None,
                               text=cfg.text_lookup.start(prompt) if cfg.text_lookup is not None else None)
     stats.prompt_tokens += len(prompt)
 
@@ -181,7 +184,7 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
                 tok = seq[-1]
                 draft = Draft()
                 if tree is not None:
-                    new, depth, n = tree.step(model, cache, seq, min(cfg.max_block, cfg.max_tokens - produced - 1))
+                    new, depth, n = tree.step(model, cache, seq, cfg.max_block, cfg.max_tokens - produced)
                     stats.record_step(depth, n)
                     continue
                 if drafter is not None:
@@ -208,6 +211,8 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
             stats.decode_s += time.perf_counter() - t_dec
             if cfg.history is not None:
                 cfg.history.add(seq)
+            if tree is not None:
+                stats.corrections += tree.corrections
             for i in range(MAX_POS):
                 stats.hit_reached[i] += ctl.stats.reached[i] - reached0[i]
                 stats.hit_hits[i] += ctl.stats.hits[i] - hits0[i]

@@ -53,16 +53,19 @@ class Step:
     sin: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, T, length] bool, None when plain causal over the whole history works
     rope_mat: torch.Tensor | None  # [B, T, D, D]: RoPE as one small matmul (short steps: fewer ops per layer)
-    rows: list | None = None  # exact mode: per query row, the keys a one-token decode at its place would see
+    rows: list | None = None  # exact mode: per exact query row, the keys a one-token decode at its place would see
     gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (qwen35.py)
 
     @classmethod
     def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype,
-              tree: tuple[torch.Tensor, torch.Tensor] | None = None, exact: bool = False) -> Step:
+              tree: tuple[torch.Tensor, torch.Tensor] | None = None, exact: bool = False,
+              exact_prefix: int | None = None) -> Step:
         """tree = (depth [T], ancestors [T, T] bool): the T tokens are a token tree in parent-before-child order;
         token i sits at position start + depth[i] and attends to the history plus its ancestors (itself included).
         exact (one row): every query row gets the same attention call a one-token decode at its place makes
-        (see `exact_rows`), so verification reproduces plain decode bit for bit where the Linears do."""
+        (see `exact_rows`), so verification reproduces plain decode bit for bit where the Linears do.
+        exact_prefix = k (one row, a tree whose first k nodes are a chain): only those k rows get exact attention;
+        the others (drafts whose tokens will be re-verified) share one fused masked call."""
         slots = list(range(B)) if slots is None else as_ints(slots)
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
@@ -81,11 +84,16 @@ class Step:
             mask = mask.clone()
             for b, p in enumerate(starts):
                 mask[b, :, p:p + T] = tree[1].to(device)
-            mask = mask[:, None]
+            # additive, once per forward (SDPA would convert a bool mask in every layer: ~2% of a 64-node verify)
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))[:, None]
         elif T > 1 or len(set(starts)) > 1:
             keys = torch.arange(length, device=device)
             mask = (keys[None, None, :] <= pos[..., None])[:, None]
-        rows = exact_rows(starts[0], T, tree) if exact and B == 1 and T > 1 else None
+        rows = None
+        if B == 1 and T > 1 and (exact or exact_prefix):
+            rows = exact_rows(starts[0], T if exact else exact_prefix, tree)
+            if not exact and any(anc is not None for _, anc in rows):
+                raise QconvError("exact_prefix: the tree's first nodes must be a chain")
         use_mat = T <= ROPE_MATRIX_MAX_T or rows is not None  # a decode step's RoPE path, whatever T
         rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if use_mat else None
         return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat, rows)
@@ -122,11 +130,13 @@ def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     reads (see `exact_rows`). The first path reads prefixes of the cache as written; for a node off it, its
     ancestors' rows are moved into place behind the history (usually just the node itself: its parent was the
     row before), so every call reads one contiguous prefix (no gathered copy of the history per row); the tree's
-    rows are put back afterwards."""
-    start, T = st.starts[0], st.T
+    rows are put back afterwards. Rows past an exact prefix (Step.begin's exact_prefix) share one fused call."""
+    start, T, k = st.starts[0], st.T, len(st.rows)
     sdpa = F.scaled_dot_product_attention
     out = [sdpa(q[:, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa) if anc is None else None
            for i, (n, anc) in enumerate(st.rows)]
+    if k < T:  # rows past an exact prefix: one fused call
+        out.append(sdpa(q[:, :, k:], keys, values, attn_mask=st.mask[:, :, k:], enable_gqa=gqa))
     off = [(i, n, anc) for i, (n, anc) in enumerate(st.rows) if anc is not None]
     if not off:  # a chain, or a tree that is one path: nothing to move
         return torch.cat(out, dim=2)
@@ -266,7 +276,8 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: ModelCache, slots=None, return_hidden: bool = False,
-                tree: tuple[torch.Tensor, torch.Tensor] | None = None, exact: bool = False):
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None, exact: bool = False,
+                exact_prefix: int | None = None):
         """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden).
         `tree` = (depth [T], ancestors [T, T]) scores a token tree (see Step.begin; attention-only models): the
         slot then holds all T nodes until `cache.compact` keeps the accepted path."""
@@ -274,7 +285,7 @@ class Transformer(nn.Module):
         if tree is not None and cache.conv:
             raise QconvError("token-tree verification needs an attention-only model",
                              fix="use the linear draft chain for models with recurrent (Gated-DeltaNet) layers")
-        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype, tree, exact)
+        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype, tree, exact, exact_prefix)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, st)

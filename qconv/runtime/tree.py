@@ -45,7 +45,7 @@ POOLED = "*"
 
 
 # Forward sizes (tree nodes + root) the controller picks among: few sizes, so the cost model measures each often.
-TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+TREE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 112, 128)
 
 
 @dataclass
@@ -120,10 +120,10 @@ class TokenTree:
             anc[i, i] = True
         return torch.tensor(self.depths), anc
 
-    def accept_greedy(self, logits: torch.Tensor) -> tuple[list[int], int]:
-        """logits [T, V] scored at every node. Returns the accepted path (node ids, root excluded) - the longest
-        one whose every token is the target's argmax after its parent - and the target's next token after it."""
-        best = logits.argmax(-1).tolist()
+    def accept_greedy(self, best: list[int]) -> tuple[list[int], int]:
+        """best: the target's argmax at every node. Returns the accepted path (node ids, root excluded) - the
+        longest one whose every token is the target's argmax after its parent - and the target's next token
+        after it."""
         path, node = [], 0
         while (child := self.children[node].get(best[node])) is not None:
             path.append(child)
@@ -200,8 +200,12 @@ class TreeSpeculator:
     max_candidates: int = 24
     history: History | None = None  # other requests' text, a second source of candidates
     datastore: Datastore | None = None  # a corpus the user pointed at (retrieval drafting), a third
-    exact: bool = False  # verify with one attention call per node (model.exact_rows): bit-exact vs decode steps
+    exact: bool = False  # bit-exact vs decode steps (model.exact_rows): see `step`
     text: TextMatcher | None = None  # lookup on normalized text (the model rewrites the source's tokenization)
+    pending: list[int] = field(default_factory=list)  # exact mode: drafts accepted on fused rows, to confirm
+    corrections: int = 0  # pending tokens the exact recompute overturned
+    stop: frozenset[int] = frozenset()  # end-of-sequence tokens: a tree drafting one is verified fully exactly
+    max_rows: int | None = None  # exact mode: rows one forward may have (the Linears' batch invariance holds)
     scorer: TreeScorer = field(init=False)
 
     def __post_init__(self):
@@ -224,28 +228,92 @@ class TreeSpeculator:
                                                                                        self.max_candidates)])
         return [s[i] for i in range(max(map(len, sources))) for s in sources if i < len(s)]
 
-    def propose(self, seq: list[int], depth: int) -> TokenTree:
-        """The verified subtree of this step (the full candidate tree is handed to the scorer)."""
+    def propose(self, seq: list[int], depth: int, rows: int = 0) -> TokenTree:
+        """The verified subtree of this step (the full candidate tree is handed to the scorer). `rows`: forward
+        rows the step computes besides the tree (a chain of tokens to confirm), counted in the forward's size."""
         self.scorer.observe(seq)
         tree = TokenTree.root(seq[-1])
         for cont, kind in self._candidates(seq, depth):
             tree.insert(cont, kind, 4 * self.max_nodes)
         self.scorer.propose(len(seq), tree)
         probs = tree.probs(self.ctl.stats)
-        ranked = sorted(probs[1:], reverse=True)[: self.max_nodes]
-        n = self.ctl.choose_tree(ranked, TREE_SIZES)
+        limit = self.max_nodes if self.max_rows is None else min(self.max_nodes, self.max_rows - rows - 1)
+        ranked = sorted(probs[1:], reverse=True)[:limit]
+        n = self.ctl.choose_tree(ranked, TREE_SIZES, rows)
         return tree.best(n, probs)
 
-    def step(self, model, cache, seq: list[int], depth: int) -> tuple[list[int], int, int]:
-        """Returns (new tokens: the accepted drafts and the target's next token, verified depth, accepted)."""
-        tree = self.propose(seq, depth)
+    def step(self, model, cache, seq: list[int], max_depth: int, remaining: int) -> tuple[list[int], int, int]:
+        """One forward. seq: the tokens produced so far (the last one not yet in the cache); `remaining`: how many
+        more are wanted. Returns (the new tokens now final, the tree's depth, drafts accepted on its logits).
+
+        In exact mode, scoring every tree node row by row costs ~2x a fused forward at 64 nodes. So only a chain
+        of rows is exact: the tokens still to confirm (`pending`), the root, and the head of the tree's first path
+        (see `_exact_head`); the other nodes share one fused attention call. A draft whose parent row is exact is
+        decided for good. Deeper accepted drafts and the token after them are provisional: the next forward
+        recomputes them as an exact chain in front of its own tree, confirming each against the exact logits of
+        the one before (a near-tie that the fused rows rounded the other way is corrected there, and that
+        forward's tree dropped). Every token returned and every cache row kept is what plain decoding computes.
+        A tree that reaches `remaining` is verified fully exactly, so the last tokens do not wait a forward."""
+        chain = [seq[-1]] + self.pending  # computed exactly this forward; all but the first still to confirm
+        m, ctx = len(self.pending), seq + self.pending
+        tree = self.propose(ctx, min(max_depth, remaining - m - 1), m if self.exact else 0)
+        full = not self.exact or max(tree.depths) >= remaining - m - 1
+        e = 0 if full else self._exact_head(tree)
         start = int(cache.lengths[0])
         t0 = time.perf_counter()
-        x = torch.tensor([tree.tokens], dtype=torch.long, device=model.device)
-        logits = model(x, cache, tree=tree.layout() if len(tree) > 1 else None, exact=self.exact)[0]
-        path, nxt = tree.accept_greedy(logits)
-        cache.compact(0, start, [0] + path)
-        self.ctl.cost.observe(len(tree), time.perf_counter() - t0)
+        tokens = chain[:-1] + tree.tokens
+        layout = _with_chain(tree, m) if len(tokens) > 1 else None
+        x = torch.tensor([tokens], dtype=torch.long, device=model.device)
+        logits = model(x, cache, tree=layout, exact=self.exact and full,
+                       exact_prefix=None if full else m + 1 + e)[0]
+        best = _argmax_rows(logits)
+        for j in range(m):
+            if best[j] != chain[j + 1]:  # a provisional token was a fused-rounding artifact
+                cache.rollback([0], [start + j + 1])
+                self.pending = []
+                self.corrections += 1
+                return chain[1:j + 1] + [best[j]], 0, 0
+        path, nxt = tree.accept_greedy(best[m:])
+        self.ctl.cost.observe(len(tokens), time.perf_counter() - t0)
         if len(tree) > 1:
             self.ctl.verified(len(path))
-        return [tree.tokens[i] for i in path] + [nxt], max(tree.depths), len(path)
+        new = [tree.tokens[i] for i in path] + [nxt]
+        # Accepted nodes computed exactly: the path's head along the first path (nodes 1..e), or all when full.
+        k = len(path) if full else next((i for i, node in enumerate(path) if node != i + 1 or node > e), len(path))
+        if k == len(path):  # every decision came from an exact row
+            cache.compact(0, start, list(range(m + 1)) + [m + i for i in path])
+            self.pending = []
+            return chain[1:] + new, max(tree.depths), len(path)
+        cache.rollback([0], [start + m + 1 + k])
+        self.pending = new[k + 1:]
+        return chain[1:] + new[:k + 1], max(tree.depths), len(path)
+
+    def _exact_head(self, tree: TokenTree) -> int:
+        """How many nodes of the tree's first path (nodes 1, 2, ... while each is its predecessor's child) to
+        score exactly: up to the parent of an end-of-sequence node on it, so that the end is final in this
+        forward; else none (an exact row costs ~10x a fused one, ~100 us per layer here, and accepted drafts
+        are recomputed exactly next forward anyway)."""
+        for i in range(1, len(tree)):
+            if tree.parents[i] != i - 1:
+                break
+            if tree.tokens[i] in self.stop:
+                return i - 1
+        return 0
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Per-row argmax (the first maximum, as torch's): numpy's is ~6x faster than torch's on CPU for [T, 49152]."""
+    return (logits.numpy().argmax(-1) if logits.device.type == "cpu" else logits.argmax(-1)).tolist()
+
+
+def _with_chain(tree: TokenTree, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of m chain tokens followed by `tree` (whose root follows the chain's last token)."""
+    depth, anc = tree.layout()
+    if not m:
+        return depth, anc
+    T = m + len(tree)
+    full = torch.zeros(T, T, dtype=torch.bool)
+    full[:m + 1, :m + 1] = torch.ones(m + 1, m + 1, dtype=torch.bool).tril()
+    full[m:, :m] = True
+    full[m:, m:] = anc
+    return torch.cat([torch.arange(m), depth + m]), full

@@ -32,7 +32,7 @@ class GenerationConfig:
     adaptive: bool = True  # trim drafts that do not pay for their verify cost (False: always verify the cap)
     # Verify the largest draft whose expected speed is within this of the best one's: fewer forwards per token
     # (what a GPU, where a wide verify costs about a decode step, turns into speed) while the calibrated estimate
-    # stays above plain decode. SmolLM2, bf16, this CPU: copy 4.28 tokens/step at 1.96x (0.3: ~4.0 at 2.1x).
+    # stays above plain decode. SmolLM2, bf16, this CPU: copy 4.18 tokens/step at 2.2x (docs/BENCHMARKS.md).
     tolerance: float = 0.7
     tree_nodes: int = 63  # greedy lookup on attention-only models: verify a token tree of up to this many
     # draft nodes (0 = one linear draft chain, as for sampling, MTP/hybrid and packed KV stores)

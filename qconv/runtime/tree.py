@@ -246,7 +246,7 @@ class TreeSpeculator:
         """One forward. seq: the tokens produced so far (the last one not yet in the cache); `remaining`: how many
         more are wanted. Returns (the new tokens now final, the tree's depth, drafts accepted on its logits).
 
-        In exact mode, scoring every tree node row by row costs ~2x a fused forward at 64 nodes. So only a chain
+        In exact mode, scoring every tree node row by row costs ~2.4x a fused forward at 64 nodes. So only a chain
         of rows is exact: the tokens still to confirm (`pending`), the root, and the head of the tree's first path
         (see `_exact_head`); the other nodes share one fused attention call. A draft whose parent row is exact is
         decided for good. Deeper accepted drafts and the token after them are provisional: the next forward

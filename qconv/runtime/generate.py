@@ -148,7 +148,6 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig, stats: Gene
             and getattr(cache, "supports_tree", False)):
         tree = TreeSpeculator(drafter, ctl, max_nodes=cfg.tree_nodes, history=cfg.history,
                               datastore=cfg.datastore, exact=exact, stop=frozenset(eos),
-                              max_rows=getattr(model, "exact_max_rows", None) if exact else None,
                               text=cfg.text_lookup.start(prompt) if cfg.text_lookup is not None else None)
     stats.prompt_tokens += len(prompt)
 

@@ -14,7 +14,7 @@ import torch
 
 from qconv.errors import QconvError
 from qconv.runtime.config import RuntimeConfig, load_config
-from qconv.runtime.cpu_pack import EXACT_MAX_ROWS, PackedLinear, pack_linears, packing_available
+from qconv.runtime.cpu_pack import PackedLinear, pack_linears, packing_available
 from qconv.runtime.int_linear import IntWeight, attach_int_kernels, int_kernels_available
 from qconv.runtime.model import Transformer
 
@@ -179,7 +179,6 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, max_batch: int = 1, 
     # and the int4 kernel vs its dense fallback do not), so with per-row attention a verify forward is exactly
     # a run of decode steps and greedy speculation reproduces plain greedy in bf16 too.
     model.exact_verify = bool(packed and not swapped and cfg.family != "qwen3_5")  # GDN: chunked != recurrent
-    model.exact_max_rows = EXACT_MAX_ROWS  # rows per forward up to which that holds
     return model.eval()
 
 

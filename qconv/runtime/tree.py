@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from qconv.runtime.adaptive import HitStats, SpecController
+from qconv.runtime.cpu_pack import EXACT_MAX_ROWS
 from qconv.runtime.datastore import Datastore
 from qconv.runtime.spec import History, PromptLookup
 from qconv.runtime.textlookup import TextMatcher
@@ -205,7 +206,6 @@ class TreeSpeculator:
     pending: list[int] = field(default_factory=list)  # exact mode: drafts accepted on fused rows, to confirm
     corrections: int = 0  # pending tokens the exact recompute overturned
     stop: frozenset[int] = frozenset()  # end-of-sequence tokens: a tree drafting one is verified fully exactly
-    max_rows: int | None = None  # exact mode: rows one forward may have (the Linears' batch invariance holds)
     scorer: TreeScorer = field(init=False)
 
     def __post_init__(self):
@@ -237,7 +237,8 @@ class TreeSpeculator:
             tree.insert(cont, kind, 4 * self.max_nodes)
         self.scorer.propose(len(seq), tree)
         probs = tree.probs(self.ctl.stats)
-        limit = self.max_nodes if self.max_rows is None else min(self.max_nodes, self.max_rows - rows - 1)
+        # exact mode: no more rows than the Linears are batch-invariant for
+        limit = min(self.max_nodes, EXACT_MAX_ROWS - rows - 1) if self.exact else self.max_nodes
         ranked = sorted(probs[1:], reverse=True)[:limit]
         n = self.ctl.choose_tree(ranked, TREE_SIZES, rows)
         return tree.best(n, probs)

@@ -66,7 +66,8 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     from qconv.convert.artifact import copy_side_files, write_index
     from qconv.convert.build import BuildOptions, _recipe
     from qconv.convert.layout import plan_model
-    from qconv.convert.quantize import load_source_model, quantize
+    from qconv.convert.hfmodel import load_causal_lm
+    from qconv.convert.quantize import quantize
     from qconv.convert.sources import read_config
 
     recipe = _recipe(BuildOptions(model=str(src), int8_budget=budget))
@@ -81,7 +82,7 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     calib = load_calibration(str(cal), tok, samples=samples, seq_len=seq_len, seed=recipe.calibration.seed)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    quantize(load_source_model(src, config).eval(), apply_selection(plan, units, sel), recipe, calib.input_ids, out,
+    quantize(load_causal_lm(src).eval(), apply_selection(plan, units, sel), recipe, calib.input_ids, out,
              untie=plan.untie_embeddings, seed=recipe.calibration.seed)
     copy_side_files(src, out)
     write_index(out)

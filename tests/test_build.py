@@ -111,12 +111,14 @@ def check_artifact(src: Path, art: Path, *, int4_roles: set[str], tol_rel: float
     import torch
     from transformers import AutoModelForCausalLM
 
+    from qconv.convert.hfmodel import load_causal_lm
+
     qc = json.loads((art / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "mixed-precision"
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] in ("pack-quantized", "mixed-precision")
     groups = {(g["weights"]["num_bits"], g["weights"]["group_size"], g["format"]): g["targets"]
               for g in qc["config_groups"].values()}
     int4 = " ".join(groups[(4, 128, "pack-quantized")])
-    int8 = " ".join(groups[(8, 128, "int-quantized")])
+    int8 = " ".join(groups[(8, 128, "pack-quantized")])
     assert "lm_head" in int8 and "embed_tokens" in int8
     for frag in int4_roles:
         assert frag in int4, (frag, int4)
@@ -129,7 +131,7 @@ def check_artifact(src: Path, art: Path, *, int4_roles: set[str], tol_rel: float
 
     x = AutoTokenizer.from_pretrained(src)(CORPUS[:600], return_tensors="pt").input_ids[:, :96]
     a = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(x).logits
-    b = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32)(x).logits
+    b = load_causal_lm(art, dtype="float32")(x).logits  # transformers, decompressed
     rel = ((b - a).norm() / a.norm()).item()
     top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"{art.name}: logits relative error {rel:.3f}, top-1 agreement {top1:.3f}")

@@ -53,6 +53,11 @@ def _config(family: str, vocab: int):
                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                                  linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=False,
                                  mtp_num_hidden_layers=1, **common)
+    if family == "qwen3_5_wide":  # Gated-DeltaNet heads of the real width (128): vLLM's CPU GDN kernel needs them
+        return Qwen3_5TextConfig(num_hidden_layers=4, head_dim=64, full_attention_interval=2,
+                                 linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
+                                 linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                                 mtp_num_hidden_layers=1, **common)
     raise ValueError(f"unknown tiny family {family!r}")
 
 
@@ -83,7 +88,7 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    if family == "qwen3_5":
+    if family.startswith("qwen3_5"):
         shard = out / "model.safetensors"
         tensors = load_file(shard)
         tensors.update(mtp_weights(model))

@@ -153,7 +153,8 @@ def build(opts: BuildOptions) -> Manifest:
     from transformers import AutoTokenizer, GenerationConfig
 
     from qconv.calibrate.select import apply_selection, candidate_units, format_table, parse_budget, select
-    from qconv.convert.quantize import load_source_model, quantize
+    from qconv.convert.hfmodel import load_causal_lm
+    from qconv.convert.quantize import quantize
     from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq
 
     t0 = time.time()
@@ -195,7 +196,7 @@ def build(opts: BuildOptions) -> Manifest:
 
                 model_box["m"] = load_streamed_model(src.path, config, work.root / "offload")
             else:
-                model_box["m"] = load_source_model(src.path, config)
+                model_box["m"] = load_causal_lm(src.path)
             model_box["m"].eval()
         return model_box["m"]
 

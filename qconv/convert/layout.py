@@ -47,6 +47,7 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     untie_embeddings: bool = False
     num_parameters: int = 0
+    model_type: str = ""  # config.json's (the outer one for multimodal wrappers): what vLLM builds
 
     @property
     def quantized_bytes(self) -> int:
@@ -209,7 +210,7 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     source = sum(t.bytes_per_elem * t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     params = sum(t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     plan = Plan(family=family, modules=modules, other_bytes=other, source_bytes=source, warnings=warnings,
-                untie_embeddings=untie, num_parameters=params)
+                untie_embeddings=untie, num_parameters=params, model_type=config.get("model_type", ""))
     check_fused(plan)
     return plan
 

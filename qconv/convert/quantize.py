@@ -37,11 +37,12 @@ def _key(m: ModuleDecision) -> tuple:
 
 
 def _format(m: ModuleDecision) -> str | None:
-    """vLLM reads weight-only int4 *and* int8 Linear layers (CompressedTensorsWNA16) only as pack-quantized;
-    embeddings and lm_head keep plain int8 (`int-quantized`), which transformers and qconv's runtime load."""
+    """Weight-only int groups (4- and 8-bit, Linear layers, embed_tokens and lm_head alike) are `pack-quantized`:
+    the one form vLLM's compressed-tensors parser takes for WNA16 (Marlin on GPUs; its embedding method for
+    embed_tokens). Weight+activation schemes (w8a8) stay `int-quantized`."""
     if m.scheme == KEEP:
         return None
-    if m.scheme.endswith("a16") and (m.bits == 4 or m.role not in ("embed", "lm_head")):
+    if m.scheme.endswith("a16"):
         return "pack-quantized"
     return "int-quantized"
 
@@ -108,16 +109,6 @@ def calibrate_embeddings(model) -> None:
             update_offload_parameter(mod, "weight_zero_point",
                                      zp.view_as(mod.weight_zero_point).to(mod.weight_zero_point.dtype))
         log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
-
-
-def load_source_model(path: Path, config: dict, dtype: str = "bfloat16"):
-    import torch
-    import transformers
-
-    arch = (config.get("architectures") or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    cls = cls or transformers.AutoModelForCausalLM
-    return cls.from_pretrained(path, dtype=getattr(torch, dtype))
 
 
 def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: list[list[int]], out: Path,

@@ -1,9 +1,11 @@
 """What an artifact needs beyond stock vLLM, recorded in qconv.json `requires` so the launcher can refuse before a
-long load. Each entry names a `vllm_feature` token the launcher matches against what the user declares their vLLM
-has (`qconv serve --vllm-feature TOKEN`); KV-cache entries carry their profile and are checked against the vLLM's
-KV dtypes instead. Stock vLLM 0.32 was seen to reject the config of an artifact with an int8 weight-only
-`int-quantized` group outright (compressed-tensors scheme parsing asserts), and it builds embed_tokens / lm_head
-unquantized, so both int8 choices are listed."""
+long load. Each entry names a `vllm_feature` token: the qconv-vllm plugin (plugins/vllm) announces the tokens it
+provides, a user can declare more (`qconv serve --vllm-feature TOKEN`), and KV-cache entries are checked against the
+KV dtypes the installed vLLM accepts. An entry with `platform` applies only to a vLLM of that platform.
+
+Only what stock vLLM 0.32 truly lacks is listed: int8 embed_tokens / lm_head are stored `pack-quantized`, which its
+compressed-tensors parser takes, and Marlin runs W8A16 lm_head on GPUs; but its llama and qwen3_5 models build
+embed_tokens without the quantization prefix, and its CPU backend has no 8-bit weight-only kernel."""
 
 from __future__ import annotations
 
@@ -11,21 +13,26 @@ from qconv.convert.layout import Plan
 from qconv.recipes.recipe import KEEP, Recipe
 
 QUANTIZED_EMBEDDINGS = "quantized-embeddings"
-QUANTIZED_LM_HEAD = "quantized-lm-head"
+WNA16_8BIT_CPU = "wna16-8bit-cpu"
 KV_PREFIX = "kv-cache:"
 NEEDS_RUNTIME = ("qconv", "qconv-runtime", "native")  # needs values that no vLLM satisfies
+PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
+# vLLM 0.32 models that pass their embed_tokens prefix to the quantization config themselves (Qwen2Model and
+# its Qwen3Model subclass): a quantized embedding loads there without the plugin.
+STOCK_QUANTIZED_EMBED_TYPES = ("qwen2", "qwen3")
 
 
 def requirements(recipe: Recipe, plan: Plan) -> list[dict]:
     req = []
-    roles = {m.role for m in plan.modules if m.scheme != KEEP}
-    if "embed" in roles:
-        req.append({"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings",
-                    "vllm_feature": QUANTIZED_EMBEDDINGS, "reason": "stock vLLM builds embed_tokens unquantized"})
-    if "lm_head" in roles:
-        req.append({"feature": "int8 lm_head", "needs": "qconv runtime or a vLLM with a quantized lm_head",
-                    "vllm_feature": QUANTIZED_LM_HEAD,
-                    "reason": "stock vLLM's compressed-tensors support quantizes Linear layers, not lm_head"})
+    quantized = [m for m in plan.modules if m.scheme != KEEP]
+    if any(m.role == "embed" for m in quantized) and plan.model_type not in STOCK_QUANTIZED_EMBED_TYPES:
+        req.append({"feature": "int8 embed_tokens", "needs": PLUGIN, "vllm_feature": QUANTIZED_EMBEDDINGS,
+                    "reason": f"stock vLLM's {plan.model_type} model builds embed_tokens without its quantization "
+                              "prefix, so the weights do not load"})
+    if any(m.bits == 8 and m.scheme.endswith("a16") for m in quantized):
+        req.append({"feature": "8-bit weight-only layers (lm_head)", "needs": PLUGIN, "platform": "cpu",
+                    "vllm_feature": WNA16_8BIT_CPU,
+                    "reason": "vLLM's CPU backend has WNA16 kernels for 4-bit weights only (Marlin runs W8A16 on GPUs)"})
     for name, p in recipe.profiles.items():
         if p.kv_cache.startswith("kvarn"):
             req.append({"feature": f"profile {name}: {p.kv_cache} KV cache", "profile": name,
@@ -46,12 +53,14 @@ def vllm_feature(req: dict) -> str | None:
     return None
 
 
-def missing_for_vllm(requires: list[dict], profile: str, declared: set[str]) -> list[dict]:
-    """Entries a vLLM with the `declared` features cannot satisfy for `profile` (KV entries are left to the
-    launcher's KV dtype check, which knows what the installed vLLM accepts)."""
+def missing_for_vllm(requires: list[dict], profile: str, declared: set[str], platform: str | None = None) -> list[dict]:
+    """Entries a vLLM with the `declared` features on `platform` ("cuda" | "cpu"; None: any) cannot satisfy for
+    `profile` (KV entries are left to the launcher's KV dtype check, which knows what the installed vLLM accepts)."""
     out = []
     for req in requires:
         if req.get("profile") not in (None, profile):
+            continue
+        if req.get("platform") and platform and req["platform"] != platform:
             continue
         if str(req.get("needs", "")).lower() in NEEDS_RUNTIME:
             out.append(req)

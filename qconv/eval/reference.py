@@ -85,20 +85,12 @@ def choose_storage(vocab_size: int, topk: int | None) -> tuple[str, int | None]:
 
 
 def load_causal_lm(path: str | Path):
-    """Any HF causal-LM folder, eval mode, CPU/GPU. A compressed-tensors artifact is decompressed once at load
-    (run_compressed=False): the same dequantized weights, without unpacking them again on every forward."""
-    import json
-
-    from transformers import AutoModelForCausalLM
+    """Any HF causal-LM folder, eval mode, CPU/GPU. A compressed-tensors artifact is decompressed once at load:
+    the same dequantized weights, without unpacking them again on every forward."""
+    from qconv.convert import hfmodel
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kwargs = {}
-    qcfg = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
-    if qcfg.get("quant_method") == "compressed-tensors":
-        from transformers.utils.quantization_config import CompressedTensorsConfig
-
-        kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device, **kwargs)
+    model = hfmodel.load_causal_lm(path, dtype="bfloat16", device_map=device)
     model.eval()
     return model
 

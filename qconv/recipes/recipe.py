@@ -121,9 +121,18 @@ class Lookup:
 
 @dataclass
 class Speculative:
-    method: Literal["mtp", "lookup", "hybrid", "none"] = "hybrid"
+    method: Literal["mtp", "lookup", "hybrid", "dflash", "none"] = "hybrid"
     num_speculative_tokens: int = 4
     lookup: Lookup = field(default_factory=Lookup)
+    drafter: str | None = None  # a DFlash-style drafter model (Hub id or path), passed to vLLM with method dflash
+
+    def validate(self):
+        if self.method == "dflash" and not self.drafter:
+            yield "drafter", "method dflash needs a drafter model (Hub id or path)"
+        if self.drafter and self.method != "dflash":
+            yield "drafter", f"a drafter model is used by method dflash, not {self.method!r}"
+        if self.num_speculative_tokens < 0:
+            yield "num_speculative_tokens", f"must be >= 0, got {self.num_speculative_tokens}"
 
 
 @dataclass

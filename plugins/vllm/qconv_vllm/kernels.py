@@ -1,0 +1,58 @@
+"""A plain reference kernel for weight-only int Linears (and the quantized lm_head) that vLLM's CPU backend has no
+kernel for: its CPUWNA16 kernel takes 4-bit weights with both dimensions a multiple of 32, so an 8-bit lm_head
+("Quant type (uint8b128) not supported by CPUWNA16") or a 4-bit layer of an odd width stops the load. Registered
+last for the CPU platform through vLLM's own `register_linear_kernel`, so vLLM's kernels keep every layer they
+can run; on GPUs Marlin runs W8A16 and this kernel is never chosen."""
+
+from __future__ import annotations
+
+import torch
+
+from qconv_vllm.packing import dequantize_rows
+
+
+def _kernel_class():
+    from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel, MPLinearLayerConfig
+    from vllm.platforms import current_platform
+
+    class QconvReferenceWNA16LinearKernel(MPLinearKernel):
+        """Keeps the packed int codes and their scales; dequantizes to the activation dtype for each call."""
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return -1
+
+        @classmethod
+        def can_implement(cls, c: MPLinearLayerConfig) -> tuple[bool, str | None]:
+            if not current_platform.is_cpu():
+                return False, "the qconv reference kernel runs on CPU only"
+            if c.zero_points:
+                return False, "the qconv reference kernel takes symmetric weights only"
+            bits = c.weight_type.size_bits
+            if bits not in (2, 4, 8) or c.weight_type.bias != 1 << (bits - 1):
+                return False, f"the qconv reference kernel takes symmetric 2/4/8-bit ints, not {c.weight_type}"
+            k = c.partition_weight_shape[0]
+            if c.group_size not in (-1, 0) and k % c.group_size:
+                return False, f"group size {c.group_size} does not divide the input size {k}"
+            return True, None
+
+        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+            self.in_features = self.config.partition_weight_shape[0]
+            self._transform_param(layer, self.w_q_name, lambda p: p.data.contiguous())
+            self._transform_param(layer, self.w_s_name, lambda p: p.data.contiguous())
+
+        def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+            w_q, w_s, _ = self._get_weight_params(layer)
+            w = dequantize_rows(w_q, w_s, self.config.weight_type.size_bits, self.in_features, x.dtype)
+            return torch.nn.functional.linear(x, w, bias)
+
+    return QconvReferenceWNA16LinearKernel
+
+
+def apply() -> list[str]:
+    from vllm.model_executor.kernels.linear import register_linear_kernel
+    from vllm.platforms import PlatformEnum
+
+    register_linear_kernel(_kernel_class(), PlatformEnum.CPU, "mp")
+    return ["reference WNA16 kernel (CPU, 2/4/8-bit)"]

@@ -1,0 +1,23 @@
+"""compressed-tensors `pack-quantized` layout, read in plain torch: unsigned codes packed little-end-first into
+int32 along the input dimension, stored with an offset of 2^(bits-1) for symmetric schemes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
+    """[..., n] int32 -> [..., width] unsigned codes (int32)."""
+    per = 32 // bits
+    shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(-2)[..., :width]
+
+
+def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, bits: int, width: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """Symmetric group (or channel: one scale column) dequantization of packed rows: (code - 2^(bits-1)) * scale."""
+    q = (unpack_int32(packed, bits, width) - (1 << (bits - 1))).to(dtype)
+    groups = scale.shape[-1]
+    q = q.view(*q.shape[:-1], groups, width // groups)
+    return (q * scale.to(dtype).unsqueeze(-1)).view(*q.shape[:-2], width)

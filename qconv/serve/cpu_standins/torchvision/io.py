@@ -1,0 +1,15 @@
+import enum
+
+from torchvision import _unavailable
+
+
+class ImageReadMode(enum.Enum):
+    UNCHANGED = 0
+    GRAY = 1
+    GRAY_ALPHA = 2
+    RGB = 3
+    RGB_ALPHA = 4
+
+
+decode_image = _unavailable("io.decode_image")
+read_video = _unavailable("io.read_video")

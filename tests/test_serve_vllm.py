@@ -13,6 +13,12 @@ from qconv.errors import QconvError
 from qconv.serve import vllm
 
 
+@pytest.fixture(autouse=True)
+def no_runtimes(tmp_path, monkeypatch):
+    """Commands are printed as they would run with no managed runtime installed (the test cache may hold one)."""
+    monkeypatch.setenv("QCONV_HOME", str(tmp_path / "home"))
+
+
 def _flags(argv: list[str]) -> dict[str, str | bool]:
     """--flag value pairs (a flag followed by another flag is a boolean)."""
     out, i = {}, argv.index("--model")

@@ -56,7 +56,7 @@ def _cuda_gpu() -> bool:
               help="Declare that your vLLM handles a feature the artifact's qconv.json requires (e.g. "
                    "quantized-embeddings for a patched vLLM); repeatable.")
 @click.option("--spec-tokens", default=None, type=int,
-              help="Native: prompt-lookup draft tokens per step (0: off; default: the artifact's speculative config).")
+              help="Draft tokens per step (0: no speculative decoding; default: the artifact's speculative config).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
 @click.option("--datastore", multiple=True, type=click.Path(), metavar="PATH",
               help="Native: greedy rows with no prompt-lookup match also draft from these text files / folders "
@@ -72,7 +72,10 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     path = _resolve(target)
     if print_command:
         backend = "vllm"
-    runtime = _override_runtime(vllm_python) if vllm_python else runtimes.find_runtime()
+    if vllm_python:  # that interpreter, described by probing it (not needed just to print the command)
+        runtime = _override_runtime(vllm_python) if backend == "auto" else None
+    else:
+        runtime = runtimes.find_runtime()
     if backend == "auto":
         requires, pname = _requires(path, profile)
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
@@ -94,13 +97,16 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
         src.name = served_model_name
     opts = vllm.LaunchOptions(host=host, port=port, tensor_parallel_size=tensor_parallel_size,
                               max_num_seqs=max_batch, python=python, extra_args=list(vllm_args),
-                              platform=runtime.device if runtime else None)
+                              platform=runtime.device if runtime else None, spec_tokens=spec_tokens)
     if print_command:
         click.echo(shlex.join(vllm.build_command(src, profile, opts)))
         return
     info = vllm.probe_vllm(python)
     opts.platform = info.platform
     argv = vllm.build_command(src, profile, opts)
+    if info.platform == "cpu" and src.hybrid and src.speculative.get("method", "none") != "none":
+        click.echo(f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it",
+                   err=True)
     vllm.check_vllm(src, profile, info, vllm_features)
     vllm.check_quant_config(src, python, info.version)
     click.echo(f"starting: {shlex.join(argv)}", err=True)

@@ -101,18 +101,16 @@ def kvarn_block_size(kv: str) -> int:
     return int(kv.rsplit("_g", 1)[1])
 
 
-def speculative_config(src: ServeSource, platform: str | None = None) -> dict | None:
+def speculative_config(src: ServeSource, platform: str | None = None, tokens: int | None = None) -> dict | None:
     """vLLM's --speculative-config. vLLM runs one method per server: `hybrid` (MTP + prompt lookup in qconv's
     runtime) becomes MTP when the checkpoint has an MTP head, else n-gram lookup; `dflash` passes its drafter model
     through. vLLM's CPU backend cannot run speculation on hybrid (Gated-DeltaNet) models, so none is set there."""
     spec = src.speculative or {}
     method = spec.get("method", "none")
-    n = int(spec.get("num_speculative_tokens", 0) or 0)
+    n = int(spec.get("num_speculative_tokens", 0) or 0) if tokens is None else tokens
     if method == "none" or n <= 0:
         return None
     if platform == "cpu" and src.hybrid:
-        print(f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it",
-              file=sys.stderr)
         return None
     if method == "dflash":
         if not spec.get("drafter"):
@@ -138,6 +136,7 @@ class LaunchOptions:
     python: str = sys.executable  # the interpreter that has vLLM installed (may be another venv)
     extra_args: list[str] = field(default_factory=list)
     platform: str | None = None  # "cuda" | "cpu" when known (a runtime record, the probe): shapes speculation
+    spec_tokens: int | None = None  # overrides the artifact's num_speculative_tokens; 0 turns speculation off
 
 
 _MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -185,7 +184,7 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
         argv += ["--mamba-ssm-cache-dtype", p.get("mamba_ssm_cache_dtype", "auto"), "--no-enable-prefix-caching"]
     if src.architecture in MULTIMODAL_ARCHS and p.get("language_model_only", True):
         argv += ["--language-model-only"]
-    if (spec := speculative_config(src, opts.platform)) is not None:
+    if (spec := speculative_config(src, opts.platform, opts.spec_tokens)) is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if opts.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]

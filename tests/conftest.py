@@ -88,3 +88,24 @@ def smollm2(smollm2_gguf) -> Path:
     if not (out / "config.json").is_file():
         import_gguf(smollm2_gguf, out, force=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_3090(smollm2_gguf, shared_data) -> Path:
+    """SmolLM2 built straight from the GGUF by `qconv build --recipe 3090` (GPTQ on 16 x 512 tokens of tiny
+    shakespeare), cached across runs under a key of the recipe and the quantization code it was built with."""
+    from click.testing import CliRunner
+
+    from qconv.cli import main
+    from qconv.fsutil import sha256_bytes
+
+    code = REPO / "qconv" / "convert"
+    key = sha256_bytes(b"".join(p.read_bytes() for p in sorted(code.glob("*.py")))
+                       + (REPO / "qconv" / "recipes" / "3090.yaml").read_bytes())[:12]
+    out = CACHE / "artifacts" / f"smollm2-3090-{key}"
+    if not (out / "qconv.json").is_file():
+        r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(smollm2_gguf), "--out", str(out),
+                                      "--dataset", str(shared_data / "tinyshakespeare.txt"), "--samples", "16",
+                                      "--seq-len", "512"])
+        assert r.exit_code == 0, r.output
+    return out

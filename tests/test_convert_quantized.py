@@ -150,7 +150,7 @@ def test_act_order(tiny_qwen3, tmp_path):
 
 
 def test_compressed_tensors_passthrough(tiny_qwen3, tmp_path):
-    """A compressed-tensors source goes through byte for byte (llmcompressor-made, asymmetric int4 g32)."""
+    """A compressed-tensors source goes through byte for byte (llmcompressor-made, int4 g32 MLPs)."""
     from qconv.convert.imported import convert_quantized
     from tests.test_runtime_model import _quantize
 
@@ -214,14 +214,15 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
     for mod in ("model.embed_tokens", "lm_head"):
         assert built[f"{mod}.weight_packed"].dtype == torch.int32 and f"{mod}.weight" not in built
         w = _ct_dense(out, mod, built).float()
-        assert (w - source[f"{mod}.weight"].float()).abs().max() <= built[f"{mod}.weight_scale"].float().max() / 2
+        step = built[f"{mod}.weight_scale"].float().max()  # one int8 step
+        assert (w - source[f"{mod}.weight"].float()).abs().max() <= step
     m = read_manifest(out)
     assert sorted(m.build["requantized"]) == ["lm_head", "model.embed_tokens"]
     assert set(m.build["kept"]) == {n[: -len(".qweight")] for n in source if n.endswith(".qweight")}
     assert m.source.quantization["method"] == "gptq"
     assert m.build["quality_reference"]["kind"] == "source checkpoint"
     report = json.loads((out / "report.json").read_text())
-    assert "started from" in report["reference"]["note"]
+    assert "started from" in report["reference_model"]["note"]
     assert len(_generate(out)) == 8 and len(_generate(out, torch.bfloat16)) == 8
 
     ref_out = tmp_path / "art-ref"
@@ -229,5 +230,5 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
                         str(ref_out), "--eval-text", str(text), "--no-gates", "--reference", str(tiny_qwen3_5)],
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((ref_out / "report.json").read_text())["reference"]["kind"] == "original"
+    assert json.loads((ref_out / "report.json").read_text())["reference_model"]["kind"] == "original"
     assert read_manifest(ref_out).build["quality_reference"]["kind"] == "original"

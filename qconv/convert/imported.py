@@ -195,7 +195,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
     path = artifact / REPORT_JSON
     report = json.loads(path.read_text())
     report["artifact"] = str(final.resolve())
-    report["reference"] = {"kind": kind, "path": str(reference or src.path), "note": note}
+    report["reference_model"] = {"kind": kind, "path": str(reference or src.path), "note": note}
     write_json_atomic(path, report)
     md = render_md(report)
     write_text_atomic(artifact / REPORT_MD, f"Reference: {note}.\n\n" + md)

@@ -11,6 +11,8 @@ Windows are computed one at a time and written one file each, so memory stays at
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 from dataclasses import dataclass
@@ -98,9 +100,33 @@ def load_causal_lm(path: str | Path):
         from transformers.utils.quantization_config import CompressedTensorsConfig
 
         kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device, **kwargs)
+    with _skip_init_of_packed_embeddings():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device, **kwargs)
     model.eval()
     return model
+
+
+@contextlib.contextmanager
+def _skip_init_of_packed_embeddings():
+    """transformers 5 initializes every nn.Embedding's `weight` before compressed-tensors decompresses the model,
+    but a pack-quantized embedding has only `weight_packed` then (its Linear init checks for a weight, the
+    Embedding init does not): skip such modules, their weights come from the checkpoint."""
+    from torch import nn
+    from transformers.modeling_utils import PreTrainedModel
+
+    orig = PreTrainedModel._initialize_weights
+
+    def init(self, module, *args, **kwargs):
+        if isinstance(module, nn.Embedding) and getattr(module, "weight", None) is None:
+            module._is_hf_initialized = True
+            return None
+        return orig(self, module, *args, **kwargs)
+
+    PreTrainedModel._initialize_weights = init
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = orig
 
 
 @torch.inference_mode()

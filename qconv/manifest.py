@@ -28,6 +28,7 @@ class SourceInfo:
     sha256: str = ""  # hash over `files` (canonical JSON)
     architecture: str = ""
     num_parameters: int = 0
+    quantization: dict[str, Any] = field(default_factory=dict)  # an already-quantized source's format (gptq, awq, ...)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from qconv.convert.artifact import copy_mtp, copy_side_files, finalize, write_index
 from qconv.convert.layout import Plan, plan_model
+from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.convert.stages import DONE, WorkDir, default_work_dir, stage_key
@@ -45,6 +46,7 @@ class BuildOptions:
     stream: bool | None = None  # None: stream when the model is large against free RAM
     int8_budget: str | None = None  # overrides the recipe's selection.budget
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
+    reference: str | None = None  # quantized --model: the full-precision original for the quality report
 
 
 @dataclass
@@ -167,6 +169,10 @@ def build(opts: BuildOptions) -> Manifest:
                          fix="pass --force to replace it, or choose another --out")
     src = resolve_source(opts.model, revision=opts.revision)
     config = read_config(src.path)
+    if detect_format(config, where=str(src.path / "config.json")) is not None:
+        from qconv.convert.imported import build_from_quantized
+
+        return build_from_quantized(opts, recipe)  # keeps its quantized tensors, requantizes the rest (no GPU)
     plan = plan_model(src.path, config, recipe)
     for w in plan.warnings:
         log.warning("plan: %s", w)

@@ -84,8 +84,11 @@ def _profile_fits(dr) -> list[str]:
 @click.option("--int8-budget", help="INT8 byte budget, overrides the recipe (0, 300MB, 1.5GiB, 5%).")
 @click.option("--sensitivity", type=click.Choice(["proxy", "kld"]), default="proxy", show_default=True,
               help="Unit sensitivity: per-layer proxy, or model-level KLD (one forward pass per unit).")
+@click.option("--reference", type=click.Path(path_type=Path),
+              help="For a quantized --model: the full-precision original the quality report compares against "
+                   "(default: the quantized checkpoint itself).")
 def build(model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
-          work_dir, fresh, stream, int8_budget, sensitivity):
+          work_dir, fresh, stream, int8_budget, sensitivity, reference):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
     from qconv.convert.build import BuildOptions, build as run_build, dry_run as run_dry
     from qconv.errors import QconvError
@@ -93,7 +96,7 @@ def build(model, recipe, out, dataset, samples, seq_len, seed, revision, eval_te
     opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
                         seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text,
                         work_dir=work_dir, fresh=fresh, stream=stream, int8_budget=int8_budget,
-                        sensitivity=sensitivity)
+                        sensitivity=sensitivity, reference=str(reference) if reference else None)
     if dry_run:
         dr = run_dry(opts)
         print_plan(dr)
@@ -128,6 +131,21 @@ def convert_gguf(gguf_file, out, dtype, force):
 
     import_gguf(gguf_file, out, dtype=dtype, force=force)
     click.echo(str(out))
+
+
+@convert.command("quantized")
+@click.argument("src")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--revision", help="Hub revision (branch, tag or commit) to pin.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT.")
+def convert_quantized(src, out, revision, force):
+    """Import a GPTQ / AWQ / AutoRound / compressed-tensors checkpoint losslessly into compressed-tensors
+    pack-quantized (codes, scales and zero points repacked, never requantized)."""
+    from qconv.convert.imported import convert_quantized as run
+
+    m = run(src, out, force=force, revision=revision)
+    click.echo(f"{out}: {len(m.build['kept'])} quantized modules from {m.source.quantization['method']} "
+               f"({m.total_size() / 1e9:.3f} GB)")
 
 
 @click.group()

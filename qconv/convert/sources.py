@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path

@@ -11,6 +11,7 @@ Windows are computed one at a time and written one file each, so memory stays at
 
 from __future__ import annotations
 
+
 import logging
 import os
 from dataclasses import dataclass

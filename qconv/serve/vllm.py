@@ -389,15 +389,22 @@ def run_vllm(argv: list[str], host: str, port: int, *, api_key: str | None = Non
     """Start vLLM in its own session, wait for /health, then stay in the foreground forwarding SIGINT/SIGTERM to its
     process group; its exit code. Whatever way this returns, no vLLM process is left running."""
     proc = subprocess.Popen(argv, env=vllm_env(api_key), start_new_session=True)
+    stopping = []
 
     def forward(signum, _frame):
+        stopping.append(signum)
         if proc.poll() is None:
             os.killpg(proc.pid, signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        wait_healthy(proc, f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health",
-                     health_timeout)
+        try:
+            wait_healthy(proc, f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health",
+                         health_timeout)
+        except QconvError:
+            if stopping:  # stopped by the user while loading: not a failure of vLLM's
+                return proc.wait()
+            raise
         print(f"vLLM is serving on http://{host}:{port}/v1", file=sys.stderr, flush=True)
         return proc.wait()
     finally:

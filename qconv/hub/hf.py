@@ -73,13 +73,24 @@ def resolve(repo: str, revision: str | None) -> tuple[str, dict[str, HubFile]]:
                       for s in info.siblings or []}
 
 
-def download(repo: str, commit: str, names: list[str], *, force: bool = False) -> Path:
+def _quiet_tqdm():
+    from tqdm.auto import tqdm
+
+    class Quiet(tqdm):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **{**kw, "disable": True})
+
+    return Quiet
+
+
+def download(repo: str, commit: str, names: list[str], *, force: bool = False, progress: bool = True) -> Path:
     """snapshot_download of exactly `names` at `commit` into our Hub cache; returns the snapshot folder."""
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(repo, revision=commit, cache_dir=hf_cache_dir(), endpoint=endpoint(),
-                                      allow_patterns=[glob.escape(n) for n in names], force_download=force))
+                                      allow_patterns=[glob.escape(n) for n in names], force_download=force,
+                                      tqdm_class=None if progress else _quiet_tqdm()))
     except Exception as e:  # noqa: BLE001
         if isinstance(e, OSError) and is_disk_error(e):
             raise
@@ -123,13 +134,14 @@ def forget(snapshot: Path, names: list[str]) -> None:
         link.unlink(missing_ok=True)
 
 
-def fetch_checked(repo: str, commit: str, want: dict[str, Want], hub: dict[str, HubFile], where: str) -> Path:
+def fetch_checked(repo: str, commit: str, want: dict[str, Want], hub: dict[str, HubFile], where: str, *,
+                  progress: bool = True) -> Path:
     """Download `want` at `commit`, check each file, re-fetch the bad ones once; IntegrityError if still bad."""
-    snap = download(repo, commit, list(want))
+    snap = download(repo, commit, list(want), progress=progress)
     bad = {n: p for n in want if (p := file_problem(snap / n, want[n], hub[n]))}
     if bad:
         forget(snap, list(bad))
-        snap = download(repo, commit, list(bad), force=True)
+        snap = download(repo, commit, list(bad), force=True, progress=progress)
         bad = {n: p for n in bad if (p := file_problem(snap / n, want[n], hub[n]))}
     if bad:
         forget(snap, list(bad))
@@ -151,4 +163,7 @@ def link_into(snapshot: Path, names: list[str], dest: Path) -> None:
 
 
 def drop_download_cache(repo: str) -> None:
-    shutil.rmtree(hf_cache_dir() / ("models--" + repo.replace("/", "--")), ignore_errors=True)
+    """Once the revision folder holds the files (hard links), huggingface_hub's copy and locks are not needed."""
+    folder = "models--" + repo.replace("/", "--")
+    for d in (hf_cache_dir() / folder, hf_cache_dir() / ".locks" / folder):
+        shutil.rmtree(d, ignore_errors=True)

@@ -158,7 +158,7 @@ def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool
     return final
 
 
-def _pull_hub(src: PullSource) -> Path:
+def _pull_hub(src: PullSource, *, progress: bool) -> Path:
     loc = src.location
     where = f"{loc.uri}@{loc.revision or 'main'}"
     commit, hub = hf.resolve(loc.uri, loc.revision)
@@ -172,13 +172,13 @@ def _pull_hub(src: PullSource) -> Path:
     h = hub[MANIFEST]
     listed = _listed_manifest(src)
     mwant = Want(MANIFEST, listed.sha256 if listed else (h.lfs_sha256 or ""), h.size or 0)
-    snap = hf.fetch_checked(loc.uri, commit, {MANIFEST: mwant}, hub, where)
+    snap = hf.fetch_checked(loc.uri, commit, {MANIFEST: mwant}, hub, where, progress=progress)
     manifest = read_manifest(snap)
     want = expected_files(src, manifest)
     hf.check_metadata(want, hub, where)
     check_free_space(cache.hf_cache_dir(), _space_needed(want, lambda n: 0), f"pulling {src.name}")
     log.info("pulling %s from %s (%d files, %.1f MB)", src.name, where, len(want), manifest.total_size() / 1e6)
-    snap = hf.fetch_checked(loc.uri, commit, want, hub, where)
+    snap = hf.fetch_checked(loc.uri, commit, want, hub, where, progress=progress)
     final = cache.install(loc, commit, lambda tmp: hf.link_into(snap, [*want, MANIFEST], tmp),
                           {"name": src.name, "requested": loc.revision, "manifest_sha256": sha256_file(snap / MANIFEST),
                            "recipe": manifest.recipe.name})
@@ -208,7 +208,7 @@ def pull(target: str, *, revision: str | None = None, offline: bool = False, ind
         try:
             cache.sweep(src.location)
             if src.location.kind == "hf":
-                final = _pull_hub(src)
+                final = _pull_hub(src, progress=progress)
             else:
                 final = _pull_files(src, progress=progress, retries=retries, insecure=insecure)
         except OSError as e:

@@ -121,30 +121,6 @@ def test_cut_download_resumes_with_range(hub):
     assert (out / BIG).read_bytes() == (hub.art / BIG).read_bytes()
 
 
-def test_killed_pull_resumes_with_range(hub):
-    """A pull killed mid-file leaves its .part; the next pull asks only for the rest (Range) and ends identical."""
-    release = threading.Event()
-    hub.server.b.stall[BIG_PATH] = release
-    part = cache.incoming_dir(hub.loc) / f"{BIG}.part"
-    half = (hub.art / BIG).stat().st_size // 2
-    code = f"from qconv.hub.pull import pull; pull({hub.art_url!r}, progress=False, retries=0, insecure=True)"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "QCONV_HOME": str(hub.home)})
-    try:
-        deadline = time.monotonic() + 60
-        while not (part.exists() and part.stat().st_size >= half):
-            assert proc.poll() is None and time.monotonic() < deadline, "pull never reached the stall"
-            time.sleep(0.05)
-    finally:
-        proc.kill()
-        proc.wait()
-        release.set()
-    assert part.stat().st_size == half and hub.cached() is None
-    out = pull(hub.art_url, progress=False, insecure=True)
-    assert hub.server.gets(BIG_PATH) == [None, f"bytes={half}-"]
-    assert (out / BIG).read_bytes() == (hub.art / BIG).read_bytes()
-    assert_same_tree(out, hub.art)
-
-
 def test_tampered_file_is_refetched(hub):
     hub.server.b.tamper[BIG_PATH] = 1
     out = pull(NAME, index=hub.index_url, progress=False, insecure=True)

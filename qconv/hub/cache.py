@@ -109,12 +109,13 @@ def artifact_lock(loc: Location) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def sweep(loc: Location) -> None:
+def sweep(loc: Location, name: str) -> None:
     """Crash leftovers of earlier pulls of this slot, and old revisions no reader holds any more.
 
-    Call under artifact_lock: then no other process owns any of the leftovers."""
+    Call under artifact_lock: then no other process owns any of the leftovers. `.NAME.*.partial` / `.NAME.old-PID`
+    in the root are what pulls before the per-source layout left (nothing writes them there now)."""
     slot = slot_dir(loc)
-    gone = sweep_stale(artifacts_root(), slot_key(loc)) + sweep_stale(slot / "revs", "*")
+    gone = sweep_stale(artifacts_root(), _safe(name.replace("/", "--"))) + sweep_stale(slot / "revs", "*")
     stray = list(slot.glob(".current.tmp-*"))
     if loc.kind == "hf":  # huggingface_hub's per-process temp files of a download that was killed
         stray += hf_cache_dir().glob(f"models--{slot_key(loc)[4:]}/blobs/*.incomplete")

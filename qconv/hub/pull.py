@@ -204,18 +204,18 @@ def pull(target: str, *, revision: str | None = None, offline: bool = False, ind
     if src.entry:
         for n in src.entry.files:
             check_file_name(n, f"index entry {src.name}")
-    with cache.artifact_lock(src.location):
-        try:
-            cache.sweep(src.location)
+    try:
+        with cache.artifact_lock(src.location):
+            cache.sweep(src.location, src.name)
             if src.location.kind == "hf":
                 final = _pull_hub(src, progress=progress)
             else:
                 final = _pull_files(src, progress=progress, retries=retries, insecure=insecure)
-        except OSError as e:
-            if not is_disk_error(e):
-                raise
-            raise os_error(e, f"pulling {src.name}", cache.artifacts_root(),
-                           retry_hint="run `qconv pull` again: finished files are kept") from e
-        if src.entry:
-            cache.record_name(src.name, src.location)
+            if src.entry:
+                cache.record_name(src.name, src.location)
+    except OSError as e:
+        if not is_disk_error(e):
+            raise
+        raise os_error(e, f"pulling {src.name}", cache.artifacts_root(),
+                       retry_hint="run `qconv pull` again: finished files are kept") from e
     return final

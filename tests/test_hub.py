@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from qconv.errors import QconvError
 from qconv.fsutil import sha256_bytes, sha256_file
 from qconv.hub import cache, resolve_artifact
 from qconv.hub.index import Location, add_to_index_file, entry_for_artifact, load_index
@@ -289,3 +290,69 @@ def test_push_uploads_with_model_card(hub, monkeypatch):
     seen.clear()
     r = cli("push", str(hub.art), "--repo", "me/tiny-w4a16")
     assert r.exit_code == 1 and BIG in r.stderr and seen == {}  # never uploads a corrupt artifact
+
+
+def test_readme_publishing_example_runs_offline(tmp_path, monkeypatch):
+    """The README's shared-folder example, line by line, with /mnt/team under tmp and no network."""
+    import re
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## Pulling and publishing artifacts.*?```\n(.*?)```", text, re.S)[1]
+    team = tmp_path / "team"
+    (team / "models").mkdir(parents=True)
+    make_artifact(tmp_path / "work" / "my-27b-3090")
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("QCONV_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("QCONV_INDEX", raising=False)
+    outputs = []
+    for line in block.strip().splitlines():
+        argv = shlex.split(line.replace("/mnt/team", str(team)))
+        if argv[0] == "cp":
+            subprocess.run(argv, check=True)
+            continue
+        assert argv[0] == "qconv", line
+        r = cli(*argv[1:])
+        assert r.exit_code == 0, (line, r.output)
+        outputs.append(r.stdout)
+    assert "my-27b-3090" in outputs[1] and "27B for one 3090" not in outputs[1]  # list --remote shows the entry
+    pulled = Path(outputs[2].strip())
+    assert_same_tree(pulled, team / "models" / "my-27b-3090") and "verified" in outputs[3]
+    assert "no trusted hash" not in "".join(outputs)
+
+
+def test_cache_slots_are_keyed_by_source(hub, tmp_path, monkeypatch):
+    """A URL and a folder with the same last name get separate slots; a name resolves only to a copy pulled from
+    the location its index names."""
+    folder = shutil.copytree(hub.art, tmp_path / "elsewhere" / NAME)
+    from_url = pull(hub.art_url, progress=False, insecure=True)
+    from_folder = pull(str(folder), progress=False)
+    assert from_url.parent.parent != from_folder.parent.parent
+    assert resolve_artifact(hub.art_url) == from_url and cache.current(Location("path", str(folder))) == from_folder
+    idx = tmp_path / "idx.json"
+    add_to_index_file(idx, entry_for_artifact(folder, Location("path", str(folder)), name="team-tiny"))
+    assert pull("team-tiny", index=str(idx), progress=False) == from_folder  # same location, same slot
+    monkeypatch.setenv("QCONV_INDEX", str(idx))
+    assert resolve_artifact("team-tiny") == from_folder
+    moved = shutil.copytree(hub.art, tmp_path / "moved" / NAME)
+    idx.unlink()
+    add_to_index_file(idx, entry_for_artifact(moved, Location("path", str(moved)), name="team-tiny"))
+    with pytest.raises(QconvError, match="not in the cache"):  # the index now names a location never pulled
+        resolve_artifact("team-tiny")
+
+
+def test_untrusted_pull_says_so_once(hub, caplog):
+    def warned() -> int:
+        return sum("no trusted hash" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+
+    assert cli("pull", hub.art_url, "-q", "--insecure").exit_code == 0 and warned() == 1
+    caplog.clear()
+    assert cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure").exit_code == 0 and warned() == 0
+
+
+def test_plain_http_needs_insecure(hub):
+    for args in (["pull", hub.art_url], ["pull", NAME, "--index", hub.index_url], ["list", "--remote", "--index",
+                                                                                     hub.index_url]):
+        r = cli(*args)
+        assert r.exit_code == 2 and "http://" in r.stderr and "--insecure" in r.stderr, r.output
+    assert hub.server.log == []

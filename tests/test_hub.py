@@ -59,13 +59,18 @@ class Hub:
         return [f for f in found if f not in allowed and not f.startswith((f"{slot}/revs/{rev}/", ".names/"))]
 
 
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
+def served_hub(tmp_path, monkeypatch):
+    """A Hub over tmp_path with QCONV_HOME pointed at its home (the `hub` fixture of the hub test modules)."""
     h = Hub(tmp_path)
     monkeypatch.setenv("QCONV_HOME", str(h.home))
     monkeypatch.delenv("QCONV_INDEX", raising=False)
     yield h
     h.server.close()
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    yield from served_hub(tmp_path, monkeypatch)
 
 
 def cli(*args: str):

@@ -17,17 +17,13 @@ import pytest
 from qconv.hub import cache
 from qconv.hub.download import MANIFEST_CAP, http_fetch
 from qconv.hub.pull import pull
-from tests.conftest_hub import BIG, SMALL, make_artifact
-from tests.test_hub import BIG_PATH, NAME, REPO, Hub, assert_same_tree, cli
+from tests.conftest_hub import BIG, SMALL
+from tests.test_hub import BIG_PATH, NAME, REPO, Hub, assert_same_tree, cli, served_hub
 
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    h = Hub(tmp_path)
-    monkeypatch.setenv("QCONV_HOME", str(h.home))
-    monkeypatch.delenv("QCONV_INDEX", raising=False)
-    yield h
-    h.server.close()
+    yield from served_hub(tmp_path, monkeypatch)
 
 
 @pytest.fixture
@@ -41,7 +37,7 @@ def tmpfs(tmp_path):
         d = tmp_path / f"disk{len(mounts)}"
         d.mkdir()
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={kib}k", *opts]), "tmpfs", str(d)],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
         if r.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
         mounts.append(d)
@@ -92,8 +88,8 @@ def test_206_with_the_whole_file_is_placed_at_its_content_range(hub):
 
 def _publish_v2(hub: Hub) -> None:
     """Replace the served artifact by a new build (one shard changed); the index is not used here."""
-    from safetensors.numpy import save_file
     import numpy as np
+    from safetensors.numpy import save_file
 
     save_file({"lm_head.weight": np.ones((64, 256), np.float16)}, str(hub.art / SMALL))
     from qconv.manifest import hash_artifact_files

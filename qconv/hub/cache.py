@@ -24,12 +24,18 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 from qconv.errors import QconvError
-from qconv.fsutil import atomic_dir, sha256_bytes, switch_symlink, sweep_stale, write_json_atomic
+from qconv.fsutil import (
+    atomic_dir,
+    sha256_bytes,
+    sweep_stale,
+    switch_symlink,
+    write_json_atomic,
+)
 from qconv.hub.index import HF_ID_RE, NAME_RE, Location, load_index, parse_location
 from qconv.manifest import MANIFEST
 from qconv.paths import qconv_home

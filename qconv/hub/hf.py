@@ -45,7 +45,11 @@ def git_blob_sha1(path: Path) -> str:
 
 
 def _hub_error(e: Exception, repo: str, rev: str | None) -> QconvError:
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     where = f"{repo}@{rev or 'main'} on {endpoint() or 'huggingface.co'}"
     if isinstance(e, RevisionNotFoundError):
@@ -64,7 +68,7 @@ def resolve(repo: str, revision: str | None) -> tuple[str, dict[str, HubFile]]:
 
     try:
         info = HfApi(endpoint=endpoint()).model_info(repo, revision=revision, files_metadata=True)
-    except Exception as e:  # noqa: BLE001 - huggingface_hub raises HTTP, connection and offline errors
+    except Exception as e:
         raise _hub_error(e, repo, revision) from e
     if not COMMIT_RE.match(info.sha or ""):
         raise QconvError(f"the Hub answered revision {revision or 'main'} with no commit sha ({info.sha!r})",
@@ -91,7 +95,7 @@ def download(repo: str, commit: str, names: list[str], *, force: bool = False, p
         return Path(snapshot_download(repo, revision=commit, cache_dir=hf_cache_dir(), endpoint=endpoint(),
                                       allow_patterns=[glob.escape(n) for n in names], force_download=force,
                                       tqdm_class=None if progress else _quiet_tqdm()))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if isinstance(e, OSError) and is_disk_error(e):
             raise
         raise _hub_error(e, repo, commit) from e

@@ -11,16 +11,32 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from qconv.errors import QconvError
 from qconv.fsutil import check_free_space, is_disk_error, os_error, sha256_file
 from qconv.hub import cache, hf
-from qconv.hub.download import MANIFEST_CAP, IntegrityError, Want, check_file_name, check_scheme, fetch_verified, \
-    http_fetch, join_url, local_fetch
-from qconv.hub.index import HF_ID_RE, NAME_RE, IndexEntry, Location, load_index, parse_location
+from qconv.hub.download import (
+    MANIFEST_CAP,
+    IntegrityError,
+    Want,
+    check_file_name,
+    check_scheme,
+    fetch_verified,
+    http_fetch,
+    join_url,
+    local_fetch,
+)
+from qconv.hub.index import (
+    HF_ID_RE,
+    NAME_RE,
+    IndexEntry,
+    Location,
+    load_index,
+    parse_location,
+)
 from qconv.manifest import MANIFEST, Manifest, read_manifest
 
 log = logging.getLogger(__name__)

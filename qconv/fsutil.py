@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -10,6 +11,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
+
+from qconv.errors import QconvError
 
 CHUNK = 1 << 20
 
@@ -83,3 +86,74 @@ def atomic_dir(final: str | os.PathLike, *, force: bool = False) -> Iterator[Pat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def switch_symlink(link: str | os.PathLike, target: str) -> None:
+    """Point `link` at `target` atomically (a new symlink renamed over the old one): readers see old or new, never none."""
+    link = Path(link)
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def sweep_stale(parent: str | os.PathLike, name: str) -> list[Path]:
+    """Remove the crash leftovers of atomic_dir(parent/name): `.name.*.partial` and `.name.old-PID`.
+
+    Call it only while holding the lock every writer of parent/name holds: then no other process owns them.
+    """
+    parent = Path(parent)
+    gone = [p for pattern in (f".{name}.*.partial", f".{name}.old-*") for p in parent.glob(pattern)]
+    for p in gone:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+    return gone
+
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def is_disk_error(e: OSError) -> bool:
+    """A local filesystem failure (full, not writable), as opposed to a network one that a retry may cure."""
+    return e.errno in DISK_ERRNOS and not isinstance(e, ConnectionError)
+
+
+def os_error(e: OSError, action: str, where: str | os.PathLike, *, needed: int | None = None,
+             retry_hint: str | None = None):
+    """One QconvError for a local filesystem failure (disk full, permission denied, read-only, other).
+
+    `needed` (bytes) is stated for a full disk; `retry_hint` is added only where rerunning really helps.
+    """
+    where = str(where)
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = _free_bytes(where)
+        need = f"; it needs {needed / 1e6:.1f} MB" if needed is not None else ""
+        return QconvError(f"{action} failed: no space left on the device{need}, {free / 1e6:.1f} MB free",
+                          where=where, fix="free space there or point QCONV_HOME at a bigger disk"
+                                           + (f", then {retry_hint}" if retry_hint else ""))
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return QconvError(f"{action} failed: {e.strerror}", where=getattr(e, "filename", None) or where,
+                          fix="make that folder writable or point QCONV_HOME at one that is")
+    return QconvError(f"{action} failed: {e}", where=where, fix=retry_hint)
+
+
+def _free_bytes(path: str) -> int:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return 0
+
+
+def check_free_space(path: str | os.PathLike, needed: int, what: str) -> None:
+    """Refuse before writing `needed` bytes under `path` when the disk cannot hold them."""
+    free = _free_bytes(str(path))
+    if needed > free:
+        raise QconvError(f"{what} needs {needed / 1e6:.1f} MB but only {free / 1e6:.1f} MB are free",
+                         where=str(path), fix="free space there or point QCONV_HOME at a bigger disk")

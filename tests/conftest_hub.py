@@ -6,6 +6,7 @@ midway (then close), serve tampered bytes (one byte flipped), stall midway until
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import urllib.parse
@@ -55,14 +56,25 @@ class Behaviour:
     cut: dict[str, int] = field(default_factory=dict)  # path -> how many responses to cut at half the body
     tamper: dict[str, int] = field(default_factory=dict)  # path -> how many responses to tamper (-1: always)
     stall: dict[str, threading.Event] = field(default_factory=dict)  # path -> send half, wait for the event, close
+    pause: dict[str, threading.Event] = field(default_factory=dict)  # path -> send half, wait for the event, finish
     delay: dict[str, float] = field(default_factory=dict)  # path -> seconds to sleep before answering
+    whole206: set[str] = field(default_factory=set)  # path -> answer a Range with 206 and the whole file
+    no_length: set[str] = field(default_factory=set)  # path -> no Content-Length (body ends when the server closes)
+
+
+@dataclass
+class Reply:
+    status: int
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class FileServer:
-    """ThreadingHTTPServer over `root` in a background thread; `log` holds (path, Range header or None)."""
+    """ThreadingHTTPServer over `root` in a background thread; `log` holds (path, Range header or None) and
+    `requests` (method, path, Range, Authorization) of every request."""
 
-    def __init__(self, root: Path):
-        self.root, self.log, self.b = root, [], Behaviour()
+    def __init__(self, root: Path | None):
+        self.root, self.log, self.requests, self.b = root, [], [], Behaviour()
         self.lock = threading.Lock()
         server = self
 
@@ -71,7 +83,10 @@ class FileServer:
                 pass
 
             def do_GET(self):
-                server.handle(self)
+                server.handle(self, head=False)
+
+            def do_HEAD(self):
+                server.handle(self, head=True)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -88,41 +103,65 @@ class FileServer:
                 counts[path] = n - 1
             return True
 
-    def handle(self, h: BaseHTTPRequestHandler) -> None:
+    def lookup(self, path: str, query: dict) -> Reply:
+        f = (self.root / path.lstrip("/")).resolve()
+        if not f.is_file() or self.root.resolve() not in f.parents:
+            return Reply(404)
+        return Reply(200, f.read_bytes())
+
+    def handle(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         import time
 
-        path = urllib.parse.unquote(urllib.parse.urlparse(h.path).path)
+        url = urllib.parse.urlparse(h.path)
+        path = urllib.parse.unquote(url.path)
         rng = h.headers.get("Range")
         with self.lock:
             self.log.append((path, rng))
+            self.requests.append(("HEAD" if head else "GET", path, rng, h.headers.get("Authorization")))
         if path in self.b.delay:
             time.sleep(self.b.delay[path])
-        f = (self.root / path.lstrip("/")).resolve()
-        if not f.is_file() or self.root.resolve() not in f.parents:
-            h.send_error(404)
+        reply = self.lookup(path, urllib.parse.parse_qs(url.query))
+        if reply.status != 200:
+            h.send_response(reply.status)
+            for k, v in reply.headers.items():
+                h.send_header(k, v)
+            h.send_header("Content-Length", str(len(reply.body)))
+            h.end_headers()
+            if not head:
+                h.wfile.write(reply.body)
             return
-        data = f.read_bytes()
-        if self._take(self.b.tamper, path):
+        data = reply.body
+        if not head and self._take(self.b.tamper, path):
             data = flip_byte(data)
         start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
         if start >= len(data) and rng:
             h.send_error(416)
             return
+        if path in self.b.whole206:
+            start = 0
         body = data[start:]
         h.send_response(206 if rng else 200)
+        for k, v in reply.headers.items():
+            h.send_header(k, v)
         if rng:
             h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-        h.send_header("Content-Length", str(len(body)))
+        if path not in self.b.no_length:
+            h.send_header("Content-Length", str(len(body)))
         h.send_header("Accept-Ranges", "bytes")
         h.end_headers()
+        if head:
+            return
         stall = self.b.stall.pop(path, None)
-        if self._take(self.b.cut, path) or stall:
+        pause = self.b.pause.pop(path, None)
+        if self._take(self.b.cut, path) or stall or pause:
             h.wfile.write(body[:len(body) // 2])
             h.wfile.flush()
-            if stall:
-                stall.wait(20)
-            h.close_connection = True
-            return
+            if stall or pause:
+                (stall or pause).wait(20)
+            if not pause:
+                h.close_connection = True
+                return
+            body = body[len(body) // 2:]
         h.wfile.write(body)
 
     def gets(self, path: str) -> list[str | None]:
@@ -131,7 +170,92 @@ class FileServer:
             return [r for p, r in self.log if p == path]
 
     def close(self) -> None:
-        for ev in self.b.stall.values():
+        for ev in [*self.b.stall.values(), *self.b.pause.values()]:
             ev.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+class FakeHub(FileServer):
+    """The Hub endpoints huggingface_hub calls, over in-memory repos: model info with files metadata
+    (`/api/models/R/revision/REV?blobs=true`), the tree listing, and `/R/resolve/REV/FILE` (HEAD and GET, with
+    X-Repo-Commit, ETag / X-Linked-Etag, X-Linked-Size, Range). `*.safetensors` are LFS objects, the rest git blobs.
+    `after_info(repo, rev)` runs after each model-info answer (a test moves a branch there)."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.repos: dict[str, dict] = {}
+        self.after_info = None
+        self.served: dict[str, bytes] = {}  # file name -> bytes served instead (a mirror that alters content)
+
+    def publish(self, repo: str, files: dict[str, bytes], branch: str = "main") -> str:
+        """Commit `files` to `branch` of `repo`; returns the commit sha."""
+        sha = hashlib.sha1(repr(sorted((n, hashlib.sha256(d).hexdigest()) for n, d in files.items())).encode()
+                           + repo.encode()).hexdigest()
+        r = self.repos.setdefault(repo, {"refs": {}, "commits": {}})
+        r["commits"][sha] = dict(files)
+        r["refs"][branch] = sha
+        return sha
+
+    @staticmethod
+    def _lfs(name: str) -> bool:
+        return name.endswith(".safetensors")
+
+    def _meta(self, name: str, data: bytes, tree: bool) -> dict:
+        lfs = {"size": len(data), "pointerSize": 134}
+        lfs["oid" if tree else "sha256"] = hashlib.sha256(data).hexdigest()
+        d = {"size": len(data), ("oid" if tree else "blobId"): git_blob_id(data)}
+        if tree:
+            d.update(type="file", path=name)
+        else:
+            d["rfilename"] = name
+        if self._lfs(name):
+            d["lfs"] = lfs
+        return d
+
+    def _commit(self, repo: str, rev: str) -> str | None:
+        r = self.repos[repo]
+        return rev if rev in r["commits"] else r["refs"].get(rev)
+
+    def lookup(self, path: str, query: dict) -> Reply:
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["api", "models"] and len(parts) == 4:  # no revision: the default branch
+            repo, kind, rev = "/".join(parts[2:4]), "revision", "main"
+        elif parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] in ("revision", "tree"):
+            repo, kind, rev = "/".join(parts[2:4]), parts[4], parts[5]
+        elif len(parts) >= 5 and parts[2] == "resolve":
+            repo, kind, rev = "/".join(parts[:2]), "resolve", parts[3]
+        else:
+            return Reply(404)
+        if repo not in self.repos:
+            return Reply(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+        sha = self._commit(repo, rev)
+        if sha is None:
+            return Reply(404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound"})
+        files = self.repos[repo]["commits"][sha]
+        if kind == "revision":
+            blobs = query.get("blobs", ["false"])[0].lower() == "true"
+            info = {"id": repo, "modelId": repo, "sha": sha, "private": False,
+                    "siblings": [self._meta(n, d, tree=False) if blobs else {"rfilename": n}
+                                 for n, d in sorted(files.items())]}
+            if self.after_info:
+                self.after_info(repo, rev)
+            return Reply(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
+        if kind == "tree":
+            return Reply(200, json.dumps([self._meta(n, d, tree=True) for n, d in sorted(files.items())]).encode(),
+                         {"Content-Type": "application/json"})
+        name = "/".join(parts[4:])
+        if name not in files:
+            return Reply(404, b'{"error": "Entry not found"}', {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": sha})
+        data = self.served.get(name, files[name])
+        headers = {"X-Repo-Commit": sha, "ETag": f'"{git_blob_id(data)}"'}
+        if self._lfs(name):
+            headers.update({"X-Linked-Etag": f'"{hashlib.sha256(data).hexdigest()}"', "X-Linked-Size": str(len(data))})
+        return Reply(200, data, headers)
+
+    def resolve_path(self, repo: str, sha: str, name: str) -> str:
+        return f"/{repo}/resolve/{sha}/{name}"

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from qconv.errors import QconvError
 from qconv.fsutil import sha256_bytes, sha256_file
-from qconv.hub import resolve_artifact
+from qconv.hub import cache, resolve_artifact
 from qconv.hub.index import Location, add_to_index_file, entry_for_artifact, load_index
 from qconv.hub.pull import pull
 from tests.conftest_hub import BIG, SMALL, FileServer, flip_byte, make_artifact
@@ -41,17 +42,35 @@ class Hub:
         fn(d["artifacts"][0])
         self.index_file.write_text(json.dumps(d))
 
-    def cached(self) -> Path:
-        return self.home / "artifacts" / NAME
+    @property
+    def loc(self) -> Location:
+        return Location("url", self.art_url)
+
+    def cached(self) -> Path | None:
+        """The current cached revision of the served artifact (QCONV_HOME is this hub's home)."""
+        return cache.current(self.loc)
+
+    def stray(self) -> list[str]:
+        """Anything under the cache besides the finished slot, its locks and the name records."""
+        root, slot, rev = self.home / "artifacts", cache.slot_key(self.loc), self.cached().name
+        allowed = {slot, f"{slot}/source.json", f"{slot}/current", f"{slot}/revs", f"{slot}/revs/{rev}",
+                   f"{slot}/revs/{rev}.lock", ".locks", f".locks/{slot}.lock", ".names", ".incoming"}
+        found = [p.relative_to(root).as_posix() for p in root.rglob("*")]
+        return [f for f in found if f not in allowed and not f.startswith((f"{slot}/revs/{rev}/", ".names/"))]
 
 
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
+def served_hub(tmp_path, monkeypatch):
+    """A Hub over tmp_path with QCONV_HOME pointed at its home (the `hub` fixture of the hub test modules)."""
     h = Hub(tmp_path)
     monkeypatch.setenv("QCONV_HOME", str(h.home))
     monkeypatch.delenv("QCONV_INDEX", raising=False)
     yield h
     h.server.close()
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    yield from served_hub(tmp_path, monkeypatch)
 
 
 def cli(*args: str):
@@ -75,86 +94,62 @@ def test_shipped_index_is_valid(monkeypatch):
 
 
 def test_pull_by_name_verifies_and_lists(hub, monkeypatch):
-    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    r = cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure")
     assert r.exit_code == 0, r.output
     out = Path(r.stdout.strip().splitlines()[-1])
     assert out == hub.cached() and out.is_dir()
     assert_same_tree(out, hub.art)
-    assert not (hub.home / "artifacts" / ".incoming" / NAME).exists()
+    assert not cache.incoming_dir(hub.loc).exists() and hub.stray() == []
     assert cli("verify", NAME).exit_code == 0
     assert resolve_artifact(NAME) == out
     lst = cli("list").stdout
     assert NAME in lst and "3090" in lst and str(out) in lst
     monkeypatch.setenv("QCONV_INDEX", hub.index_url)  # env var picks the index too
-    remote = cli("list", "--remote").stdout
+    remote = cli("list", "--remote", "--insecure").stdout
     assert NAME in remote and hub.art_url in remote and "yes" in remote
     n_before = len(hub.server.gets(BIG_PATH))
-    assert cli("pull", NAME, "-q").exit_code == 0  # up to date: only qconv.json is fetched again
+    assert cli("pull", NAME, "-q", "--insecure").exit_code == 0  # up to date: only qconv.json is fetched again
     assert len(hub.server.gets(BIG_PATH)) == n_before
 
 
 def test_pull_url_without_index(hub):
-    r = cli("pull", hub.art_url + "/", "-q")
+    r = cli("pull", hub.art_url + "/", "-q", "--insecure")
     assert r.exit_code == 0, r.output
     assert_same_tree(hub.cached(), hub.art)
 
 
 def test_cut_download_resumes_with_range(hub):
     hub.server.b.cut[BIG_PATH] = 1
-    out = pull(NAME, index=hub.index_url, progress=False)
+    out = pull(NAME, index=hub.index_url, progress=False, insecure=True)
     ranges = hub.server.gets(BIG_PATH)
     half = (hub.art / BIG).stat().st_size // 2
     assert ranges == [None, f"bytes={half}-"]
     assert (out / BIG).read_bytes() == (hub.art / BIG).read_bytes()
 
 
-def test_killed_pull_resumes_with_range(hub):
-    """A pull killed mid-file leaves its .part; the next pull asks only for the rest (Range) and ends identical."""
-    release = threading.Event()
-    hub.server.b.stall[BIG_PATH] = release
-    part = hub.home / "artifacts" / ".incoming" / NAME / f"{BIG}.part"
-    half = (hub.art / BIG).stat().st_size // 2
-    code = f"from qconv.hub.pull import pull; pull({hub.art_url!r}, progress=False, retries=0)"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "QCONV_HOME": str(hub.home)})
-    try:
-        deadline = time.monotonic() + 60
-        while not (part.exists() and part.stat().st_size >= half):
-            assert proc.poll() is None and time.monotonic() < deadline, "pull never reached the stall"
-            time.sleep(0.05)
-    finally:
-        proc.kill()
-        proc.wait()
-        release.set()
-    assert part.stat().st_size == half and not hub.cached().exists()
-    out = pull(hub.art_url, progress=False)
-    assert hub.server.gets(BIG_PATH) == [None, f"bytes={half}-"]
-    assert (out / BIG).read_bytes() == (hub.art / BIG).read_bytes()
-    assert_same_tree(out, hub.art)
-
-
 def test_tampered_file_is_refetched(hub):
     hub.server.b.tamper[BIG_PATH] = 1
-    out = pull(NAME, index=hub.index_url, progress=False)
+    out = pull(NAME, index=hub.index_url, progress=False, insecure=True)
     assert hub.server.gets(BIG_PATH) == [None, None]
     assert sha256_file(out / BIG) == sha256_file(hub.art / BIG)
 
 
 def test_permanently_tampered_file_fails_with_both_hashes(hub):
     hub.server.b.tamper[BIG_PATH] = -1
-    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    r = cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure")
     assert r.exit_code == 1
     good = sha256_file(hub.art / BIG)
     bad = sha256_bytes(flip_byte((hub.art / BIG).read_bytes()))
     assert BIG in r.stderr and good in r.stderr and bad in r.stderr
     assert len(hub.server.gets(BIG_PATH)) == 2  # detected, fetched once more, then refused
-    assert not hub.cached().exists()
+    assert hub.cached() is None
 
 
 @pytest.mark.parametrize("bad", ["../evil.safetensors", "/etc/evil.safetensors", "sub\\..\\..\\evil.safetensors",
                                  "a/../../evil.json"])
 def test_escaping_names_are_refused(hub, bad):
     hub.edit_index(lambda e: e["files"].update({bad: {"sha256": "0" * 64, "size": 1}}))
-    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    r = cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure")
     assert r.exit_code == 2 and "escapes the artifact folder" in r.stderr and repr(bad) in r.stderr
     assert hub.server.gets(BIG_PATH) == []  # refused before any download
     assert not (hub.home / "evil.safetensors").exists() and not (hub.home / "artifacts" / "evil.json").exists()
@@ -164,7 +159,7 @@ def test_escaping_name_in_manifest_is_refused(hub):
     m = json.loads((hub.art / "qconv.json").read_text())
     m["files"]["../../evil.json"] = {"sha256": "0" * 64, "size": 1}
     (hub.art / "qconv.json").write_text(json.dumps(m))
-    r = cli("pull", hub.art_url, "-q")  # no index: the manifest's own table is checked
+    r = cli("pull", hub.art_url, "-q", "--insecure")  # no index: the manifest's own table is checked
     assert r.exit_code == 2 and "'../../evil.json'" in r.stderr and "escapes" in r.stderr
     assert hub.server.gets(BIG_PATH) == []
 
@@ -172,7 +167,7 @@ def test_escaping_name_in_manifest_is_refused(hub):
 @pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.pt", "weights.pth", "x.pkl"])
 def test_pickle_weights_are_refused(hub, weights):
     hub.edit_index(lambda e: e["files"].update({weights: {"sha256": "0" * 64, "size": 1}}))
-    r = cli("pull", NAME, "--index", hub.index_url, "-q")
+    r = cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure")
     assert r.exit_code == 2 and "pickle" in r.stderr and weights in r.stderr
 
 
@@ -182,7 +177,7 @@ def test_concurrent_pulls_end_with_one_good_copy(hub):
 
     def run():
         start.wait()
-        results.append(pull(NAME, index=hub.index_url, progress=False))
+        results.append(pull(NAME, index=hub.index_url, progress=False, insecure=True))
 
     threads = [threading.Thread(target=run) for _ in range(2)]
     for t in threads:
@@ -192,8 +187,7 @@ def test_concurrent_pulls_end_with_one_good_copy(hub):
     assert results == [hub.cached(), hub.cached()]
     assert len(hub.server.gets(BIG_PATH)) == 1  # the second pull waited on the lock and found it done
     assert_same_tree(hub.cached(), hub.art)
-    leftovers = [p.name for p in (hub.home / "artifacts").iterdir() if p.name not in (NAME, ".locks", ".meta")]
-    assert leftovers == [] or leftovers == [".incoming"] and not any((hub.home / "artifacts" / ".incoming").iterdir())
+    assert hub.stray() == []
 
 
 def test_verify_flags_one_flipped_byte(hub, tmp_path):
@@ -219,7 +213,7 @@ def test_offline_pull_uses_cache_or_fails_clearly(hub):
     missing = cli("pull", "--offline", NAME)
     assert missing.exit_code == 2 and "not in the cache" in missing.stderr
     assert hub.server.log == []
-    pulled = pull(NAME, index=hub.index_url, progress=False)
+    pulled = pull(NAME, index=hub.index_url, progress=False, insecure=True)
     hub.server.close()  # no network from here on
     r = cli("pull", "--offline", NAME)
     assert r.exit_code == 0 and r.stdout.strip() == str(pulled)
@@ -230,7 +224,7 @@ def test_offline_pull_uses_cache_or_fails_clearly(hub):
 
 
 def test_unknown_name_and_bad_index(hub, tmp_path):
-    r = cli("pull", "nope", "--index", hub.index_url)
+    r = cli("pull", "nope", "--index", hub.index_url, "--insecure")
     assert r.exit_code == 2 and "unknown artifact 'nope'" in r.stderr
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"schema_version": 1, "artifacts": [{"name": "x", "recipe": "r"}]}))
@@ -240,8 +234,8 @@ def test_unknown_name_and_bad_index(hub, tmp_path):
 
 def test_stale_index_disagreeing_with_manifest_fails(hub):
     hub.edit_index(lambda e: e["files"][SMALL].update(size=e["files"][SMALL]["size"] + 1))
-    r = cli("pull", NAME, "--index", hub.index_url, "-q")
-    assert r.exit_code == 1 and "disagree" in r.stderr and not hub.cached().exists()
+    r = cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure")
+    assert r.exit_code == 1 and "disagree" in r.stderr and hub.cached() is None
 
 
 def test_index_add_cli(hub, tmp_path):
@@ -261,26 +255,6 @@ def test_pull_local_folder_location(hub, tmp_path):
     add_to_index_file(idx, entry_for_artifact(hub.art, Location("path", str(hub.art)), name="local-one"))
     out = pull("local-one", index=str(idx), progress=False)
     assert_same_tree(out, hub.art) and out.name == "local-one"
-
-
-def test_hf_location_goes_through_huggingface_hub(hub, monkeypatch):
-    calls = []
-
-    def fake_download(repo_id, filename, *, revision=None, local_dir=None, force_download=False):
-        calls.append((repo_id, filename, revision))
-        dest = Path(local_dir) / filename
-        shutil.copyfile(hub.art / filename, dest)
-        return str(dest)
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
-    r = cli("pull", "org/tiny-w4a16", "--revision", "v1", "-q")
-    assert r.exit_code == 0, r.output
-    assert_same_tree(Path(r.stdout.strip()), hub.art)
-    assert Path(r.stdout.strip()).name == "org--tiny-w4a16" and resolve_artifact("org/tiny-w4a16").is_dir()
-    assert {c[1] for c in calls} == {p.name for p in hub.art.iterdir()}
-    assert all(c[0] == "org/tiny-w4a16" and c[2] == "v1" for c in calls)
 
 
 def test_push_uploads_with_model_card(hub, monkeypatch):
@@ -321,3 +295,69 @@ def test_push_uploads_with_model_card(hub, monkeypatch):
     seen.clear()
     r = cli("push", str(hub.art), "--repo", "me/tiny-w4a16")
     assert r.exit_code == 1 and BIG in r.stderr and seen == {}  # never uploads a corrupt artifact
+
+
+def test_readme_publishing_example_runs_offline(tmp_path, monkeypatch):
+    """The README's shared-folder example, line by line, with /mnt/team under tmp and no network."""
+    import re
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## Pulling and publishing artifacts.*?```\n(.*?)```", text, re.S)[1]
+    team = tmp_path / "team"
+    (team / "models").mkdir(parents=True)
+    make_artifact(tmp_path / "work" / "my-27b-3090")
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("QCONV_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("QCONV_INDEX", raising=False)
+    outputs = []
+    for line in block.strip().splitlines():
+        argv = shlex.split(line.replace("/mnt/team", str(team)))
+        if argv[0] == "cp":
+            subprocess.run(argv, check=True)
+            continue
+        assert argv[0] == "qconv", line
+        r = cli(*argv[1:])
+        assert r.exit_code == 0, (line, r.output)
+        outputs.append(r.stdout)
+    assert "my-27b-3090" in outputs[1] and "27B for one 3090" not in outputs[1]  # list --remote shows the entry
+    pulled = Path(outputs[2].strip())
+    assert_same_tree(pulled, team / "models" / "my-27b-3090") and "verified" in outputs[3]
+    assert "no trusted hash" not in "".join(outputs)
+
+
+def test_cache_slots_are_keyed_by_source(hub, tmp_path, monkeypatch):
+    """A URL and a folder with the same last name get separate slots; a name resolves only to a copy pulled from
+    the location its index names."""
+    folder = shutil.copytree(hub.art, tmp_path / "elsewhere" / NAME)
+    from_url = pull(hub.art_url, progress=False, insecure=True)
+    from_folder = pull(str(folder), progress=False)
+    assert from_url.parent.parent != from_folder.parent.parent
+    assert resolve_artifact(hub.art_url) == from_url and cache.current(Location("path", str(folder))) == from_folder
+    idx = tmp_path / "idx.json"
+    add_to_index_file(idx, entry_for_artifact(folder, Location("path", str(folder)), name="team-tiny"))
+    assert pull("team-tiny", index=str(idx), progress=False) == from_folder  # same location, same slot
+    monkeypatch.setenv("QCONV_INDEX", str(idx))
+    assert resolve_artifact("team-tiny") == from_folder
+    moved = shutil.copytree(hub.art, tmp_path / "moved" / NAME)
+    idx.unlink()
+    add_to_index_file(idx, entry_for_artifact(moved, Location("path", str(moved)), name="team-tiny"))
+    with pytest.raises(QconvError, match="not in the cache"):  # the index now names a location never pulled
+        resolve_artifact("team-tiny")
+
+
+def test_untrusted_pull_says_so_once(hub, caplog):
+    def warned() -> int:
+        return sum("no trusted hash" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+
+    assert cli("pull", hub.art_url, "-q", "--insecure").exit_code == 0 and warned() == 1
+    caplog.clear()
+    assert cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure").exit_code == 0 and warned() == 0
+
+
+def test_plain_http_needs_insecure(hub):
+    for args in (["pull", hub.art_url], ["pull", NAME, "--index", hub.index_url], ["list", "--remote", "--index",
+                                                                                     hub.index_url]):
+        r = cli(*args)
+        assert r.exit_code == 2 and "http://" in r.stderr and "--insecure" in r.stderr, r.output
+    assert hub.server.log == []

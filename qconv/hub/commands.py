@@ -7,6 +7,8 @@ from dataclasses import asdict
 
 import click
 
+INSECURE_OPT = click.option("--insecure", is_flag=True,
+                            help="Allow plain http:// for URLs and the index (only on a network you trust).")
 INDEX_OPT = click.option("--index", "index", metavar="URL_OR_PATH", default=None,
                          help="Artifact index to use instead of the shipped one (env QCONV_INDEX).")
 
@@ -17,11 +19,16 @@ INDEX_OPT = click.option("--index", "index", metavar="URL_OR_PATH", default=None
 @click.option("--offline", is_flag=True, help="Use the cache only; fail if the artifact is not there.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @INDEX_OPT
-def pull(target: str, revision: str | None, offline: bool, quiet: bool, index: str | None) -> None:
-    """Download a prebuilt artifact (NAME | ORG/NAME | URL | FOLDER) into the cache, verified; prints its path."""
+@INSECURE_OPT
+def pull(target: str, revision: str | None, offline: bool, quiet: bool, index: str | None, insecure: bool) -> None:
+    """Download a prebuilt artifact (NAME | ORG/NAME | URL | FOLDER) into the cache, verified; prints its path.
+
+    Hub repos go through huggingface_hub (HF_TOKEN, HF_ENDPOINT for a mirror), pinned to the commit the revision
+    resolves to."""
     from qconv.hub.pull import pull as do_pull
 
-    click.echo(str(do_pull(target, revision=revision, offline=offline, index=index, progress=not quiet)))
+    click.echo(str(do_pull(target, revision=revision, offline=offline, index=index, progress=not quiet,
+                           insecure=insecure)))
 
 
 def _table(rows: list[list[str]]) -> None:
@@ -33,7 +40,8 @@ def _table(rows: list[list[str]]) -> None:
 @click.command("list")
 @click.option("--remote", is_flag=True, help="List the artifacts in the index instead of the local cache.")
 @INDEX_OPT
-def list_cmd(remote: bool, index: str | None) -> None:
+@INSECURE_OPT
+def list_cmd(remote: bool, index: str | None, insecure: bool) -> None:
     """List pulled artifacts (or, with --remote, those the index offers)."""
     from qconv.hub import cache
 
@@ -41,9 +49,9 @@ def list_cmd(remote: bool, index: str | None) -> None:
     if remote:
         from qconv.hub.index import load_index
 
-        for e in load_index(index).artifacts:
+        for e in load_index(index, insecure=insecure).artifacts:
             rows.append([e.name, e.recipe, f"{e.total_size() / 1e9:.2f} GB", e.location.describe(),
-                         "yes" if cache.cached(e.name) else "no"])
+                         "yes" if cache.current(e.location) else "no"])
     else:
         for a in cache.list_cached():
             rows.append([a.name, a.meta.get("recipe", "?"), f"{a.size / 1e9:.2f} GB", a.meta.get("location", "?"),

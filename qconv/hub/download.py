@@ -6,9 +6,11 @@ names is always trustworthy and a killed download resumes from its `.part` with 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import os
+import re
 import shutil
 import time
 import urllib.error
@@ -19,7 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from qconv.errors import QconvError
-from qconv.fsutil import CHUNK, sha256_file
+from qconv.fsutil import CHUNK, os_error, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +55,43 @@ def check_file_name(name: str, where: str) -> str:
     return name
 
 
-def http_fetch(url: str, part: Path, size: int | None, *, retries: int = 3, backoff: float = 0.2,
-               progress: bool = True) -> None:
-    """Download `url` into `part`, resuming from its current length with a Range request; retry cut connections."""
+MANIFEST_CAP = 8 << 20  # an unhashed qconv.json larger than this is refused, not read whole
+
+
+def check_scheme(url: str, insecure: bool) -> str:
+    """Plain http:// lets anyone on the path swap bytes and the hashes that vouch for them: opt in explicitly."""
+    if url.startswith("http://") and not insecure:
+        raise QconvError(f"refusing plain http:// URL {url}", where=url,
+                         fix="use https://, or pass --insecure if this network is trusted (e.g. a local mirror)")
+    return url
+
+
+def _content_range(r) -> tuple[int, int | None]:
+    """(first byte of the body, total size or None) of a response: 0 for a 200, Content-Range's start for a 206."""
+    if r.status != 206:
+        return 0, None
+    m = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", (r.headers.get("Content-Range") or "").strip())
+    if not m:
+        raise http.client.HTTPException(f"206 without a usable Content-Range: {r.headers.get('Content-Range')!r}")
+    return int(m[1]), None if m[3] == "*" else int(m[3])
+
+
+def _end(size: int | None, start: int, content_length: int) -> int | None:
+    """Where the body must end: the declared size, and never past what the response says it carries."""
+    ends = [x for x in (size, start + content_length if content_length >= 0 else None) if x is not None]
+    return min(ends) if ends else None
+
+
+def http_fetch(url: str, part: Path, size: int | None, *, cap: int | None = None, insecure: bool = False,
+               retries: int = 3, backoff: float = 0.2, progress: bool = True) -> None:
+    """Download `url` into `part`, resuming from its current length with a Range request; retry cut connections.
+
+    Writes never pass the declared `size` (or `cap` when the size is unknown) nor the response's Content-Length; a
+    206 is placed where its Content-Range says. Local write failures (disk full, permission) are not retried.
+    """
     from tqdm.auto import tqdm
 
+    check_scheme(url, insecure)
     attempt = 0
     while True:
         have = part.stat().st_size if part.exists() else 0
@@ -69,20 +103,23 @@ def http_fetch(url: str, part: Path, size: int | None, *, retries: int = 3, back
         req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
-                if have and r.status != 206:  # server ignored the Range: start over
-                    have = 0
-                expect = int(r.headers.get("Content-Length", -1))
-                got = 0
-                with open(part, "ab" if have else "wb") as f, tqdm(
-                        total=size, initial=have, unit="B", unit_scale=True, desc=part.name[:-5],
-                        disable=None if progress else True, leave=False) as bar:
-                    while chunk := r.read1(READ_CHUNK):  # whatever has arrived, so a kill loses little
-                        f.write(chunk)
-                        f.flush()
-                        got += len(chunk)
-                        bar.update(len(chunk))
-                if 0 <= expect != got:
-                    raise http.client.IncompleteRead(b"", expect - got)
+                check_scheme(r.geturl(), insecure)  # a redirect must not downgrade to http
+                start, total = _content_range(r)
+                if start > have or (total is not None and size is not None and total != size):
+                    part.unlink(missing_ok=True)  # a gap, or another file than the one declared: start over
+                    raise http.client.HTTPException(f"unusable range answer (start {start}, total {total})")
+                end = _end(size, start, int(r.headers.get("Content-Length", -1)))
+                unhashed_cap = cap if size is None else None
+                if unhashed_cap is not None and end is not None and end > unhashed_cap:
+                    _too_big(part, url, unhashed_cap)
+                stop = end if unhashed_cap is None else min(end or unhashed_cap, unhashed_cap)
+                pos = _write_body(r, part, start, stop, tqdm(total=size, initial=start, unit="B", unit_scale=True,
+                                                             desc=part.name[:-5], leave=False,
+                                                             disable=None if progress else True))
+                if unhashed_cap is not None and pos >= unhashed_cap and r.read1(1):
+                    _too_big(part, url, unhashed_cap)
+                if end is not None and pos < end:
+                    raise http.client.IncompleteRead(b"", end - pos)
                 return
         except urllib.error.HTTPError as e:
             if e.code == 416 and have:  # our .part is stale (longer than the file): start over
@@ -90,7 +127,7 @@ def http_fetch(url: str, part: Path, size: int | None, *, retries: int = 3, back
                 continue
             raise QconvError(f"download failed: HTTP {e.code} {e.reason}", where=url,
                              fix="check the index location or URL") from e
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, http.client.HTTPException) as e:  # network only: local write errors raised QconvError
             attempt += 1
             if attempt > retries:
                 raise QconvError(f"download interrupted: {e!r}", where=url,
@@ -99,25 +136,54 @@ def http_fetch(url: str, part: Path, size: int | None, *, retries: int = 3, back
             time.sleep(backoff * attempt)
 
 
+def _too_big(part: Path, url: str, cap: int):
+    part.unlink(missing_ok=True)
+    raise QconvError(f"refusing a {part.name.removesuffix('.part')} larger than {cap / 1e6:.0f} MB that no trusted "
+                     "hash vouches for", where=url, fix="this location does not serve a qconv artifact")
+
+
+def _write_body(r, part: Path, start: int, stop: int | None, bar) -> int:
+    """Copy the response body into `part` from offset `start` up to `stop`; returns the end offset.
+
+    Socket errors propagate as they are (the caller retries them); file errors become one QconvError.
+    """
+    pos = start
+    with _local(part, stop and stop - start):
+        f = open(part, "r+b" if part.exists() else "wb")
+        f.seek(start)
+        f.truncate()
+    with f, bar:
+        while stop is None or pos < stop:
+            chunk = r.read1(READ_CHUNK if stop is None else min(READ_CHUNK, stop - pos))  # a kill loses little
+            if not chunk:
+                break
+            with _local(part, stop and stop - pos):
+                f.write(chunk)
+                f.flush()
+            pos += len(chunk)
+            bar.update(len(chunk))
+        with _local(part, None):
+            os.fsync(f.fileno())
+    return pos
+
+
+@contextlib.contextmanager
+def _local(part: Path, needed: int | None):
+    """File operations on `part`: an OSError here is the disk's, not the network's."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            raise
+        raise os_error(e, f"writing {part.name.removesuffix('.part')}", part.parent, needed=needed or None,
+                       retry_hint="run `qconv pull` again: the finished part of the file is kept") from e
+
+
 def local_fetch(src: Path, part: Path) -> None:
     if not src.is_file():
         raise QconvError(f"missing file {src.name}", where=str(src), fix="the source folder is incomplete")
     with open(src, "rb") as fi, open(part, "wb") as fo:
         shutil.copyfileobj(fi, fo, CHUNK)
-
-
-def hf_fetch(repo_id: str, revision: str | None, name: str, staging: Path, part: Path, *, force: bool) -> None:
-    """One file of a Hugging Face repo via huggingface_hub (it resumes and caches itself), placed at `part`."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
-
-    try:
-        got = hf_hub_download(repo_id, name, revision=revision, local_dir=staging, force_download=force)
-    except (OSError, EntryNotFoundError, HFValidationError) as e:  # HTTP and offline errors are OSErrors
-        raise QconvError(f"cannot download {name} from Hugging Face repo {repo_id}: {e}",
-                         where=f"{repo_id}@{revision or 'main'}",
-                         fix="check the repo id, --revision, your network and HF token") from e
-    os.replace(got, part)
 
 
 def fetch_verified(fetch: Callable[[Path, bool], None], dest: Path, want: Want) -> None:

@@ -19,8 +19,10 @@ from typing import Any
 
 from qconv.errors import QconvError
 from qconv.fsutil import file_table, write_json_atomic
+from qconv.hub.download import check_scheme
 
 INDEX_SCHEMA_VERSION = 1
+INDEX_CAP = 32 << 20
 LOCATION_KINDS = ("hf", "url", "path")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 HF_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -151,16 +153,25 @@ def default_index_spec() -> str:
     return os.environ.get("QCONV_INDEX") or str(resources.files("qconv.hub") / "index.json")
 
 
-def load_index(spec: str | None = None) -> Index:
-    """Read the index from a path, file:// or http(s) URL; None means QCONV_INDEX, else the shipped default."""
+def load_index(spec: str | None = None, *, offline: bool = False, insecure: bool = False) -> Index:
+    """Read the index from a path, file:// or https URL; None means QCONV_INDEX, else the shipped default.
+
+    `offline` refuses a remote index instead of fetching it; plain http:// needs `insecure` (the index is the trust
+    root: whoever can rewrite it in transit chooses the hashes)."""
     spec = spec or default_index_spec()
+    remote = spec.startswith(("http://", "https://"))
+    if remote and offline:
+        raise QconvError("the artifact index is remote and the network is not to be used", where=spec)
+    check_scheme(spec, insecure)
     try:
-        if spec.startswith(("http://", "https://")):
+        if remote:
             with urllib.request.urlopen(spec, timeout=30) as r:
-                text = r.read().decode()
+                text = r.read(INDEX_CAP + 1).decode()
+            if len(text) > INDEX_CAP:
+                raise QconvError(f"artifact index larger than {INDEX_CAP >> 20} MB", where=spec)
         else:
             text = Path(spec[len("file://"):] if spec.startswith("file://") else spec).expanduser().read_text()
-    except (OSError, urllib.error.URLError) as e:
+    except (OSError, urllib.error.URLError, UnicodeDecodeError) as e:
         raise QconvError(f"cannot read the artifact index: {e}", where=spec,
                          fix="check --index / QCONV_INDEX, or use `qconv pull --offline NAME` for cached artifacts") from e
     try:

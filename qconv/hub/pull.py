@@ -1,8 +1,9 @@
 """`qconv pull`: fetch a prebuilt artifact into the cache; it becomes visible only once every file verifies.
 
-Targets: an index name, a Hugging Face id (`org/name`), an http(s) URL of an artifact folder, or a local folder /
-file:// URL. Trust flows from the index (it lists the sha256 of qconv.json and of every file); without an index
-entry, qconv.json is taken from the location and its file table binds every other file.
+Targets: an index name, a Hugging Face id (`org/name`), an https URL of an artifact folder, or a local folder /
+file:// URL. Trust flows from the index (it lists the sha256 of qconv.json and of every file) and, for the Hub, from
+the Hub's own file metadata (LFS sha256, git blob ids) at the commit the revision resolved to. A URL or folder with
+no index entry has only its own qconv.json to go by: the pull says so, once, loudly.
 """
 
 from __future__ import annotations
@@ -10,17 +11,32 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from qconv.errors import QconvError
-from qconv.fsutil import atomic_dir, sha256_file
-from qconv.hub import cache
-from qconv.hub.download import IntegrityError, Want, check_file_name, fetch_verified, hf_fetch, http_fetch, \
-    join_url, local_fetch
-from qconv.hub.index import HF_ID_RE, NAME_RE, IndexEntry, Location, load_index
+from qconv.fsutil import check_free_space, is_disk_error, os_error, sha256_file
+from qconv.hub import cache, hf
+from qconv.hub.download import (
+    MANIFEST_CAP,
+    IntegrityError,
+    Want,
+    check_file_name,
+    check_scheme,
+    fetch_verified,
+    http_fetch,
+    join_url,
+    local_fetch,
+)
+from qconv.hub.index import (
+    HF_ID_RE,
+    NAME_RE,
+    IndexEntry,
+    Location,
+    load_index,
+    parse_location,
+)
 from qconv.manifest import MANIFEST, Manifest, read_manifest
 
 log = logging.getLogger(__name__)
@@ -30,7 +46,7 @@ Fetch = Callable[[Path, bool], None]
 
 @dataclass
 class PullSource:
-    name: str  # the cache name `qconv serve NAME` will use
+    name: str  # what `qconv list` shows
     location: Location
     entry: IndexEntry | None = None
 
@@ -39,55 +55,45 @@ def _is_url(s: str) -> bool:
     return s.startswith(("http://", "https://"))
 
 
-def target_name(target: str) -> str:
-    """The cache name a target is stored under; needs no network (so `--offline` can use it)."""
-    if _is_url(target):
-        seg = urllib.parse.unquote(urllib.parse.urlparse(target).path.rstrip("/").rsplit("/", 1)[-1])
-        if not NAME_RE.match(seg):
-            raise QconvError(f"cannot name the artifact at {target}", where=target,
-                             fix="the URL must end in the artifact folder's name, e.g. https://host/models/NAME/")
-        return seg
-    if target.startswith("file://") or Path(target).expanduser().is_dir():
-        return Path(target.removeprefix("file://")).expanduser().resolve().name
-    if NAME_RE.match(target) or HF_ID_RE.match(target):
-        return target
-    raise QconvError(f"{target!r} is not an artifact name, Hugging Face id (org/name), URL or folder",
-                     fix="see `qconv list --remote` for available names")
+def _is_folder(s: str) -> bool:
+    return s.startswith("file://") or Path(s).expanduser().is_dir()
 
 
-def resolve_target(target: str, revision: str | None = None, index: str | None = None) -> PullSource:
-    name = target_name(target)
-    if _is_url(target) or target.startswith("file://") or Path(target).expanduser().is_dir():
+def resolve_target(target: str, revision: str | None = None, index: str | None = None,
+                   insecure: bool = False) -> PullSource:
+    if _is_url(target) or _is_folder(target):
         if revision:
             raise QconvError("--revision applies to Hugging Face repos only", where=target)
-        loc = Location("url", target.rstrip("/")) if _is_url(target) else \
-            Location("path", str(Path(target.removeprefix("file://")).expanduser().resolve()))
-        return PullSource(name, loc)
-    entry = load_index(index).get(target)
+        loc = parse_location(target)
+        if loc.kind == "url":
+            check_scheme(loc.uri, insecure)
+        return PullSource(loc.uri.rsplit("/", 1)[-1], loc)
+    entry = load_index(index, insecure=insecure).get(target) if NAME_RE.match(target) else None
     if entry:
         loc = entry.location
         if revision:
             if loc.kind != "hf":
                 raise QconvError("--revision applies to Hugging Face repos only", where=f"{target}: {loc.describe()}")
             loc = Location("hf", loc.uri, revision)
-        return PullSource(name, loc, entry)
+        if loc.kind == "url":
+            check_scheme(loc.uri, insecure)
+        return PullSource(target, loc, entry)
     if HF_ID_RE.match(target):
-        return PullSource(name, Location("hf", target, revision))
-    raise QconvError(f"unknown artifact {target!r}: not in the index and not a Hugging Face id",
+        return PullSource(target, Location("hf", target, revision))
+    raise QconvError(f"unknown artifact {target!r}: not in the index and not a Hugging Face id (org/name)",
                      fix="see `qconv list --remote`, pass --index URL_OR_PATH, or pull ORG/NAME, a URL or a folder")
 
 
-def fetcher(loc: Location, staging: Path, *, progress: bool, retries: int) -> Callable[[Want], Fetch]:
-    """For each wanted file, a function that fills a `.part` path from the location."""
+def fetcher(loc: Location, *, progress: bool, retries: int, insecure: bool) -> Callable[[Want], Fetch]:
+    """For each wanted file of a url/path location, a function that fills a `.part` path."""
     if loc.kind == "url":
-        return lambda w: lambda part, _refetch: http_fetch(join_url(loc.uri, w.name), part, w.size or None,
-                                                           retries=retries, progress=progress)
-    if loc.kind == "path":
-        return lambda w: lambda part, _refetch: local_fetch(Path(loc.uri) / w.name, part)
-    return lambda w: lambda part, refetch: hf_fetch(loc.uri, loc.revision, w.name, staging, part, force=refetch)
+        return lambda w: lambda part, _refetch: http_fetch(
+            join_url(loc.uri, w.name), part, w.size if w.sha256 else None, cap=None if w.sha256 else MANIFEST_CAP,
+            insecure=insecure, retries=retries, progress=progress)
+    return lambda w: lambda part, _refetch: local_fetch(Path(loc.uri) / w.name, part)
 
 
-def _expected_files(src: PullSource, manifest: Manifest) -> dict[str, Want]:
+def expected_files(src: PullSource, manifest: Manifest) -> dict[str, Want]:
     want = {n: Want(n, f["sha256"], f["size"]) for n, f in manifest.files.items()}
     for n in want:
         check_file_name(n, f"{src.name}: {MANIFEST}")
@@ -100,13 +106,16 @@ def _expected_files(src: PullSource, manifest: Manifest) -> dict[str, Want]:
     return want
 
 
+def _listed_manifest(src: PullSource) -> Want | None:
+    listed = src.entry.files.get(MANIFEST) if src.entry else None
+    return Want(MANIFEST, listed.sha256, listed.size) if listed else None
+
+
 def _fetch_manifest(src: PullSource, staging: Path, fetch_for: Callable[[Want], Fetch]) -> Manifest:
     dest = staging / MANIFEST
-    listed = src.entry.files.get(MANIFEST) if src.entry else None
-    if listed:
-        fetch_verified(fetch_for(Want(MANIFEST, listed.sha256, listed.size)), dest, Want(MANIFEST, listed.sha256,
-                                                                                         listed.size))
-    else:  # no trusted hash: always take the current one
+    if listed := _listed_manifest(src):
+        fetch_verified(fetch_for(listed), dest, listed)
+    else:  # no trusted hash: always take the current one, capped in size
         part = dest.with_name(MANIFEST + ".part")
         part.unlink(missing_ok=True)
         fetch_for(Want(MANIFEST, "", 0))(part, False)
@@ -114,40 +123,115 @@ def _fetch_manifest(src: PullSource, staging: Path, fetch_for: Callable[[Want], 
     return read_manifest(staging)
 
 
+def _warn_untrusted(src: PullSource) -> None:
+    log.warning("WARNING: %s has no trusted hash: no index entry and no Hub metadata vouch for %s. Its files match "
+                "its own %s, which whoever serves it could have written. Pull it through an index (`qconv index "
+                "add` writes one) or from the Hub to have it checked.", src.name, src.location.describe(), MANIFEST)
+
+
+def _space_needed(want: dict[str, Want], have: Callable[[str], int]) -> int:
+    return sum(max(w.size - have(w.name), 0) for w in want.values())
+
+
+def _partial_size(staging: Path) -> Callable[[str], int]:
+    def have(name: str) -> int:
+        for p in (staging / name, staging / f"{name}.part"):
+            if p.is_file():
+                return p.stat().st_size
+        return 0
+    return have
+
+
+def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool) -> Path:
+    loc = src.location
+    staging = cache.incoming_dir(loc)
+    staging.mkdir(parents=True, exist_ok=True)
+    fetch_for = fetcher(loc, progress=progress, retries=retries, insecure=insecure)
+    manifest = _fetch_manifest(src, staging, fetch_for)
+    want = expected_files(src, manifest)
+    manifest_sha = sha256_file(staging / MANIFEST)
+    rev = f"m-{manifest_sha[:16]}"
+    if not src.entry:
+        _warn_untrusted(src)
+    info = {"name": src.name, "manifest_sha256": manifest_sha, "recipe": manifest.recipe.name}
+    if (cache.revision_dir(loc, rev) / MANIFEST).is_file():
+        log.info("%s is already in the cache and up to date", src.name)
+        shutil.rmtree(staging, ignore_errors=True)
+        return cache.install(loc, rev, lambda tmp: None, info)
+    check_free_space(staging, _space_needed(want, _partial_size(staging)), f"pulling {src.name}")
+    log.info("pulling %s from %s (%d files, %.1f MB)", src.name, loc.describe(), len(want),
+             manifest.total_size() / 1e6)
+    for w in want.values():
+        fetch_verified(fetch_for(w), staging / w.name, w)
+
+    def fill(tmp: Path) -> None:
+        for n in [*want, MANIFEST]:
+            (tmp / n).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / n, tmp / n)
+
+    final = cache.install(loc, rev, fill, info)
+    shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _pull_hub(src: PullSource, *, progress: bool) -> Path:
+    loc = src.location
+    where = f"{loc.uri}@{loc.revision or 'main'}"
+    commit, hub = hf.resolve(loc.uri, loc.revision)
+    where = f"{where} (commit {commit})"
+    if (cache.revision_dir(loc, commit) / MANIFEST).is_file():
+        log.info("%s is already in the cache at commit %s", src.name, commit)
+        return cache.install(loc, commit, lambda tmp: None, {"name": src.name, "requested": loc.revision})
+    if MANIFEST not in hub:
+        raise QconvError(f"Hugging Face repo {loc.uri} has no {MANIFEST} at commit {commit}", where=where,
+                         fix="it is not a qconv artifact; build one from it with `qconv build --model ORG/NAME`")
+    h = hub[MANIFEST]
+    listed = _listed_manifest(src)
+    mwant = Want(MANIFEST, listed.sha256 if listed else (h.lfs_sha256 or ""), h.size or 0)
+    snap = hf.fetch_checked(loc.uri, commit, {MANIFEST: mwant}, hub, where, progress=progress)
+    manifest = read_manifest(snap)
+    want = expected_files(src, manifest)
+    hf.check_metadata(want, hub, where)
+    check_free_space(cache.hf_cache_dir(), _space_needed(want, lambda n: 0), f"pulling {src.name}")
+    log.info("pulling %s from %s (%d files, %.1f MB)", src.name, where, len(want), manifest.total_size() / 1e6)
+    snap = hf.fetch_checked(loc.uri, commit, want, hub, where, progress=progress)
+    final = cache.install(loc, commit, lambda tmp: hf.link_into(snap, [*want, MANIFEST], tmp),
+                          {"name": src.name, "requested": loc.revision, "manifest_sha256": sha256_file(snap / MANIFEST),
+                           "recipe": manifest.recipe.name})
+    hf.drop_download_cache(loc.uri)
+    return final
+
+
+def _offline(target: str) -> Path:
+    try:
+        return cache.resolve_artifact(target)
+    except QconvError as e:
+        raise QconvError(f"{target!r} is not in the cache and --offline forbids downloading",
+                         where=str(cache.artifacts_root()), fix=f"run `qconv pull {target}` with network access first"
+                         ) from e
+
+
 def pull(target: str, *, revision: str | None = None, offline: bool = False, index: str | None = None,
-         progress: bool = True, retries: int = 3) -> Path:
-    """Pull `target` into the cache and return the local artifact folder."""
+         progress: bool = True, retries: int = 3, insecure: bool = False) -> Path:
+    """Pull `target` into the cache and return its verified revision folder."""
     if offline:
-        name = target_name(target)
-        if hit := cache.cached(name):
-            return hit
-        raise QconvError(f"{name!r} is not in the cache and --offline forbids downloading",
-                         where=str(cache.artifacts_root()), fix=f"run `qconv pull {target}` with network access first")
-    src = resolve_target(target, revision, index)
+        return _offline(target)
+    src = resolve_target(target, revision, index, insecure)
     if src.entry:
         for n in src.entry.files:
             check_file_name(n, f"index entry {src.name}")
-    with cache.artifact_lock(src.name):
-        staging = cache.incoming_dir(src.name)
-        staging.mkdir(parents=True, exist_ok=True)
-        fetch_for = fetcher(src.location, staging, progress=progress, retries=retries)
-        manifest = _fetch_manifest(src, staging, fetch_for)
-        want = _expected_files(src, manifest)
-        final = cache.artifact_dir(src.name)
-        manifest_sha = sha256_file(staging / MANIFEST)
-        if cache.cached(src.name) and sha256_file(final / MANIFEST) == manifest_sha:
-            log.info("%s is already in the cache and up to date", src.name)
-            shutil.rmtree(staging, ignore_errors=True)
-            return final
-        log.info("pulling %s from %s (%d files, %.1f MB)", src.name, src.location.describe(), len(want),
-                 manifest.total_size() / 1e6)
-        for w in want.values():
-            fetch_verified(fetch_for(w), staging / w.name, w)
-        with atomic_dir(final, force=True) as tmp:  # all-or-nothing: the folder appears complete and verified
-            for n in [*want, MANIFEST]:
-                (tmp / n).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staging / n, tmp / n)
-        shutil.rmtree(staging, ignore_errors=True)
-        cache.write_meta(src.name, {"location": src.location.describe(), "revision": src.location.revision,
-                                    "manifest_sha256": manifest_sha, "recipe": manifest.recipe.name})
+    try:
+        with cache.artifact_lock(src.location):
+            cache.sweep(src.location, src.name)
+            if src.location.kind == "hf":
+                final = _pull_hub(src, progress=progress)
+            else:
+                final = _pull_files(src, progress=progress, retries=retries, insecure=insecure)
+            if src.entry:
+                cache.record_name(src.name, src.location)
+    except OSError as e:
+        if not is_disk_error(e):
+            raise
+        raise os_error(e, f"pulling {src.name}", cache.artifacts_root(),
+                       retry_hint="run `qconv pull` again: finished files are kept") from e
     return final

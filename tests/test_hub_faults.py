@@ -1,0 +1,201 @@
+"""Fault injection for `qconv pull` (issue 18, Pull): one test per finding, each failing on the code before the fix.
+
+Disk faults are real: a tmpfs the test mounts (root), full or read-only. The server is tests.conftest_hub's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qconv.hub import cache
+from qconv.hub.download import MANIFEST_CAP, http_fetch
+from qconv.hub.pull import pull
+from tests.conftest_hub import BIG, SMALL
+from tests.test_hub import BIG_PATH, NAME, REPO, Hub, assert_same_tree, cli, served_hub
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    yield from served_hub(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(kib, *extra_opts) -> a fresh tmpfs folder of that size; unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounts: list[Path] = []
+
+    def mount(kib: int, *opts: str) -> Path:
+        d = tmp_path / f"disk{len(mounts)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={kib}k", *opts]), "tmpfs", str(d)],
+                           capture_output=True, text=True, check=False)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounts.append(d)
+        return d
+
+    yield mount
+    for d in reversed(mounts):
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def test_fetch_stops_at_the_declared_size(hub, tmp_path):
+    """Reproduced: 5,000 bytes written for a file declared as 1,000."""
+    (hub.root / "five-k.bin").write_bytes(b"x" * 5000)
+    part = tmp_path / "f.part"
+    http_fetch(f"{hub.server.url}/five-k.bin", part, 1000, insecure=True, progress=False)
+    assert part.stat().st_size == 1000
+
+
+def test_unhashed_manifest_is_capped(hub):
+    """A qconv.json no index vouches for, served without Content-Length and padded past the cap, is refused."""
+    m = (hub.art / "qconv.json").read_text()
+    (hub.art / "qconv.json").write_text(m[:-2] + " " * (MANIFEST_CAP + 10) + m[-2:])  # still valid JSON
+    hub.server.b.no_length.add(f"/artifacts/{NAME}/qconv.json")
+    r = cli("pull", hub.art_url, "-q", "--insecure")
+    assert r.exit_code == 2 and "larger than" in r.stderr and "qconv.json" in r.stderr, r.output
+    assert hub.cached() is None and hub.server.gets(BIG_PATH) == []
+    assert not list((hub.home / "artifacts").rglob("qconv.json*"))
+
+
+def test_free_space_is_checked_before_downloading(hub, tmpfs, monkeypatch):
+    home = tmpfs(160)  # the artifact is ~310 KB
+    monkeypatch.setenv("QCONV_HOME", str(home))
+    r = cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure")
+    assert r.exit_code == 2 and "needs" in r.stderr and "MB are free" in r.stderr, r.output
+    assert hub.server.gets(BIG_PATH) == []  # refused before any weight was requested
+
+
+def test_206_with_the_whole_file_is_placed_at_its_content_range(hub):
+    """A server that answers the resume's Range with 206 and the whole file (Content-Range: bytes 0-...) used to
+    be appended to the partial file, fail the hash and restart from zero."""
+    hub.server.b.cut[BIG_PATH] = 1
+    hub.server.b.whole206.add(BIG_PATH)
+    out = pull(NAME, index=hub.index_url, progress=False, insecure=True)
+    half = (hub.art / BIG).stat().st_size // 2
+    assert hub.server.gets(BIG_PATH) == [None, f"bytes={half}-"]  # no third, from-zero fetch
+    assert (out / BIG).read_bytes() == (hub.art / BIG).read_bytes()
+
+
+def _publish_v2(hub: Hub) -> None:
+    """Replace the served artifact by a new build (one shard changed); the index is not used here."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"lm_head.weight": np.ones((64, 256), np.float16)}, str(hub.art / SMALL))
+    from qconv.manifest import hash_artifact_files
+
+    m = json.loads((hub.art / "qconv.json").read_text())
+    m["files"] = hash_artifact_files(hub.art)
+    (hub.art / "qconv.json").write_text(json.dumps(m))
+
+
+def test_repull_keeps_a_held_revision_and_switches_the_pointer(hub):
+    """A re-pull used to swap the folder a server was reading; now each revision has its own folder, `current`
+    switches atomically, and the old folder goes only once nobody holds it."""
+    v1 = pull(hub.art_url, progress=False, insecure=True)
+    v1_small = (v1 / SMALL).read_bytes()
+    _publish_v2(hub)
+    with cache.hold_artifact(hub.art_url) as held:  # what `qconv serve` does for the time it serves
+        assert held == v1
+        v2 = pull(hub.art_url, progress=False, insecure=True)
+        assert v2 != v1 and (v2 / SMALL).read_bytes() == (hub.art / SMALL).read_bytes()
+        assert (v1 / SMALL).read_bytes() == v1_small  # the reader's files are untouched
+        assert (cache.slot_dir(hub.loc) / "current").is_symlink() and cache.resolve_artifact(hub.art_url) == v2
+    pull(hub.art_url, progress=False, insecure=True)  # up to date; sweeps the released revision
+    assert not v1.exists() and v2.is_dir() and hub.stray() == []
+
+
+def test_stale_leftovers_are_swept_at_the_start_of_a_pull(hub):
+    root = hub.home / "artifacts"
+    old_layout = [root / f".{NAME}.k3j2.partial", root / f".{NAME}.old-4242"]  # a killed build-style atomic swap
+    revs = cache.slot_dir(hub.loc) / "revs"
+    new_layout = [revs / ".m-0123456789abcdef.x1y2.partial", revs / ".m-0123456789abcdef.old-4242"]
+    for d in old_layout + new_layout:
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "model.safetensors").write_bytes(b"\0" * 4096)
+    keep = root / ".other-artifact.k3j2.partial"  # another name's leftover is not ours to judge
+    keep.mkdir()
+    pull(hub.art_url, progress=False, insecure=True)
+    assert [d for d in old_layout + new_layout if d.exists()] == [] and keep.is_dir()
+
+
+def test_disk_full_mid_pull_is_one_clear_error(hub, tmpfs, monkeypatch):
+    home = tmpfs(1024)
+    monkeypatch.setenv("QCONV_HOME", str(home))
+    release = threading.Event()
+    hub.server.b.pause[BIG_PATH] = release
+    part = cache.incoming_dir(hub.loc) / f"{BIG}.part"
+    filler = home / "filler"
+    half = (hub.art / BIG).stat().st_size // 2
+
+    def fill_disk_then_release():
+        deadline = time.monotonic() + 30
+        while not (part.exists() and part.stat().st_size >= half) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:  # ENOSPC: the disk is full now
+            pass
+        finally:
+            os.close(fd)
+            release.set()
+
+    t = threading.Thread(target=fill_disk_then_release)
+    t.start()
+    r = cli("pull", hub.art_url, "-q", "--insecure")
+    t.join()
+    assert r.exit_code == 2, r.output
+    err = r.stderr
+    assert "no space left" in err and "MB free" in err and err.count("error:") == 1 and "Traceback" not in err
+    assert "download interrupted" not in err and "it resumes" not in err
+    assert hub.cached() is None
+    filler.unlink()  # space freed: the rerun finishes from the partial file
+    hub.server.log.clear()
+    out = pull(hub.art_url, progress=False, insecure=True)
+    assert hub.server.gets(BIG_PATH)[-1] is not None  # resumed with a Range
+    assert_same_tree(out, hub.art)
+
+
+def test_read_only_cache_is_one_clear_error(hub, tmpfs, monkeypatch):
+    home = tmpfs(1024)
+    subprocess.run(["mount", "-o", "remount,ro", str(home)], check=True)
+    monkeypatch.setenv("QCONV_HOME", str(home))
+    r = cli("pull", hub.art_url, "-q", "--insecure")
+    assert r.exit_code == 2 and "Read-only file system" in r.stderr and "QCONV_HOME" in r.stderr, r.output
+    assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr and "resumes" not in r.stderr
+
+
+def test_killed_pull_resumes_to_the_same_bytes_with_no_stray_folders(hub):
+    """kill -9 mid-file leaves its .part; the rerun asks only for the rest (Range), ends identical, leaves nothing."""
+    release = threading.Event()
+    hub.server.b.stall[BIG_PATH] = release
+    part = cache.incoming_dir(hub.loc) / f"{BIG}.part"
+    half = (hub.art / BIG).stat().st_size // 2
+    code = f"from qconv.hub.pull import pull; pull({hub.art_url!r}, progress=False, retries=0, insecure=True)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "QCONV_HOME": str(hub.home)})
+    try:
+        deadline = time.monotonic() + 60
+        while not (part.exists() and part.stat().st_size >= half):
+            assert proc.poll() is None and time.monotonic() < deadline, "pull never reached the stall"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+        release.set()
+    assert part.stat().st_size == half and hub.cached() is None
+    out = pull(hub.art_url, progress=False, insecure=True)
+    assert hub.server.gets(BIG_PATH) == [None, f"bytes={half}-"]
+    assert_same_tree(out, hub.art)
+    assert hub.stray() == [] and not cache.incoming_dir(hub.loc).exists()

@@ -14,18 +14,6 @@ import click
 from qconv.errors import QconvError
 
 
-def _resolve(target: str) -> Path:
-    """A folder as is; otherwise a cached artifact name through the hub (when that area is installed)."""
-    try:
-        from qconv.hub.cache import resolve_artifact
-    except ImportError:
-        p = Path(target).expanduser()
-        if not p.is_dir():
-            raise QconvError(f"no model folder {target!r}", fix="pass an artifact or model folder")
-        return p.resolve()
-    return resolve_artifact(target)
-
-
 def _cuda_gpu() -> bool:
     if shutil.which("nvidia-smi") is None:
         return False
@@ -67,9 +55,17 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     """Serve ARTIFACT_OR_NAME over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
+    from qconv.hub.cache import hold_artifact
+
+    with hold_artifact(target) as path:  # a re-pull cannot remove the revision while it is served
+        _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
+               max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, datastore, vllm_args)
+
+
+def _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
+           max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, datastore, vllm_args) -> None:
     from qconv.serve import runtimes, vllm
 
-    path = _resolve(target)
     if print_command:
         backend = "vllm"
     if vllm_python:  # that interpreter, described by probing it (not needed just to print the command)
@@ -110,7 +106,9 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     vllm.check_vllm(src, profile, info, vllm_features)
     vllm.check_quant_config(src, python, info.version)
     click.echo(f"starting: {shlex.join(argv)}", err=True)
-    sys.exit(vllm.run_vllm(argv, host, port, api_key=api_key))
+    rc = vllm.run_vllm(argv, host, port, api_key=api_key)
+    if rc:
+        sys.exit(rc)
 
 
 def _requires(path: Path, profile: str | None) -> tuple[list[dict], str]:

@@ -23,9 +23,10 @@ from qconv.serve.native import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-# nats, vLLM (bf16 activations, its CPU kernels) vs our fp32 engine on the same int4/int8 weights, teacher-forced
-# on vLLM's tokens; the largest difference measured on these prompts was 0.09 (see the test's printout)
-TOLERANCE = 0.25
+# nats, vLLM (bf16: its CPU int4 kernel has no fp32 path) vs our fp32 engine on the same int4/int8 weights,
+# teacher-forced on vLLM's tokens. Largest difference measured over these prompts (see the printout): SmolLM2 (30
+# layers) 0.21, the tiny qwen3_5 0.003.
+TOLERANCE = 0.35
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
            "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:"]

@@ -62,6 +62,16 @@ def tensor_files(path: Path) -> dict[str, Path]:
     return {name: shard for shard in sorted(path.glob("*.safetensors")) for name in read_safetensors_header(shard)}
 
 
+def rebuild_meta_buffers(model) -> None:
+    """Modules of a meta-device model whose buffers are computed at init, not stored (rotary inv_freq), rebuilt
+    on the CPU from their config."""
+    for mod_name, module in list(model.named_modules()):
+        if any(buf.is_meta for buf in module.buffers(recurse=False)):
+            parent_name, _, child = mod_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, type(module)(config=module.config))
+
+
 def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str = "bfloat16"):
     """The source model with every weight left in the source's own safetensors shards.
 
@@ -92,13 +102,7 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
     log.info("streaming build: weights stay in %s, one layer in memory at a time (offload folder %s)", path, offload_dir)
     if not pin_mmap_threshold():
         log.warning("could not pin the C library's mmap threshold: freed memory may not return to the system")
-    for mod_name, module in list(model.named_modules()):
-        for buf_name, buf in list(module.named_buffers(recurse=False)):
-            if buf.is_meta:  # computed at init, not stored (rotary inv_freq): rebuild the module on the CPU
-                parent_name, _, child = mod_name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                setattr(parent, child, type(module)(config=module.config))
-                break
+    rebuild_meta_buffers(model)
     for mod_name, module in list(model.named_modules()):
         params = dict(module.named_parameters(recurse=False))
         if not params:

@@ -88,3 +88,21 @@ def smollm2(smollm2_gguf) -> Path:
     if not (out / "config.json").is_file():
         import_gguf(smollm2_gguf, out, force=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_3090(smollm2, shared_data) -> Path:
+    """SmolLM2 (the HF import) through the 3090 recipe, 16 x 512 calibration tokens of tinyshakespeare; cached
+    across runs (no quality stage: tests measure it themselves)."""
+    from click.testing import CliRunner
+
+    from qconv.cli import main
+
+    out = CACHE / "artifacts" / "smollm2-3090"
+    if not (out / "qconv.json").is_file():
+        r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(smollm2), "--out", str(out),
+                                      "--dataset", str(shared_data / "tinyshakespeare.txt"), "--samples", "16",
+                                      "--seq-len", "512", "--force", "--work-dir", str(CACHE / "work-smollm2-3090")],
+                               catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+    return out

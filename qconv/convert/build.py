@@ -240,7 +240,7 @@ def build(opts: BuildOptions) -> Manifest:
         manifest.build["stages"] = work.record
         manifest.build["elapsed_s"] = round(time.time() - t0, 1)
         finalize(tmp, manifest)
-        gate_error = _quality(opts, recipe, src.path, tmp, manifest, work, final=out)
+        gate_error = _quality(opts, recipe, src.path, tmp, manifest, work, final=out, streamed=stream)
         manifest.build["stages"] = work.record
         finalize(tmp, manifest)
     size = manifest.total_size()
@@ -268,10 +268,11 @@ def _package(source: Path, qdir: Path, tmp: Path, GenerationConfig) -> None:
 
 
 def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, manifest: Manifest,
-             work: WorkDir, final: Path) -> GateFailure | None:
+             work: WorkDir, final: Path, streamed: bool = False) -> GateFailure | None:
     """Stage `quality`: measure the quality cost and apply the recipe's gates (eval area). Returns the gate
     failure, if any. Cached by the weight files' hashes and the evaluation settings. `artifact` is the build's
-    temp folder; `final` is where it ends up, the path the reports name."""
+    temp folder; `final` is where it ends up, the path the reports name. A streamed build measures with the
+    layer-streamed forward too; otherwise it streams only when a model does not fit in free memory."""
     text = opts.eval_text or recipe.quality.text
     if not text:
         log.warning("quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
@@ -292,8 +293,11 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
     qdir = work.cached_dir("quality", key)
     if qdir is None:
         with work.new_dir("quality", key) as tmp:
+            from qconv.eval.forward import Forward
+
             quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
-                           num_parameters=manifest.source.num_parameters)
+                           num_parameters=manifest.source.num_parameters,
+                           fwd=Forward(streamed=True if streamed else None))
             _copy_files(artifact, tmp, reports)
     else:
         _copy_files(qdir, artifact, reports)

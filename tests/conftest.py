@@ -106,3 +106,17 @@ def smollm2_3090(smollm2, shared_data) -> Path:
                                catch_exceptions=False)
         assert r.exit_code == 0, r.output
     return out
+
+
+@pytest.fixture(scope="session")
+def real_layout_27b(config_27b) -> Path:
+    """A tiny seeded checkpoint laid out like the published 27B (tests/tiny.make_real_layout_model), cached."""
+    from tests.tiny import make_real_layout_model
+
+    out = CACHE / "models" / "tiny-real-layout-27b"
+    if not (out / "model.safetensors.index.json").is_file():
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        make_real_layout_model(config_27b, out)
+    return out

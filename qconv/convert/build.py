@@ -7,6 +7,7 @@ versions) is in the stage keys and in the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -229,7 +230,7 @@ def build(opts: BuildOptions) -> Manifest:
                      plan.untie_embeddings, manifest.tools, MAX_SHARD_SIZE)
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq():
+        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), tokenizer_as_processor(tok):
             quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
@@ -251,6 +252,22 @@ def build(opts: BuildOptions) -> Manifest:
     if gate_error:
         raise gate_error
     return manifest
+
+
+@contextlib.contextmanager
+def tokenizer_as_processor(tok):
+    """llmcompressor loads the model's AutoProcessor whenever a dataset is passed, although ours is token ids
+    already; for a vision-language checkpoint (Qwen3_5ForConditionalGeneration) that processor needs torchvision
+    for its video half. Hand it the tokenizer instead. (quantize.quantize passing `processor=` to oneshot would
+    make this unnecessary.)"""
+    from llmcompressor.entrypoints import utils
+
+    before = utils.initialize_processor_from_path
+    utils.initialize_processor_from_path = lambda model_args, model: tok
+    try:
+        yield
+    finally:
+        utils.initialize_processor_from_path = before
 
 
 def _package(source: Path, qdir: Path, tmp: Path, GenerationConfig) -> None:

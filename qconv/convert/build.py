@@ -54,6 +54,9 @@ class DryRun:
     recipe: Recipe
     config: dict
     selection: object | None = None  # calibrate.select.Selection when scores are cached in the work dir
+    budget_bytes: int = 0
+    budget_note: str = ""  # how an `auto` budget was found
+    units: list = None  # calibrate.sensitivity.Unit candidates (for the by-role preview without scores)
 
 
 def _recipe(opts: BuildOptions) -> Recipe:
@@ -67,10 +70,34 @@ def _work(opts: BuildOptions, src_id: str) -> WorkDir:
     return WorkDir(Path(opts.work_dir) if opts.work_dir else default_work_dir(src_id, opts.revision), fresh=opts.fresh)
 
 
+def int8_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
+    """The selection budget in bytes, and for `auto` the fit it came from (the KV planner's, see
+    qconv.kv.plan.int8_headroom)."""
+    from qconv.calibrate.select import parse_budget
+
+    spec = recipe.selection.budget
+    if spec.strip() != "auto":
+        return parse_budget(spec, plan.total_bytes), ""
+    from qconv.kv.plan import int8_headroom
+
+    roles = plan.bytes_by_role()
+    left, fit = int8_headroom(config, recipe, plan.total_bytes, roles.get("vision", {}).get("bytes", 0),
+                              roles.get("mtp", {}).get("bytes", 0))
+    gib, card = 2**30, recipe.card
+    on_card = card.memory_gib * gib * fit.profile.gpu_memory_utilization
+    note = (f"INT8 budget auto = {left / gib:.2f} GiB: {card.name} {card.memory_gib:g} GiB x "
+            f"{fit.profile.gpu_memory_utilization:g} - reserve {card.reserve_gib:g} GiB - weights "
+            f"{(on_card - card.reserve_gib * gib - fit.usable) / gib:.2f} GiB - profile {fit.name} "
+            f"({fit.profile.kv_cache} KV at {fit.profile.context_length:,} tokens x {fit.profile.max_num_seqs} "
+            f"+ recurrent state) {fit.need / gib:.2f} GiB")
+    log.info("%s", note)
+    return parse_budget(spec, plan.total_bytes, left), note
+
+
 def dry_run(opts: BuildOptions) -> DryRun:
     """The plan without loading weights: shapes come from safetensors headers or a meta-device model. When the
     work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
-    from qconv.calibrate.select import candidate_units, parse_budget, select
+    from qconv.calibrate.select import candidate_units, select
     from qconv.calibrate.sensitivity import Scores
 
     recipe = _recipe(opts)
@@ -78,14 +105,14 @@ def dry_run(opts: BuildOptions) -> DryRun:
     config = read_config(src.path)
     plan = plan_model(src.path, config, recipe)
     selection = None
-    budget = parse_budget(recipe.selection.budget, plan.total_bytes)
+    budget, note = int8_budget(recipe, plan, config)
     work_root = Path(opts.work_dir) if opts.work_dir else default_work_dir(src.id, opts.revision)
     cached = WorkDir(work_root).latest("sensitivity") if work_root.is_dir() else None
     units = candidate_units(plan, recipe)
     if cached and set(cached["values"]) >= {u.name for u in units}:
         selection = select(units, Scores(cached["method"], cached["values"], cached["tokens"]), budget,
                            budget=recipe.selection.budget, scheme=recipe.selection.scheme)
-    return DryRun(plan, recipe, config, selection)
+    return DryRun(plan, recipe, config, selection, budget, note, units)
 
 
 def _source_info(src: ResolvedSource, work: WorkDir) -> SourceInfo:
@@ -153,7 +180,7 @@ def build(opts: BuildOptions) -> Manifest:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from qconv.calibrate.select import apply_selection, candidate_units, format_table, parse_budget, select
+    from qconv.calibrate.select import apply_selection, candidate_units, format_table, select
     from qconv.convert.quantize import load_source_model, quantize
     from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq
 
@@ -170,9 +197,13 @@ def build(opts: BuildOptions) -> Manifest:
     plan = plan_model(src.path, config, recipe)
     for w in plan.warnings:
         log.warning("plan: %s", w)
-    budget = parse_budget(recipe.selection.budget, plan.total_bytes)
+    budget, _ = int8_budget(recipe, plan, config)
     units = candidate_units(plan, recipe)
     stream = use_streaming(opts, plan)
+    if budget > 0 and stream and recipe.selection.budget.strip() == "auto":
+        log.warning("INT8 selection skipped (budget auto = %.2f GB): its sensitivity pass is not RAM-bounded in a "
+                    "streamed build yet; building uniform W4 (pass --int8-budget to force it in memory)", budget / 1e9)
+        budget = 0
     if budget > 0 and stream and any(not u.refusal for u in units):
         raise QconvError("INT8 selection is not RAM-bounded yet: its sensitivity pass (forward + backward) would "
                          "hold every layer of a streamed model", where="--int8-budget / selection.budget",

@@ -101,6 +101,16 @@ REAL_LAYOUT_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_he
 REAL_LAYOUT_SHARD = "600KB"
 
 
+def fit_mrope(tc: dict) -> dict:
+    """Rescale a qwen3_5 text config's mrope sections (in place) to its rotary pairs after head_dim shrank."""
+    rope = tc["rope_parameters"]
+    pairs = int(tc["head_dim"] * rope["partial_rotary_factor"]) // 2
+    sec = [s * pairs // sum(rope["mrope_section"]) for s in rope["mrope_section"]]
+    sec[0] += pairs - sum(sec)
+    rope["mrope_section"] = sec
+    return tc
+
+
 def real_layout_config(config_27b: Path, vocab: int) -> dict:
     """The 27B's config.json with every width shrunk (same keys, same layer pattern)."""
     import json
@@ -109,11 +119,7 @@ def real_layout_config(config_27b: Path, vocab: int) -> dict:
     tc, vc = cfg["text_config"], cfg["vision_config"]
     tc.update(REAL_LAYOUT_TEXT, vocab_size=vocab)
     tc["layer_types"] = tc["layer_types"][:tc["num_hidden_layers"]]
-    rope = tc["rope_parameters"]
-    pairs = int(tc["head_dim"] * rope["partial_rotary_factor"]) // 2
-    sec = [s * pairs // sum(rope["mrope_section"]) for s in rope["mrope_section"]]
-    sec[0] += pairs - sum(sec)
-    rope["mrope_section"] = sec
+    fit_mrope(tc)
     vc.update(REAL_LAYOUT_VISION, out_hidden_size=tc["hidden_size"])
     for i, key in enumerate(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")):
         cfg[key] = vocab - 4 + i  # inside the tiny vocabulary

@@ -92,8 +92,8 @@ def smollm2(smollm2_gguf) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_3090(smollm2, shared_data) -> Path:
-    """SmolLM2 (the HF import) through the 3090 recipe, 16 x 512 calibration tokens of tinyshakespeare; cached
-    across runs (no quality stage: tests measure it themselves)."""
+    """SmolLM2 (the HF import) through the 3090 recipe at uniform W4 (--int8-budget 0), 16 x 512 calibration tokens
+    of tinyshakespeare; cached across runs (no quality stage: tests measure it themselves)."""
     from click.testing import CliRunner
 
     from qconv.cli import main
@@ -102,7 +102,8 @@ def smollm2_3090(smollm2, shared_data) -> Path:
     if not (out / "qconv.json").is_file():
         r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(smollm2), "--out", str(out),
                                       "--dataset", str(shared_data / "tinyshakespeare.txt"), "--samples", "16",
-                                      "--seq-len", "512", "--force", "--work-dir", str(CACHE / "work-smollm2-3090")],
+                                      "--seq-len", "512", "--int8-budget", "0", "--force",
+                                      "--work-dir", str(CACHE / "work-smollm2-3090")],
                                catch_exceptions=False)
         assert r.exit_code == 0, r.output
     return out

@@ -11,16 +11,10 @@ import pytest
 
 from qconv.eval.quality import EvalSettings, Source, measure, safetensors_stats
 from tests.test_build import run
+from tests.test_eval_check import text_file  # noqa: F401 - a fixture
 from tests.tiny import CORPUS
 
 STATS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("text") / "heldout.txt"
-    p.write_text(CORPUS * 3)
-    return p
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +134,22 @@ def test_smollm2_3090_streamed_equals_whole(smollm2_3090, smollm2, shared_data, 
                         max_tokens=4096)
     print("SmolLM2 3090 whole vs streamed:", {k: (whole["weights"][k], streamed["weights"][k]) for k in STATS})
     assert_same(whole, streamed)
+
+
+def test_large_matrices_dequantize_in_row_blocks_to_the_same_bits(built, monkeypatch):
+    """A big INT8 lm_head / W4 projection is dequantized a block of rows at a time (bounded temporaries); the
+    result equals compressed-tensors' whole-matrix dequantization bit for bit."""
+    import torch
+
+    import qconv.eval.layerwise as layerwise
+
+    _, art = built("qwen3_5")
+    ckpt = layerwise.Checkpoint.open(art)
+    prefixes = ["lm_head.", "model.embed_tokens.", "model.layers.0.", "model.layers.1."]
+    whole = {p: ckpt.read(p) for p in prefixes}
+    monkeypatch.setattr(layerwise, "DEQUANT_BLOCK_ROWS", 48)  # several blocks for every matrix here
+    for p in prefixes:
+        got = ckpt.read(p)
+        assert set(got) == set(whole[p]) and any(t.dim() == 2 and t.shape[0] > 48 for t in got.values())
+        for k, t in whole[p].items():
+            assert t.dtype == got[k].dtype and torch.equal(t, got[k]), (p, k)

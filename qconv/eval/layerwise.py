@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # checkpoint keeps the language model under model.language_model.*, which Qwen3_5ForCausalLM calls model.*.
 PREFIX_ALIASES = (("model.", "model.language_model."),)
 ROW_BLOCK = 512
+DEQUANT_BLOCK_ROWS = 8192
 
 
 @dataclass
@@ -92,8 +93,39 @@ class Checkpoint:
             with safe_open(str(shard), framework="pt") as f:
                 out.update({n: f.get_tensor(n) for n in names if self.files[n] == shard})
         if self.dequantizer is not None:
-            out = self.dequantizer.process(out)
+            out = self._dequantize(out)
         return {n[len(p):]: t for n, t in out.items()}
+
+    def _dequantize(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """compressed-tensors' dequantizer, a block of rows at a time for a large matrix: it holds about twice the
+        bf16 result in temporaries (5 GB for a 248,320 x 5,120 INT8 lm_head); the rows of a group- or
+        channel-quantized weight dequantize independently."""
+        by_module: dict[str, dict[str, torch.Tensor]] = {}
+        for n, t in tensors.items():
+            mod, _, local = n.rpartition(".")
+            by_module.setdefault(mod, {})[local] = t
+        out = {}
+        for mod, local in by_module.items():
+            stored = local.get("weight_packed", local.get("weight"))
+            rows = stored.shape[0] if stored is not None and stored.dim() == 2 else 0
+            if rows <= DEQUANT_BLOCK_ROWS or "weight_scale" not in local or any(
+                    t.dim() == 2 and t.shape[0] != rows for t in local.values()):
+                out.update(self.dequantizer.process({f"{mod}.{k}": t for k, t in local.items()}))
+                continue
+            weight = None
+            for a in range(0, rows, DEQUANT_BLOCK_ROWS):
+                part = {f"{mod}.{k}": (t[a:a + DEQUANT_BLOCK_ROWS] if t.dim() == 2 else t) for k, t in local.items()}
+                if "weight_shape" in local:
+                    part[f"{mod}.weight_shape"] = torch.tensor([min(DEQUANT_BLOCK_ROWS, rows - a),
+                                                                int(local["weight_shape"][1])])
+                block = self.dequantizer.process(part)
+                w = block.pop(f"{mod}.weight")
+                if weight is None:
+                    weight = torch.empty(rows, w.shape[1], dtype=w.dtype)
+                    out.update(block)  # anything else the module stores (bias), once
+                weight[a:a + len(w)] = w
+            out[f"{mod}.weight"] = weight
+        return out
 
 
 class _Recorder(torch.nn.Module):
@@ -138,8 +170,9 @@ class StreamedModel:
     def open(cls, path: str | Path, device: str | torch.device = "cpu") -> "StreamedModel":
         import transformers
 
-        from qconv.convert.stream import rebuild_meta_buffers
+        from qconv.convert.stream import pin_mmap_threshold, rebuild_meta_buffers
 
+        pin_mmap_threshold()  # each layer's tensors are freed before the next: give them back (see convert.stream)
         cfg = transformers.AutoConfig.from_pretrained(path)
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config  # the weights come dequantized: build plain bf16 modules

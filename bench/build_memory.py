@@ -34,8 +34,10 @@ def model_config(layers: int, vocab: int):
         bos_token_id=0, eos_token_id=2, pad_token_id=0, architectures=["Qwen3_5ForCausalLM"])
 
 
-def write_model(out: Path, layers: int, vocab: int, shard_bytes: int = 1 << 29, seed: int = 0) -> tuple[int, int]:
-    """A seeded random model, one tensor at a time, in shards of ~shard_bytes. Returns (parameters, bytes)."""
+def write_model(out: Path, layers: int, vocab: int, shard_bytes: int = 1 << 29, seed: int = 0,
+                cfg=None) -> tuple[int, int]:
+    """A seeded random model (`cfg`, default model_config(layers, vocab)), one tensor at a time, in shards of
+    ~shard_bytes. Returns (parameters, bytes)."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForCausalLM
@@ -43,7 +45,7 @@ def write_model(out: Path, layers: int, vocab: int, shard_bytes: int = 1 << 29, 
     sys.path.insert(0, str(REPO))
     from tests.tiny import make_tokenizer
 
-    cfg = model_config(layers, vocab)
+    cfg = cfg or model_config(layers, vocab)
     with torch.device("meta"):
         meta = Qwen3_5ForCausalLM(cfg)
     out.mkdir(parents=True, exist_ok=True)

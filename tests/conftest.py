@@ -93,7 +93,7 @@ def smollm2(smollm2_gguf) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_3090(smollm2_gguf, shared_data) -> Path:
     """SmolLM2 built straight from the GGUF by `qconv build --recipe 3090` (GPTQ on 16 x 512 tokens of tiny
-    shakespeare), cached across runs under a key of the recipe and the quantization code it was built with."""
+    shakespeare, uniform W4: --int8-budget 0), cached across runs under a key of the recipe and the quantization code it was built with."""
     from click.testing import CliRunner
 
     from qconv.cli import main
@@ -106,6 +106,21 @@ def smollm2_3090(smollm2_gguf, shared_data) -> Path:
     if not (out / "qconv.json").is_file():
         r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(smollm2_gguf), "--out", str(out),
                                       "--dataset", str(shared_data / "tinyshakespeare.txt"), "--samples", "16",
-                                      "--seq-len", "512"])
+                                      "--seq-len", "512", "--int8-budget", "0"],
+                               catch_exceptions=False)
         assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="session")
+def real_layout_27b(config_27b) -> Path:
+    """A tiny seeded checkpoint laid out like the published 27B (tests/tiny.make_real_layout_model), cached."""
+    from tests.tiny import make_real_layout_model
+
+    out = CACHE / "models" / "tiny-real-layout-27b"
+    if not (out / "model.safetensors.index.json").is_file():
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        make_real_layout_model(config_27b, out)
     return out

@@ -293,6 +293,34 @@ def test_row_blocked_gptq_equals_whole_matrix(strategy, group):
     assert block_rows == [300, 300, 300, 100]
     assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[2], blocked[2])
     assert torch.allclose(whole[1], blocked[1], rtol=1e-5)
+    # A bf16 stack (what prepare_batch gives under row_blocked_gptq): blocks go to fp32 one at a time, the result
+    # is the bf16 cast of the fp32 path's result, bit for bit.
+    base.quantize_weight = counting
+    block_rows.clear()
+    try:
+        with row_blocked_gptq(block_bytes=4 * cols * 300):
+            lean = base.quantize_weight(weights=w.to(torch.bfloat16), hessians=h.clone(), **kw)
+    finally:
+        base.quantize_weight = orig
+    ref = base.quantize_weight(weights=w.to(torch.bfloat16).float(), hessians=h.clone(), **kw)
+    assert block_rows == [300, 300, 300, 100] and lean[0].dtype == torch.bfloat16
+    assert torch.equal(lean[0], ref[0].to(torch.bfloat16))
+
+
+def test_row_blocked_gptq_stacks_weights_in_their_own_dtype():
+    import torch
+    from llmcompressor.modifiers.gptq import base, helpers
+
+    from qconv.convert.stream import row_blocked_gptq
+
+    lin = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    qp = {"scale": torch.ones(32, 1), "zero_point": torch.zeros(32, 1), "global_scale": None}
+    h, n = {lin: torch.eye(64)}, {lin: torch.tensor(1)}
+    with torch.no_grad(), row_blocked_gptq():
+        weights = base.prepare_batch([lin], [qp], dict(h), dict(n))[0]
+    assert weights.dtype == torch.bfloat16 and helpers.GPTQ_PRECISION == torch.float32
+    with torch.no_grad():
+        assert base.prepare_batch([lin], [qp], dict(h), dict(n))[0].dtype == torch.float32
 
 
 _FRAGMENT = """

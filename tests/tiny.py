@@ -94,3 +94,74 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
         tensors.update(mtp_weights(model))
         save_file(tensors, shard, metadata={"format": "pt"})
     return out
+
+
+# Every width of the 27B shrunk; field names, layer pattern (3 Gated-DeltaNet : 1 full attention), MTP depth and
+# the vision tower's structure kept. head_dim 64 with partial_rotary_factor 0.25 leaves 8 rotary pairs: the mrope
+# sections are rescaled to sum to 8.
+REAL_LAYOUT_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32,
+                        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096)
+REAL_LAYOUT_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, num_position_embeddings=64)
+REAL_LAYOUT_SHARD = "600KB"
+
+
+def fit_mrope(tc: dict) -> dict:
+    """Rescale a qwen3_5 text config's mrope sections (in place) to its rotary pairs after head_dim shrank."""
+    rope = tc["rope_parameters"]
+    pairs = int(tc["head_dim"] * rope["partial_rotary_factor"]) // 2
+    sec = [s * pairs // sum(rope["mrope_section"]) for s in rope["mrope_section"]]
+    sec[0] += pairs - sum(sec)
+    rope["mrope_section"] = sec
+    return tc
+
+
+def real_layout_config(config_27b: Path, vocab: int) -> dict:
+    """The 27B's config.json with every width shrunk (same keys, same layer pattern)."""
+    import json
+
+    cfg = json.loads((Path(config_27b) / "config.json").read_text())
+    tc, vc = cfg["text_config"], cfg["vision_config"]
+    tc.update(REAL_LAYOUT_TEXT, vocab_size=vocab)
+    tc["layer_types"] = tc["layer_types"][:tc["num_hidden_layers"]]
+    fit_mrope(tc)
+    vc.update(REAL_LAYOUT_VISION, out_hidden_size=tc["hidden_size"])
+    for i, key in enumerate(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")):
+        cfg[key] = vocab - 4 + i  # inside the tiny vocabulary
+    tc.update(bos_token_id=0, eos_token_id=2, pad_token_id=0)
+    return cfg
+
+
+def make_real_layout_model(config_27b: Path, out: Path, seed: int = 0) -> Path:
+    """A seeded Qwen3_5ForConditionalGeneration saved like the published checkpoint: text weights under
+    model.language_model.*, a tiny vision tower under model.visual.*, mtp.* tensors transformers does not load in
+    their own shard, several safetensors shards and an index."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    tok = make_tokenizer()
+    cfg = real_layout_config(config_27b, len(tok))
+    torch.manual_seed(seed)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(**cfg))
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, STD)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True, max_shard_size=REAL_LAYOUT_SHARD)
+    tok.save_pretrained(out)
+    mtp = {}
+    g = torch.Generator().manual_seed(seed + 1)
+    from qconv.convert.layout import mtp_shapes
+
+    for name, shape in mtp_shapes(cfg["text_config"]).items():
+        mtp[name] = (torch.ones(shape) if len(shape) == 1 else torch.randn(*shape, generator=g) * STD).to(torch.bfloat16)
+    shard = "model-mtp-00001.safetensors"
+    save_file(mtp, out / shard, metadata={"format": "pt"})
+    index_path = out / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"].update({k: shard for k in mtp})
+    index_path.write_text(json.dumps(index, indent=2))
+    return out

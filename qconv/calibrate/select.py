@@ -65,8 +65,14 @@ class Selection:
                 "units": [{**asdict(r), "extra_bytes": r.extra} for r in self.rows]}
 
 
-def parse_budget(spec: str, artifact_bytes: int) -> int:
-    """Bytes ("1500000000"), a size ("1.5GB", "300MiB") or a percent of the uniform-W4 artifact ("5%")."""
+def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) -> int:
+    """Bytes ("1500000000"), a size ("1.5GB", "300MiB"), a percent of the uniform-W4 artifact ("5%"), or "auto":
+    `auto_bytes`, what the card has left (the caller computes it with the fit planner)."""
+    if str(spec).strip() == "auto":
+        if auto_bytes is None:
+            raise QconvError("INT8 budget 'auto' needs the card's fit, which was not computed", where="selection.budget",
+                             fix="this is a bug; pass an explicit --int8-budget meanwhile")
+        return max(0, auto_bytes)
     m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*(%|[kKMGT]i?B|B)?\s*", str(spec))
     if not m:
         raise QconvError(f"unparseable INT8 budget {spec!r}", where="selection.budget",

@@ -7,6 +7,7 @@ versions) is in the stage keys and in the manifest.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -55,6 +56,9 @@ class DryRun:
     recipe: Recipe
     config: dict
     selection: object | None = None  # calibrate.select.Selection when scores are cached in the work dir
+    budget_bytes: int = 0
+    budget_note: str = ""  # how an `auto` budget was found
+    units: list = None  # calibrate.sensitivity.Unit candidates (for the by-role preview without scores)
 
 
 def _recipe(opts: BuildOptions) -> Recipe:
@@ -68,10 +72,34 @@ def _work(opts: BuildOptions, src_id: str) -> WorkDir:
     return WorkDir(Path(opts.work_dir) if opts.work_dir else default_work_dir(src_id, opts.revision), fresh=opts.fresh)
 
 
+def int8_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
+    """The selection budget in bytes, and for `auto` the fit it came from (the KV planner's, see
+    qconv.kv.plan.int8_headroom)."""
+    from qconv.calibrate.select import parse_budget
+
+    spec = recipe.selection.budget
+    if spec.strip() != "auto":
+        return parse_budget(spec, plan.total_bytes), ""
+    from qconv.kv.plan import int8_headroom
+
+    roles = plan.bytes_by_role()
+    left, fit = int8_headroom(config, recipe, plan.total_bytes, roles.get("vision", {}).get("bytes", 0),
+                              roles.get("mtp", {}).get("bytes", 0))
+    gib, card = 2**30, recipe.card
+    on_card = card.memory_gib * gib * fit.profile.gpu_memory_utilization
+    note = (f"INT8 budget auto = {left / gib:.2f} GiB: {card.name} {card.memory_gib:g} GiB x "
+            f"{fit.profile.gpu_memory_utilization:g} - reserve {card.reserve_gib:g} GiB - weights "
+            f"{(on_card - card.reserve_gib * gib - fit.usable) / gib:.2f} GiB - profile {fit.name} "
+            f"({fit.profile.kv_cache} KV at {fit.profile.context_length:,} tokens x {fit.profile.max_num_seqs} "
+            f"+ recurrent state) {fit.need / gib:.2f} GiB")
+    log.info("%s", note)
+    return parse_budget(spec, plan.total_bytes, left), note
+
+
 def dry_run(opts: BuildOptions) -> DryRun:
     """The plan without loading weights: shapes come from safetensors headers or a meta-device model. When the
     work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
-    from qconv.calibrate.select import candidate_units, parse_budget, select
+    from qconv.calibrate.select import candidate_units, select
     from qconv.calibrate.sensitivity import Scores
 
     recipe = _recipe(opts)
@@ -79,14 +107,14 @@ def dry_run(opts: BuildOptions) -> DryRun:
     config = read_config(src.path)
     plan = plan_model(src.path, config, recipe)
     selection = None
-    budget = parse_budget(recipe.selection.budget, plan.total_bytes)
+    budget, note = int8_budget(recipe, plan, config)
     work_root = Path(opts.work_dir) if opts.work_dir else default_work_dir(src.id, opts.revision)
     cached = WorkDir(work_root).latest("sensitivity") if work_root.is_dir() else None
     units = candidate_units(plan, recipe)
     if cached and set(cached["values"]) >= {u.name for u in units}:
         selection = select(units, Scores(cached["method"], cached["values"], cached["tokens"]), budget,
                            budget=recipe.selection.budget, scheme=recipe.selection.scheme)
-    return DryRun(plan, recipe, config, selection)
+    return DryRun(plan, recipe, config, selection, budget, note, units)
 
 
 def _source_info(src: ResolvedSource, work: WorkDir) -> SourceInfo:
@@ -154,7 +182,7 @@ def build(opts: BuildOptions) -> Manifest:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from qconv.calibrate.select import apply_selection, candidate_units, format_table, parse_budget, select
+    from qconv.calibrate.select import apply_selection, candidate_units, format_table, select
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
     from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq
@@ -176,9 +204,13 @@ def build(opts: BuildOptions) -> Manifest:
     plan = plan_model(src.path, config, recipe)
     for w in plan.warnings:
         log.warning("plan: %s", w)
-    budget = parse_budget(recipe.selection.budget, plan.total_bytes)
+    budget, _ = int8_budget(recipe, plan, config)
     units = candidate_units(plan, recipe)
     stream = use_streaming(opts, plan)
+    if budget > 0 and stream and recipe.selection.budget.strip() == "auto":
+        log.warning("INT8 selection skipped (budget auto = %.2f GB): its sensitivity pass is not RAM-bounded in a "
+                    "streamed build yet; building uniform W4 (pass --int8-budget to force it in memory)", budget / 1e9)
+        budget = 0
     if budget > 0 and stream and any(not u.refusal for u in units):
         raise QconvError("INT8 selection is not RAM-bounded yet: its sensitivity pass (forward + backward) would "
                          "hold every layer of a streamed model", where="--int8-budget / selection.budget",
@@ -236,7 +268,7 @@ def build(opts: BuildOptions) -> Manifest:
                      plan.untie_embeddings, manifest.tools, MAX_SHARD_SIZE)
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq():
+        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), tokenizer_as_processor(tok):
             quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
@@ -247,7 +279,7 @@ def build(opts: BuildOptions) -> Manifest:
         manifest.build["stages"] = work.record
         manifest.build["elapsed_s"] = round(time.time() - t0, 1)
         finalize(tmp, manifest)
-        gate_error = _quality(opts, recipe, src.path, tmp, manifest, work, final=out)
+        gate_error = _quality(opts, recipe, src.path, tmp, manifest, work, final=out, streamed=stream)
         manifest.build["stages"] = work.record
         finalize(tmp, manifest)
     size = manifest.total_size()
@@ -258,6 +290,22 @@ def build(opts: BuildOptions) -> Manifest:
     if gate_error:
         raise gate_error
     return manifest
+
+
+@contextlib.contextmanager
+def tokenizer_as_processor(tok):
+    """llmcompressor loads the model's AutoProcessor whenever a dataset is passed, although ours is token ids
+    already; for a vision-language checkpoint (Qwen3_5ForConditionalGeneration) that processor needs torchvision
+    for its video half. Hand it the tokenizer instead. (quantize.quantize passing `processor=` to oneshot would
+    make this unnecessary.)"""
+    from llmcompressor.entrypoints import utils
+
+    before = utils.initialize_processor_from_path
+    utils.initialize_processor_from_path = lambda model_args, model: tok
+    try:
+        yield
+    finally:
+        utils.initialize_processor_from_path = before
 
 
 def _package(source: Path, qdir: Path, tmp: Path, GenerationConfig) -> None:
@@ -275,10 +323,11 @@ def _package(source: Path, qdir: Path, tmp: Path, GenerationConfig) -> None:
 
 
 def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, manifest: Manifest,
-             work: WorkDir, final: Path) -> GateFailure | None:
+             work: WorkDir, final: Path, streamed: bool = False) -> GateFailure | None:
     """Stage `quality`: measure the quality cost and apply the recipe's gates (eval area). Returns the gate
     failure, if any. Cached by the weight files' hashes and the evaluation settings. `artifact` is the build's
-    temp folder; `final` is where it ends up, the path the reports name."""
+    temp folder; `final` is where it ends up, the path the reports name. A streamed build measures with the
+    layer-streamed forward too; otherwise it streams only when a model does not fit in free memory."""
     text = opts.eval_text or recipe.quality.text
     if not text:
         log.warning("quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
@@ -299,8 +348,11 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
     qdir = work.cached_dir("quality", key)
     if qdir is None:
         with work.new_dir("quality", key) as tmp:
+            from qconv.eval.forward import Forward
+
             quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
-                           num_parameters=manifest.source.num_parameters)
+                           num_parameters=manifest.source.num_parameters,
+                           fwd=Forward(streamed=True if streamed else None))
             _copy_files(artifact, tmp, reports)
     else:
         _copy_files(qdir, artifact, reports)

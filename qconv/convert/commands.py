@@ -48,19 +48,47 @@ def print_plan(dr) -> None:
     fits = _profile_fits(dr)
     for line in fits:
         con.print(line)
+    if dr.budget_note:
+        con.print(dr.budget_note)
+    if dr.budget_bytes and dr.selection is None and dr.units:
+        promoted = _promotion_preview(dr, con)
+        for line in _profile_fits(dr, extra=promoted):
+            con.print(f"after promotion (+{_gb(promoted)}): {line}")
 
 
-def _profile_fits(dr) -> list[str]:
-    """Bytes left on the card per profile, from the KV/state planner when it is installed."""
+def _promotion_preview(dr, con) -> int:
+    """Without sensitivity scores (no weights loaded): per candidate role, what one unit costs to promote and how
+    many such units the budget covers; returns the bytes promotion can add at most (min(budget, all units))."""
+    from collections import defaultdict
+
+    by_role = defaultdict(list)
+    for u in dr.units:
+        if not u.refusal:
+            by_role[u.role].append(u.bytes8 - u.bytes4)
+    con.print(f"INT8 promotion candidates under {_gb(dr.budget_bytes)} (units ranked by the build's sensitivity "
+              "proxy per extra byte; shapes only here):")
+    for role, extras in sorted(by_role.items(), key=lambda kv: -sum(kv[1])):
+        each = max(extras)
+        con.print(f"  {role:12s} {len(extras):4d} units, +{each / 1e6:.1f} MB each, "
+                  f"{min(len(extras), dr.budget_bytes // max(each, 1))} affordable alone ({_gb(sum(extras))} for all)")
+    refused = [u for u in dr.units if u.refusal]
+    if refused:
+        con.print(f"  {len(refused)} units refused (e.g. {refused[0].name}: {refused[0].refusal})")
+    return min(dr.budget_bytes, sum(sum(v) for v in by_role.values()))
+
+
+def _profile_fits(dr, extra: int = 0) -> list[str]:
+    """Bytes left on the card per profile (weights + `extra` promoted bytes), from the KV/state planner when it
+    is installed."""
     try:
         from qconv.kv.plan import profile_fit_lines
     except ImportError:
         card = dr.recipe.card
-        left = card.memory_gib * 2**30 - card.reserve_gib * 2**30 - dr.plan.total_bytes
+        left = card.memory_gib * 2**30 - card.reserve_gib * 2**30 - dr.plan.total_bytes - extra
         return [f"on {card.name} ({card.memory_gib} GiB, {card.reserve_gib} GiB reserve): {left / 2**30:.2f} GiB left "
                 f"for KV cache and state"]
     roles = dr.plan.bytes_by_role()
-    return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes,
+    return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes + extra,
                              vision_bytes=roles.get("vision", {}).get("bytes", 0),
                              mtp_bytes=roles.get("mtp", {}).get("bytes", 0))
 

@@ -62,6 +62,16 @@ def tensor_files(path: Path) -> dict[str, Path]:
     return {name: shard for shard in sorted(path.glob("*.safetensors")) for name in read_safetensors_header(shard)}
 
 
+def rebuild_meta_buffers(model) -> None:
+    """Modules of a meta-device model whose buffers are computed at init, not stored (rotary inv_freq), rebuilt
+    on the CPU from their config."""
+    for mod_name, module in list(model.named_modules()):
+        if any(buf.is_meta for buf in module.buffers(recurse=False)):
+            parent_name, _, child = mod_name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, type(module)(config=module.config))
+
+
 def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str = "bfloat16"):
     """The source model with every weight left in the source's own safetensors shards.
 
@@ -92,13 +102,7 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
     log.info("streaming build: weights stay in %s, one layer in memory at a time (offload folder %s)", path, offload_dir)
     if not pin_mmap_threshold():
         log.warning("could not pin the C library's mmap threshold: freed memory may not return to the system")
-    for mod_name, module in list(model.named_modules()):
-        for buf_name, buf in list(module.named_buffers(recurse=False)):
-            if buf.is_meta:  # computed at init, not stored (rotary inv_freq): rebuild the module on the CPU
-                parent_name, _, child = mod_name.rpartition(".")
-                parent = model.get_submodule(parent_name) if parent_name else model
-                setattr(parent, child, type(module)(config=module.config))
-                break
+    rebuild_meta_buffers(model)
     for mod_name, module in list(model.named_modules()):
         params = dict(module.named_parameters(recurse=False))
         if not params:
@@ -123,27 +127,42 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
     """Run llmcompressor's GPTQ on blocks of output rows. GPTQ quantizes each row on its own against the shared
     Hessian (the error of a column is propagated along the row), so blocks of rows give the same weights while the
     float32 work buffers shrink from the whole matrix to one block. Each block gets a fresh copy of the Hessian,
-    which GPTQ factorizes in place."""
-    from llmcompressor.modifiers.gptq import base
+    which GPTQ factorizes in place.
 
-    whole = base.quantize_weight
+    llmcompressor also stacks every weight it quantizes into a float32 copy before GPTQ starts (prepare_batch):
+    for a 248,320 x 5,120 lm_head that is 5.1 GB next to the 2.5 GB bf16 weight, and the bf16 cast of the result
+    another 2.5 GB. Here the stack stays in the weight's own dtype and each row block goes to float32 only while
+    GPTQ works on it; the result is written back in that dtype, the cast llmcompressor would make anyway (the same
+    bits)."""
+    import torch
+    from llmcompressor.modifiers.gptq import base, helpers
+
+    whole, prepare = base.quantize_weight, base.prepare_batch
 
     def blocked(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize=128, percdamp=0.01):
         batch, rows, cols = weights.shape
         step = max(1, block_bytes // (4 * batch * cols))
-        if rows <= step:
+        if rows <= step and weights.dtype == torch.float32:
             return whole(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize, percdamp)
         losses, fallback = 0, None
         for r0 in range(0, rows, step):
             sl = slice(r0, min(r0 + step, rows))
-            q, loss, fb = whole(weights[:, sl], hessians.clone(), _rows(scale, sl, rows), _rows(zero_point, sl, rows),
-                                global_scale, quant_args, blocksize, percdamp)
-            weights[:, sl] = q
+            q, loss, fb = whole(weights[:, sl].float(), hessians.clone(), _rows(scale, sl, rows),
+                                _rows(zero_point, sl, rows), global_scale, quant_args, blocksize, percdamp)
+            weights[:, sl] = q.to(weights.dtype)
             losses, fallback = losses + loss, fb if fallback is None else fallback | fb
         return weights, losses, fallback
 
-    base.quantize_weight = blocked
+    def lean_prepare(batch, *args, **kwargs):
+        before = helpers.GPTQ_PRECISION  # read by prepare_batch for the stacked weights only
+        helpers.GPTQ_PRECISION = batch[0].weight.dtype
+        try:
+            return prepare(batch, *args, **kwargs)
+        finally:
+            helpers.GPTQ_PRECISION = before
+
+    base.quantize_weight, base.prepare_batch = blocked, lean_prepare
     try:
         yield
     finally:
-        base.quantize_weight = whole
+        base.quantize_weight, base.prepare_batch = whole, prepare

@@ -14,6 +14,11 @@ def _text_options(f):
         click.option("--kv", help="KV-cache scheme to simulate (fp8_e4m3, kvarn_…, or 'auto' = the recipe's)."),
         click.option("--recipe", help="Judge by this recipe's gates instead of the one recorded in qconv.json."),
         click.option("--out", type=click.Path(file_okay=False), help="Write report.json/report.md/kld.png here."),
+        click.option("--streamed/--whole-model", default=None,
+                     help="Layer-streamed forward (one decoder layer in memory) or whole model "
+                          "(default: streamed when the model does not fit in free memory)."),
+        click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Run the forward passes here "
+                     "(default: cuda when available)."),
     ]):
         f = opt(f)
     return f
@@ -33,10 +38,11 @@ def _print(report: dict) -> None:
 @click.option("--limit", type=int, help="At most this many documents per task.")
 @click.option("--task-data", multiple=True, metavar="TASK=PATH", help="Local data file for a shipped task.")
 @click.option("--max-gen-toks", type=int, help="Cap generation length of shipped generative tasks (CPU smoke runs).")
-def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, ref_topk, tasks, limit, task_data,
-             max_gen_toks):
+def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, ref_topk, tasks,
+             limit, task_data, max_gen_toks):
     """Measure ARTIFACT's quality cost against its source: KLD, top-1, PPL (and KV cache, tasks)."""
     from qconv.errors import QconvError
+    from qconv.eval.forward import Forward
     from qconv.eval.quality import EvalSettings
     from qconv.eval.run import evaluate
 
@@ -52,7 +58,8 @@ def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, ref
                             ref_topk=ref_topk)
     report = evaluate(artifact, settings, reference=reference, recipe=recipe,
                       tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
-                      limit=limit, task_data=data, max_gen_toks=max_gen_toks, out=out)
+                      limit=limit, task_data=data, max_gen_toks=max_gen_toks, out=out,
+                      fwd=Forward(streamed=streamed, device=device))
     _print(report)
 
 
@@ -61,12 +68,14 @@ def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, ref
 @_text_options
 @click.option("--against", help="Regress against this artifact or report.json (default: the recorded report).")
 @click.option("--junit", type=click.Path(dir_okay=False), help="Write JUnit XML for CI.")
-def check(artifact, reference, text, window, max_tokens, kv, recipe, out, against, junit):
+def check(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, against, junit):
     """Re-measure ARTIFACT; exit 1 on a failed quality gate or a regression beyond tolerance."""
+    from qconv.eval.forward import Forward
     from qconv.eval.run import check as run_check
 
     report = run_check(artifact, against=against, junit=junit, reference=reference, recipe=recipe, text=text,
-                       window=window, max_tokens=max_tokens, kv=kv, out=out)
+                       window=window, max_tokens=max_tokens, kv=kv, out=out,
+                       fwd=Forward(streamed=streamed, device=device))
     _print(report)
     click.echo(f"check passed: {len(report['verdicts'])} checks ({report['tier'].get('name')} tier)")
 

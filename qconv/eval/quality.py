@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 from qconv.errors import QconvError
-from qconv.eval.kvsim import get_scheme, kv_simulation
+from qconv.eval.kvsim import get_scheme
 from qconv.eval.metrics import TokenStats, summarize
-from qconv.eval.reference import Reference, build_reference, load_causal_lm, window_logits
+from qconv.eval.forward import Forward, LogitSource
+from qconv.eval.reference import Reference, build_reference
 from qconv.eval.text import Windows, load_text, make_windows
 
 log = logging.getLogger(__name__)
@@ -74,20 +75,22 @@ def resolve_reference(reference: str | Path | None, manifest) -> Source:
     return Source(path=src.path, sha256=sha, num_parameters=nparams or safetensors_stats(src.path)[0])
 
 
-def _run(model, ref: Reference, windows: Windows, kv_scheme=None) -> tuple[dict, np.ndarray]:
+def _run(logit_source: LogitSource, ref: Reference, windows: Windows, kv_scheme=None) -> tuple[dict, np.ndarray]:
     from tqdm.auto import tqdm
 
     stats = TokenStats()
-    with kv_simulation(model, kv_scheme):
-        for i in tqdm(range(len(windows.ids)), desc=f"eval{'+' + kv_scheme.name if kv_scheme else ''}",
-                      unit="window", leave=False):
-            logits, targets = window_logits(model, windows.ids[i], windows.first_scored(i))
-            stats.add(ref.window(i), logits, targets)
+    n = len(windows.ids)
+    for i, logits, targets in tqdm(logit_source.logits(windows, list(range(n)), kv_scheme), total=n,
+                                   desc=f"eval{'+' + kv_scheme.name if kv_scheme else ''}", unit="window",
+                                   leave=False):
+        stats.add(ref.window(i), logits, targets)
     return summarize(stats), stats.arrays()["kld"]
 
 
-def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings) -> tuple[dict, dict[str, np.ndarray]]:
-    """The report dict (no verdicts yet) and the per-token KLD arrays by section, for the plot."""
+def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
+            fwd: Forward | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+    """The report dict (no verdicts yet) and the per-token KLD arrays by section, for the plot. `fwd` picks the
+    device and whole-model or layer-streamed forward (default: streamed when a model does not fit)."""
     from transformers import AutoTokenizer
 
     t0 = time.time()
@@ -95,14 +98,18 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings) ->
     tok = AutoTokenizer.from_pretrained(source.path)
     windows = make_windows(tok, text, window=settings.window, max_tokens=settings.max_tokens,
                            stride=settings.stride)
+    fwd = fwd or Forward()
+    ref_source = LogitSource(source.path, fwd, source.num_parameters, "reference model")
     ref = build_reference(source.path, windows, source_sha256=source.sha256, text_sha256=text.sha256,
-                          topk=settings.ref_topk)
+                          topk=settings.ref_topk, logit_source=ref_source)
+    ref_source.close()
     kv = get_scheme(settings.kv) if settings.kv else None
-    model = load_causal_lm(artifact_dir)
-    weights, kld_w = _run(model, ref, windows)
+    art = LogitSource(artifact_dir, fwd, source.num_parameters, "artifact")
+    weights, kld_w = _run(art, ref, windows)
     sections, klds = {"weights": weights}, {"weights": kld_w}
     if kv is not None:
-        sections["weights_kv"], klds["weights_kv"] = _run(model, ref, windows, kv)
+        sections["weights_kv"], klds["weights_kv"] = _run(art, ref, windows, kv)
+    art.close()
     numel, nbytes = safetensors_stats(artifact_dir)
     report = {
         "schema": 1,
@@ -116,6 +123,7 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings) ->
         "bits_per_weight": 8 * nbytes / source.num_parameters,
         "artifact_bytes": nbytes,
         "kv_scheme": kv.name if kv else None,
+        "forward": {"streamed": art.streamed, "device": art.device},
         **sections,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
                    f"{'cuda ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}",

@@ -85,12 +85,12 @@ def choose_storage(vocab_size: int, topk: int | None) -> tuple[str, int | None]:
     return ("topk", topk) if topk else ("full", None)
 
 
-def load_causal_lm(path: str | Path):
+def load_causal_lm(path: str | Path, device: str | None = None):
     """Any HF causal-LM folder, eval mode, CPU/GPU. A compressed-tensors artifact is decompressed once at load:
     the same dequantized weights, without unpacking them again on every forward."""
     from qconv.convert import hfmodel
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = hfmodel.load_causal_lm(path, dtype="bfloat16", device_map=device)
     model.eval()
     return model
@@ -111,8 +111,9 @@ def reference_key(source_sha256: str, text_sha256: str, window: int, stride: int
 
 
 def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text_sha256: str,
-                    topk: int | None = None, model=None) -> Reference:
-    """Reference for `windows` (text.Windows), computing only the windows not cached yet."""
+                    topk: int | None = None, logit_source=None) -> Reference:
+    """Reference for `windows` (text.Windows), computing only the windows not cached yet, from `logit_source`
+    (forward.LogitSource; default: the whole source model on the default device)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
@@ -129,9 +130,11 @@ def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text
     if missing:
         log.info("reference logits: computing %d of %d windows (%s) into %s", len(missing), len(windows.ids),
                  storage if not k else f"top-{k}", folder)
-        model = model or load_causal_lm(source_dir)
-        for i in _progress(missing, "reference"):
-            logits, targets = window_logits(model, windows.ids[i], windows.first_scored(i))
+        if logit_source is None:
+            from qconv.eval.forward import Forward, LogitSource
+
+            logit_source = LogitSource(source_dir, Forward(streamed=False), 0, "reference")
+        for i, logits, targets in _progress(logit_source.logits(windows, missing), "reference", len(missing)):
             rw = ref_window_from_logits(logits, targets, k)
             tmp = folder / f".window_{i:05d}.{os.getpid()}.tmp"
             save_file(rw.to_tensors(), str(tmp))
@@ -139,7 +142,7 @@ def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text
     return Reference(folder=folder, storage=storage, topk=k, vocab_size=vocab)
 
 
-def _progress(items, desc: str):
+def _progress(items, desc: str, total: int | None = None):
     from tqdm.auto import tqdm
 
-    return tqdm(items, desc=desc, unit="window", leave=False)
+    return tqdm(items, desc=desc, unit="window", leave=False, total=total)

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from qconv.errors import GateFailure, QconvError
+from qconv.eval.forward import Forward
 from qconv.eval.gates import Verdict, apply_gates, regressions, tier_info, write_junit
 from qconv.eval.quality import EvalSettings, Source, measure, resolve_reference, safetensors_stats
 from qconv.eval.report import REPORT_JSON, summary, write_reports
@@ -59,7 +60,7 @@ def _with_tasks(report: dict, artifact: Path, source: Source, tasks, limit, task
 def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | None = None,
              recipe: str | None = None, tasks: list[str] | None = None, limit: int | None = None,
              task_data: dict[str, str] | None = None, max_gen_toks: int | None = None,
-             out: str | Path | None = None) -> dict:
+             out: str | Path | None = None, fwd: Forward | None = None) -> dict:
     """`qconv eval`: measure, judge by the recipe's tier gates (reported, not raised), write reports to `out`."""
     artifact = Path(artifact)
     manifest = read_manifest(artifact)
@@ -71,7 +72,7 @@ def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | N
     rec = load_recipe(recipe) if recipe else manifest_recipe(manifest)
     if settings.kv == "auto":
         settings = replace(settings, kv=auto_kv(rec))
-    report, klds = measure(artifact, source, settings)
+    report, klds = measure(artifact, source, settings, fwd)
     report = _judge(_with_tasks(report, artifact, source, tasks, limit, task_data, max_gen_toks), rec)
     if out:
         write_reports(out, report, klds)
@@ -105,7 +106,7 @@ def load_recorded(against: str | Path | None, manifest) -> dict | None:
 def check(artifact: str | Path, *, against: str | None = None, junit: str | None = None,
           reference: str | None = None, recipe: str | None = None, text: str | None = None,
           window: int | None = None, max_tokens: int | None = None, kv: str | None = None,
-          out: str | Path | None = None) -> dict:
+          out: str | Path | None = None, fwd: Forward | None = None) -> dict:
     """`qconv check`: verify files, re-measure with the recorded settings, apply gates and regression tolerances.
     Raises GateFailure (exit 1) naming every failed gate with its measured value."""
     artifact = Path(artifact)
@@ -126,7 +127,7 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
     files = Verdict("files", "files match qconv.json", not problems, message="files: " + (
         "all match qconv.json" if not problems else "; ".join(problems[:5]) + " — FAILED"))
     source = resolve_reference(reference, manifest)
-    report, klds = measure(artifact, source, settings)
+    report, klds = measure(artifact, source, settings, fwd)
     extra = [files] + (regressions(report, recorded, rec.quality.regression) if recorded else [])
     report = _judge(report, rec, extra)
     if out:
@@ -142,7 +143,7 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
 
 def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Recipe, *, text: str | None = None,
                    kv: str | None = "auto", source_sha256: str | None = None, num_parameters: int | None = None,
-                   tasks: list[str] | None = None, limit: int | None = None) -> dict:
+                   tasks: list[str] | None = None, limit: int | None = None, fwd: Forward | None = None) -> dict:
     """For `qconv build`: measure the fresh artifact, write report.json/report.md/kld.png into it, return the
     summary for qconv.json (`passed` False when a gate failed; the caller marks the manifest and exits 1).
     Call it before hashing the artifact's files: the reports are part of the artifact."""
@@ -159,7 +160,7 @@ def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Rec
         source_sha256 = sha256_json(source_files(Path(source_dir)))
     source = Source(path=Path(source_dir), sha256=source_sha256,
                     num_parameters=num_parameters or safetensors_stats(source_dir)[0])
-    report, klds = measure(artifact_dir, source, settings)
+    report, klds = measure(artifact_dir, source, settings, fwd)
     report = _judge(_with_tasks(report, Path(artifact_dir), source, tasks, limit, None), recipe)
     write_reports(artifact_dir, report, klds)
     return summary(report)

@@ -224,6 +224,17 @@ def profile_fit_lines(config: dict, recipe: Recipe, total_bytes: int, vision_byt
             + f"; one sequence reaches {f.max_context[f.profile.kv_cache]:,} tokens" for f in r.profiles]
 
 
+def int8_headroom(config: dict, recipe: Recipe, total_bytes: int, vision_bytes: int = 0,
+                  mtp_bytes: int = 0) -> tuple[int, ProfileFit]:
+    """`selection.budget: auto`: the bytes the recipe's card has left once the weights (`total_bytes`, uniform W4)
+    and the first (default) profile's KV cache at its context length plus the recurrent state are placed, after
+    the reserve — the slack of that profile's fit, never negative. Promoting at most this much keeps it fitting."""
+    r = build_report("", config, recipe, total_bytes, vision_bytes, mtp_bytes, "estimate", recipe.card.name,
+                     recipe.card.memory_gib, profile=next(iter(recipe.profiles)))
+    fit = r.profiles[0]
+    return max(0, fit.usable - fit.need), fit
+
+
 def _gib(b: int | float) -> str:
     return f"{b / GIB:.2f} GiB"
 

@@ -75,14 +75,18 @@ class Calibration:
 @dataclass
 class Selection:
     """Selective INT8 by measured sensitivity (0 = uniform 4-bit)."""
-    budget: str = "0"  # bytes ("0", "1500000000"), with unit ("1.5GB", "300MiB"), or percent of the artifact ("5%")
+    # bytes ("0", "1500000000"), with unit ("1.5GB", "300MiB"), percent of the artifact ("5%"), or "auto": what the
+    # card has left after the weights, the first profile's KV cache + recurrent state and the reserve
+    budget: str = "0"
     scheme: str = "w8a16"
     candidates: list[str] = field(default_factory=lambda: ["attn_qkv", "attn_o", "mlp_gate_up", "mlp_down",
                                                            "gdn_qkvz", "gdn_out"])
 
     def validate(self):
-        if not re.fullmatch(r"\s*-?\d+(\.\d+)?\s*(%|[kKMGT]i?B|B)?\s*", self.budget):
-            yield "budget", f"bad budget {self.budget!r}; use bytes (1500000000), a size (1.5GB, 300MiB) or a percent (5%)"
+        if self.budget.strip() != "auto" and not re.fullmatch(r"\s*-?\d+(\.\d+)?\s*(%|[kKMGT]i?B|B)?\s*",
+                                                              self.budget):
+            yield "budget", (f"bad budget {self.budget!r}; use bytes (1500000000), a size (1.5GB, 300MiB), a percent "
+                             "(5%) or auto (what the card has left after the first profile)")
         for c in self.candidates:
             if c not in ROLES:
                 yield "candidates", f"unknown role {c!r}; roles: {', '.join(ROLES)}"

@@ -1,0 +1,88 @@
+"""Where evaluation logits come from: the whole model loaded once, or the layer-streamed forward (layerwise.py)
+when the model does not fit in the memory of the device it runs on (or when asked). Both give the same numbers
+for the same windows, so the reference cache is shared between them."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from qconv.errors import QconvError
+
+log = logging.getLogger(__name__)
+
+# A whole bf16 model is loaded only when it takes at most this share of the memory free on its device: the rest is
+# for one window of logits, the activations and the other model of the pair (freed before the next is loaded).
+FIT_FRACTION = 0.7
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class Forward:
+    streamed: bool | None = None  # None: stream when the model does not fit (see fits)
+    device: str | None = None  # None: cuda when available, else cpu
+
+    def resolved_device(self) -> str:
+        if self.device is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in DEVICES:
+            raise QconvError(f"unknown device {self.device!r}", where="--device", fix=f"use one of {DEVICES}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise QconvError("--device cuda but torch sees no CUDA device", where="--device",
+                             fix="pass --device cpu, or install a CUDA build of torch on a machine with a GPU")
+        return self.device
+
+
+def free_memory(device: str) -> int:
+    """Bytes free now on the device: CUDA's own count, or the OS's MemAvailable for the CPU."""
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    from qconv.convert.stream import available_ram
+
+    return available_ram()
+
+
+def fits(num_parameters: int, device: str) -> bool:
+    """Whether a whole bf16 model of this size can be loaded on the device now."""
+    free = free_memory(device)
+    return not free or 2 * num_parameters <= FIT_FRACTION * free
+
+
+class LogitSource:
+    """Per-window logits of one model folder (a bf16 source or a compressed-tensors artifact)."""
+
+    def __init__(self, path: str | Path, fwd: Forward, num_parameters: int, what: str):
+        self.path, self.device = Path(path), fwd.resolved_device()
+        self.streamed = fwd.streamed if fwd.streamed is not None else not fits(num_parameters, self.device)
+        if self.streamed and fwd.streamed is None:
+            log.info("%s (%.1f GB bf16) does not fit in %.1f GB free on %s: layer-streamed forward", what,
+                     2 * num_parameters / 1e9, free_memory(self.device) / 1e9, self.device)
+        self._model = None
+
+    def logits(self, windows, indices: list[int], kv_scheme=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(i, logits [n, V] float32 of the positions window i scores, the tokens they predict) for each i."""
+        from qconv.eval.kvsim import kv_simulation
+        from qconv.eval.reference import load_causal_lm, window_logits
+
+        if not indices:
+            return
+        if self.streamed:
+            from qconv.eval.layerwise import streamed_logits
+
+            firsts = [windows.first_scored(i) for i in indices]
+            for j, logits, targets in streamed_logits(self.path, [windows.ids[i] for i in indices], firsts,
+                                                      device=self.device, kv_scheme=kv_scheme):
+                yield indices[j], logits, targets
+            return
+        if self._model is None:
+            self._model = load_causal_lm(self.path, device=self.device)
+        with kv_simulation(self._model, kv_scheme):
+            for i in indices:
+                yield (i, *window_logits(self._model, windows.ids[i], windows.first_scored(i)))
+
+    def close(self) -> None:
+        self._model = None

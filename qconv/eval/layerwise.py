@@ -1,0 +1,279 @@
+"""Layer-streamed forward: the logits of every evaluation window without ever holding the whole model.
+
+The model is built on the meta device from its config (transformers' own classes: llama, qwen3, the qwen3_5 hybrid
+with its Gated-DeltaNet layers). Then, reading tensors from safetensors as they are needed (an artifact's
+compressed-tensors weights dequantized by compressed-tensors' own model-free dequantizer):
+1. the embedding turns every window into hidden states (kept on the CPU, bf16), then is dropped;
+2. each decoder layer in turn is loaded onto the device, every window is pushed through it, and it is dropped;
+3. the final norm and the lm_head score the windows, `row_block` positions at a time.
+Peak memory: the larger of embedding and lm_head + one layer + the windows' hidden states + one block of logits.
+
+The inputs every layer takes besides the hidden states (rotary cos/sin, the causal and recurrent masks) are
+captured from the model's own forward, run once with the layers swapped for recorders: no family's mask or
+position logic is rewritten here, so each window sees exactly what the whole-model path gives it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from qconv.errors import QconvError
+
+log = logging.getLogger(__name__)
+
+# Checkpoint prefixes of the text model besides the model's own names: a Qwen3_5ForConditionalGeneration
+# checkpoint keeps the language model under model.language_model.*, which Qwen3_5ForCausalLM calls model.*.
+PREFIX_ALIASES = (("model.", "model.language_model."),)
+ROW_BLOCK = 512
+DEQUANT_BLOCK_ROWS = 8192
+
+
+@dataclass
+class Checkpoint:
+    """A model folder read by tensor-name prefix; compressed-tensors weights come back dequantized (bf16)."""
+    path: Path
+    files: dict[str, Path]  # tensor name -> the shard that holds it
+    dequantizer: object | None = None
+    _prefix_map: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "Checkpoint":
+        from qconv.convert.stream import tensor_files
+
+        path = Path(path)
+        files = tensor_files(path)
+        if not files:
+            raise QconvError(f"no safetensors in {path}", where=str(path),
+                             fix="layer streaming reads safetensors shards; convert the checkpoint first")
+        qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        deq = None
+        if qcfg.get("quant_method") == "compressed-tensors":
+            from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+
+            from compressed_tensors.config import CompressionFormat
+
+            deq = CompressedTensorsDequantizer(str(path), dtype=torch.bfloat16)
+            # It infers each group's format as a Linear's would be (pack-quantized for any int scheme); an INT8
+            # embedding/lm_head group is stored int-quantized: use the format the artifact records.
+            for name, scheme in deq.quant_config.config_groups.items():
+                recorded = (qcfg.get("config_groups", {}).get(name) or {}).get("format")
+                if recorded:
+                    scheme.format = CompressionFormat(recorded)
+        return cls(path, files, deq)
+
+    def resolve(self, prefix: str) -> str | None:
+        """The checkpoint's spelling of a module prefix ('model.layers.3.'), or None when nothing is stored there."""
+        if prefix not in self._prefix_map:
+            found = None
+            for a, b in ((None, None),) + PREFIX_ALIASES:
+                p = prefix if a is None else (b + prefix[len(a):] if prefix.startswith(a) else None)
+                if p and any(n.startswith(p) for n in self.files):
+                    found = p
+                    break
+            self._prefix_map[prefix] = found
+        return self._prefix_map[prefix]
+
+    def read(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor under the module prefix, by local name (the prefix stripped), dequantized."""
+        from safetensors import safe_open
+
+        p = self.resolve(prefix)
+        if p is None:
+            raise QconvError(f"no tensors under {prefix} in {self.path}", where=str(self.path),
+                             fix="the checkpoint does not match its config.json; re-download or rebuild it")
+        names = [n for n in self.files if n.startswith(p)]
+        out: dict[str, torch.Tensor] = {}
+        for shard in sorted({self.files[n] for n in names}):
+            with safe_open(str(shard), framework="pt") as f:
+                out.update({n: f.get_tensor(n) for n in names if self.files[n] == shard})
+        if self.dequantizer is not None:
+            out = self._dequantize(out)
+        return {n[len(p):]: t for n, t in out.items()}
+
+    def _dequantize(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """compressed-tensors' dequantizer, a block of rows at a time for a large matrix: it holds about twice the
+        bf16 result in temporaries (5 GB for a 248,320 x 5,120 INT8 lm_head); the rows of a group- or
+        channel-quantized weight dequantize independently."""
+        by_module: dict[str, dict[str, torch.Tensor]] = {}
+        for n, t in tensors.items():
+            mod, _, local = n.rpartition(".")
+            by_module.setdefault(mod, {})[local] = t
+        out = {}
+        for mod, local in by_module.items():
+            stored = local.get("weight_packed", local.get("weight"))
+            rows = stored.shape[0] if stored is not None and stored.dim() == 2 else 0
+            if rows <= DEQUANT_BLOCK_ROWS or "weight_scale" not in local or any(
+                    t.dim() == 2 and t.shape[0] != rows for t in local.values()):
+                out.update(self.dequantizer.process({f"{mod}.{k}": t for k, t in local.items()}))
+                continue
+            weight = None
+            for a in range(0, rows, DEQUANT_BLOCK_ROWS):
+                part = {f"{mod}.{k}": (t[a:a + DEQUANT_BLOCK_ROWS] if t.dim() == 2 else t) for k, t in local.items()}
+                if "weight_shape" in local:
+                    part[f"{mod}.weight_shape"] = torch.tensor([min(DEQUANT_BLOCK_ROWS, rows - a),
+                                                                int(local["weight_shape"][1])])
+                block = self.dequantizer.process(part)
+                w = block.pop(f"{mod}.weight")
+                if weight is None:
+                    weight = torch.empty(rows, w.shape[1], dtype=w.dtype)
+                    out.update(block)  # anything else the module stores (bias), once
+                weight[a:a + len(w)] = w
+            out[f"{mod}.weight"] = weight
+        return out
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for decoder layer `i` in the model's forward: records what the layer is given, passes through."""
+
+    def __init__(self, i: int, seen: dict):
+        super().__init__()
+        self.i, self.seen = i, seen
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.seen[self.i] = (args, kwargs)
+        return hidden_states
+
+
+def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], device, where: str) -> None:
+    """Materialize a meta module from a state dict (all of it, nothing else), in bf16 on `device`."""
+    want = set(module.state_dict())
+    missing, extra = want - set(tensors), set(tensors) - want
+    if missing:
+        raise QconvError(f"{where}: tensors missing from the checkpoint: {sorted(missing)[:5]}", where=where,
+                         fix="the checkpoint does not match its config.json; re-download or rebuild it")
+    sd = {k: tensors[k].to(device=device, dtype=torch.bfloat16 if tensors[k].is_floating_point() else None)
+          for k in want}
+    if extra:
+        log.debug("%s: ignoring %d stored tensors the module does not use: %s", where, len(extra), sorted(extra)[:5])
+    module.load_state_dict(sd, strict=True, assign=True)
+
+
+def _free(module: torch.nn.Module) -> None:
+    module.to("meta")
+
+
+@dataclass
+class StreamedModel:
+    """A causal LM on the meta device whose weights stay in `ckpt` until a stage needs them."""
+    ckpt: Checkpoint
+    model: torch.nn.Module  # the full model, meta device (rotary buffers real)
+    device: torch.device
+    row_block: int = ROW_BLOCK
+
+    @classmethod
+    def open(cls, path: str | Path, device: str | torch.device = "cpu") -> "StreamedModel":
+        import transformers
+
+        from qconv.convert.stream import pin_mmap_threshold, rebuild_meta_buffers
+
+        pin_mmap_threshold()  # each layer's tensors are freed before the next: give them back (see convert.stream)
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config  # the weights come dequantized: build plain bf16 modules
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        rebuild_meta_buffers(model)
+        model.eval()
+        return cls(Checkpoint.open(path), model, torch.device(device))
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def _names(self) -> dict[int, str]:
+        return {id(m): n for n, m in self.model.named_modules()}
+
+    def _prefix(self, module) -> str:
+        return self._names()[id(module)] + "."
+
+    @torch.inference_mode()
+    def embed(self, windows: list[list[int]]) -> torch.Tensor:
+        """[W, T, H] bf16 on the CPU."""
+        emb = self.model.get_input_embeddings()
+        _load(emb, self.ckpt.read(self._prefix(emb)), self.device, "embedding")
+        try:
+            return torch.stack([emb(torch.tensor(ids, device=self.device)).cpu() for ids in windows])
+        finally:
+            _free(emb)
+
+    @torch.inference_mode()
+    def layer_inputs(self, seq_len: int) -> dict[int, tuple[tuple, dict]]:
+        """What the model's own forward hands decoder layer i for one window of `seq_len` tokens."""
+        dec = self.model.get_decoder()
+        real, seen = dec.layers, {}
+        dec.layers = torch.nn.ModuleList([_Recorder(i, seen) for i in range(len(real))])
+        try:
+            x = torch.zeros(1, seq_len, self.config.get_text_config().hidden_size, dtype=torch.bfloat16,
+                            device=self.device)
+            norm = dec.norm
+            dec.norm = torch.nn.Identity()
+            try:
+                dec(inputs_embeds=x, use_cache=False)
+            finally:
+                dec.norm = norm
+        finally:
+            dec.layers = real
+        return seen
+
+    @torch.inference_mode()
+    def run_layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every window through layer 0, then every window through layer 1, ... (in place on `hidden`)."""
+        from tqdm.auto import tqdm
+
+        inputs = self.layer_inputs(hidden.shape[1])
+        layers = self.model.get_decoder().layers
+        for i, layer in enumerate(tqdm(layers, desc="layers (streamed)", unit="layer", leave=False)):
+            _load(layer, self.ckpt.read(self._prefix(layer)), self.device, f"decoder layer {i}")
+            args, kwargs = inputs[i]
+            try:
+                for w in range(hidden.shape[0]):
+                    out = layer(hidden[w:w + 1].to(self.device), *args, **kwargs)
+                    hidden[w] = (out[0] if isinstance(out, tuple) else out)[0].to(hidden.device)
+            finally:
+                _free(layer)
+        return hidden
+
+    def _head_weights(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        dec, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        _load(dec.norm, self.ckpt.read(self._prefix(dec.norm)), self.device, "final norm")
+        prefix = self._prefix(head)
+        if self.ckpt.resolve(prefix) is None:  # tied: the lm_head is the embedding
+            prefix = self._prefix(self.model.get_input_embeddings())
+        _load(head, self.ckpt.read(prefix), self.device, "lm_head")
+        return dec.norm, head
+
+    @torch.inference_mode()
+    def window_logits(self, hidden: torch.Tensor, windows: list[list[int]], firsts: list[int]
+                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(window index, float32 logits of positions first..T-2, the tokens they predict), one window at a time;
+        norm + lm_head run `row_block` positions at a time."""
+        norm, head = self._head_weights()
+        try:
+            for w, (ids, first) in enumerate(zip(windows, firsts)):
+                h = hidden[w, first:-1]
+                logits = torch.cat([head(norm(h[a:a + self.row_block].to(self.device))).float().cpu()
+                                    for a in range(0, len(h), self.row_block)])
+                yield w, logits, torch.tensor(ids[first + 1:])
+        finally:
+            _free(norm)
+            _free(head)
+
+
+def streamed_logits(path: str | Path, windows: list[list[int]], firsts: list[int], *, device: str = "cpu",
+                    kv_scheme=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """The layer-streamed equivalent of running `reference.window_logits` on each window of a loaded model."""
+    from qconv.eval.kvsim import kv_simulation
+
+    if len({len(w) for w in windows}) > 1:
+        raise QconvError("streamed evaluation needs windows of one length", where="--window",
+                         fix="this is a bug: text.make_windows makes equal windows")
+    sm = StreamedModel.open(path, device)
+    with kv_simulation(sm.model, kv_scheme):
+        hidden = sm.run_layers(sm.embed(windows))
+        yield from sm.window_logits(hidden, windows, firsts)

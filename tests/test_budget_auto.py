@@ -1,0 +1,69 @@
+"""Issue 16, item 4: `selection.budget: auto` is the fit planner's slack for the default profile on the recipe's
+card; the 3090 recipe uses it and `--dry-run` on the 27B config prints the budget, the promotion preview by role and
+the fit after promotion."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_build import run
+
+
+def test_parse_auto():
+    from qconv.calibrate.select import parse_budget
+    from qconv.errors import QconvError
+
+    assert parse_budget("auto", 1000, 700) == 700 and parse_budget(" auto ", 1000, -5) == 0
+    with pytest.raises(QconvError, match="auto"):
+        parse_budget("auto", 1000)
+
+
+def test_recipe_accepts_auto_only_as_a_word(tmp_path):
+    import yaml
+
+    from qconv.recipes.recipe import load_recipe
+    from qconv.recipes.schema import SchemaError
+
+    assert load_recipe("3090").selection.budget == "auto"
+    d = load_recipe("3090").to_dict()
+    d["selection"]["budget"] = "automatic"
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(SchemaError, match=r"selection\.budget.*auto"):
+        load_recipe(str(p))
+
+
+def test_auto_budget_is_the_default_profiles_slack_on_the_27b(config_27b):
+    from qconv.convert.build import BuildOptions, dry_run
+    from qconv.convert.sources import read_config
+    from qconv.kv.plan import build_report, int8_headroom
+
+    dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090"))
+    roles = dr.plan.bytes_by_role()
+    vision, mtp = roles.get("vision", {}).get("bytes", 0), roles.get("mtp", {}).get("bytes", 0)
+    config = read_config(config_27b)
+    left, fit = int8_headroom(config, dr.recipe, dr.plan.total_bytes, vision, mtp)
+    assert fit.name == "fast" and fit.fits and dr.budget_bytes == left > 0
+    # Promoting the whole budget leaves the default profile fitting with nothing to spare.
+    after = build_report("", config, dr.recipe, dr.plan.total_bytes + left, vision, mtp, "estimate",
+                         dr.recipe.card.name, dr.recipe.card.memory_gib, profile="fast").profiles[0]
+    assert after.fits and after.usable - after.need == 0
+    assert "fast" in dr.budget_note and "reserve" in dr.budget_note
+
+
+def test_dry_run_prints_budget_promotion_and_fit(config_27b, tmp_path):
+    r = run("build", "--recipe", "3090", "--model", config_27b, "--dry-run", "--work-dir", tmp_path / "w")
+    assert r.exit_code == 0, r.output
+    out = " ".join(r.output.split())
+    assert "INT8 budget auto =" in out
+    for role in ("mlp_down", "mlp_gate_up", "gdn_qkvz", "attn_qkv"):
+        assert role in out.split("INT8 promotion candidates")[1]
+    after = [l for l in out.split("after promotion")[1:] if "profile fast" in l]
+    assert after and "-> fits" in after[0]
+
+
+def test_explicit_budget_still_wins(config_27b, tmp_path):
+    from qconv.convert.build import BuildOptions, dry_run
+
+    dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090", int8_budget="100MB", work_dir=tmp_path))
+    assert dr.budget_bytes == 100_000_000 and dr.budget_note == ""

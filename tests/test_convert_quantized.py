@@ -169,7 +169,8 @@ def test_compressed_tensors_passthrough(tiny_qwen3, tmp_path):
 def test_vllm_parses_import(tiny_qwen3, tmp_path, name):
     """vLLM's own compressed-tensors parser accepts every imported config (symmetric and zero-point WNA16)."""
     from qconv.convert.imported import convert_quantized
-    from qconv.serve.vllm import check_quant_config, load_source
+    from qconv.serve.vllm import load_source
+    from qconv.serve.vllm_probe import check_quant_config
 
     out = tmp_path / "ct"
     convert_quantized(str(_quantized(tiny_qwen3, "qwen3", name)), out)

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from qconv.cli import main
 from qconv.errors import QconvError
-from qconv.serve import vllm
+from qconv.serve import vllm, vllm_probe
 
 
 @pytest.fixture(autouse=True)
@@ -99,20 +99,20 @@ def test_speculative_mapping(tmp_path):
 def test_checks_name_the_fallback_profile(config_27b):
     src = vllm.load_source(config_27b, "3090")
     arch = src.architecture
-    plain = vllm.VllmInfo("0.32.0", [arch], ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"])
-    vllm.check_vllm(src, "long", plain)
+    plain = vllm_probe.VllmInfo("0.32.0", [arch], ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    vllm_probe.check_vllm(src, "long", plain)
     with pytest.raises(QconvError) as e:
-        vllm.check_vllm(src, "huge", plain)
+        vllm_probe.check_vllm(src, "huge", plain)
     assert "KVarN build of vLLM" in e.value.what and "--profile fast" in e.value.fix
     with pytest.raises(QconvError, match="does not know the architecture"):
-        vllm.check_vllm(src, "fast", vllm.VllmInfo("0.8.0", ["LlamaForCausalLM"], None))
-    kvarn = vllm.VllmInfo("0.22.0+kvarn", [arch], ["auto", "fp8_e4m3", "kvarn_k4v2_g128"])
-    vllm.check_vllm(src, "huge", kvarn)
+        vllm_probe.check_vllm(src, "fast", vllm_probe.VllmInfo("0.8.0", ["LlamaForCausalLM"], None))
+    kvarn = vllm_probe.VllmInfo("0.22.0+kvarn", [arch], ["auto", "fp8_e4m3", "kvarn_k4v2_g128"])
+    vllm_probe.check_vllm(src, "huge", kvarn)
 
 
 def test_missing_vllm_is_a_clear_error(tmp_path):
     with pytest.raises(QconvError, match="vLLM is not usable") as e:
-        vllm.probe_vllm(__import__("sys").executable if not _has_vllm() else "/nonexistent/python")
+        vllm_probe.probe_vllm(__import__("sys").executable if not _has_vllm() else "/nonexistent/python")
     assert "--backend native" in e.value.fix
 
 
@@ -144,21 +144,21 @@ def test_cpu_recipe_loads():
 
 def test_requires_refuse_until_the_vllm_feature_is_declared(config_27b):
     src = vllm.load_source(config_27b, "3090")
-    plain = vllm.VllmInfo("0.32.0", [src.architecture], ["auto", "fp8_e4m3"])
+    plain = vllm_probe.VllmInfo("0.32.0", [src.architecture], ["auto", "fp8_e4m3"])
     src.requires = [{"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings",
                      "vllm_feature": "quantized-embeddings", "reason": "r"},
                     {"feature": "profile huge: kvarn_k4v2_g128 KV cache", "profile": "huge",
                      "needs": "qconv runtime or the KVarN build of vLLM", "vllm_feature": "kv-cache:kvarn_k4v2_g128"}]
     with pytest.raises(QconvError) as e:
-        vllm.check_vllm(src, "fast", plain)
+        vllm_probe.check_vllm(src, "fast", plain)
     assert "int8 embed_tokens" in e.value.what and "--vllm-feature quantized-embeddings" in e.value.fix
     assert "--backend native" in e.value.fix
-    vllm.check_vllm(src, "fast", plain, ("quantized-embeddings",))  # the KV entry belongs to another profile
+    vllm_probe.check_vllm(src, "fast", plain, ("quantized-embeddings",))  # the KV entry belongs to another profile
     # a manifest written before feature tokens existed is read by its wording
     src.requires = [{"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings"}]
     with pytest.raises(QconvError, match="int8 embed_tokens"):
-        vllm.check_vllm(src, "fast", plain)
-    vllm.check_vllm(src, "fast", plain, ("quantized-embeddings",))
+        vllm_probe.check_vllm(src, "fast", plain)
+    vllm_probe.check_vllm(src, "fast", plain, ("quantized-embeddings",))
     src.requires = [{"feature": "x", "needs": "qconv-runtime"}]  # nothing a vLLM can declare satisfies this
     with pytest.raises(QconvError, match="needs qconv-runtime"):
-        vllm.check_vllm(src, "fast", plain, ("x", "qconv-runtime"))
+        vllm_probe.check_vllm(src, "fast", plain, ("x", "qconv-runtime"))

@@ -112,7 +112,7 @@ def test_stock_vllm_parses_the_3090_artifact_and_is_refused_what_it_lacks(tiny_q
 
     from qconv.cli import main
     from qconv.manifest import read_manifest
-    from qconv.serve import vllm
+    from qconv.serve import vllm, vllm_probe
 
     art = tmp_path / "tiny-qwen3-3090"
     r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(tiny_qwen3), "--out", str(art),
@@ -121,7 +121,7 @@ def test_stock_vllm_parses_the_3090_artifact_and_is_refused_what_it_lacks(tiny_q
     feats = {q.get("vllm_feature") for q in read_manifest(art).requires}
     assert "wna16-8bit-cpu" in feats and "quantized-embeddings" not in feats  # Qwen2Model passes the prefix
     src = vllm.load_source(art)
-    vllm.check_quant_config(src, vllm_python, vllm.probe_vllm(vllm_python).version)  # the parser accepts it
+    vllm_probe.check_quant_config(src, vllm_python, vllm_probe.probe_vllm(vllm_python).version)  # the parser accepts it
     monkeypatch.setenv("VLLM_PLUGINS", "")
     r = CliRunner().invoke(main, ["serve", str(art), "--backend", "vllm", "--vllm-python", vllm_python,
                                   "--profile", "fast"])
@@ -135,7 +135,7 @@ def test_3090_vllm_recipe_passes_stock_vllm_checks(tiny_qwen3, vllm_python, tmp_
 
     from qconv.cli import main
     from qconv.manifest import read_manifest
-    from qconv.serve import vllm
+    from qconv.serve import vllm, vllm_probe
 
     art = tmp_path / "tiny-qwen3-3090-vllm"
     r = CliRunner().invoke(main, ["build", "--recipe", "3090-vllm", "--model", str(tiny_qwen3), "--out", str(art),
@@ -143,6 +143,6 @@ def test_3090_vllm_recipe_passes_stock_vllm_checks(tiny_qwen3, vllm_python, tmp_
     assert r.exit_code == 0, r.output
     assert read_manifest(art).requires == []
     src = vllm.load_source(art)
-    info = vllm.probe_vllm(vllm_python)
-    vllm.check_vllm(src, "long", info)
-    vllm.check_quant_config(src, vllm_python, info.version)
+    info = vllm_probe.probe_vllm(vllm_python)
+    vllm_probe.check_vllm(src, "long", info)
+    vllm_probe.check_quant_config(src, vllm_python, info.version)

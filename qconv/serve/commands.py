@@ -64,7 +64,7 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
 
 def _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
            max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, datastore, vllm_args) -> None:
-    from qconv.serve import runtimes, vllm
+    from qconv.serve import runtimes, vllm, vllm_probe
 
     if print_command:
         backend = "vllm"
@@ -97,14 +97,14 @@ def _serve(path, backend, profile, recipe, print_command, host, port, api_key, t
     if print_command:
         click.echo(shlex.join(vllm.build_command(src, profile, opts)))
         return
-    info = vllm.probe_vllm(python)
+    info = vllm_probe.probe_vllm(python)
     opts.platform = info.platform
     argv = vllm.build_command(src, profile, opts)
     if info.platform == "cpu" and src.hybrid and src.speculative.get("method", "none") != "none":
         click.echo(f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it",
                    err=True)
-    vllm.check_vllm(src, profile, info, vllm_features)
-    vllm.check_quant_config(src, python, info.version)
+    vllm_probe.check_vllm(src, profile, info, vllm_features)
+    vllm_probe.check_quant_config(src, python, info.version)
     click.echo(f"starting: {shlex.join(argv)}", err=True)
     rc = vllm.run_vllm(argv, host, port, api_key=api_key)
     if rc:
@@ -124,10 +124,10 @@ def _requires(path: Path, profile: str | None) -> tuple[list[dict], str]:
 def _override_runtime(python: str):
     """--vllm-python: that interpreter described as a runtime (what its vLLM and plugin provide), None if it has no
     usable vLLM."""
-    from qconv.serve import runtimes, vllm
+    from qconv.serve import runtimes, vllm_probe
 
     try:
-        info = vllm.probe_vllm(python)
+        info = vllm_probe.probe_vllm(python)
     except QconvError as e:
         click.echo(f"--vllm-python {python}: {e.what}", err=True)
         return None

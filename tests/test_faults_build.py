@@ -358,7 +358,10 @@ def test_source_edited_with_same_name_size_and_mtime_is_rehashed(src, tmp_path, 
 
 # ---- kill -9 at random points -----------------------------------------------------------------------------------
 
-POINTS = ["work dir", "stage calibration", "stage quantization", "quality report skipped", "built "]
+# (log line, longest delay after it): seed i kills in phase i -- calibration, GPTQ, saving the stage folder,
+# packaging into the temp folder beside --out, and the finalize + atomic swap.
+POINTS = [("stage calibration", 1.0), ("stage quantization", 3.0), ("Writing model shards", 0.2),
+          ("Dispatching model", 0.2), ("quality report skipped", 0.05)]
 
 
 @pytest.mark.slow
@@ -373,7 +376,8 @@ def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path
     out, work = tmp_path / "out", tmp_path / "work"
     if seed % 2:
         shutil.copytree(ref, out)
-    point, delay = rng.choice(POINTS), rng.uniform(0, 1.5)
+    point, longest = POINTS[seed % len(POINTS)]
+    delay = rng.uniform(0, longest)
     p = subprocess.Popen(_cli(*build_args(src, out, work, cal, "--force")), env=_env(), stderr=subprocess.PIPE,
                          stdout=subprocess.DEVNULL, text=True)
     for line in p.stderr:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from qconv.errors import QconvError
 
@@ -43,7 +44,9 @@ def _cuda_gpu() -> bool:
 @click.option("--print-command", is_flag=True, help="Print the vLLM command line and exit (no weights needed).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (0.0.0.0 exposes the server).")
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--api-key", default=None, envvar="QCONV_API_KEY", help="Require 'Authorization: Bearer KEY'.")
+@click.option("--api-key", default=None, envvar="QCONV_API_KEY",
+              help="Require 'Authorization: Bearer KEY'. Prefer the QCONV_API_KEY environment variable: a key on "
+                   "the command line is visible to every user in the process list.")
 @click.option("--tensor-parallel-size", default=1, show_default=True, type=int, help="vLLM: GPUs to shard over.")
 @click.option("--max-batch", default=None, type=int,
               help="Sequences decoded together (native, default 8; vLLM: --max-num-seqs, default the profile's).")
@@ -67,6 +70,9 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
     from qconv.serve import vllm
 
+    if api_key and click.get_current_context().get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
+        click.echo("warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY "
+                   "instead", err=True)
     path = _resolve(target)
     python = vllm_python or sys.executable
     if print_command:

@@ -23,14 +23,23 @@ COMMAND_MODULES = (
 
 
 class QconvGroup(click.Group):
-    """Turns QconvError into one clear message and its exit code instead of a traceback."""
+    """Turns QconvError (and a full disk or a refused write anywhere, through fsutil.disk_error) into one clear
+    message and its exit code instead of a traceback."""
 
     def invoke(self, ctx):
+        from qconv.fsutil import disk_error
+
         try:
             return super().invoke(ctx)
         except QconvError as e:
             click.echo(f"error: {e.render()}", err=True)
             sys.exit(e.exit_code)
+        except OSError as e:
+            err = disk_error(e, what="cannot write", where=e.filename or ".")
+            if err is None:
+                raise
+            click.echo(f"error: {err.render()}", err=True)
+            sys.exit(err.exit_code)
 
 
 @click.group(cls=QconvGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,12 +1,19 @@
-"""Hashing and all-or-nothing writes: nothing half-written is ever left under a user's path."""
+"""Hashing and all-or-nothing writes: nothing half-written is ever left under a user's path.
+
+Temp folders are named `.NAME.PID.RAND.partial` and flock-ed while their owner works in them, and the previous
+folder of an atomic swap is parked as `.NAME.old-PID.RAND`, so `sweep_stale` can tell a crash's leftovers from a
+live process's work. Disk-full and permission errors become one QconvError in `disk_error`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -50,11 +57,14 @@ def file_table(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[s
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -65,27 +75,242 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush one file or folder (a folder's fsync makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if Path(path).is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """Flush every file and folder below root, then root: what is renamed into place is on disk first."""
+    root = Path(root)
+    for p in sorted(root.rglob("*"), key=lambda q: -len(q.parts)):
+        if not p.is_symlink():
+            fsync_path(p)
+    fsync_path(root)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+@contextlib.contextmanager
+def owned_temp_dir(parent: str | os.PathLike, name: str) -> Iterator[Path]:
+    """`parent/.NAME.PID.RAND.partial`, flock-ed for as long as the block runs and removed at its end unless the
+    caller renamed it away: a crash leaves a folder whose owner is provably gone (see sweep_stale)."""
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{name}.{os.getpid()}.", suffix=".partial"))
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield tmp
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # our own leftovers are never in use by us once we sweep
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stale_partial(p: Path) -> bool:
+    """A temp folder/file whose owner is gone: the pid its name carries is not running and nobody holds its lock."""
+    m = re.search(r"\.(\d+)\.[^.]*\.(partial|tmp)$", p.name)
+    if m and _pid_alive(int(m.group(1))):
+        return False
+    if p.is_dir() and not p.is_symlink():
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return _try_lock(fd)
+        finally:
+            os.close(fd)
+    return True
+
+
+def sweep_stale(parent: str | os.PathLike, name: str = "*") -> list[Path]:
+    """Clean what a killed process left beside `parent/NAME` (NAME "*": beside anything in parent): temp
+    `.NAME.*.partial` folders and `.NAME.*.tmp` files whose owner is gone are removed; a `.NAME.old-PID.*` folder
+    parked by an atomic swap that never finished is put back as NAME when NAME is missing (the user's previous
+    folder), else removed. Returns the paths removed or restored."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    done = []
+    for p in sorted(parent.glob(f".{glob_escape(name) if name != '*' else '*'}.*")):
+        if p.name.endswith((".partial", ".tmp")):
+            if _stale_partial(p):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                done.append(p)
+            continue
+        m = re.fullmatch(r"\.(.+)\.old-(\d+)(\.[^.]+)?", p.name)
+        if not m or _pid_alive(int(m.group(2))):
+            continue
+        final = parent / m.group(1)
+        if not final.exists():
+            os.replace(p, final)
+            fsync_path(parent)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+        done.append(p)
+    return done
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
-    """Yield a temp dir beside `final`; on success it replaces `final`, on any error it is removed."""
+    """Yield a temp dir beside `final`; on success it replaces `final` (flushed to disk first), on any error it is
+    removed. The previous folder is parked as `.NAME.old-PID.*` between the two renames (sweep_stale restores it
+    after a crash there)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
-    tmp.chmod(0o755)
-    try:
+    with owned_temp_dir(final.parent, final.name) as tmp:
+        tmp.chmod(0o755)
         yield tmp
+        fsync_tree(tmp)
         if final.exists():
             if not force:
                 raise FileExistsError(final)
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            old = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.old-{os.getpid()}."))
             os.replace(final, old)
             os.replace(tmp, final)
+            fsync_path(final.parent)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            fsync_path(final.parent)
+
+
+# ---- disk errors -------------------------------------------------------------------------------------------------
+
+_FIX_SPACE = "free space there, or point --out / --work-dir / QCONV_HOME at a larger disk"
+_FIX_PERM = "choose a folder you can write to, or fix its permissions"
+_DISK_ERRORS = {
+    errno.ENOSPC: ("no space left on the device", _FIX_SPACE),
+    errno.EDQUOT: ("disk quota exceeded", _FIX_SPACE),
+    errno.EACCES: ("permission denied", _FIX_PERM),
+    errno.EPERM: ("operation not permitted", _FIX_PERM),
+    errno.EROFS: ("read-only file system", "choose a folder on a writable file system"),
+}
+# Libraries that wrap the OS error in their own type (safetensors: "... (os error 28)") keep only its text.
+_OS_TEXT = [(re.compile(r"os error (\d+)"), None), (re.compile("No space left on device"), errno.ENOSPC),
+            (re.compile("Disk quota exceeded"), errno.EDQUOT), (re.compile("Permission denied"), errno.EACCES),
+            (re.compile("Read-only file system"), errno.EROFS)]
+
+
+def _disk_errno(e: BaseException | None) -> tuple[int, str | None] | None:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_ERRORS:  # filename2: a copy's or rename's destination
+            return e.errno, e.filename2 or e.filename
+        for rx, code in _OS_TEXT:
+            if m := rx.search(str(e)):
+                code = code if code is not None else int(m.group(1))
+                if code in _DISK_ERRORS:
+                    return code, None
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes on the file system that holds path (or its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def human_bytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def disk_error(e: BaseException, *, what: str, where: str | os.PathLike,
+               needed: int | None = None) -> QconvError | None:
+    """The QconvError for a disk-full / permission error (e, its causes, or a library's wrapper of one), naming
+    what was being written, where, and for a full disk how much space it needed and had; None for any other error.
+    The one place OSError turns into the CLI's error type."""
+    found = _disk_errno(e)
+    if found is None:
+        return None
+    code, filename = found
+    reason, fix = _DISK_ERRORS[code]
+    where = str(filename or where)
+    msg = f"{what}: {reason}"
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        msg += f" ({f'needs about {human_bytes(needed)}, ' if needed else ''}{human_bytes(free_bytes(where))} free)"
+    return QconvError(msg, where=where, fix=fix)
+
+
+def check_space(folder: str | os.PathLike, needed: int, what: str) -> None:
+    """Refuse before any work when the disk holding folder has less than `needed` bytes free."""
+    free = free_bytes(folder)
+    if needed > free:
+        raise QconvError(f"{what}: not enough disk space (needs about {human_bytes(needed)}, {human_bytes(free)} "
+                         f"free)", where=str(folder), fix=_FIX_SPACE)
+
+
+def check_writable(folder: str | os.PathLike, what: str) -> None:
+    """Refuse before any work when folder (created if missing) cannot be written: a temp folder made and removed."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkdtemp(dir=folder, prefix=f".qconv-probe.{os.getpid()}.", suffix=".partial")).rmdir()
+    except OSError as e:
+        raise (disk_error(e, what=what, where=folder) or e) from e
+
+
+def _inside(a: Path, b: Path) -> bool:
+    return a == b or b in a.parents
+
+
+def check_out_folder(out: str | os.PathLike, *, force: bool, marker: str, protected: dict[str, str | os.PathLike | None],
+                     flag: str = "--out") -> Path:
+    """The resolved output folder, refused before any work when writing it could destroy something: equal to,
+    inside or containing a protected path (the source, the work dir, caches), the root, a file, or an existing
+    folder that --force would replace although it is neither empty nor holds `marker` (a folder we wrote)."""
+    raw = Path(out).expanduser()
+    out = raw.resolve()
+    if not out.name:
+        raise QconvError(f"{flag} {raw} is the file system root", where=flag, fix=f"pass a new folder as {flag}")
+    for label, p in protected.items():
+        if p is None:
+            continue
+        p = Path(p).expanduser().resolve()
+        if _inside(out, p) or _inside(p, out):
+            rel = "is" if out == p else ("is inside" if _inside(out, p) else "contains")
+            raise QconvError(f"{flag} {raw} {rel} the {label} ({p}): writing there could destroy it", where=flag,
+                             fix=f"pass a separate folder as {flag}")
+    if out.exists():
+        if not out.is_dir():
+            raise QconvError(f"{flag} {raw} exists and is not a folder", where=flag, fix=f"pass a folder as {flag}")
+        if not force:
+            raise QconvError(f"output folder already exists: {raw}", where=flag,
+                             fix=f"pass --force to replace it, or choose another {flag}")
+        if any(out.iterdir()) and not (out / marker).is_file():
+            raise QconvError(f"--force would replace {raw}, which is not empty and holds no {marker} (not a folder "
+                             f"qconv wrote)", where=flag, fix=f"choose another {flag}, or empty that folder yourself")
+    return out
 
 
 def switch_symlink(link: str | os.PathLike, target: str) -> None:
@@ -98,62 +323,14 @@ def switch_symlink(link: str | os.PathLike, target: str) -> None:
     os.replace(tmp, link)
 
 
-def sweep_stale(parent: str | os.PathLike, name: str) -> list[Path]:
-    """Remove the crash leftovers of atomic_dir(parent/name): `.name.*.partial` and `.name.old-PID`.
-
-    Call it only while holding the lock every writer of parent/name holds: then no other process owns them.
-    """
-    parent = Path(parent)
-    gone = [p for pattern in (f".{name}.*.partial", f".{name}.old-*") for p in parent.glob(pattern)]
-    for p in gone:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-    return gone
-
-
-DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
-
-
-def is_disk_error(e: OSError) -> bool:
+def is_disk_error(e: BaseException) -> bool:
     """A local filesystem failure (full, not writable), as opposed to a network one that a retry may cure."""
-    return e.errno in DISK_ERRNOS and not isinstance(e, ConnectionError)
+    return not isinstance(e, ConnectionError) and _disk_errno(e) is not None
 
 
 def os_error(e: OSError, action: str, where: str | os.PathLike, *, needed: int | None = None,
-             retry_hint: str | None = None):
-    """One QconvError for a local filesystem failure (disk full, permission denied, read-only, other).
-
-    `needed` (bytes) is stated for a full disk; `retry_hint` is added only where rerunning really helps.
-    """
-    where = str(where)
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = _free_bytes(where)
-        need = f"; it needs {needed / 1e6:.1f} MB" if needed is not None else ""
-        return QconvError(f"{action} failed: no space left on the device{need}, {free / 1e6:.1f} MB free",
-                          where=where, fix="free space there or point QCONV_HOME at a bigger disk"
-                                           + (f", then {retry_hint}" if retry_hint else ""))
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return QconvError(f"{action} failed: {e.strerror}", where=getattr(e, "filename", None) or where,
-                          fix="make that folder writable or point QCONV_HOME at one that is")
-    return QconvError(f"{action} failed: {e}", where=where, fix=retry_hint)
-
-
-def _free_bytes(path: str) -> int:
-    p = Path(path)
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return shutil.disk_usage(p).free
-    except OSError:
-        return 0
-
-
-def check_free_space(path: str | os.PathLike, needed: int, what: str) -> None:
-    """Refuse before writing `needed` bytes under `path` when the disk cannot hold them."""
-    free = _free_bytes(str(path))
-    if needed > free:
-        raise QconvError(f"{what} needs {needed / 1e6:.1f} MB but only {free / 1e6:.1f} MB are free",
-                         where=str(path), fix="free space there or point QCONV_HOME at a bigger disk")
+             retry_hint: str | None = None) -> QconvError:
+    """disk_error for a filesystem failure; any other OSError becomes a plain QconvError, with `retry_hint` only
+    where rerunning really helps."""
+    return disk_error(e, what=f"{action} failed", where=where, needed=needed) or QconvError(
+        f"{action} failed: {e}", where=str(where), fix=retry_hint)

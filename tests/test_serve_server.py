@@ -143,7 +143,8 @@ def test_api_key(server, model):
 
 
 def _metric(server, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics") as r:
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req) as r:  # /metrics is behind the key when the server has one
         text = r.read().decode()
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name))
 

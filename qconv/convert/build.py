@@ -22,8 +22,10 @@ from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.convert.stages import DONE, WorkDir, default_work_dir, stage_key
 from qconv.errors import GateFailure, QconvError
-from qconv.fsutil import atomic_dir, sha256_file, write_json_atomic, write_text_atomic
-from qconv.manifest import CalibrationInfo, Manifest, RecipeInfo, SourceInfo, tool_versions
+from qconv.fsutil import (atomic_dir, check_out_folder, check_space, check_writable, disk_error, owned_temp_dir,
+                          sha256_file, sweep_stale, write_json_atomic, write_text_atomic)
+from qconv.manifest import MANIFEST, CalibrationInfo, Manifest, RecipeInfo, SourceInfo, tool_versions
+from qconv.paths import qconv_home
 from qconv.recipes.recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -118,8 +120,11 @@ def dry_run(opts: BuildOptions) -> DryRun:
 
 
 def _source_info(src: ResolvedSource, work: WorkDir) -> SourceInfo:
-    """Stage `import`: hashing a 55 GB source takes minutes, so its file hashes are cached by name/size/mtime."""
-    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(src.path.iterdir()) if p.is_file()]
+    """Stage `import`: hashing a 55 GB source takes minutes, so its file hashes are cached by each file's stat.
+    Name, size and mtime can all be kept by an edit (`touch -r`, a same-size rewrite); the inode change time and the
+    inode cannot, so any rewrite or copy re-hashes."""
+    stats = [(p.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+             for p in sorted(src.path.iterdir()) if p.is_file() and (st := p.stat())]
     key = stage_key("import", str(src.path), src.kind, src.id, src.revision, stats)
     cached = work.load_json("import", key)
     if cached:
@@ -178,7 +183,38 @@ def use_streaming(opts: BuildOptions, plan: Plan) -> bool:
     return stream
 
 
+def _protected(opts: BuildOptions, work: Path | None = None, source: Path | None = None) -> dict:
+    """What --out must neither be, sit inside, nor contain: the user's inputs and qconv's own caches."""
+    local = lambda v: Path(v).expanduser() if v and Path(v).expanduser().exists() else None  # noqa: E731
+    home = qconv_home()
+    return {"source model": local(opts.model), "resolved source": source, "work dir": work or opts.work_dir,
+            "work dirs root": home / "work", "reference cache": home / "reference", "GGUF import cache": home / "imports",
+            "calibration dataset": local(opts.dataset), "evaluation text": local(opts.eval_text)}
+
+
+def check_out(opts: BuildOptions, **protected) -> Path:
+    """--out refused before any work when it is missing, unsafe to write or to --force (see check_out_folder)."""
+    if opts.out is None:
+        raise QconvError("no output folder", where="--out", fix="pass --out DIR")
+    return check_out_folder(opts.out, force=opts.force, marker=MANIFEST, protected=_protected(opts, **protected))
+
+
 def build(opts: BuildOptions) -> Manifest:
+    """Build the artifact; a full disk or a folder we may not write, wherever it happens, is one QconvError and
+    leaves nothing half-written (every write goes to a temp folder that is removed on error)."""
+    where: dict = {"what": "writing the build's files", "where": opts.out, "needed": None}
+    try:
+        with contextlib.ExitStack() as held:
+            return _build(opts, held, where)
+    except QconvError:
+        raise
+    except Exception as e:
+        if err := disk_error(e, **where):
+            raise err from e
+        raise
+
+
+def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manifest:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -189,13 +225,11 @@ def build(opts: BuildOptions) -> Manifest:
 
     t0 = time.time()
     recipe = _recipe(opts)
-    if opts.out is None:
-        raise QconvError("no output folder", where="--out", fix="pass --out DIR")
-    out = Path(opts.out)
-    if out.exists() and not opts.force:
-        raise QconvError(f"output folder already exists: {out}", where="--out",
-                         fix="pass --force to replace it, or choose another --out")
+    out = check_out(opts)
+    sweep_stale(out.parent, out.name)  # temp and parked folders a killed build left beside --out
+    check_writable(out.parent, "cannot write beside --out")
     src = resolve_source(opts.model, revision=opts.revision)
+    check_out(opts, source=src.path)
     config = read_config(src.path)
     if detect_format(config, where=str(src.path / "config.json")) is not None:
         from qconv.convert.imported import build_from_quantized
@@ -216,7 +250,11 @@ def build(opts: BuildOptions) -> Manifest:
                          "hold every layer of a streamed model", where="--int8-budget / selection.budget",
                          fix="stream with budget 0 (uniform W4), or build in memory where the model fits")
     work = _work(opts, src.id)
+    check_out(opts, source=src.path, work=work.root)
+    held.enter_context(work.locked())
     work.clean_partials()
+    _check_space(out, work, plan)
+    where.update(what="writing the build's files", where=work.root, needed=plan.total_bytes)
     log.info("work dir %s%s", work.root, " (--fresh: cached stages ignored)" if opts.fresh else "")
     source_info = _source_info(src, work)
     source_info.num_parameters = plan.num_parameters
@@ -226,13 +264,15 @@ def build(opts: BuildOptions) -> Manifest:
     torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(src.path)
     model_box = {}
+    offload = held.enter_context(contextlib.ExitStack())
 
     def model_loader():
         if "m" not in model_box:
-            if stream:
+            if stream:  # this build's own offload folder, swept after a crash like any temp folder
                 from qconv.convert.stream import load_streamed_model
 
-                model_box["m"] = load_streamed_model(src.path, config, work.root / "offload")
+                tmp = offload.enter_context(owned_temp_dir(work.root, "qconv-offload"))
+                model_box["m"] = load_streamed_model(src.path, config, tmp / "offload")
             else:
                 model_box["m"] = load_causal_lm(src.path)
             model_box["m"].eval()
@@ -272,8 +312,9 @@ def build(opts: BuildOptions) -> Manifest:
             quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
-    shutil.rmtree(work.root / "offload", ignore_errors=True)
+    offload.close()
     gate_error = None
+    where.update(what="writing the artifact", where=out.parent)
     with atomic_dir(out, force=opts.force) as tmp:
         _package(src.path, qdir, tmp, GenerationConfig)
         manifest.build["stages"] = work.record
@@ -306,6 +347,18 @@ def tokenizer_as_processor(tok):
         yield
     finally:
         utils.initialize_processor_from_path = before
+
+
+def _check_space(out: Path, work: WorkDir, plan: Plan) -> None:
+    """About the artifact's size goes to the work dir (the quantization stage, unless one is cached) and again to
+    --out: refuse before the work when the disks do not hold that."""
+    need = {}
+    cached = any(p.is_dir() for p in work.root.glob("quantization-*"))
+    for folder in (out.parent,) if cached else (work.root, out.parent):
+        dev = folder.stat().st_dev
+        need[dev] = (folder, need.get(dev, (folder, 0))[1] + plan.total_bytes)
+    for folder, n in need.values():
+        check_space(folder, n, "the build's files (work dir and --out)")
 
 
 def _package(source: Path, qdir: Path, tmp: Path, GenerationConfig) -> None:

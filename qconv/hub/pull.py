@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qconv.errors import QconvError
-from qconv.fsutil import check_free_space, is_disk_error, os_error, sha256_file
+from qconv.fsutil import check_space, is_disk_error, os_error, sha256_file
 from qconv.hub import cache, hf
 from qconv.hub.download import (
     MANIFEST_CAP,
@@ -158,7 +158,7 @@ def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool
         log.info("%s is already in the cache and up to date", src.name)
         shutil.rmtree(staging, ignore_errors=True)
         return cache.install(loc, rev, lambda tmp: None, info)
-    check_free_space(staging, _space_needed(want, _partial_size(staging)), f"pulling {src.name}")
+    check_space(staging, _space_needed(want, _partial_size(staging)), f"pulling {src.name}")
     log.info("pulling %s from %s (%d files, %.1f MB)", src.name, loc.describe(), len(want),
              manifest.total_size() / 1e6)
     for w in want.values():
@@ -192,7 +192,7 @@ def _pull_hub(src: PullSource, *, progress: bool) -> Path:
     manifest = read_manifest(snap)
     want = expected_files(src, manifest)
     hf.check_metadata(want, hub, where)
-    check_free_space(cache.hf_cache_dir(), _space_needed(want, lambda n: 0), f"pulling {src.name}")
+    check_space(cache.hf_cache_dir(), _space_needed(want, lambda n: 0), f"pulling {src.name}")
     log.info("pulling %s from %s (%d files, %.1f MB)", src.name, where, len(want), manifest.total_size() / 1e6)
     snap = hf.fetch_checked(loc.uri, commit, want, hub, where, progress=progress)
     final = cache.install(loc, commit, lambda tmp: hf.link_into(snap, [*want, MANIFEST], tmp),

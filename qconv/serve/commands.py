@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from qconv.errors import QconvError
 
@@ -32,7 +33,9 @@ def _cuda_gpu() -> bool:
 @click.option("--print-command", is_flag=True, help="Print the vLLM command line and exit (no weights needed).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (0.0.0.0 exposes the server).")
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--api-key", default=None, envvar="QCONV_API_KEY", help="Require 'Authorization: Bearer KEY'.")
+@click.option("--api-key", default=None, envvar="QCONV_API_KEY",
+              help="Require 'Authorization: Bearer KEY'. Prefer the QCONV_API_KEY environment variable: a key on "
+                   "the command line is visible to every user in the process list.")
 @click.option("--tensor-parallel-size", default=1, show_default=True, type=int, help="vLLM: GPUs to shard over.")
 @click.option("--max-batch", default=None, type=int,
               help="Sequences decoded together (native, default 8; vLLM: --max-num-seqs, default the profile's).")
@@ -66,6 +69,9 @@ def _serve(path, backend, profile, recipe, print_command, host, port, api_key, t
            max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, datastore, vllm_args) -> None:
     from qconv.serve import runtimes, vllm, vllm_probe
 
+    if api_key and click.get_current_context().get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
+        click.echo("warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY "
+                   "instead", err=True)
     if print_command:
         backend = "vllm"
     if vllm_python:  # that interpreter, described by probing it (not needed just to print the command)

@@ -4,6 +4,7 @@ thread and uvicorn. `BackgroundServer` runs the same thing inside a process (tes
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -13,6 +14,8 @@ from pathlib import Path
 from qconv.errors import QconvError
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
+DEFAULT_MAX_TOKENS = 2048  # a chat request without max_tokens, when the profile names no `max_tokens` of its own
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +39,7 @@ class NativePlan:
     kv_scheme: str = "none"
     spec_tokens: int = 0
     lookup_ngram: tuple[int, int] = (4, 2)
+    max_tokens: int = DEFAULT_MAX_TOKENS  # completion cap of a chat request that sends none
 
 
 def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
@@ -54,6 +58,7 @@ def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
         p = m.profiles[name]
         plan.context_len = min(int(p["context_length"]), max_pos, DEFAULT_NATIVE_CONTEXT)
         plan.kv_scheme = "none" if p.get("kv_cache", "bf16") == "bf16" else p["kv_cache"]
+        plan.max_tokens = int(p.get("max_tokens", DEFAULT_MAX_TOKENS))
     elif opts.profile:
         raise QconvError(f"{path} has no serving profiles", where="--profile", fix="drop --profile for a plain model")
     spec = (m.speculative if m is not None else None) or {}
@@ -97,13 +102,26 @@ def build_native(path: str | Path, opts: NativeOptions):
     sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
                       max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec_tokens=plan.spec_tokens,
                       lookup_ngram=plan.lookup_ngram, datastore=store).start()
-    cfg = ServerConfig(opts.served_model_name or path.name, plan.context_len, opts.api_key)
+    cfg = ServerConfig(opts.served_model_name or path.name, plan.context_len, opts.api_key,
+                       max_tokens=min(plan.max_tokens, plan.context_len), host=opts.host)
     return create_app(sched, cfg), sched
+
+
+def bind_warnings(host: str, api_key: str | None) -> list[str]:
+    """What to tell the operator about exposure before serving."""
+    from qconv.serve.server import is_loopback
+
+    if not is_loopback(host) and not api_key:
+        return [f"serving on {host} without an API key: anyone who can reach this address can use the model "
+                f"(set QCONV_API_KEY, or bind 127.0.0.1)"]
+    return []
 
 
 def run_native(path: str | Path, opts: NativeOptions) -> None:
     import uvicorn
 
+    for w in bind_warnings(opts.host, opts.api_key):
+        log.warning("%s", w)
     app, sched = build_native(path, opts)
     try:
         uvicorn.run(app, host=opts.host, port=opts.port, log_level="info", timeout_graceful_shutdown=5)

@@ -20,18 +20,25 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# Bounds every numeric field is checked against here, so no value reaches torch that it cannot hold (a seed past
+# 64 bits, a top_k past int64) and one bad request is a 400, not a failure inside the batch it would join.
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_STOP_CHARS = 1024
+
+
 class _Common(BaseModel):
     """Sampling fields shared by both endpoints. Unknown fields are ignored (clients send many we do not use)."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model: str = Field(max_length=1024)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # vLLM extension; 0 and -1 mean off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1)
+    top_k: int = Field(default=0, ge=-1, le=INT32_MAX)  # vLLM extension; 0 and -1 mean off
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_CHARS)
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: dict | None = None
     logprobs: bool | int | None = None  # not supported: refused rather than silently ignored
@@ -40,6 +47,8 @@ class _Common(BaseModel):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 4:
             raise APIError(400, "at most 4 stop sequences are allowed", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"a stop sequence is longer than {MAX_STOP_CHARS} characters", param="stop")
         return [s for s in stops if s]
 
     @property
@@ -71,7 +80,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
 
 
 def validation_error(errors: list[dict]) -> APIError:

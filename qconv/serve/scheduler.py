@@ -4,10 +4,15 @@ every active slot advances one token per batched T=1 forward, and a request leav
 
 The HTTP layer never touches the model: it submits a `GenRequest` whose `emit` callback is thread-safe (the server
 passes one that hops onto its asyncio loop), and it cancels by setting a flag the thread checks every step.
+
+A failure that belongs to one request (its seed, its sampling parameters, decoding its text) ends only that request
+with an error; a failing model forward ends the batch it ran; if the thread itself dies, every request it held is
+failed and `submit` refuses from then on (`SchedulerDown`, a 503), rather than queueing work nobody will run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +35,10 @@ PREFILL_TOKENS = 2048
 
 class QueueFull(Exception):
     """The waiting queue is at its bound; the server answers 429."""
+
+
+class SchedulerDown(Exception):
+    """The model thread has stopped (shut down or died); the server answers 503."""
 
 
 @dataclass
@@ -87,6 +96,7 @@ class Scheduler:
         self.free = list(range(max_batch))
         self.cond = threading.Condition()
         self.stopping = False
+        self.died: str | None = None  # why the model thread ended abnormally
         self.thread: threading.Thread | None = None
 
     # ---- called from other threads -------------------------------------------------------------------------------
@@ -96,6 +106,8 @@ class Scheduler:
         if len(req.prompt_ids) + req.max_tokens > self.max_len:
             raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.max_tokens}) > {self.max_len}")
         with self.cond:
+            if self.stopping or self.died is not None or (self.thread is not None and not self.thread.is_alive()):
+                raise SchedulerDown(self.died or "the scheduler has stopped")
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests already waiting (limit {self.max_queue})")
             self.waiting.append(req)
@@ -116,20 +128,43 @@ class Scheduler:
 
     # ---- the model thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        reason, error = "cancelled", "server shutting down"
+        try:
+            while True:
+                with self.cond:
+                    while not self.stopping and not self.waiting and not self.active:
+                        self.cond.wait()
+                    if self.stopping:
+                        break
+                try:
+                    self.step()
+                except Exception as e:  # a model error fails the batch in flight, never the server
+                    log.exception("scheduler step failed")
+                    for r in list(self.active):
+                        self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+        except BaseException as e:  # the thread is dying: nobody will run what it holds
+            log.exception("scheduler thread died")
             with self.cond:
-                while not self.stopping and not self.waiting and not self.active:
-                    self.cond.wait()
-                if self.stopping:
-                    break
-            try:
-                self.step()
-            except Exception as e:  # a model error fails the requests in flight, never the server
-                log.exception("scheduler step failed")
-                for r in list(self.active):
-                    self._finish(r, "error", error=f"{type(e).__name__}: {e}")
-        for r in list(self.active) + list(self.waiting):
-            self._finish(r, "cancelled", error="server shutting down")
+                self.died = f"the scheduler thread died ({type(e).__name__}: {e})"
+            reason, error = "error", self.died
+            raise
+        finally:
+            with self.cond:
+                held = list(self.active) + list(self.waiting)
+                self.waiting.clear()
+            for r in held:
+                with contextlib.suppress(Exception):
+                    self._finish(r, reason, error=error)
+
+    def _guard(self, r: GenRequest, fn, *args):
+        """fn(*args) for one request; its failure ends that request alone (error event, slot freed), -> None."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            log.warning("request failed: %s: %s", type(e).__name__, e)
+            with contextlib.suppress(Exception):
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            return None
 
     def step(self) -> None:
         """One scheduling round: drop cancelled work, admit (prefill) waiting requests into free slots, then one
@@ -166,11 +201,10 @@ class Scheduler:
             r.slot = self.free.pop(0)
             self.active.append(r)
             self.cache.reset([r.slot])
-            if r.seed is not None:
-                r.generator = torch.Generator().manual_seed(r.seed)
-            if self.spec_tokens:
-                r.lookup = PromptLookup(*self.lookup_ngram)
-                r.lookup.begin(r.prompt_ids)
+            self._guard(r, self._setup, r)
+        reqs = [r for r in reqs if r in self.active]
+        if not reqs:
+            return
         fed = {id(r): 0 for r in reqs}
         last: dict[int, torch.Tensor] = {}
         while rows := [r for r in reqs if fed[id(r)] < len(r.prompt_ids)]:
@@ -183,7 +217,14 @@ class Scheduler:
                     last[id(r)] = logits[i]
         self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in reqs)
         toks = self._sample(torch.stack([last[id(r)] for r in reqs]), reqs)
-        self._accept(reqs, [[t] for t in toks])
+        self._accept(reqs, [None if t is None else [t] for t in toks])
+
+    def _setup(self, r: GenRequest) -> None:
+        if r.seed is not None:
+            r.generator = torch.Generator().manual_seed(r.seed)
+        if self.spec_tokens:
+            r.lookup = PromptLookup(*self.lookup_ngram)
+            r.lookup.begin(r.prompt_ids)
 
     def _decode(self) -> None:
         """One batched step. With prompt lookup on, each row also feeds its drafts (rows padded to a common T),
@@ -192,18 +233,21 @@ class Scheduler:
         slots = [r.slot for r in batch]
         before = [int(self.cache.lengths[s]) for s in slots]
         room = self.max_len - max(before) - 1  # every row writes T tokens, so T is bounded by the fullest slot
-        drafts = [self._propose(r, room) for r in batch]
+        drafts = [self._guard(r, self._propose, r, room) or [] for r in batch]
         T = 1 + max(map(len, drafts))
         rows = [[r.out_ids[-1], *d] + [r.out_ids[-1]] * (T - 1 - len(d)) for r, d in zip(batch, drafts)]
         logits = self.model(torch.tensor(rows, dtype=torch.long), self.cache, torch.tensor(slots))
         if T == 1:
-            toks = [[t] for t in self._sample(logits[:, -1], batch)]
+            toks = [None if t is None else [t] for t in self._sample(logits[:, -1], batch)]
         else:
-            toks = [self._verify(r, d, logits[i, :len(d) + 1]) for i, (r, d) in enumerate(zip(batch, drafts))]
-            self.cache.rollback(slots, [b + len(t) for b, t in zip(before, toks)])
+            toks = [self._guard(r, self._verify, r, d, logits[i, :len(d) + 1]) if r in self.active else None
+                    for i, (r, d) in enumerate(zip(batch, drafts))]
+            kept = [(r, b, t) for r, b, t in zip(batch, before, toks) if t is not None]
+            if kept:
+                self.cache.rollback([r.slot for r, _, _ in kept], [b + len(t) for _, b, t in kept])
             self.metrics.draft_tokens += sum(map(len, drafts))
-            self.metrics.accepted_tokens += sum(len(t) - 1 for t in toks)
-        self.metrics.step(len(batch), sum(map(len, toks)))
+            self.metrics.accepted_tokens += sum(len(t) - 1 for t in toks if t is not None)
+        self.metrics.step(len(batch), sum(len(t) for t in toks if t is not None))
         self._accept(batch, toks)
 
     def _propose(self, r: GenRequest, room: int) -> list[int]:
@@ -233,39 +277,55 @@ class Scheduler:
             n, nxt = verify_sampling(draft, [None] * len(draft), probs, generator=r.generator or self.generator)
         return draft[:n] + [nxt]
 
-    def _sample(self, logits: torch.Tensor, batch: list[GenRequest]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, batch: list[GenRequest]) -> list[int | None]:
         """Per-row sampling params in one call; a row with its own seed draws from its own generator so its
-        output does not depend on what else shares the batch."""
-        out = logits.argmax(-1)  # greedy rows: no softmax over the vocabulary needed
+        output does not depend on what else shares the batch. A row whose parameters fail is ended alone (None);
+        when the shared call fails, its rows are sampled one by one to find which."""
+        out: list[int | None] = logits.argmax(-1).tolist()  # greedy rows: no softmax over the vocabulary needed
         shared = [i for i, r in enumerate(batch) if not r.sampling.greedy and r.generator is None]
-        if shared:
-            sp = [batch[i].sampling for i in shared]
-            out[shared] = sample_next(logits[shared], torch.tensor([p.temperature for p in sp]),
-                                      torch.tensor([p.top_p for p in sp]), torch.tensor([p.top_k for p in sp]),
-                                      generator=self.generator)
+        try:
+            if shared:
+                sp = [batch[i].sampling for i in shared]
+                picked = sample_next(logits[shared], torch.tensor([p.temperature for p in sp]),
+                                     torch.tensor([p.top_p for p in sp]), torch.tensor([p.top_k for p in sp]),
+                                     generator=self.generator)
+                for i, t in zip(shared, picked.tolist()):
+                    out[i] = t
+            shared = []
+        except Exception:
+            pass
         for i, r in enumerate(batch):
-            if r.generator is not None and not r.sampling.greedy:
-                out[i] = sample_next(logits[i:i + 1], r.sampling.temperature, r.sampling.top_p, r.sampling.top_k,
-                                     generator=r.generator)[0]
-        return out.tolist()
+            if r not in self.active:
+                out[i] = None
+            elif i in shared or (r.generator is not None and not r.sampling.greedy):
+                p, gen = r.sampling, r.generator or self.generator
+                t = self._guard(r, lambda: sample_next(logits[i:i + 1], p.temperature, p.top_p, p.top_k,
+                                                       generator=gen)[0].item())
+                out[i] = t
+        return out
 
-    def _accept(self, batch: list[GenRequest], toks: list[list[int]]) -> None:
+    def _accept(self, batch: list[GenRequest], toks: list[list[int] | None]) -> None:
         now = time.monotonic()
         for r, new in zip(batch, toks):
-            if r.first_token_at is None:
-                r.first_token_at = now
-                self.metrics.ttft.observe(now - r.arrival)
-            for t in new:
-                r.out_ids.append(int(t))
-                self.metrics.generation_tokens += 1
-                if t in self.eos:
-                    self._finish(r, "stop", drop_last=True)
-                    break
-                if len(r.out_ids) >= r.max_tokens or len(r.prompt_ids) + len(r.out_ids) >= self.max_len:
-                    self._finish(r, "length")
-                    break
-            else:
-                self._stream(r)
+            if new is None or r not in self.active:
+                continue  # ended on its own error
+            self._guard(r, self._take, r, new, now)
+
+    def _take(self, r: GenRequest, new: list[int], now: float) -> None:
+        if r.first_token_at is None:
+            r.first_token_at = now
+            self.metrics.ttft.observe(now - r.arrival)
+        for t in new:
+            r.out_ids.append(int(t))
+            self.metrics.generation_tokens += 1
+            if t in self.eos:
+                self._finish(r, "stop", drop_last=True)
+                break
+            if len(r.out_ids) >= r.max_tokens or len(r.prompt_ids) + len(r.out_ids) >= self.max_len:
+                self._finish(r, "length")
+                break
+        else:
+            self._stream(r)
 
     def _text(self, r: GenRequest, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -292,8 +352,8 @@ class Scheduler:
             self.active.remove(r)
             self.cache.reset([r.slot])
             self.free.append(r.slot)
-        if text is None:
-            text = self._text(r, r.out_ids[:-1] if drop_last else r.out_ids) if r.out_ids else ""
+        if text is None:  # an error sends no text: decoding may be what failed
+            text = self._text(r, r.out_ids[:-1] if drop_last else r.out_ids) if r.out_ids and reason != "error" else ""
         self._send(r, Event(text=text[r.sent:] if reason != "error" else "", finish_reason=reason,
                             prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.out_ids), error=error))
         r.sent = len(text)

@@ -1,9 +1,16 @@
 """The OpenAI-compatible HTTP server over qconv's engine (FastAPI + uvicorn). Handlers tokenize, check limits,
-hand a request to the scheduler thread and relay its events (SSE or one JSON body); they never run the model."""
+hand a request to the scheduler thread and relay its events (SSE or one JSON body); they never run the model.
+
+What a client sends is bounded before it costs anything: the body size (an ASGI guard, before JSON parsing), the
+prompt's characters and the message count (before tokenizing), every numeric field (protocol.py). Tokenizing and
+chat templating run in a worker thread, so one long prompt does not stall every other stream on the event loop.
+On a loopback bind only loopback Host headers are served (a web page cannot reach the server by DNS rebinding)."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import time
 import uuid
@@ -17,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qconv.runtime.sampling import SamplingParams
 from qconv.serve.protocol import APIError, ChatRequest, CompletionRequest, validation_error
-from qconv.serve.scheduler import Event, GenRequest, QueueFull, Scheduler
+from qconv.serve.scheduler import Event, GenRequest, QueueFull, Scheduler, SchedulerDown
 
 DISCONNECT_POLL_S = 0.5
 
@@ -27,12 +34,92 @@ class ServerConfig:
     model_name: str
     context_len: int
     api_key: str | None = None
+    max_tokens: int | None = None  # completion cap of a chat request that sends none (the profile's); None: context
+    host: str = "127.0.0.1"  # the bind address
+    max_body_bytes: int | None = None  # None: 64 bytes per context token, at least 1 MiB
+    max_messages: int = 1024
+    chars_per_token: int = 32  # prompts longer than this many characters per context token are refused untokenized
+
+    @property
+    def body_cap(self) -> int:
+        return self.max_body_bytes or max(1 << 20, 64 * self.context_len)
+
+    @property
+    def prompt_chars(self) -> int:
+        return self.chars_per_token * self.context_len
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_of(header: str) -> str:
+    """The host part of a Host header (`127.0.0.1:8000`, `[::1]:8000`, `localhost`)."""
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class RequestGuard:
+    """ASGI middleware in front of FastAPI: the Host check on a loopback bind, and the body cap (Content-Length,
+    then the bytes actually received) before anything parses the body."""
+
+    def __init__(self, app, cfg: ServerConfig, reject):
+        self.app, self.cfg, self.reject = app, cfg, reject
+
+    async def _refuse(self, scope, receive, send, e: APIError) -> None:
+        self.reject(e.status)
+        await JSONResponse(e.body(), status_code=e.status)(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        host = headers.get("host")
+        if is_loopback(self.cfg.host) and host is not None and not is_loopback(_host_of(host)):
+            return await self._refuse(scope, receive, send, APIError(
+                400, f"Host {host!r} is not served: this server listens on loopback only", code="invalid_host"))
+        if scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        cap = self.cfg.body_cap
+        too_big = APIError(413, f"request body larger than {cap} bytes", code="body_too_large")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > cap):
+            return await self._refuse(scope, receive, send, too_big if length.isdigit() else
+                                      APIError(400, "bad Content-Length header", code="invalid_request"))
+        body, more = bytearray(), True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left before sending its body
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > cap:
+                return await self._refuse(scope, receive, send, too_big)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # then the real stream: http.disconnect when the client goes
+
+        return await self.app(scope, replay, send)
 
 
 def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
     app = FastAPI(title="qconv", docs_url=None, redoc_url=None)
     tok = sched.tokenizer
     metrics = sched.metrics
+    app.add_middleware(RequestGuard, cfg=cfg, reject=metrics.reject)
+    expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.reject(e.status)
@@ -52,7 +139,8 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
         return error_response(APIError(e.status_code, str(e.detail), kind))
 
     async def check_key(request: Request) -> None:
-        if cfg.api_key and request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+        got = request.headers.get("authorization", "").encode("latin-1", "replace")
+        if expected_auth is not None and not hmac.compare_digest(got, expected_auth):  # constant time
             what = "incorrect API key" if request.headers.get("authorization") else "missing API key"
             raise APIError(401, f"{what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
@@ -61,7 +149,7 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
         ok = sched.thread is not None and sched.thread.is_alive()
         return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(check_key)])
     async def prom():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -82,7 +170,7 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         n = len(prompt_ids)
-        want = max_tokens if max_tokens is not None else cfg.context_len - n
+        want = max_tokens if max_tokens is not None else min(cfg.max_tokens or cfg.context_len, cfg.context_len - n)
         if n + want > cfg.context_len or want < 1:
             raise APIError(400, f"This model's maximum context length is {cfg.context_len} tokens. However, you "
                                 f"requested {n + max(want, 1)} tokens ({n} in the prompt, {max(want, 1)} for the "
@@ -98,6 +186,8 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
             sched.submit(r)
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", "rate_limit_exceeded", code="queue_full")
+        except SchedulerDown as e:
+            raise APIError(503, f"server unavailable: {e}", "server_error", code="scheduler_down")
         return r, q
 
     async def events(r: GenRequest, q: asyncio.Queue, request: Request) -> AsyncIterator[Event]:
@@ -174,6 +264,11 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    def too_long(n: int, unit: str, param: str) -> APIError:
+        cap = cfg.prompt_chars if unit == "characters" else cfg.context_len
+        return APIError(400, f"the prompt is {n} {unit}; this server accepts at most {cap} (context "
+                             f"{cfg.context_len} tokens)", param=param, code="context_length_exceeded")
+
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
         p = body.prompt
@@ -181,7 +276,9 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
             if len(p) != 1:
                 raise APIError(400, "one prompt per request (batch prompts are not supported)", param="prompt")
             p = p[0]
-        ids = tok(p).input_ids if isinstance(p, str) else list(p)
+        if len(p) > (cfg.prompt_chars if isinstance(p, str) else cfg.context_len):
+            raise too_long(len(p), "characters" if isinstance(p, str) else "tokens", "prompt")
+        ids = await asyncio.to_thread(lambda: tok(p).input_ids) if isinstance(p, str) else list(p)
         if any(not 0 <= t < len(tok) for t in ids):
             raise APIError(400, f"prompt token ids must be in [0, {len(tok)})", param="prompt")
         r, q = await start(body, ids, body.max_tokens if body.max_tokens is not None else 16)
@@ -189,12 +286,22 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat(body: ChatRequest, request: Request):
+        if len(body.messages) > cfg.max_messages:
+            raise APIError(400, f"{len(body.messages)} messages; this server accepts at most {cfg.max_messages}",
+                           param="messages", code="too_many_messages")
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        except Exception as e:  # a template that rejects this conversation (roles order, ...)
-            raise APIError(400, f"chat template rejected the messages: {e}", param="messages")
-        ids = tok(text, add_special_tokens=False).input_ids
+        chars = sum(len(m["content"]) for m in msgs)
+        if chars > cfg.prompt_chars:
+            raise too_long(chars, "characters", "messages")
+
+        def template() -> list[int]:
+            try:
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # a template that rejects this conversation (roles order, ...)
+                raise APIError(400, f"chat template rejected the messages: {e}", param="messages")
+            return tok(text, add_special_tokens=False).input_ids
+
+        ids = await asyncio.to_thread(template)
         r, q = await start(body, ids, body.max_completion_tokens or body.max_tokens)
         return await respond(body, r, q, request, chat=True)
 

@@ -1,0 +1,394 @@
+"""Fault injection for `qconv build` (issue 18, Build): an unsafe --out, two builds of one source at once, crash
+leftovers, fsync before rename, a full disk / refused write mid-build (a real tmpfs), tampered stage folders and
+source files, and kill -9 at random points. Each test failed on the code before its fix (see the branch's notes)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from qconv.fsutil import file_table
+from tests.test_build import FAST_CAL
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*args):
+    """The CLI in-process; an escaping exception is a failure of the one-clear-error rule, kept in r.exception."""
+    from qconv.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_error(r, pattern: str) -> None:
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and re.search(pattern, r.output), r.output
+
+
+@pytest.fixture
+def src(tiny_llama, tmp_path) -> Path:
+    """A private copy of the tiny model (tests here try to destroy it)."""
+    p = tmp_path / "src"
+    shutil.copytree(tiny_llama, p)
+    return p
+
+
+@pytest.fixture(scope="module")
+def cal(tmp_path_factory) -> Path:
+    from tests.tiny import CORPUS
+
+    p = tmp_path_factory.mktemp("cal") / "cal.txt"
+    p.write_text(CORPUS * 20)
+    return p
+
+
+def build_args(src: Path, out: Path, work: Path, cal: Path, *extra) -> list:
+    return ["build", "--recipe", "3090", "--model", src, "--out", out, "--work-dir", work, "--dataset", cal,
+            *FAST_CAL, *extra]
+
+
+def stage_results(work: Path) -> list[str]:
+    return sorted(p.name for p in work.glob("*-*")) if work.is_dir() else []
+
+
+def strays(folder: Path) -> list[str]:
+    """Hidden leftovers (temp, parked, offload folders and temp files) anywhere below folder."""
+    return sorted(str(p) for p in folder.rglob(".*") if p.name not in (".lock", ".qconv-stage-done"))
+
+
+# ---- --out / --force safety --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["source", "inside_source", "parent_of_source", "work_dir", "reference_cache",
+                                  "dot", "root", "foreign_folder"])
+def test_out_that_could_destroy_data_is_refused_before_any_work(case, src, tmp_path, cal, monkeypatch):
+    from qconv.paths import qconv_home
+
+    work = tmp_path / "work"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("years of work")
+    out = {"source": src, "inside_source": src / "out", "parent_of_source": tmp_path, "work_dir": work,
+           "reference_cache": qconv_home() / "reference" / "x", "dot": Path("."), "root": Path("/"),
+           "foreign_folder": mine}[case]
+    if case == "dot":
+        monkeypatch.chdir(mine)
+    before = file_table(src)
+    r = run(*build_args(src, out, work, cal, "--force"))
+    one_error(r, r"could destroy|file system root|not empty and holds no qconv\.json")
+    assert file_table(src) == before
+    assert (mine / "thesis.txt").read_text() == "years of work" and len(list(mine.iterdir())) == 1
+    assert stage_results(work) == []  # refused before any work
+
+
+def test_force_replaces_an_empty_folder_or_an_artifact(src, tmp_path, cal):
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    assert run(*build_args(src, out, work, cal, "--force")).exit_code == 0
+    r = run(*build_args(src, out, work, cal, "--force"))  # holds a qconv.json now
+    assert r.exit_code == 0, r.output
+    assert strays(tmp_path / "out") == [] and not list(tmp_path.glob(".out.*"))
+
+
+# ---- two builds of one source -----------------------------------------------------------------------------------
+
+def _cli(*args) -> list[str]:
+    return [sys.executable, "-m", "qconv.cli", *map(str, args)]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def test_second_build_of_a_source_waits_instead_of_deleting_the_first_ones_stage(src, tmp_path, cal):
+    """Build A is frozen (SIGSTOP) while its quantization stage is half-written; build B of the same source and work
+    dir must leave that folder alone (it waits for the work dir's lock), and both finish with the same artifact."""
+    work = tmp_path / "work"
+    a = subprocess.Popen(_cli(*build_args(src, tmp_path / "A", work, cal)), env=_env(), stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, text=True)
+    partial = None
+    while partial is None and a.poll() is None:
+        partial = next((p for p in work.glob(".quantization-*.partial")), None) if work.is_dir() else None
+        time.sleep(0.01)
+    assert partial is not None, "build A finished before its quantization stage was seen"
+    os.kill(a.pid, signal.SIGSTOP)
+    log_b = tmp_path / "b.log"
+    with open(log_b, "w") as f:
+        b = subprocess.Popen(_cli(*build_args(src, tmp_path / "B", work, cal)), env=_env(), stderr=f,
+                             stdout=subprocess.DEVNULL)
+    try:
+        while b.poll() is None and "in use by another build" not in log_b.read_text():
+            time.sleep(0.1)
+        assert partial.is_dir(), "build B deleted build A's in-progress stage folder"
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    _, err_a = a.communicate(timeout=600)
+    assert a.returncode == 0, err_a
+    assert b.wait(timeout=600) == 0, log_b.read_text()
+    assert "stage quantization: reusing" in log_b.read_text()
+    files = [json.loads((tmp_path / n / "qconv.json").read_text())["files"] for n in "AB"]
+    assert files[0] == files[1] and strays(work) == []
+
+
+# ---- crash leftovers --------------------------------------------------------------------------------------------
+
+CRASH_IN_TEMP = """
+import os, signal, sys
+from qconv.fsutil import atomic_dir
+with atomic_dir(sys.argv[1], force=True) as tmp:
+    (tmp / "model.safetensors").write_bytes(b"x" * 100000)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+CRASH_BETWEEN_RENAMES = """
+import os, signal, sys
+from qconv.fsutil import atomic_dir
+real, calls = os.replace, []
+def replace(a, b):
+    calls.append(a)
+    if len(calls) == 2:  # the old folder is parked, the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(a, b)
+os.replace = replace
+with atomic_dir(sys.argv[1], force=True) as tmp:
+    (tmp / "new.txt").write_text("new")
+"""
+CRASH_IN_STAGE = """
+import os, signal, sys
+from qconv.convert.stages import WorkDir
+with WorkDir(sys.argv[1]).new_dir("quantization", "deadbeef") as tmp:
+    (tmp / "model.safetensors").write_bytes(b"x" * 100000)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _crash(script: str, arg: Path) -> None:
+    r = subprocess.run([sys.executable, "-c", script, str(arg)], env=_env())
+    assert r.returncode == -signal.SIGKILL
+
+
+def test_crash_leftovers_are_swept_and_a_parked_folder_comes_back(src, tmp_path, cal):
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    (out / "qconv.json").write_text("{}")
+    (out / "old.txt").write_text("the user's previous artifact")
+    _crash(CRASH_BETWEEN_RENAMES, out)
+    assert not out.exists() and list(tmp_path.glob(".out.old-*"))  # the crash window the issue names
+    _crash(CRASH_IN_TEMP, out)
+    _crash(CRASH_IN_STAGE, work)
+    assert list(tmp_path.glob(".out.*.partial")) and list(work.glob(".quantization-*.partial"))
+    # a build that fails on its input still puts the user's folder back and clears the temp folders
+    r = run(*build_args(tmp_path / "no-such-model", out, work, cal, "--force"))
+    assert r.exit_code == 2
+    assert (out / "old.txt").read_text() == "the user's previous artifact"
+    assert not list(tmp_path.glob(".out.*"))
+    r = run(*build_args(src, out, work, cal, "--force"))
+    assert r.exit_code == 0, r.output
+    assert not (out / "old.txt").exists() and (out / "config.json").is_file()
+    assert not list(tmp_path.glob(".out.*")) and strays(work) == []
+
+
+def test_files_and_folders_are_flushed_before_the_rename(tmp_path, monkeypatch):
+    from qconv.convert.stages import WorkDir
+    from qconv.fsutil import atomic_dir, write_text_atomic
+
+    synced, real_fsync = [], os.fsync
+    problems = []
+    real_replace = os.replace
+
+    def fsync(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(a, b):
+        a = Path(a).resolve()
+        files = [a] if a.is_file() else [a, *a.rglob("*")]
+        problems.extend(str(p) for p in files if str(p) not in synced)
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    with atomic_dir(tmp_path / "art") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "w.bin").write_bytes(b"w" * 1000)
+        (tmp / "config.json").write_text("{}")
+    write_text_atomic(tmp_path / "x.json", "{}")
+    with WorkDir(tmp_path / "work").new_dir("quantization", "k") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"q" * 1000)
+    assert problems == []
+    assert str(tmp_path.resolve()) in synced  # the folder holding a rename is flushed too
+
+
+# ---- disk full / permission denied ------------------------------------------------------------------------------
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount_tmpfs(name, size, ro=False) -> a fresh tmpfs folder (root needed; skipped where mount is refused)."""
+    mounted = []
+
+    def mount(name: str, size: str, ro: bool = False) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def _fill(folder: Path, leave: int = 32 * 1024) -> None:
+    """Fill the file system holding folder until only `leave` bytes are free (another process filling the disk)."""
+    free = shutil.disk_usage(folder).free
+    with open(folder / "filler", "wb") as f:
+        f.write(b"\0" * max(free - leave, 0))
+
+
+def _quantize_then(monkeypatch, before=None, after=None):
+    import qconv.convert.quantize as q
+
+    real = q.quantize
+
+    def quantize(*a, **kw):
+        if before:
+            before()
+        out = real(*a, **kw)
+        if after:
+            after()
+        return out
+
+    monkeypatch.setattr(q, "quantize", quantize)
+
+
+def test_full_disk_is_refused_before_any_work(src, tmp_path, cal, tmpfs):
+    small = tmpfs("small", "64k")
+    work = tmp_path / "work"
+    r = run(*build_args(src, small / "out", work, cal))
+    one_error(r, r"not enough disk space \(needs about [\d.]+ MB, [\d.]+ MB free\)")
+    assert str(small) in r.output and list(small.iterdir()) == [] and stage_results(work) == []
+
+
+@pytest.mark.parametrize("where", ["out", "work"])
+def test_disk_full_mid_build_is_one_error_and_nothing_half_written(where, src, tmp_path, cal, tmpfs, monkeypatch):
+    disk = tmpfs("disk", "16m")
+    out = (disk if where == "out" else tmp_path) / "out"
+    work = (disk if where == "work" else tmp_path) / "work"
+    if where == "out":  # the disk fills while the model is being quantized: packaging the artifact fails
+        _quantize_then(monkeypatch, after=lambda: _fill(disk))
+    else:  # it fills before the quantization stage saves its folder (safetensors reports "os error 28")
+        _quantize_then(monkeypatch, before=lambda: _fill(disk))
+    r = run(*build_args(src, out, work, cal))
+    one_error(r, r"no space left on the device \(needs about [\d.]+ MB, [\d.]+ MB free\)")
+    assert not out.exists() and not list(out.parent.glob(".out.*"))
+    assert strays(work) == [] and (where == "out" or not list(work.glob("quantization-*")))
+    assert sorted(p.name for p in disk.iterdir()) in (["filler"], ["filler", "work"])
+
+
+def test_read_only_out_is_refused_before_any_work(src, tmp_path, cal, tmpfs):
+    ro = tmpfs("ro", "1m", ro=True)
+    r = run(*build_args(src, ro / "out", tmp_path / "work", cal))
+    one_error(r, r"read-only file system")
+    assert stage_results(tmp_path / "work") == []
+
+
+def test_permission_denied_mid_build_is_one_error(src, tmp_path, cal, monkeypatch):
+    """Root passes every permission check, so the refusal is injected where packaging copies a file."""
+    real = shutil.copy2
+
+    def copy2(a, b, **kw):
+        if Path(b).parent.name.startswith(".out."):
+            raise PermissionError(13, "Permission denied", str(b))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(shutil, "copy2", copy2)
+    out = tmp_path / "out"
+    r = run(*build_args(src, out, tmp_path / "work", cal))
+    one_error(r, r"writing the artifact: permission denied")
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+# ---- cached stages and source hashes ----------------------------------------------------------------------------
+
+def _weights(out: Path) -> dict:
+    return {k: v["sha256"] for k, v in json.loads((out / "qconv.json").read_text())["files"].items()}
+
+
+def test_a_tampered_stage_folder_is_recomputed(src, tmp_path, cal):
+    work = tmp_path / "work"
+    assert run(*build_args(src, tmp_path / "A", work, cal)).exit_code == 0
+    (stage,) = work.glob("quantization-*")
+    shard = stage / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-100:] = bytes(100)  # same size, other weights
+    shard.write_bytes(bytes(data))
+    r = run(*build_args(src, tmp_path / "B", work, cal))
+    assert r.exit_code == 0, r.output
+    assert _weights(tmp_path / "B") == _weights(tmp_path / "A")
+
+
+def test_source_edited_with_same_name_size_and_mtime_is_rehashed(src, tmp_path, cal):
+    work = tmp_path / "work"
+    assert run(*build_args(src, tmp_path / "A", work, cal)).exit_code == 0
+    cfg = src / "generation_config.json"
+    st = cfg.stat()
+    text = cfg.read_text()
+    edited = text.replace('"bos_token_id": 0', '"bos_token_id": 1')
+    assert edited != text and len(edited) == len(text)
+    cfg.write_text(edited)
+    os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert run(*build_args(src, tmp_path / "B", work, cal)).exit_code == 0
+    m = json.loads((tmp_path / "B" / "qconv.json").read_text())
+    assert m["source"]["files"]["generation_config.json"]["sha256"] == hashlib.sha256(cfg.read_bytes()).hexdigest()
+
+
+# ---- kill -9 at random points -----------------------------------------------------------------------------------
+
+# (log line, longest delay after it): seed i kills in phase i -- calibration, GPTQ, saving the stage folder,
+# packaging into the temp folder beside --out, and the finalize + atomic swap.
+POINTS = [("stage calibration", 1.0), ("stage quantization", 3.0), ("Writing model shards", 0.2),
+          ("Dispatching model", 0.2), ("quality report skipped", 0.05)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(5))
+def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path, cal):
+    """A build killed at a random moment (after a random log line, plus a random delay), rerun with --force into
+    the same --out and work dir, ends with the same file table as an uninterrupted build and no stray folders.
+    Odd seeds replace an earlier artifact, so the kill can also land in the atomic swap."""
+    rng = random.Random(seed)
+    ref = tmp_path / "ref"
+    assert run(*build_args(src, ref, tmp_path / "refwork", cal)).exit_code == 0
+    out, work = tmp_path / "out", tmp_path / "work"
+    if seed % 2:
+        shutil.copytree(ref, out)
+    point, longest = POINTS[seed % len(POINTS)]
+    delay = rng.uniform(0, longest)
+    p = subprocess.Popen(_cli(*build_args(src, out, work, cal, "--force")), env=_env(), stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, text=True)
+    for line in p.stderr:
+        if point in line:
+            break
+    time.sleep(delay)
+    p.kill()
+    p.wait()
+    p.stderr.close()
+    r = subprocess.run(_cli(*build_args(src, out, work, cal, "--force")), env=_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((out / "qconv.json").read_text())["files"] == json.loads((ref / "qconv.json").read_text())["files"]
+    assert file_table(out, exclude=("qconv.json",)) == file_table(ref, exclude=("qconv.json",))
+    assert not list(tmp_path.glob(".out.*")) and strays(work) == [] and strays(out) == []

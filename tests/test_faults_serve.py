@@ -1,0 +1,330 @@
+"""Fault injection for the native OpenAI server (issue 18, Serve): out-of-range fields, one bad request among good
+ones, a dead scheduler thread, oversized bodies and prompts, a slow tokenizer, chat without max_tokens, the API
+key, /metrics, the Host header; and a load test of 32 streaming clients, 8 of them bad. Each test failed on the
+code before its fix (see the branch's notes)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from qconv.runtime.sampling import SamplingParams
+from qconv.serve.native import BackgroundServer, NativeOptions, build_native
+from qconv.serve.scheduler import GenRequest, Scheduler
+
+KEY = "fault-key"
+GOOD = ["The quick brown", "First Citizen:", "def add(a, b):", "0123456789 +", "All: Speak", "A tiny model"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3):
+    app, sched = build_native(tiny_qwen3, NativeOptions(max_batch=4, max_model_len=512, api_key=KEY))
+    with BackgroundServer(app, sched) as srv:
+        yield srv
+
+
+def _req(server, path: str, body: bytes | None = None, headers: dict | None = None, method: str | None = None):
+    h = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body, headers=h, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _post(server, path: str, obj, **kw) -> tuple[int, dict]:
+    code, raw = _req(server, path, json.dumps(obj).encode() if not isinstance(obj, bytes) else obj, **kw)
+    return code, json.loads(raw)
+
+
+@pytest.fixture(scope="module")
+def model(server, tiny_qwen3) -> str:
+    return tiny_qwen3.name
+
+
+def _metric(server, name: str) -> float:
+    code, raw = _req(server, "/metrics")
+    assert code == 200
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in raw.decode().splitlines() if ln.startswith(name))
+
+
+# ---- bounded fields, isolated failures ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [("seed", 2**70), ("top_k", 2**70), ("max_tokens", 2**70),
+                                          ("n", 2**70), ("seed", -(2**70))])
+def test_out_of_range_fields_are_400_and_the_server_keeps_serving(server, model, field, value):
+    code, err = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4,
+                                                  "temperature": 1.0, field: value})
+    assert code == 400 and err["error"]["param"] == field, err
+    code, ok = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4})
+    assert code == 200 and ok["usage"]["completion_tokens"] >= 1
+
+
+def _collect(sched: Scheduler, reqs: list[GenRequest]) -> dict[int, str]:
+    """Submit, wait for every request's last event; finish reason per request index."""
+    done, out = threading.Event(), {}
+    lock = threading.Lock()
+
+    def sink(i):
+        def emit(ev):
+            if ev.finish_reason:
+                with lock:
+                    out[i] = ev.finish_reason
+                    if len(out) == len(reqs):
+                        done.set()
+        return emit
+
+    for i, r in enumerate(reqs):
+        r.emit = sink(i)
+        sched.submit(r)
+    assert done.wait(120), f"requests never finished: {sorted(set(range(len(reqs))) - set(out))}"
+    return out
+
+
+@pytest.mark.parametrize("bad", ["seed", "top_k"])
+def test_one_bad_request_ends_alone_in_the_scheduler(tiny_qwen3, bad):
+    """Values the protocol now refuses, handed straight to the scheduler (a future field or a bug that slips
+    through): only that request ends with an error; the others finish with what they produce alone."""
+    from qconv.runtime.loader import load_model, load_tokenizer
+
+    tok = load_tokenizer(tiny_qwen3)
+    sched = Scheduler(load_model(tiny_qwen3, max_batch=4), tok, max_batch=4, max_len=256).start()
+    try:
+        mk = lambda p: GenRequest(tok(p).input_ids, 12, None)  # noqa: E731
+        alone = []
+        for p in GOOD[:3]:
+            r = mk(p)
+            _collect(sched, [r])
+            alone.append(r.out_ids)
+        poison = GenRequest(tok("hear me speak").input_ids, 12, None,
+                            SamplingParams(temperature=1.0, top_k=2**70 if bad == "top_k" else 0),
+                            seed=2**70 if bad == "seed" else None)
+        good = [mk(p) for p in GOOD[:3]]
+        reasons = _collect(sched, [good[0], poison, *good[1:]])
+        assert reasons[1] == "error"
+        assert [reasons[i] for i in (0, 2, 3)] == ["length"] * 3 and [r.out_ids for r in good] == alone
+        assert sorted(sched.free) == list(range(4)) and sched.thread.is_alive()
+    finally:
+        sched.stop()
+
+
+def test_dead_scheduler_thread_refuses_new_work_with_503(tiny_qwen3):
+    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.serve.server import ServerConfig, create_app
+
+    tok = load_tokenizer(tiny_qwen3)
+    sched = Scheduler(load_model(tiny_qwen3), tok, max_batch=2, max_len=128)
+
+    def die():
+        raise SystemExit("injected: the model thread dies")
+
+    sched.step = die
+    sched.start()
+    first = GenRequest(tok("hi").input_ids, 4, None)
+    assert _collect(sched, [first]) == {0: "error"}  # what it held is failed, not left waiting
+    sched.thread.join(30)
+    app = create_app(sched, ServerConfig("m", 128))
+    with BackgroundServer(app, sched) as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="m", prompt="hi", max_tokens=4)
+        assert e.value.status_code == 503 and e.value.body["code"] == "scheduler_down"
+
+
+# ---- limits before tokenizing, tokenizing off the loop --------------------------------------------------------------
+
+def test_oversized_body_is_413_before_parsing(server, model):
+    cap = 64 * 512 if 64 * 512 > 1 << 20 else 1 << 20
+    big = json.dumps({"model": model, "prompt": "x" * (cap + 10)}).encode()
+    code, err = _post(server, "/v1/completions", big)
+    assert code == 413 and err["error"]["code"] == "body_too_large"
+
+
+def test_prompt_and_message_caps_before_tokenizing(server, model):
+    code, err = _post(server, "/v1/completions", {"model": model, "prompt": "ab " * (32 * 512 // 3 + 10)})
+    assert code == 400 and err["error"]["code"] == "context_length_exceeded" and "characters" in err["error"]["message"]
+    msgs = [{"role": "user", "content": "hi"}] * 1025
+    code, err = _post(server, "/v1/chat/completions", {"model": model, "messages": msgs})
+    assert code == 400 and err["error"]["param"] == "messages" and err["error"]["code"] == "too_many_messages"
+    code, err = _post(server, "/v1/completions", {"model": model, "prompt": [5] * 600})
+    assert code == 400 and err["error"]["code"] == "context_length_exceeded"
+
+
+class _SlowTokenizer:
+    """The real tokenizer, except that a prompt holding MARK blocks until released (a huge prompt)."""
+
+    MARK = "BLOCK-HERE"
+
+    def __init__(self, tok):
+        self._tok, self.entered, self.release = tok, threading.Event(), threading.Event()
+
+    def __call__(self, text, *a, **kw):
+        if self.MARK in text:
+            self.entered.set()
+            self.release.wait(120)
+        return self._tok(text, *a, **kw)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_tokenizing_does_not_stall_the_event_loop(tiny_qwen3):
+    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.serve.server import ServerConfig, create_app
+
+    tok = _SlowTokenizer(load_tokenizer(tiny_qwen3))
+    sched = Scheduler(load_model(tiny_qwen3), tok, max_batch=2, max_len=128).start()
+    app = create_app(sched, ServerConfig("m", 128))
+    with BackgroundServer(app, sched) as srv, cf.ThreadPoolExecutor(1) as ex:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+        slow = ex.submit(c.completions.create, model="m", prompt=f"{tok.MARK} hi", max_tokens=2)
+        assert tok.entered.wait(60)
+        try:
+            # the loop is free while that prompt tokenizes: another request is served meanwhile
+            with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=10) as r:
+                assert r.status == 200
+            assert c.completions.create(model="m", prompt="hi", max_tokens=2, timeout=30).choices
+        finally:
+            tok.release.set()
+        assert slow.result(120).choices
+
+
+def test_chat_without_max_tokens_is_capped_by_the_profile(tiny_qwen3):
+    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.serve.server import ServerConfig, create_app
+
+    sched = Scheduler(load_model(tiny_qwen3), load_tokenizer(tiny_qwen3), max_batch=1, max_len=512).start()
+    app = create_app(sched, ServerConfig("m", 512, max_tokens=5))
+    with BackgroundServer(app, sched) as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hear me"}],
+                                      temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens <= 5
+
+
+def test_native_plan_takes_the_cap_from_the_profile(tmp_path, tiny_qwen3):
+    import shutil
+
+    from qconv.serve.native import DEFAULT_MAX_TOKENS, native_plan
+
+    assert native_plan(tiny_qwen3, NativeOptions()).max_tokens == DEFAULT_MAX_TOKENS
+    art = tmp_path / "art"
+    shutil.copytree(tiny_qwen3, art)
+    from qconv.manifest import Manifest, RecipeInfo, SourceInfo
+
+    Manifest(source=SourceInfo(kind="hf_dir", id="x"), recipe=RecipeInfo(name="cpu", sha256="0", resolved={}),
+             modules=[], profiles={"fast": {"kv_cache": "bf16", "context_length": 1024, "max_tokens": 77}}).write(art)
+    assert native_plan(art, NativeOptions()).max_tokens == 77
+
+
+# ---- key, metrics, host --------------------------------------------------------------------------------------
+
+def test_api_key_is_compared_in_constant_time(server, model, monkeypatch):
+    import hmac
+
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    code, _ = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1},
+                    headers={"Authorization": "Bearer wrong"})
+    assert code == 401 and calls
+    code, _ = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1},
+                    headers={"Authorization": "Bearer ünïcode"})  # a non-ASCII header is a 401, not a 500
+    assert code == 401
+
+
+def test_metrics_need_the_key_when_one_is_set(server):
+    assert _req(server, "/metrics", headers={"Authorization": ""})[0] == 401
+    assert _req(server, "/metrics")[0] == 200
+
+
+def test_foreign_host_header_is_refused_on_loopback(server, model):
+    code, err = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1},
+                      headers={"Host": "evil.example:8000"})
+    assert code == 400 and err["error"]["code"] == "invalid_host"
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}"):
+        assert _req(server, "/health", headers={"Host": host})[0] == 200
+
+
+def test_warnings_for_exposed_bind_and_key_on_argv(tiny_qwen3, monkeypatch):
+    from click.testing import CliRunner
+
+    import qconv.serve.native as native
+    from qconv.cli import main
+    from qconv.serve.native import bind_warnings
+
+    assert bind_warnings("0.0.0.0", None) and not bind_warnings("0.0.0.0", "k") and not bind_warnings("127.0.0.1", None)
+    monkeypatch.setattr(native, "run_native", lambda path, opts: None)
+    r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", "native", "--api-key", "sekrit"])
+    assert r.exit_code == 0 and "QCONV_API_KEY" in r.output
+    r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", "native"], env={"QCONV_API_KEY": "sekrit"})
+    assert r.exit_code == 0 and "QCONV_API_KEY" not in r.output
+
+
+# ---- load: 32 streaming clients, 8 bad ---------------------------------------------------------------------
+
+def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
+    from qconv.serve.loadgen import stream_one
+
+    app, sched = build_native(tiny_qwen3, NativeOptions(max_batch=8, max_queue=64, max_model_len=512))
+    prompts = [f"{GOOD[i % len(GOOD)]} {i}" for i in range(24)]
+    name = tiny_qwen3.name
+    with BackgroundServer(app, sched) as srv:
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=300)
+        alone = {p: stream_one(c, name, p, 16, chat=False).text for p in prompts}
+
+        def oversized():
+            with pytest.raises(openai.APIStatusError) as e:
+                c.completions.create(model=name, prompt="x" * (2 << 20), max_tokens=4, stream=True)
+            return e.value.status_code
+
+        def huge_seed():
+            with pytest.raises(openai.BadRequestError) as e:
+                c.completions.create(model=name, prompt="hi", max_tokens=4, seed=2**70, stream=True)
+            return e.value.status_code
+
+        def disconnect():
+            stream = c.completions.create(model=name, prompt="The quick", max_tokens=400,
+                                          temperature=0.8, stream=True)
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    break
+            stream.close()
+            return "closed"
+
+        def malformed():
+            r = httpx.post(f"{srv.base_url}/completions", content=b'{"model": "x", "prompt": ',
+                           headers={"Content-Type": "application/json"}, timeout=60)
+            return r.status_code
+
+        bad = [oversized, huge_seed, disconnect, malformed] * 2
+        with cf.ThreadPoolExecutor(32) as ex:
+            good_f = [ex.submit(stream_one, c, name, p, 16, False) for p in prompts]
+            bad_f = [ex.submit(f) for f in bad]
+            good = {p: f.result().text for p, f in zip(prompts, good_f)}
+            bad_codes = [f.result() for f in bad_f]
+        assert good == alone
+        assert [b for b in bad_codes if b != "closed"] and all(400 <= b < 500 for b in bad_codes if b != "closed")
+        deadline = time.monotonic() + 60
+        while sched.active or sched.waiting:
+            assert time.monotonic() < deadline, "slots not freed"
+            time.sleep(0.1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics") as r:
+            text = r.read().decode()
+        gauge = lambda n: float(next(ln for ln in text.splitlines() if ln.startswith(n + " ")).split()[1])  # noqa: E731
+        assert gauge("qconv_running_requests") == 0 and gauge("qconv_queue_depth") == 0
+        assert sorted(sched.free) == list(range(8)) and sched.thread.is_alive()
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health") as r:
+            assert r.status == 200

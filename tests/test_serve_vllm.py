@@ -35,7 +35,7 @@ def _flags(argv: list[str]) -> dict[str, str | bool]:
 def _print_command(args: list[str]) -> list[str]:
     r = CliRunner().invoke(main, ["serve", *args, "--backend", "vllm", "--print-command"])
     assert r.exit_code == 0, r.output
-    return shlex.split(r.output.strip())
+    return shlex.split(r.stdout.strip())
 
 
 @pytest.mark.parametrize("profile, kv, ctx, mamba", [("fast", "auto", "65536", "float32"),

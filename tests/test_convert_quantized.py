@@ -195,9 +195,12 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
     text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:6000] if (
         shared_data / "tinyshakespeare.txt").is_file() else (REPO / "README.md").read_text()[:6000])
     out = tmp_path / "art"
-    code = ("import resource, sys; from qconv.cli import main\n"
+    # VmHWM is this process's own peak: ru_maxrss would carry over pytest's RSS, which a forked child inherits
+    # into its high-water mark across exec
+    code = ("import sys; from qconv.cli import main\n"
             "try:\n    main(sys.argv[1:], standalone_mode=False)\n"
-            "finally:\n    print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+            "finally:\n    print('MAXRSS', [ln.split()[1] for ln in open('/proc/self/status') "
+            "if ln.startswith('VmHWM')][0])")
     r = subprocess.run([sys.executable, "-c", code, "build", "--recipe", "3090", "--model", str(src), "--out",
                         str(out), "--eval-text", str(text), "--no-gates"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -32,13 +32,26 @@ def server(tiny_qwen3):
 
 
 def _req(server, path: str, body: bytes | None = None, headers: dict | None = None, method: str | None = None):
+    """One request over http.client. A server that answers before it has read the whole body (413) may close the
+    connection while the body is still being written: the answer is read all the same, as real clients do."""
+    import http.client
+
     h = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})}
-    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body, headers=h, method=method)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        conn.putrequest(method or ("POST" if body is not None else "GET"), path, skip_host="Host" in h)
+        for k, v in {**h, **({"Content-Length": str(len(body))} if body is not None else {})}.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        if body is not None:
+            try:
+                conn.send(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
 
 
 def _post(server, path: str, obj, **kw) -> tuple[int, dict]:

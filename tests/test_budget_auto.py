@@ -67,3 +67,35 @@ def test_explicit_budget_still_wins(config_27b, tmp_path):
 
     dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090", int8_budget="100MB", work_dir=tmp_path))
     assert dr.budget_bytes == 100_000_000 and dr.budget_note == ""
+
+
+def test_auto_budget_is_capped_by_max_bpw(config_27b, smollm2, tmp_path):
+    """selection.max_bpw bounds what `auto` promotes: the 27B (4.88 bpw planned) keeps the card's 0.68 GiB, SmolLM2
+    (6.81 bpw with its INT8 embeddings) gets nothing, and a recipe without the cap lets the card decide."""
+    import json
+
+    import yaml
+
+    from qconv.convert.build import int8_budget
+    from qconv.convert.layout import plan_model
+    from qconv.recipes.recipe import load_recipe
+
+    r = load_recipe("3090")
+    assert r.selection.max_bpw == 5.2
+    for model, want_zero in ((config_27b, False), (smollm2, True)):
+        cfg = json.loads((model / "config.json").read_text())
+        budget, note = int8_budget(r, plan_model(model, cfg, r), cfg)
+        assert (budget == 0) == want_zero and ("capped" in note) == want_zero, note
+    d = r.to_dict()
+    d["selection"]["max_bpw"] = None
+    p = tmp_path / "nocap.yaml"
+    p.write_text(yaml.safe_dump(d))
+    free = load_recipe(str(p))
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    assert int8_budget(free, plan_model(smollm2, cfg, free), cfg)[0] > 10 * 2**30
+    d["selection"]["max_bpw"] = 40
+    p.write_text(yaml.safe_dump(d))
+    from qconv.errors import QconvError
+
+    with pytest.raises(QconvError, match="max_bpw"):
+        load_recipe(str(p))

@@ -94,6 +94,11 @@ def int8_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
             f"{(on_card - card.reserve_gib * gib - fit.usable) / gib:.2f} GiB - profile {fit.name} "
             f"({fit.profile.kv_cache} KV at {fit.profile.context_length:,} tokens x {fit.profile.max_num_seqs} "
             f"+ recurrent state) {fit.need / gib:.2f} GiB")
+    if (bpw := recipe.selection.max_bpw) is not None and plan.num_parameters:
+        cap = max(0, int(bpw * plan.num_parameters / 8) - plan.total_bytes)
+        if cap < left:
+            note += f"; capped at {cap / gib:.2f} GiB by selection.max_bpw {bpw:g}"
+            left = cap
     log.info("%s", note)
     return parse_budget(spec, plan.total_bytes, left), note
 

@@ -79,6 +79,9 @@ class Selection:
     # card has left after the weights, the first profile's KV cache + recurrent state and the reserve
     budget: str = "0"
     scheme: str = "w8a16"
+    # with `auto`: never promote past this many bits per weight over the whole artifact (None: the card decides).
+    # A model far smaller than the card it is built for would otherwise be promoted to INT8 throughout.
+    max_bpw: float | None = None
     candidates: list[str] = field(default_factory=lambda: ["attn_qkv", "attn_o", "mlp_gate_up", "mlp_down",
                                                            "gdn_qkvz", "gdn_out"])
 
@@ -87,6 +90,8 @@ class Selection:
                                                               self.budget):
             yield "budget", (f"bad budget {self.budget!r}; use bytes (1500000000), a size (1.5GB, 300MiB), a percent "
                              "(5%) or auto (what the card has left after the first profile)")
+        if self.max_bpw is not None and not 1 <= self.max_bpw <= 16:
+            yield "max_bpw", f"must be between 1 and 16 bits per weight, got {self.max_bpw}"
         for c in self.candidates:
             if c not in ROLES:
                 yield "candidates", f"unknown role {c!r}; roles: {', '.join(ROLES)}"

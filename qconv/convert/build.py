@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from qconv import progress
 from qconv.convert.artifact import copy_mtp, copy_side_files, finalize, write_index
 from qconv.convert.layout import Plan, plan_model
 from qconv.convert.quantized import detect_format
@@ -185,7 +186,8 @@ def build(opts: BuildOptions) -> Manifest:
                          fix="stream with budget 0 (uniform W4), or build in memory where the model fits")
     work = _work(opts, src.id)
     work.clean_partials()
-    log.info("work dir %s%s", work.root, " (--fresh: cached stages ignored)" if opts.fresh else "")
+    log.info("work dir %s%s", work.root, " (--fresh: cached stages ignored)" if opts.fresh else "",
+             extra=progress.log_dir(work.root))
     source_info = _source_info(src, work)
     source_info.num_parameters = plan.num_parameters
 
@@ -242,6 +244,7 @@ def build(opts: BuildOptions) -> Manifest:
     model_box.clear()
     shutil.rmtree(work.root / "offload", ignore_errors=True)
     gate_error = None
+    log.info("packaging %s", out, extra=progress.stage("packaging"))
     with atomic_dir(out, force=opts.force) as tmp:
         _package(src.path, qdir, tmp, GenerationConfig)
         manifest.build["stages"] = work.record

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from qconv import progress
 from qconv.fsutil import sha256_json, write_json_atomic
 from qconv.paths import qconv_home
 
@@ -51,9 +52,10 @@ class WorkDir:
     def _note(self, stage: str, key: str, reused: bool) -> None:
         self.record[stage] = {"key": key, "reused": reused}
         if reused:
-            log.info("stage %s: reusing finished result %s from %s", stage, key, self.root)
+            log.info("stage %s: reusing finished result %s from %s", stage, key, self.root,
+                     extra=progress.stage(stage, reused=True))
         else:
-            log.info("stage %s: running (key %s)", stage, key)
+            log.info("stage %s: running (key %s)", stage, key, extra=progress.stage(stage))
 
     def load_json(self, stage: str, key: str) -> dict | None:
         path = self.root / f"{stage}-{key}.json"

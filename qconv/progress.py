@@ -204,6 +204,7 @@ class JobView:
         else:
             self._saved_fds = None
             term = sys.stderr
+            self._exit.enter_context(contextlib.redirect_stdout(sys.stderr))  # stdout is for the job's result
         self._term = term
         self.console = Console(file=term, soft_wrap=True, highlight=False)
         self._progress = Progress(SpinnerColumn(), TextColumn("{task.description:<13}"), BarColumn(bar_width=30),

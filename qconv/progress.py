@@ -213,10 +213,14 @@ class JobView:
                                   redirect_stdout=False, redirect_stderr=False)
         self._task = None
         self._stage: tuple[str, float, str] | None = None
-        self._setup_logging()
-        self._setup_libraries()
-        self._progress.start()
-        self._exit.callback(self._progress.stop)
+        try:
+            self._setup_logging()
+            self._setup_libraries()
+            self._progress.start()
+            self._exit.callback(self._progress.stop)
+        except BaseException:
+            self.__exit__(*sys.exc_info())  # the terminal back before the error is shown
+            raise
         self._start_stage(PREPARING, False)
         return self
 
@@ -255,12 +259,8 @@ class JobView:
         self._exit.callback(restore)
 
     def _setup_libraries(self) -> None:
-        """Point llmcompressor's loguru logger and transformers'/datasets' own handlers at the view; quiet tqdm."""
-        if not self.verbose:
-            old = os.environ.get("TQDM_DISABLE")
-            os.environ["TQDM_DISABLE"] = "1"
-            self._exit.callback(lambda: os.environ.pop("TQDM_DISABLE") if old is None
-                                else os.environ.__setitem__("TQDM_DISABLE", old))
+        """Point llmcompressor's loguru logger and transformers'/datasets' own handlers at the view (tqdm bars write
+        to file descriptor 2, which is the log already)."""
         with contextlib.suppress(ImportError):
             import llmcompressor  # noqa: F401  (configures loguru on import: do it before taking loguru over)
             from llmcompressor.logger import configure_logger
@@ -365,6 +365,8 @@ class JobView:
         if exc_type is None:
             self._finish_stage()
         else:
+            if self._task is not None:
+                self._progress.remove_task(self._task)
             self.flush_warnings()
         self._exit.close()
         sys.stdout.flush()

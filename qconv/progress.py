@@ -216,8 +216,9 @@ class JobView:
         try:
             self._setup_logging()
             self._setup_libraries()
-            self._progress.start()
-            self._exit.callback(self._progress.stop)
+            if self.console.is_terminal:  # a live bar only where it can redraw (a pipe would get a stray line)
+                self._progress.start()
+                self._exit.callback(self._progress.stop)
         except BaseException:
             self.__exit__(*sys.exc_info())  # the terminal back before the error is shown
             raise

@@ -44,9 +44,11 @@ class QconvGroup(click.Group):
 
 @click.group(cls=QconvGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="qconv")
-@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def main(verbose: bool) -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging; library logs as they come.")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
     """qconv: quantize a full-precision LLM into a small, fast, measured artifact and serve it."""
+    ctx.obj = {"verbose": verbose}
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(message)s")
 
 

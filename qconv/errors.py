@@ -23,3 +23,4 @@ class GateFailure(QconvError):
     """A quality gate or regression check failed. Exit code 1."""
 
     exit_code = 1
+    report: dict | None = None  # the measurement behind the verdict, for `--json`

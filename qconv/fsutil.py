@@ -54,11 +54,31 @@ def file_table(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[s
     return out
 
 
+def umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normal_modes(root: str | os.PathLike) -> None:
+    """Give every file below root the mode plain open() would (0644 under umask 022; exec bits kept). mkstemp and
+    safetensors' writer make 0600 files, which another user or a container could not read."""
+    mask = umask()
+    for p in [Path(root), *Path(root).rglob("*")]:
+        if p.is_symlink():
+            continue
+        mode = p.stat().st_mode
+        full = 0o777 if p.is_dir() or mode & 0o111 else 0o666
+        if mode & 0o777 != full & ~mask:
+            p.chmod(full & ~mask)
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -187,6 +207,7 @@ def atomic_dir(final: str | os.PathLike, *, force: bool = False) -> Iterator[Pat
     with owned_temp_dir(final.parent, final.name) as tmp:
         tmp.chmod(0o755)
         yield tmp
+        normal_modes(tmp)
         fsync_tree(tmp)
         if final.exists():
             if not force:

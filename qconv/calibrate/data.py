@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from qconv import progress
 from qconv.errors import QconvError
 from qconv.fsutil import sha256_json
 from qconv.manifest import CalibrationInfo
@@ -190,5 +191,6 @@ def load_calibration(dataset: str | None, tokenizer, *, samples: int, seq_len: i
             ids = self_generate(model_loader(), tokenizer, samples, seq_len, seed)
     info = CalibrationInfo(kind=kind, id=ident, sha256=sha256_json(ids), samples=len(ids), seq_len=seq_len,
                            seed=seed, tokens=sum(len(x) for x in ids))
-    log.info("calibration: %s %s, %d samples, %d tokens", kind, ident, info.samples, info.tokens)
+    log.info("calibration: %s, %d samples of up to %d tokens, %d tokens in all", ident if kind != "hf" else f"HF {ident}",
+             info.samples, seq_len, info.tokens, extra=progress.SHOW)
     return CalibSet(ids, info)

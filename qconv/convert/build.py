@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from qconv import progress
 from qconv.convert.artifact import copy_mtp, copy_side_files, finalize, write_index
 from qconv.convert.layout import Plan, plan_model
 from qconv.convert.quantized import detect_format
@@ -260,7 +261,8 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     work.clean_partials()
     _check_space(out, work, plan)
     where.update(what="writing the build's files", where=work.root, needed=plan.total_bytes)
-    log.info("work dir %s%s", work.root, " (--fresh: cached stages ignored)" if opts.fresh else "")
+    log.info("work dir %s%s", work.root, " (--fresh: cached stages ignored)" if opts.fresh else "",
+             extra=progress.log_dir(work.root))
     source_info = _source_info(src, work)
     source_info.num_parameters = plan.num_parameters
 
@@ -320,6 +322,7 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     offload.close()
     gate_error = None
     where.update(what="writing the artifact", where=out.parent)
+    log.info("packaging %s", out, extra=progress.stage("packaging"))
     with atomic_dir(out, force=opts.force) as tmp:
         _package(src.path, qdir, tmp, GenerationConfig)
         manifest.build["stages"] = work.record

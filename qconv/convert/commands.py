@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -115,10 +116,13 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 @click.option("--reference", type=click.Path(path_type=Path),
               help="For a quantized --model: the full-precision original the quality report compares against "
                    "(default: the quantized checkpoint itself).")
-def build(model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
-          work_dir, fresh, stream, int8_budget, sensitivity, reference):
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout.")
+@click.option("-v", "--verbose", is_flag=True, help="Show library logs as they come (always kept in build.log).")
+@click.pass_context
+def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
+          work_dir, fresh, stream, int8_budget, sensitivity, reference, as_json, verbose):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
-    from qconv.convert.build import BuildOptions, build as run_build, dry_run as run_dry
+    from qconv.convert.build import BuildOptions, dry_run as run_dry
     from qconv.errors import QconvError
 
     opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
@@ -135,12 +139,56 @@ def build(model, recipe, out, dataset, samples, seq_len, seed, revision, eval_te
         return
     if out is None:
         raise QconvError("missing --out", where="qconv build", fix="pass --out DIR (or --dry-run to only plan)")
-    m = run_build(opts)
-    if m.selection.get("units"):
-        from qconv.calibrate.select import Selection, format_table
+    verbose = verbose or bool((ctx.find_root().obj or {}).get("verbose"))
+    _build_with_view(opts, as_json=as_json, verbose=verbose)
 
-        click.echo(format_table(Selection.from_dict(m.selection)))
-    click.echo(f"artifact: {out}  ({m.total_size() / 1e9:.3f} GB, status {m.status})")
+
+def _calibration_line(opts) -> str:
+    """Which calibration size this build uses and where it comes from (a demo passes a small one)."""
+    from qconv.recipes import load_recipe
+
+    cal = load_recipe(opts.recipe).calibration
+    samples, seq_len = opts.samples or cal.samples, opts.seq_len or cal.seq_len
+    given = [f for f, v in (("--samples", opts.samples), ("--seq-len", opts.seq_len)) if v]
+    origin = (f"{'/'.join(given)}; recipe default {cal.samples} x {cal.seq_len}" if given
+              else "recipe default; --samples/--seq-len change it")
+    data = opts.dataset or cal.dataset or f"{cal.default_dataset}, else self-generated text"
+    return f"calibration: {samples} samples x {seq_len} tokens ({origin}) from {data}"
+
+
+def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
+    """The build under a progress view (library logs into build.log), then the summary or its JSON."""
+    import contextlib
+    import sys
+    import time
+
+    from qconv import progress
+    from qconv.convert.build import build as run_build
+    from qconv.convert.summary import artifact_summary, print_summary
+    from qconv.errors import GateFailure
+
+    failure, t0 = None, time.time()
+    calib = _calibration_line(opts)
+    with contextlib.ExitStack() as stack:
+        offline = stack.enter_context(progress.offline_if_unreachable())  # before any library reads the flag
+        view = stack.enter_context(progress.JobView(verbose=verbose))
+        if as_json:
+            stack.enter_context(progress.json_stdout())
+        view.print(f"qconv build: {opts.model} -> {opts.out} (recipe {opts.recipe})")
+        view.print(calib)
+        if offline:
+            view.print(offline)
+        try:
+            run_build(opts)
+        except GateFailure as e:  # the artifact is written and marked failed: summarize it, then exit 1
+            failure = e
+    summary = {**artifact_summary(opts.out, view.log_path), "elapsed_s": round(time.time() - t0, 1)}
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+    else:
+        print_summary(summary)
+    if failure:
+        raise failure
 
 
 @click.group()

@@ -8,6 +8,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from qconv import progress
 from qconv.convert.stream import MAX_SHARD_SIZE
 from qconv.manifest import ModuleDecision
 from qconv.recipes.recipe import KEEP, Recipe
@@ -135,6 +136,9 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
         mod = GPTQModifier(config_groups=groups, ignore=ignore, block_size=q.block_size, dampening_frac=q.dampening_frac)
     else:
         mod = QuantizationModifier(config_groups=groups, ignore=ignore)
+    linear = sum(1 for m in modules if m.scheme != KEEP and m.role != "embed")  # embeddings: round-to-nearest
+    log.info("quantization: %s on %d modules, layer by layer, %d calibration samples", q.algorithm.upper(), linear,
+             len(calib_ids), extra=progress.total(linear))
     max_len = max(len(x) for x in calib_ids)
     ds = Dataset.from_dict({"input_ids": calib_ids, "attention_mask": [[1] * len(x) for x in calib_ids]})
     oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=max_len, num_calibration_samples=len(calib_ids),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from qconv import progress
 from qconv.fsutil import file_table, fsync_path, fsync_tree, owned_temp_dir, sha256_json, sweep_stale, write_json_atomic
 from qconv.paths import qconv_home
 
@@ -54,9 +55,10 @@ class WorkDir:
     def _note(self, stage: str, key: str, reused: bool) -> None:
         self.record[stage] = {"key": key, "reused": reused}
         if reused:
-            log.info("stage %s: reusing finished result %s from %s", stage, key, self.root)
+            log.info("stage %s: reusing finished result %s from %s", stage, key, self.root,
+                     extra=progress.stage(stage, reused=True))
         else:
-            log.info("stage %s: running (key %s)", stage, key)
+            log.info("stage %s: running (key %s)", stage, key, extra=progress.stage(stage))
 
     def load_json(self, stage: str, key: str) -> dict | None:
         path = self.root / f"{stage}-{key}.json"

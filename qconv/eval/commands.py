@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import click
 
 
@@ -19,15 +21,25 @@ def _text_options(f):
                           "(default: streamed when the model does not fit in free memory)."),
         click.option("--device", type=click.Choice(["cpu", "cuda"]), help="Run the forward passes here "
                      "(default: cuda when available)."),
+        click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout."),
     ]):
         f = opt(f)
     return f
 
 
-def _print(report: dict) -> None:
-    from qconv.eval.report import render_md
+@contextlib.contextmanager
+def _output(as_json: bool):
+    """Yields `emit(report)`: the markdown report for a person, or with --json one JSON object on stdout (whatever
+    else is printed meanwhile goes to stderr)."""
+    if not as_json:
+        from qconv.eval.report import render_md
 
-    click.echo(render_md(report))
+        yield lambda report: click.echo(render_md(report))
+        return
+    from qconv.progress import json_stdout
+
+    with json_stdout() as emit:
+        yield emit
 
 
 @click.command("eval")
@@ -38,8 +50,8 @@ def _print(report: dict) -> None:
 @click.option("--limit", type=int, help="At most this many documents per task.")
 @click.option("--task-data", multiple=True, metavar="TASK=PATH", help="Local data file for a shipped task.")
 @click.option("--max-gen-toks", type=int, help="Cap generation length of shipped generative tasks (CPU smoke runs).")
-def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, ref_topk, tasks,
-             limit, task_data, max_gen_toks):
+def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, as_json, ref_topk,
+             tasks, limit, task_data, max_gen_toks):
     """Measure ARTIFACT's quality cost against its source: KLD, top-1, PPL (and KV cache, tasks)."""
     from qconv.errors import QconvError
     from qconv.eval.forward import Forward
@@ -56,11 +68,11 @@ def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, str
         data[name] = path
     settings = EvalSettings(text=text, window=window or 2048, max_tokens=max_tokens or 8192, kv=kv,
                             ref_topk=ref_topk)
-    report = evaluate(artifact, settings, reference=reference, recipe=recipe,
+    with _output(as_json) as emit:
+        emit(evaluate(artifact, settings, reference=reference, recipe=recipe,
                       tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
                       limit=limit, task_data=data, max_gen_toks=max_gen_toks, out=out,
-                      fwd=Forward(streamed=streamed, device=device))
-    _print(report)
+                      fwd=Forward(streamed=streamed, device=device)))
 
 
 @click.command("check")
@@ -68,16 +80,24 @@ def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, str
 @_text_options
 @click.option("--against", help="Regress against this artifact or report.json (default: the recorded report).")
 @click.option("--junit", type=click.Path(dir_okay=False), help="Write JUnit XML for CI.")
-def check(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, against, junit):
+def check(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, as_json, against, junit):
     """Re-measure ARTIFACT; exit 1 on a failed quality gate or a regression beyond tolerance."""
+    from qconv.errors import GateFailure
     from qconv.eval.forward import Forward
     from qconv.eval.run import check as run_check
 
-    report = run_check(artifact, against=against, junit=junit, reference=reference, recipe=recipe, text=text,
-                       window=window, max_tokens=max_tokens, kv=kv, out=out,
-                       fwd=Forward(streamed=streamed, device=device))
-    _print(report)
-    click.echo(f"check passed: {len(report['verdicts'])} checks ({report['tier'].get('name')} tier)")
+    with _output(as_json) as emit:
+        try:
+            report = run_check(artifact, against=against, junit=junit, reference=reference, recipe=recipe,
+                               text=text, window=window, max_tokens=max_tokens, kv=kv, out=out,
+                               fwd=Forward(streamed=streamed, device=device))
+        except GateFailure as e:  # scripts get the measurement with the failure (exit 1 all the same)
+            if as_json and e.report is not None:
+                emit(e.report)
+            raise
+        emit(report)
+    if not as_json:
+        click.echo(f"check passed: {len(report['verdicts'])} checks ({report['tier'].get('name')} tier)")
 
 
 COMMANDS = [eval_cmd, check]

@@ -136,8 +136,10 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
         write_junit(junit, [Verdict(**v) for v in report["verdicts"]])
     failed = [v["message"] for v in report["verdicts"] if not v["passed"]]
     if failed:
-        raise GateFailure(f"quality check failed for {artifact} ({report['tier'].get('name')} tier):\n  "
+        err = GateFailure(f"quality check failed for {artifact} ({report['tier'].get('name')} tier):\n  "
                           + "\n  ".join(failed), fix="inspect report.md; rebuild or relax the recipe's gates")
+        err.report = report
+        raise err
     return report
 
 

@@ -5,6 +5,7 @@ same run (interleaved per prompt, so machine load hits both alike), and optional
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,12 +36,25 @@ def _jsonl(path: Path, field: str, n: int) -> list:
     return out
 
 
+_HEADING = re.compile(r"^(=+) .* \1$")  # wikitext's "= Title =", "= = Section = ="
+
+
+def _paragraphs(text: str, long_line: int = 200) -> list[str]:
+    """Paragraphs of plain text. A file with lines longer than any wrapped text has keeps one paragraph per line
+    (wikitext's layout); otherwise blank lines end paragraphs and the wrapped lines between them are joined."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    if any(len(ln) > long_line for ln in lines):
+        return [ln for ln in lines if ln and not _HEADING.match(ln)]
+    blocks = re.split(r"\n[ \t]*\n", text)
+    return [" ".join(ln.strip() for ln in b.splitlines() if ln.strip() and not _HEADING.match(ln.strip()))
+            for b in blocks]
+
+
 def _passages(path: Path, n: int, min_chars: int = 400, max_chars: int = 900) -> list[str]:
-    """Paragraphs of a plain-text file (headings and short lines skipped), cut at a sentence end."""
+    """Paragraphs of a plain-text file (headings and short ones skipped), cut at a sentence end."""
     out = []
-    for para in path.read_text(errors="replace").split("\n"):
-        para = para.strip()
-        if len(para) < min_chars or para.startswith("="):
+    for para in _paragraphs(path.read_text(errors="replace")):
+        if len(para) < min_chars:
             continue
         cut = para[:max_chars]
         end = cut.rfind(". ")

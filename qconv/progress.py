@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 _STAGE, _REUSED, _TOTAL, _SHOW, _LOG_DIR = "qconv_stage", "qconv_reused", "qconv_total", "qconv_show", "qconv_log_dir"
+_NOW = "qconv_now"
 SHOW = {_SHOW: True}
 LOG_NAME = "build.log"
 PREPARING = "preparing"  # until the job names its first stage; not listed as one
@@ -48,6 +49,11 @@ def total(n: int) -> dict:
 
 def log_dir(path: str | os.PathLike) -> dict:
     return {_LOG_DIR: str(path)}
+
+
+def now() -> dict:
+    """A warning the user must see when it happens (e.g. the build waits for another one), not at stage end."""
+    return {_NOW: True}
 
 
 def group_warnings(messages: list[str]) -> list[str]:
@@ -307,7 +313,9 @@ class JobView:
             self._progress.update(self._task, total=getattr(record, _TOTAL), completed=0)
         if not record.name.startswith("qconv") or self.verbose:
             return
-        if record.levelno >= logging.WARNING:
+        if getattr(record, _NOW, False):
+            self.console.print(f"[yellow]warning:[/yellow] {_escape(record.getMessage())}")
+        elif record.levelno >= logging.WARNING:
             self.warned.append(record.getMessage())
         elif getattr(record, _SHOW, False) and self._stage:
             name, t0, _ = self._stage

@@ -132,7 +132,7 @@ class WorkDir:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
                 log.warning("work dir %s is in use by another build (pid %s); waiting for it to finish", self.root,
-                            holder)
+                            holder, extra=progress.now())
                 fcntl.flock(fd, fcntl.LOCK_EX)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -45,6 +45,7 @@ class BuildOptions:
     fresh: bool = False  # ignore cached stages
     stream: bool | None = None  # None: stream when the model is large against free RAM
     int8_budget: str | None = None  # overrides the recipe's selection.budget
+    bpw: float | None = None  # a bits-per-weight target: the INT8 budget is what it leaves over the uniform plan
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
     reference: str | None = None  # quantized --model: the full-precision original for the quality report
 
@@ -59,9 +60,22 @@ class DryRun:
 
 def _recipe(opts: BuildOptions) -> Recipe:
     recipe = load_recipe(opts.recipe)
+    if opts.bpw is not None and opts.int8_budget is not None:
+        raise QconvError("--bpw and --int8-budget both set the selection's budget", where="--bpw",
+                         fix="pass one of them")
     if opts.int8_budget is not None:
         recipe.selection = replace(recipe.selection, budget=str(opts.int8_budget))
     return recipe
+
+
+def _budget(opts: BuildOptions, recipe: Recipe, plan: Plan) -> int:
+    from qconv.calibrate.select import bpw_budget, parse_budget
+
+    return bpw_budget(opts.bpw, plan) if opts.bpw is not None else parse_budget(recipe.selection.budget, plan.total_bytes)
+
+
+def _budget_label(opts: BuildOptions, recipe: Recipe) -> str:
+    return f"{opts.bpw} bpw" if opts.bpw is not None else recipe.selection.budget
 
 
 def _work(opts: BuildOptions, src_id: str) -> WorkDir:
@@ -71,7 +85,7 @@ def _work(opts: BuildOptions, src_id: str) -> WorkDir:
 def dry_run(opts: BuildOptions) -> DryRun:
     """The plan without loading weights: shapes come from safetensors headers or a meta-device model. When the
     work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
-    from qconv.calibrate.select import candidate_units, parse_budget, select
+    from qconv.calibrate.select import candidate_units, select
     from qconv.calibrate.sensitivity import Scores
 
     recipe = _recipe(opts)
@@ -79,13 +93,13 @@ def dry_run(opts: BuildOptions) -> DryRun:
     config = read_config(src.path)
     plan = plan_model(src.path, config, recipe)
     selection = None
-    budget = parse_budget(recipe.selection.budget, plan.total_bytes)
+    budget = _budget(opts, recipe, plan)
     work_root = Path(opts.work_dir) if opts.work_dir else default_work_dir(src.id, opts.revision)
     cached = WorkDir(work_root).latest("sensitivity") if work_root.is_dir() else None
     units = candidate_units(plan, recipe)
     if cached and set(cached["values"]) >= {u.name for u in units}:
         selection = select(units, Scores(cached["method"], cached["values"], cached["tokens"]), budget,
-                           budget=recipe.selection.budget, scheme=recipe.selection.scheme)
+                           budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
     return DryRun(plan, recipe, config, selection)
 
 
@@ -154,7 +168,7 @@ def build(opts: BuildOptions) -> Manifest:
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from qconv.calibrate.select import apply_selection, candidate_units, format_table, parse_budget, select
+    from qconv.calibrate.select import apply_selection, candidate_units, format_table, select
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
     from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq
@@ -176,7 +190,7 @@ def build(opts: BuildOptions) -> Manifest:
     plan = plan_model(src.path, config, recipe)
     for w in plan.warnings:
         log.warning("plan: %s", w)
-    budget = parse_budget(recipe.selection.budget, plan.total_bytes)
+    budget = _budget(opts, recipe, plan)
     units = candidate_units(plan, recipe)
     stream = use_streaming(opts, plan)
     if budget > 0 and stream and any(not u.refusal for u in units):
@@ -210,7 +224,7 @@ def build(opts: BuildOptions) -> Manifest:
     scores = None
     if budget > 0 and any(not u.refusal for u in units):
         scores = _sensitivity(opts, units, calib, source_info.sha256, model_loader, work)
-    selection = select(units, scores, budget, budget=recipe.selection.budget, scheme=recipe.selection.scheme)
+    selection = select(units, scores, budget, budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
     modules = apply_selection(plan, units, selection)
     if units:
         log.info("%s", format_table(selection))
@@ -228,16 +242,18 @@ def build(opts: BuildOptions) -> Manifest:
         tools=tool_versions(),
         status="unchecked",
         build={"seed": seed, "family": plan.family, "untied_embeddings": plan.untie_embeddings,
+               "tied_embeddings": plan.tied_embeddings, "untie_bytes": plan.untie_bytes,
                "estimated_bytes": final_plan.total_bytes, "source_bytes": plan.source_bytes,
                "warnings": plan.warnings, "streamed": stream, "work_dir": str(work.root)},
     )
     qkey = stage_key("quantization", source_info.sha256, calib.info.sha256, [asdict(m) for m in modules],
                      asdict(recipe.quantizer), {k: asdict(v) for k, v in recipe.schemes.items()}, seed,
-                     plan.untie_embeddings, manifest.tools, MAX_SHARD_SIZE)
+                     plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE)
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
         with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq():
-            quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed)
+            quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
+                     tied=plan.tied_embeddings)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
     shutil.rmtree(work.root / "offload", ignore_errors=True)

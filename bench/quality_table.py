@@ -42,12 +42,12 @@ def gguf_tensor_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
 
 
-def build_3090(src: Path, out: Path) -> Path | None:
+def build_recipe(src: Path, out: Path, recipe: str = "3090", extra: tuple[str, ...] = ()) -> Path | None:
     if (out / "qconv.json").is_file():
         return out
-    cmd = [str(REPO / ".venv/bin/qconv"), "build", "--recipe", "3090", "--model", str(src), "--out", str(out),
-           "--dataset", str(DATA / "tinyshakespeare.txt"), "--samples", "32", "--seq-len", "512", "--force",
-           "--no-gates"]
+    cmd = [sys.executable, "-c", "from qconv.cli import main; main()", "build", "--recipe", recipe, "--model",
+           str(src), "--out", str(out), "--dataset", str(DATA / "tinyshakespeare.txt"), "--samples", "32",
+           "--seq-len", "512", "--force", "--no-gates", *extra]
     r = subprocess.run(cmd, cwd=REPO)
     return out if r.returncode == 0 and (out / "qconv.json").is_file() else None
 
@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "eval")
     ap.add_argument("--rows", default="rtn,gptq,3090,q4_0,q4_k_m")
+    ap.add_argument("--recipe-row", action="append", default=[], metavar="NAME=RECIPE[,BUILD_ARG...]",
+                    help="an extra row: `qconv build --recipe RECIPE` (a name or YAML path) with these build args, "
+                         "e.g. bpw617=3090,--bpw,6.17; name it in --rows")
     args = ap.parse_args()
 
     from qconv.convert.gguf import import_gguf
@@ -83,8 +86,14 @@ def main() -> None:
         "gptq": ("GPTQ W4A16 sym g128/64", lambda: make_w4_artifact(
             src, w / "smollm2-gptq-w4", algorithm="gptq", calib_text=DATA / "tinyshakespeare.txt", samples=32,
             seq_len=512) if not (w / "smollm2-gptq-w4" / "qconv.json").is_file() else w / "smollm2-gptq-w4", None),
-        "3090": ("qconv 3090 recipe", lambda: build_3090(gguf, w / "smollm2-3090"), None),
+        "3090": ("qconv 3090 recipe", lambda: build_recipe(gguf, w / "smollm2-3090"), None),
     }
+    for spec in args.recipe_row:
+        name, _, rest = spec.partition("=")
+        recipe, *extra = rest.split(",")
+        makers[name] = (f"qconv {Path(recipe).stem} {' '.join(extra)}".strip(),
+                        lambda name=name, recipe=recipe, extra=tuple(extra): build_recipe(gguf, w / f"smollm2-{name}",
+                                                                                         recipe, extra), None)
     for ft in ("Q4_0", "Q4_K_M"):
         q = w / f"smollm2-{ft}.gguf"
         makers[ft.lower()] = (f"llama.cpp {ft}", lambda ft=ft, q=q: (gguf_quantize(gguf, q, ft), import_gguf(

@@ -86,6 +86,16 @@ def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) 
     return int(value * _UNITS[unit.lower()])
 
 
+def bpw_budget(bpw: float, plan: Plan) -> int:
+    """The bytes a bits-per-weight target leaves for 8-bit upgrades over the recipe's plan, counted as the quality
+    report counts bpw (artifact tensor bytes x 8 / source parameters)."""
+    base = 8 * plan.total_bytes / max(plan.num_parameters, 1)
+    if bpw <= 0 or bpw < base - 1e-9:
+        raise QconvError(f"bits-per-weight target {bpw} is below the recipe's uniform plan ({base:.3f} bpw)",
+                         where="--bpw", fix=f"use --bpw >= {base:.2f}, or a recipe with smaller schemes")
+    return int(bpw * plan.num_parameters / 8) - plan.total_bytes
+
+
 def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
     """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations the only W8A16
     kernel is Marlin (Exllama is fp16-only, the Triton/Conch paths are 4-bit), so its shape limits are hard here;

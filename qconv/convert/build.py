@@ -49,6 +49,7 @@ class BuildOptions:
     fresh: bool = False  # ignore cached stages
     stream: bool | None = None  # None: stream when the model is large against free RAM
     int8_budget: str | None = None  # overrides the recipe's selection.budget
+    bpw: float | None = None  # a bits-per-weight target: the INT8 budget is what it leaves over the uniform plan
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
     reference: str | None = None  # quantized --model: the full-precision original for the quality report
 
@@ -66,9 +67,25 @@ class DryRun:
 
 def _recipe(opts: BuildOptions) -> Recipe:
     recipe = load_recipe(opts.recipe)
+    if opts.bpw is not None and opts.int8_budget is not None:
+        raise QconvError("--bpw and --int8-budget both set the selection's budget", where="--bpw",
+                         fix="pass one of them")
     if opts.int8_budget is not None:
         recipe.selection = replace(recipe.selection, budget=str(opts.int8_budget))
     return recipe
+
+
+def _budget(opts: BuildOptions, recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
+    """The selection budget in bytes and how it was found: a --bpw target, else the recipe's (int8_budget)."""
+    from qconv.calibrate.select import bpw_budget
+
+    if opts.bpw is not None:
+        return bpw_budget(opts.bpw, plan), f"INT8 budget from --bpw {opts.bpw:g}"
+    return int8_budget(recipe, plan, config)
+
+
+def _budget_label(opts: BuildOptions, recipe: Recipe) -> str:
+    return f"{opts.bpw} bpw" if opts.bpw is not None else recipe.selection.budget
 
 
 def _work(opts: BuildOptions, src_id: str) -> WorkDir:
@@ -115,13 +132,13 @@ def dry_run(opts: BuildOptions) -> DryRun:
     config = read_config(src.path)
     plan = plan_model(src.path, config, recipe)
     selection = None
-    budget, note = int8_budget(recipe, plan, config)
+    budget, note = _budget(opts, recipe, plan, config)
     work_root = Path(opts.work_dir) if opts.work_dir else default_work_dir(src.id, opts.revision)
     cached = WorkDir(work_root).latest("sensitivity") if work_root.is_dir() else None
     units = candidate_units(plan, recipe)
     if cached and set(cached["values"]) >= {u.name for u in units}:
         selection = select(units, Scores(cached["method"], cached["values"], cached["tokens"]), budget,
-                           budget=recipe.selection.budget, scheme=recipe.selection.scheme)
+                           budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
     return DryRun(plan, recipe, config, selection, budget, note, units)
 
 
@@ -244,7 +261,7 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     plan = plan_model(src.path, config, recipe)
     for w in plan.warnings:
         log.warning("plan: %s", w)
-    budget, _ = int8_budget(recipe, plan, config)
+    budget, _ = _budget(opts, recipe, plan, config)
     units = candidate_units(plan, recipe)
     stream = use_streaming(opts, plan)
     if budget > 0 and stream and recipe.selection.budget.strip() == "auto":
@@ -289,7 +306,7 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     scores = None
     if budget > 0 and any(not u.refusal for u in units):
         scores = _sensitivity(opts, units, calib, source_info.sha256, model_loader, work)
-    selection = select(units, scores, budget, budget=recipe.selection.budget, scheme=recipe.selection.scheme)
+    selection = select(units, scores, budget, budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
     modules = apply_selection(plan, units, selection)
     if units:
         log.info("%s", format_table(selection))
@@ -307,16 +324,18 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
         tools=tool_versions(),
         status="unchecked",
         build={"seed": seed, "family": plan.family, "untied_embeddings": plan.untie_embeddings,
+               "tied_embeddings": plan.tied_embeddings, "untie_bytes": plan.untie_bytes,
                "estimated_bytes": final_plan.total_bytes, "source_bytes": plan.source_bytes,
                "warnings": plan.warnings, "streamed": stream, "work_dir": str(work.root)},
     )
     qkey = stage_key("quantization", source_info.sha256, calib.info.sha256, [asdict(m) for m in modules],
                      asdict(recipe.quantizer), {k: asdict(v) for k, v in recipe.schemes.items()}, seed,
-                     plan.untie_embeddings, manifest.tools, MAX_SHARD_SIZE)
+                     plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE)
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
         with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), tokenizer_as_processor(tok):
-            quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed)
+            quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
+                     tied=plan.tied_embeddings)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
     offload.close()

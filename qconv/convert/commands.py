@@ -111,6 +111,8 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 @click.option("--fresh", is_flag=True, help="Ignore cached stages in the work dir.")
 @click.option("--stream/--no-stream", default=None, help="Stream layers from safetensors (default: when RAM is short).")
 @click.option("--int8-budget", help="INT8 byte budget, overrides the recipe (0, 300MB, 1.5GiB, 5%).")
+@click.option("--bpw", type=float, help="Bits-per-weight target (as the quality report counts them): the most "
+              "sensitive units per byte go to the selection's 8-bit scheme until it is reached.")
 @click.option("--sensitivity", type=click.Choice(["proxy", "kld"]), default="proxy", show_default=True,
               help="Unit sensitivity: per-layer proxy, or model-level KLD (one forward pass per unit).")
 @click.option("--reference", type=click.Path(path_type=Path),
@@ -120,14 +122,14 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 @click.option("-v", "--verbose", is_flag=True, help="Show library logs as they come (always kept in build.log).")
 @click.pass_context
 def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
-          work_dir, fresh, stream, int8_budget, sensitivity, reference, as_json, verbose):
+          work_dir, fresh, stream, int8_budget, bpw, sensitivity, reference, as_json, verbose):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
     from qconv.convert.build import BuildOptions, dry_run as run_dry
     from qconv.errors import QconvError
 
     opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
                         seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text,
-                        work_dir=work_dir, fresh=fresh, stream=stream, int8_budget=int8_budget,
+                        work_dir=work_dir, fresh=fresh, stream=stream, int8_budget=int8_budget, bpw=bpw,
                         sensitivity=sensitivity, reference=str(reference) if reference else None)
     if dry_run:
         dr = run_dry(opts)

@@ -46,5 +46,36 @@ def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: boo
         from transformers.utils.quantization_config import CompressedTensorsConfig
 
         kwargs.setdefault("quantization_config", CompressedTensorsConfig(dequantize=True))
+    tied_packed = decompress and _tied_to_packed_embedding(path, config)
+    if tied_packed:
+        # transformers ties lm_head to embed_tokens.weight before decompressing, when the packed table has none:
+        # load untied, then share the dequantized table
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        for c in {id(cfg): cfg, id(cfg.get_text_config()): cfg.get_text_config()}.values():
+            c.tie_word_embeddings = False
+        kwargs.setdefault("config", cfg)
     with _compressed_embeddings_loadable():
-        return cls.from_pretrained(path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **kwargs)
+        model = cls.from_pretrained(path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **kwargs)
+    if tied_packed:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+        for c in {id(model.config): model.config, id(model.config.get_text_config()): model.config.get_text_config()}.values():
+            c.tie_word_embeddings = True
+    return model
+
+
+def _tied_to_packed_embedding(path: Path, config: dict) -> bool:
+    """A tied model whose embed_tokens is stored packed (recipe tied_embeddings: keep) and no lm_head of its own."""
+    tc = config.get("text_config") or config
+    if not tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)):
+        return False
+    index = Path(path) / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open
+
+        names = set()
+        for f in Path(path).glob("*.safetensors"):
+            with safe_open(f, "pt") as sf:
+                names |= set(sf.keys())
+    return any(n.endswith("embed_tokens.weight_packed") for n in names) and "lm_head.weight" not in names

@@ -46,6 +46,7 @@ class Plan:
     source_bytes: int
     warnings: list[str] = field(default_factory=list)
     untie_embeddings: bool = False
+    tied_embeddings: bool = False  # kept tied (recipe tied_embeddings: keep): lm_head is embed_tokens
     num_parameters: int = 0
     model_type: str = ""  # config.json's (the outer one for multimodal wrappers): what vLLM builds
 
@@ -56,6 +57,11 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         return self.quantized_bytes + self.other_bytes
+
+    @property
+    def untie_bytes(self) -> int:
+        """What untying a tied embedding costs: the second copy (lm_head) the artifact stores."""
+        return sum(module_bytes(m) for m in self.modules if m.role == "lm_head") if self.untie_embeddings else 0
 
     def bytes_by_role(self) -> dict[str, dict]:
         out: dict[str, dict] = defaultdict(lambda: {"modules": 0, "params": 0, "bytes": 0, "schemes": set()})
@@ -183,15 +189,18 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     modules, warnings, planned = [], [], set()
     tied = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     names = list(tensors)
-    untie = False
+    untie = kept_tied = False
     if tied and not any(role_of(n[:-7]) == "lm_head" for n in names if n.endswith(".weight")):
         emb = next((n for n in names if role_of(n[:-7]) == "embed"), None)
-        if emb and recipe.scheme_for("lm_head") != KEEP:
+        if emb and recipe.tied_embeddings == "keep":
+            kept_tied = True
+            warnings.append(f"tied embeddings kept tied: lm_head shares embed_tokens' {recipe.scheme_for('embed')} "
+                            "table (one copy; tied_embeddings: keep)")
+        elif emb and recipe.scheme_for("lm_head") != KEEP:
             untie = True
             tensors = dict(tensors)
             tensors["lm_head.weight"] = tensors[emb]
             names.append("lm_head.weight")
-            warnings.append("tied embeddings: lm_head is stored separately (untied) so it can carry its own scheme")
     for name in names:
         t = tensors[name]
         if not name.endswith(".weight") or len(t.shape) != 2:
@@ -210,7 +219,13 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     source = sum(t.bytes_per_elem * t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     params = sum(t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     plan = Plan(family=family, modules=modules, other_bytes=other, source_bytes=source, warnings=warnings,
-                untie_embeddings=untie, num_parameters=params, model_type=config.get("model_type", ""))
+                untie_embeddings=untie, num_parameters=params, model_type=config.get("model_type", ""),
+                tied_embeddings=kept_tied)
+    if untie:
+        extra = plan.untie_bytes
+        warnings.append(f"tied embeddings untied: lm_head is a second copy so it can carry its own scheme "
+                        f"(+{extra / 1e6:.1f} MB, +{8 * extra / max(params, 1):.2f} bits per weight; "
+                        "tied_embeddings: keep shares one copy)")
     check_fused(plan)
     return plan
 

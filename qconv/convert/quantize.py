@@ -3,6 +3,7 @@ sequentially layer by layer, and the model is saved in compressed form that vLLM
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections import defaultdict
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from qconv import progress
 from qconv.convert.stream import MAX_SHARD_SIZE
+from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
 from qconv.recipes.recipe import KEEP, Recipe
 from qconv.recipes.roles import _ROLE_PATTERNS
@@ -66,15 +68,14 @@ def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, 
                 targets[_key(m)].append(t)
         else:
             targets[_key(m)].append(_exact(m.name))
-    schemes = {s.label: s for s in recipe.schemes.values()}
+    schemes = {s.label: s for s in recipe.schemes.values()}  # one label, one scheme but for group_size (validated)
     groups = {}
     for i, (key, tg) in enumerate(sorted(targets.items(), key=lambda kv: str(kv[0]))):
         label, bits, g, fmt = key
         s = schemes[label]
         w = s.weights
         wargs = QuantizationArgs(num_bits=bits, type="int", symmetric=w.symmetric, strategy=w.strategy,
-                                 group_size=g if w.strategy == "group" else None,
-                                 actorder=recipe.quantizer.actorder if (w.strategy == "group" and recipe.quantizer.algorithm == "gptq") else None)
+                                 group_size=g if w.strategy == "group" else None, observer=recipe.quantizer.observer)
         aargs = None
         if s.activations:
             a = s.activations
@@ -112,13 +113,65 @@ def calibrate_embeddings(model) -> None:
         log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
 
 
+def awq_mappings(model) -> list:
+    """llmcompressor's own AWQ smoothing mappings for this architecture (its static or dynamic registry). It falls
+    back to llama-style names for an unknown class without a word; here that is an error, not a guess."""
+    from llmcompressor.modifiers.transform.awq import (
+        AWQ_DYNAMIC_MAPPING_REGISTRY,
+        AWQ_MAPPING_REGISTRY,
+    )
+    from llmcompressor.modifiers.transform.awq.dynamic_mappings import (
+        get_layer_mappings_from_model,
+    )
+
+    arch = type(model).__name__
+    if arch not in AWQ_MAPPING_REGISTRY and arch not in AWQ_DYNAMIC_MAPPING_REGISTRY:
+        raise QconvError(f"llmcompressor has no AWQ smoothing mappings for {arch}", where="quantizer.algorithm",
+                         fix="use algorithm gptq for this model")
+    return get_layer_mappings_from_model(model)
+
+
+@contextlib.contextmanager
+def _cpu_awq():
+    """llmcompressor 0.14's AWQ pins its cached activations for faster host-to-device copies, which raises "Cannot
+    access accelerator device" on a CPU-only torch; without an accelerator there is nothing to copy to, so skip it."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    orig = IntermediatesCache.pin_memory
+    IntermediatesCache.pin_memory = lambda self, *a, **k: None
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory = orig
+
+
+def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
+    """The llmcompressor recipe: RTN, GPTQ, or AWQ smoothing then GPTQ (llm-compressor's AWQ+GPTQ example).
+    actorder is passed to GPTQModifier itself: its default (a sentinel) turns a scheme's null into "static"."""
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+
+    q = recipe.quantizer
+    if not q.gptq:
+        return [QuantizationModifier(config_groups=groups, ignore=ignore)]
+    gptq = GPTQModifier(config_groups=groups, ignore=ignore, block_size=q.block_size, dampening_frac=q.dampening_frac,
+                        actorder=q.actorder)
+    if q.algorithm == "awq+gptq":
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        return [AWQModifier(mappings=awq_mappings(model)), gptq]
+    return [gptq]
+
+
 def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: list[list[int]], out: Path,
-             *, untie: bool, seed: int) -> None:
+             *, untie: bool, seed: int, tied: bool = False) -> None:
     """Run llmcompressor on `model` in place and save it compressed into `out`."""
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
     torch.manual_seed(seed)
     if untie:
@@ -131,17 +184,40 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
         log.info("recipe quantizes nothing: saving as is")
         model.save_pretrained(out, safe_serialization=True)
         return
-    q = recipe.quantizer
-    if q.algorithm == "gptq":
-        mod = GPTQModifier(config_groups=groups, ignore=ignore, block_size=q.block_size, dampening_frac=q.dampening_frac)
-    else:
-        mod = QuantizationModifier(config_groups=groups, ignore=ignore)
-    linear = sum(1 for m in modules if m.scheme != KEEP and m.role != "embed")  # embeddings: round-to-nearest
-    log.info("quantization: %s on %d modules, layer by layer, %d calibration samples", q.algorithm.upper(), linear,
-             len(calib_ids), extra=progress.total(linear))
     max_len = max(len(x) for x in calib_ids)
     ds = Dataset.from_dict({"input_ids": calib_ids, "attention_mask": [[1] * len(x) for x in calib_ids]})
-    oneshot(model=model, dataset=ds, recipe=[mod], max_seq_length=max_len, num_calibration_samples=len(calib_ids),
-            pipeline="sequential" if q.algorithm == "gptq" else "datafree", shuffle_calibration_samples=False)
+    linear = sum(1 for m in modules if m.scheme != KEEP and m.role != "embed")  # embeddings: round-to-nearest
+    log.info("quantization: %s on %d modules, layer by layer, %d calibration samples",
+             recipe.quantizer.algorithm.upper(), linear, len(calib_ids), extra=progress.total(linear))
+    with _cpu_awq():
+        oneshot(model=model, dataset=ds, recipe=modifiers(model, recipe, groups, ignore), max_seq_length=max_len,
+                num_calibration_samples=len(calib_ids), pipeline="sequential" if recipe.quantizer.gptq else "datafree",
+                shuffle_calibration_samples=False)
     calibrate_embeddings(model)
     model.save_pretrained(out, save_compressed=True, max_shard_size=MAX_SHARD_SIZE)
+    if tied:
+        keep_tied(out)
+
+
+def keep_tied(out: Path) -> None:
+    """llmcompressor unties embeddings it quantizes and saves the (unquantized) head beside the packed table; a
+    recipe that keeps them tied stores one copy: drop `lm_head.weight` and mark the config tied again, so
+    transformers and qconv's runtime build the head from the dequantized embed_tokens."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors = load_file(shard)
+        if tensors.pop("lm_head.weight", None) is not None:
+            save_file(tensors, shard, metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].pop("lm_head.weight", None)
+        index.write_text(json.dumps(data, indent=2))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"]["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))

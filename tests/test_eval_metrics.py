@@ -11,7 +11,7 @@ import torch
 
 from qconv.errors import QconvError
 from qconv.eval.gates import apply_gates, regressions, tier_info, write_junit
-from qconv.eval.kvsim import get_scheme, kv_simulation
+from qconv.eval.kvsim import SimulatedKV, get_scheme, kv_simulation
 from qconv.eval.metrics import TokenStats, kld_topk, summarize
 from qconv.eval.reference import ref_window_from_logits, window_logits
 from qconv.eval.text import HeldOutText, load_text, make_windows
@@ -112,7 +112,7 @@ def test_kv_simulation_reaches_full_attention_layers(tiny_models, family, n_full
     ids = list(range(3, 200))
     calls = []
 
-    fp8 = get_scheme("fp8_e4m3")
+    fp8 = get_scheme("fp8_e4m3").scheme
 
     class Counting:
         name = "fp8_counting"
@@ -122,7 +122,7 @@ def test_kv_simulation_reaches_full_attention_layers(tiny_models, family, n_full
             return fp8.fake_quant(k, v)
 
     base, _ = window_logits(model, ids, 0)
-    with kv_simulation(model, Counting()):
+    with kv_simulation(model, SimulatedKV(Counting(), "prefill")):
         kv, _ = window_logits(model, ids, 0)
     after, _ = window_logits(model, ids, 0)
     assert len(calls) == n_full and all(c[2] == len(ids) for c in calls)

@@ -50,8 +50,11 @@ def _output(as_json: bool):
 @click.option("--limit", type=int, help="At most this many documents per task.")
 @click.option("--task-data", multiple=True, metavar="TASK=PATH", help="Local data file for a shipped task.")
 @click.option("--max-gen-toks", type=int, help="Cap generation length of shipped generative tasks (CPU smoke runs).")
+@click.option("--kv-form", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True,
+              help="KV simulation: what the runtime's decode steps read (the sink and the tile being filled "
+                   "exact), or every full tile quantized for every query (pessimistic).")
 def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, as_json, ref_topk,
-             tasks, limit, task_data, max_gen_toks):
+             tasks, limit, task_data, max_gen_toks, kv_form):
     """Measure ARTIFACT's quality cost against its source: KLD, top-1, PPL (and KV cache, tasks)."""
     from qconv.errors import QconvError
     from qconv.eval.forward import Forward
@@ -67,7 +70,7 @@ def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, str
             raise QconvError(f"bad --task-data {item!r}", where="--task-data", fix="use TASK=PATH")
         data[name] = path
     settings = EvalSettings(text=text, window=window or 2048, max_tokens=max_tokens or 8192, kv=kv,
-                            ref_topk=ref_topk)
+                            kv_form=kv_form, ref_topk=ref_topk)
     with _output(as_json) as emit:
         emit(evaluate(artifact, settings, reference=reference, recipe=recipe,
                       tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,

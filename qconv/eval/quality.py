@@ -29,6 +29,7 @@ class EvalSettings:
     max_tokens: int | None = 8192
     stride: int | None = None
     kv: str | None = None  # KV scheme simulated for the weights+KV section
+    kv_form: str = "decode"  # decode: the runtime's decode-time tiles; prefill: every full tile quantized
     ref_topk: int | None = None  # None: auto (full for small vocabularies), 0: full, k: top-k
 
 
@@ -103,7 +104,7 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
     ref = build_reference(source.path, windows, source_sha256=source.sha256, text_sha256=text.sha256,
                           topk=settings.ref_topk, logit_source=ref_source)
     ref_source.close()
-    kv = get_scheme(settings.kv) if settings.kv else None
+    kv = get_scheme(settings.kv, settings.kv_form) if settings.kv else None
     art = LogitSource(artifact_dir, fwd, source.num_parameters, "artifact")
     weights, kld_w = _run(art, ref, windows)
     sections, klds = {"weights": weights}, {"weights": kld_w}
@@ -123,6 +124,7 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
         "bits_per_weight": 8 * nbytes / source.num_parameters,
         "artifact_bytes": nbytes,
         "kv_scheme": kv.name if kv else None,
+        "kv_form": kv.form if kv else None,
         "forward": {"streamed": art.streamed, "device": art.device},
         **sections,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "

@@ -18,7 +18,7 @@ def summary(report: dict) -> dict:
     """The compact record that goes into qconv.json's `quality` (and that `check` regresses against)."""
     out = {"report": REPORT_JSON, "text": report["text"], "settings": report["settings"],
            "reference": {k: report["reference"][k] for k in ("storage", "topk")},
-           "kv_scheme": report.get("kv_scheme"), "tier": report.get("tier"),
+           "kv_scheme": report.get("kv_scheme"), "kv_form": report.get("kv_form"), "tier": report.get("tier"),
            "bits_per_weight": report.get("bits_per_weight")}
     for section in ("weights", "weights_kv"):
         if report.get(section):
@@ -55,7 +55,7 @@ def render_md(report: dict) -> str:
         lines += [f"**Gate tier:** {tier.get('note') or tier.get('name')}", ""]
     lines += [TABLE_HEAD, _row("weights only", report["weights"])]
     if report.get("weights_kv"):
-        lines.append(_row(f"weights + KV {report['kv_scheme']}", report["weights_kv"]))
+        lines.append(_row(f"weights + KV {report['kv_scheme']} ({_kv_form(report)})", report["weights_kv"]))
     if report["weights"].get("kld_bound", 0) > 0:
         lines += ["", f"Top-k reference: the exact mean KLD lies in [mean, mean + {report['weights']['kld_bound']:.5f}]"
                       " (per-token bracket, see qconv/eval/metrics.py)."]
@@ -69,7 +69,7 @@ def render_md(report: dict) -> str:
         lines += [f"- {'✅' if v['passed'] else '❌'} {v['message']}" for v in report["verdicts"]] or ["- no gates"]
     lines += ["", "## llama.cpp-style statistics (weights only)", "", "```", format_llamacpp(report["weights"]), "```"]
     if report.get("weights_kv"):
-        lines += ["", f"## weights + KV ({report['kv_scheme']})", "", "```", format_llamacpp(report["weights_kv"]),
+        lines += ["", f"## weights + KV ({report['kv_scheme']}, {_kv_form(report)})", "", "```", format_llamacpp(report["weights_kv"]),
                   "```"]
     return "\n".join(lines) + "\n"
 
@@ -107,3 +107,8 @@ def write_reports(out_dir: str | Path, report: dict, klds: dict[str, np.ndarray]
     tmp = out / f".{REPORT_PNG}.tmp.png"
     plot_kld(tmp, klds)
     tmp.replace(out / REPORT_PNG)
+
+
+def _kv_form(report: dict) -> str:
+    form = report.get("kv_form") or "prefill"  # reports from before the decode-time form simulated the prefill one
+    return {"decode": "runtime decode-time tiles", "prefill": "prefill form: every full tile quantized"}[form]

@@ -96,6 +96,22 @@ class KVScheme:
         return SlotKVStore(self, layers, max_batch, heads, head_dim, dtype, device, decoded_cache_bytes)
 
     # --- simulation ----------------------------------------------------------------------------------------------
+    def decode_time(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What each position's own decode step reads from the runtime store (qconv.kv.store): token j quantized
+        once its tile has closed (filled) by the time position i is written, exact otherwise (the sink, the tile
+        being filled). Returns keys and values [..., 2T, D] (`fake_quant` of the sequence, then the exact one)
+        and a bool mask [T, 2T] saying which of the two copies query i attends to, causal included."""
+        t = k.shape[-2]
+        kq, vq = self.fake_quant(k, v)
+        j = torch.arange(t, device=k.device)
+        closed = ((j // self.tile + 1) * self.tile - 1)[None, :] <= j[:, None]
+        if self.sink:
+            closed &= j[None, :] >= self.tile
+        causal = j[None, :] <= j[:, None]
+        exact = lambda x: x.to(EXACT_DTYPE).to(x.dtype)  # noqa: E731
+        mask = torch.cat([causal & closed, causal & ~closed], -1)
+        return torch.cat([kq, exact(k)], -2), torch.cat([vq, exact(v)], -2), mask
+
     def fake_quant(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention sees after the whole sequence so far was written to this cache.
 
@@ -110,9 +126,9 @@ class KVScheme:
             return x[..., lo:hi, :].to(EXACT_DTYPE).to(x.dtype)
 
         out_k, out_v = [piece(k, 0, q0)], [piece(v, 0, q0)]
-        if n_tiles:
-            tk = k[..., q0:q1, :].unflatten(-2, (n_tiles, self.tile))
-            tv = v[..., q0:q1, :].unflatten(-2, (n_tiles, self.tile))
+        if n_tiles:  # encoded from the fp16 rows, as the store holds them until their tile closes
+            tk = k[..., q0:q1, :].to(EXACT_DTYPE).unflatten(-2, (n_tiles, self.tile))
+            tv = v[..., q0:q1, :].to(EXACT_DTYPE).unflatten(-2, (n_tiles, self.tile))
             kd, vd = s.decode(s.encode(tk, tv), d, k.dtype)
             out_k.append(kd.flatten(-3, -2))
             out_v.append(vd.flatten(-3, -2))

@@ -1,4 +1,4 @@
-"""Bundled runtime: our own model code for the llama family and the qwen3_5 hybrid (see RUNTIME_API.md)."""
+"""Bundled runtime: our own model code for the llama family and the qwen3_5 hybrid."""
 
 from qconv.runtime.loader import load_model, load_tokenizer
 

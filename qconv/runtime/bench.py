@@ -11,9 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from qconv.errors import QconvError
-from qconv.runtime.adaptive import CostModel, HitStats
-from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens, with_drafting
-from qconv.runtime.spec import History
+from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
+from qconv.runtime.spec import SpecConfig
 
 WORKLOADS = ("copy", "code", "chat", "math")
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
@@ -88,12 +87,11 @@ def workload_texts(workload: str, data: Path, n: int) -> list[str]:
 def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> dict:
     """Plain and speculative decode per prompt, interleaved. Greedy outputs must agree token for token."""
     plain, spec = GenerationStats(), GenerationStats()
-    cost, hits = CostModel(), HitStats()  # learnt on the first prompt, reused after (a server keeps them likewise)
     identical = True
     outputs = []
     for ids in prompts:
-        a = list(generate_tokens(model, ids, replace(cfg, spec="none", history=None), plain))  # never its own answer
-        b = list(generate_tokens(model, ids, cfg, spec, cost, hits))
+        a = list(generate_tokens(model, ids, replace(cfg, spec=SpecConfig("none")), plain))
+        b = list(generate_tokens(model, ids, cfg, spec))
         identical &= a == b
         outputs.append(b)
     d = spec.to_dict()
@@ -165,17 +163,12 @@ def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: 
 
 
 def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None,
-              compare_transformers: bool = False, threads: int = 0, aliases: bool = True, text_lookup: bool = True,
-              dequantize: bool = False, history: int | None = None, datastore: list | None = None,
-              dtype: str | None = None, device: str | None = None) -> dict:
+              compare_transformers: bool = False, threads: int = 0, dequantize: bool = False,
+              dtype: str | None = None, device: str | None = None, keep_spec: bool = False) -> dict:
     """One workload: our speculative decode vs our plain decode (and optionally vs transformers' run), and
-    transformers' prompt-lookup drafter replayed on our outputs. `aliases`: prompt lookup matches modulo spaced
-    punctuation (spec.punctuation_aliases); `text_lookup`: token trees also look the prompt up as normalized text
-    (textlookup.py). An artifact runs in bf16 through the int kernels unless `dequantize` (then fp32, like a plain
-    folder); `dtype` overrides either. `history`: None = none; N >= 0 = token trees also draft from a cross-request
-    History, first filled by N other prompts of the same file (generated, not measured: a server that has already
-    answered N requests), then by each measured prompt in turn. `datastore`: files/folders token trees also draft
-    from (runtime.datastore; indexed once, cached). `device`: run our engine there (e.g. "cuda")."""
+    transformers' prompt-lookup drafter replayed on our outputs. An artifact runs in bf16 through the int kernels
+    unless `dequantize` (then fp32, like a plain folder); `dtype` overrides either. The MTP part of the config is
+    dropped for a model without the head unless `keep_spec` (the user asked for it). `device`: run our engine there."""
     import torch
 
     from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
@@ -183,41 +176,31 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
     if threads:
         torch.set_num_threads(threads)
     path = Path(path)
-    cfg = cfg or GenerationConfig(max_tokens=128, spec="lookup")
-    texts = workload_texts(workload, Path(data), prompts + (history or 0))
+    cfg = cfg or GenerationConfig(max_tokens=128, spec=SpecConfig("lookup"))
+    texts = workload_texts(workload, Path(data), prompts)
     tok = load_tokenizer(path)
     ids = [encode_prompt(tok, t, chat=bool(getattr(tok, "chat_template", None))) for t in texts]
-    ids, warm = ids[:prompts], ids[prompts:]
-    cfg = with_drafting(cfg, tok, aliases=aliases, text_lookup=text_lookup, datastore=datastore)
     dtype = runtime_dtype(path, dequantize, dtype)
     model = load_model(path, dtype=dtype, int_kernels=False if dequantize else None)
     if device:
         model = model.to(device)
-    if history is not None:
-        cfg = replace(cfg, history=History(aliases=cfg.lookup_aliases))
-        for w in warm:
-            for _ in generate_tokens(model, w, cfg):
-                pass
+    if not keep_spec:
+        cfg = replace(cfg, spec=cfg.spec.for_model(model))
+    sc = cfg.spec
     report = {"workload": workload, "model": str(path), "dtype": str(dtype).removeprefix("torch."),
-              "prompts": len(ids), "max_tokens": cfg.max_tokens,
-              "spec": cfg.spec, "max_block": cfg.max_block, "tree_nodes": cfg.tree_nodes,
-              "tolerance": cfg.tolerance,
-              "aliases": bool(cfg.lookup_aliases), "text_lookup": cfg.text_lookup is not None,
-              "threads": torch.get_num_threads(), "device": str(model.device),
-              "history_warmup_prompts": None if history is None else len(warm),
-              "datastore_tokens": len(cfg.datastore) if cfg.datastore is not None else None,
-              }
+              "prompts": len(ids), "max_tokens": cfg.max_tokens, "spec": sc.method, "k": sc.k,
+              "max_block": sc.max_block, "ngram": [sc.ngram_min, sc.ngram_max], "adaptive": sc.adaptive,
+              "threads": torch.get_num_threads(), "device": str(model.device)}
     report["ours"], outputs = _ours(model, ids, cfg)
     eos = list(model.config.eos_token_ids)
-    replay = transformers_lookup_replay(ids, outputs, cfg.max_tokens, cfg.max_block, eos)
+    replay = transformers_lookup_replay(ids, outputs, cfg.max_tokens, sc.max_block, eos)
     report["transformers_drafter_on_our_output"] = replay
     report["tokens_per_step_vs_transformers_drafter"] = round(report["ours"]["tokens_per_step"]
                                                               / replay["tokens_per_forward"], 3)
     if compare_transformers:
         del model
-        t = _transformers(path, ids, cfg.max_tokens, cfg.max_block, eos, dtype)
+        t = _transformers(path, ids, cfg.max_tokens, sc.max_block, eos, dtype)
         report["transformers"] = t
         report["tokens_per_step_vs_transformers"] = round(report["ours"]["tokens_per_step"] / t["tokens_per_forward"],
                                                           3)
     return report
-

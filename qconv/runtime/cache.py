@@ -12,8 +12,7 @@ from typing import Protocol
 import torch
 
 from qconv.errors import QconvError
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from qconv.kv import get_kv_scheme
 
 
 class KVStore(Protocol):
@@ -25,61 +24,41 @@ class KVStore(Protocol):
 
 
 class DenseKV:
-    """Preallocated [max_batch, H, max_len, D] tensors per layer; store dtype = model dtype or float8_e4m3fn."""
+    """Unquantized ("bf16": the model's own dtype) preallocated [max_batch, H, max_len, D] tensors per layer."""
 
-    def __init__(self, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int,
-                 dtype: torch.dtype, store_dtype: torch.dtype, device=None):
+    def __init__(self, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype,
+                 device=None):
         shape = (max_batch, heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=store_dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=store_dtype, device=device) for _ in range(layers)]
-        self.dtype, self.store_dtype = dtype, store_dtype
-        self.quantized = store_dtype != dtype
-
-    def _enc(self, x: torch.Tensor) -> torch.Tensor:
-        return x.clamp(-FP8_MAX, FP8_MAX).to(self.store_dtype) if self.quantized else x
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
     def write(self, layer, slots, starts, k, v):
         """k, v: [B, T, H, D] for rows appended at starts[b] of slots[b]."""
         T = k.shape[1]
-        kc, vc = self.k[layer], self.v[layer]
         for b, (s, p) in enumerate(zip(slots, starts)):
-            kc[s, :, p:p + T] = self._enc(k[b].transpose(0, 1))
-            vc[s, :, p:p + T] = self._enc(v[b].transpose(0, 1))
+            self.k[layer][s, :, p:p + T] = k[b].transpose(0, 1)
+            self.v[layer][s, :, p:p + T] = v[b].transpose(0, 1)
 
     def read(self, layer, slots, length):
         kc, vc = self.k[layer], self.v[layer]
         s0 = slots[0]
         if slots == list(range(s0, s0 + len(slots))):  # contiguous: a view, no copy
-            k, v = kc[s0:s0 + len(slots), :, :length], vc[s0:s0 + len(slots), :, :length]
-        else:
-            idx = torch.tensor(slots, device=kc.device)
-            k, v = kc[idx, :, :length], vc[idx, :, :length]
-        if self.quantized:
-            k, v = k.to(self.dtype), v.to(self.dtype)
-        return k, v
+            return kc[s0:s0 + len(slots), :, :length], vc[s0:s0 + len(slots), :, :length]
+        idx = torch.tensor(slots, device=kc.device)
+        return kc[idx, :, :length], vc[idx, :, :length]
 
     def truncate(self, slots, n_keep):  # dense rows past the length are simply overwritten later
         return None
 
-    def gather(self, slot: int, start: int, rows: list[int]) -> None:
-        """Move rows start + rows[i] to start + i (token-tree compaction: keep the accepted path)."""
-        src = torch.tensor(rows, device=self.k[0].device) + start
-        for c in self.k + self.v:
-            c[slot, :, start:start + len(rows)] = c[slot, :, src]
-
 
 def make_kv_store(scheme: str, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int,
                   dtype: torch.dtype, device=None) -> KVStore | None:
+    """bf16 (unquantized): dense tensors; any other scheme: the packed store of qconv.kv's registry, the same
+    codec `qconv eval --kv` measures."""
     if layers == 0:
         return None
-    if scheme == "none":
-        return DenseKV(layers, max_batch, max_len, heads, head_dim, dtype, dtype, device)
-    if scheme == "fp8_e4m3":
-        return DenseKV(layers, max_batch, max_len, heads, head_dim, dtype, torch.float8_e4m3fn, device)
-    try:
-        from qconv.kv import get_kv_scheme
-    except ImportError as e:
-        raise QconvError(f"unknown KV scheme {scheme!r}", fix="use none or fp8_e4m3") from e
+    if scheme == "bf16":
+        return DenseKV(layers, max_batch, max_len, heads, head_dim, dtype, device)
     return get_kv_scheme(scheme).new_store(layers=layers, max_batch=max_batch, max_len=max_len, heads=heads,
                                            head_dim=head_dim, dtype=dtype, device=device)
 
@@ -111,7 +90,7 @@ class ModelCache:
 
     @classmethod
     def create(cls, max_batch: int, max_len: int, *, kv_layers: int, kv_heads: int, head_dim: int,
-               dtype: torch.dtype, kv_scheme: str = "none", gdn_layers: int = 0, conv_dim: int = 0,
+               dtype: torch.dtype, kv_scheme: str = "bf16", gdn_layers: int = 0, conv_dim: int = 0,
                conv_kernel: int = 0, v_heads: int = 0, k_dim: int = 0, v_dim: int = 0, device=None) -> ModelCache:
         kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, kv_heads, head_dim, dtype, device)
         conv = [torch.zeros(max_batch, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
@@ -134,7 +113,7 @@ class ModelCache:
             self.mtp.reset(slots)
 
     def rollback(self, slots, n_keep) -> None:
-        """Keep only the first n_keep tokens of each slot (see RUNTIME_API.md for the valid range)."""
+        """Keep only the first n_keep tokens of each slot (Gated-DeltaNet state: within the last forward's window)."""
         slots, n_keep = as_ints(slots), as_ints(n_keep)
         for s, n in zip(slots, n_keep):
             cur = int(self.lengths[s])
@@ -145,22 +124,6 @@ class ModelCache:
             self.lengths[s] = n
         if self.kv is not None:
             self.kv.truncate(slots, n_keep)
-
-    @property
-    def supports_tree(self) -> bool:
-        """Token trees need a KV-only cache whose rows can be moved (the dense store)."""
-        return not self.conv and hasattr(self.kv, "gather")
-
-    def compact(self, slot: int, start: int, rows: list[int]) -> None:
-        """After a token-tree forward written from `start`: keep the nodes at start + rows (the accepted
-        root-to-leaf path, in order) as positions start .. start + len(rows), drop the rest."""
-        if not self.supports_tree:
-            raise QconvError("this cache cannot compact a token tree", fix="verify a linear draft chain instead")
-        if not start + len(rows) <= int(self.lengths[slot]) or any(r < 0 for r in rows):
-            raise QconvError(f"bad tree compaction of slot {slot}: rows {rows} from {start}")
-        if rows != list(range(len(rows))):
-            self.kv.gather(slot, start, rows)
-        self.rollback([slot], [start + len(rows)])
 
     def _rollback_gdn(self, s: int, n: int) -> None:
         from qconv.runtime.gdn import recurrent_gated_delta

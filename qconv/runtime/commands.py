@@ -4,14 +4,18 @@ decoding workloads). Thin layers over qconv.runtime.generate / qconv.runtime.ben
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
 from qconv.errors import QconvError
+from qconv.runtime.bench import WORKLOADS
 from qconv.runtime.generate import GenerationConfig
+from qconv.runtime.sampling import SamplingParams
+from qconv.runtime.spec import SPEC_MODES, SpecConfig
 
-SPEC_CHOICES = click.Choice(["none", "lookup", "mtp", "hybrid"])
+SPEC_CHOICES = click.Choice(list(SPEC_MODES))
 
 
 def _model_dir(path: str) -> Path:
@@ -22,18 +26,17 @@ def _model_dir(path: str) -> Path:
     return p
 
 
-def _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, tolerance, stop=()):
-    from qconv.runtime.sampling import SamplingParams
-
+def _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop=()) -> GenerationConfig:
+    """Sampling from the options; speculation from the artifact's `speculative` block, --spec / --max-block over it."""
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_tokens < 1:
         raise QconvError("bad sampling settings", fix="need temperature >= 0, 0 < top-p <= 1, top-k >= 0, "
                                                       "max-tokens >= 1")
-    if not 0 <= max_block <= 15:
+    if max_block is not None and not 0 <= max_block <= 15:
         raise QconvError(f"--max-block {max_block} out of range", fix="use 0..15")
-    if not 0 <= tolerance < 1:
-        raise QconvError(f"--tolerance {tolerance} out of range", fix="use 0 <= tolerance < 1")
+    sc = SpecConfig.of_artifact(path)
+    sc = replace(sc, method=spec or sc.method, max_block=sc.max_block if max_block is None else max_block)
     return GenerationConfig(max_tokens=max_tokens, sampling=SamplingParams(temperature, top_p, top_k), seed=seed,
-                            stop=tuple(stop), spec=spec, max_block=max_block, tolerance=tolerance)
+                            stop=tuple(stop), spec=sc)
 
 
 def _sampling_options(f):
@@ -43,106 +46,93 @@ def _sampling_options(f):
         click.option("--top-p", default=1.0, show_default=True),
         click.option("--top-k", default=0, show_default=True, help="0 = off."),
         click.option("--seed", default=0, show_default=True),
-        click.option("--max-block", default=15, show_default=True, help="Most draft tokens verified per step."),
-        click.option("--tolerance", default=GenerationConfig.tolerance, show_default=True,
-                     help="Verify the largest draft whose expected speed is within this fraction of the best one's "
-                          "(more tokens per step; 0 = the fastest draft on this machine)."),
+        click.option("--spec", type=SPEC_CHOICES, default=None,
+                     help="Speculative decoding [default: the artifact's speculative config, else lookup]."),
+        click.option("--max-block", type=int, default=None,
+                     help="Most draft tokens verified per step [default: the artifact's, else 15]."),
     ]):
         f = opt(f)
     return f
 
 
-_datastore_option = click.option(
-    "--datastore", multiple=True, type=click.Path(), metavar="PATH",
-    help="Retrieval drafting (repeatable): token trees also draft from these text files / folders (source code, "
-         "docs, past transcripts). Tokenized and indexed once, cached under QCONV_HOME.")
 _dtype_option = click.option(
     "--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
-    help="auto: bf16 for an artifact with the CPU int kernels, else float32. bfloat16 on a plain folder runs "
-         "oneDNN's packed bf16 GEMMs, whose verify forwards reproduce decode steps bit for bit.")
-
-
+    help="auto: bf16 for an artifact with the CPU int kernels, else float32.")
 _dequantize_option = click.option(
     "--dequantize", is_flag=True,
     help="Artifact: dequantize on load (float32, or bf16 with --dtype bfloat16) instead of running its int4 "
          "Linears through the CPU int kernels (bf16).")
 
 
+def _load(path: Path, dequantize: bool, dtype: str):
+    from qconv.runtime.loader import load_model, runtime_dtype
+
+    return load_model(path, dtype=runtime_dtype(path, dequantize, dtype), int_kernels=False if dequantize else None)
+
+
 @click.command("generate")
 @click.argument("model")
 @click.option("--prompt", help="Raw text prompt.")
 @click.option("--chat", "chat_text", help="One user message, through the model's chat template.")
-@click.option("--spec", type=SPEC_CHOICES, default="lookup", show_default=True, help="Speculative decoding.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stats", is_flag=True, help="Print tokens/step, acceptance and speed to stderr at the end.")
 @_dequantize_option
 @_dtype_option
-@_datastore_option
 @_sampling_options
-def generate(model, prompt, chat_text, spec, stop, stats, dequantize, dtype, datastore, max_tokens, temperature,
-             top_p, top_k, seed, max_block, tolerance):
+def generate(model, prompt, chat_text, stop, stats, dequantize, dtype, max_tokens, temperature, top_p, top_k, seed,
+             spec, max_block):
     """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
-    from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text, with_drafting
-    from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
+    from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
+    from qconv.runtime.loader import load_tokenizer
 
     if (prompt is None) == (chat_text is None):
         raise QconvError("give exactly one of --prompt and --chat")
     path = _model_dir(model)
-    cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, tolerance, stop)
+    cfg = _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
     tok = load_tokenizer(path)
-    cfg = with_drafting(cfg, tok, datastore=list(datastore))
     ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
-    m = load_model(path, dtype=runtime_dtype(path, dequantize, dtype), int_kernels=False if dequantize else None)
+    m = _load(path, dequantize, dtype)
+    cfg = replace(cfg, spec=cfg.spec.for_model(m) if spec is None else cfg.spec)
     st = GenerationStats()
     for piece in stream_text(tok, generate_tokens(m, ids, cfg, st), cfg.stop):
         click.echo(piece, nl=False)
     click.echo()
     if stats:
-        click.echo(json.dumps(st.to_dict()), err=True)
+        click.echo(json.dumps({"spec": cfg.spec.method, **st.to_dict()}), err=True)
 
 
 @click.command("bench")
 @click.argument("model")
-@click.option("--workload", type=click.Choice(["copy", "code", "chat", "math"]), required=True,
+@click.option("--workload", type=click.Choice(list(WORKLOADS)), required=True,
               help="copy: passages of a text file to repeat; code: HumanEval-style jsonl ('prompt'); "
                    "chat: MT-Bench-style jsonl ('turns'); math: GSM8K-style jsonl ('question').")
 @click.option("--data", type=click.Path(), required=True, help="The workload's input file.")
 @click.option("--prompts", default=5, show_default=True)
-@click.option("--spec", type=SPEC_CHOICES, default="lookup", show_default=True)
 @click.option("--compare-transformers", is_flag=True, help="Also run transformers' prompt lookup vs its greedy.")
 @click.option("--threads", default=0, help="torch CPU threads (0 = torch default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @_dequantize_option
 @_dtype_option
-@_datastore_option
-@click.option("--history", type=int, default=None, metavar="N",
-              help="Cross-request drafting: token trees also draft from earlier requests' text, first N other "
-                   "prompts of the file (generated, not measured), then the measured ones in turn.")
 @_sampling_options
-def bench(model, workload, data, prompts, spec, compare_transformers, threads, as_json, dequantize, dtype, datastore,
-          history, max_tokens, temperature, top_p, top_k, seed, max_block, tolerance):
-    """Speculative decoding on MODEL: tokens/step, acceptance and drafter hit rate per position, tok/s, and the
-    speedup over plain decoding measured in the same run."""
+def bench(model, workload, data, prompts, compare_transformers, threads, as_json, dequantize, dtype, max_tokens,
+          temperature, top_p, top_k, seed, spec, max_block):
+    """Speculative decoding on MODEL: tokens/step, acceptance per draft position, tok/s, and the speedup over
+    plain decoding measured in the same run."""
     from qconv.runtime.bench import run_bench
 
     path = _model_dir(model)
-    cfg = _gen_config(max_tokens, temperature, top_p, top_k, seed, spec, max_block, tolerance)
+    cfg = _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block)
     r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
-                  threads=threads, dequantize=dequantize, history=history, datastore=list(datastore) or None,
-                  dtype=dtype)
+                  threads=threads, dequantize=dequantize, dtype=dtype, keep_spec=spec is not None)
     if as_json:
         click.echo(json.dumps(r))
         return
     o = r["ours"]
-    click.echo(f"{workload}: {r['prompts']} prompts, {o['new_tokens']} tokens, spec={spec}")
+    click.echo(f"{workload}: {r['prompts']} prompts, {o['new_tokens']} tokens, spec={r['spec']}")
     click.echo(f"  tokens/step            {o['tokens_per_step']:.2f}")
     click.echo(f"  tok/s spec | plain     {o['decode_tok_s']:.2f} | {o['plain_decode_tok_s']:.2f}  "
                f"(speedup {o['speedup']:.2f}x, identical to plain: {o['identical_to_plain']})")
     click.echo("  acceptance/position    " + " ".join(f"{a:.2f}" for a in o["acceptance_per_position"]))
-    click.echo("  drafter hit/position   " + " ".join(f"{a:.2f}" for a in o["drafter_hit_rate_per_position"]))
-    if o["corrections"]:
-        click.echo(f"  corrections            {o['corrections']} (drafts accepted on fused rows that the next "
-                   "forward's exact ones overturned)")
     replay = r["transformers_drafter_on_our_output"]
     click.echo(f"  transformers' drafter  {replay['tokens_per_forward']:.2f} tokens/forward on the same text; "
                f"ours/theirs {r['tokens_per_step_vs_transformers_drafter']:.2f}")

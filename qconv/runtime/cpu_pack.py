@@ -8,12 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Every row of a packed bf16 GEMM has the same bits whatever the row count M, up to here (measured on this CPU with
-# torch 2.13's oneDNN, every M from 2 to 300 against one-row calls: SmolLM2's 1536 -> 576 down_proj first differs
-# at M = 130; its other shapes never did). Exact-mode forwards (model.exact_rows) stay within it.
-EXACT_MAX_ROWS = 128
-
-
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))

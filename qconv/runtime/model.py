@@ -53,50 +53,26 @@ class Step:
     sin: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, T, length] bool, None when plain causal over the whole history works
     rope_mat: torch.Tensor | None  # [B, T, D, D]: RoPE as one small matmul (short steps: fewer ops per layer)
-    rows: list | None = None  # exact mode: per exact query row, the keys a one-token decode at its place would see
     gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (qwen35.py)
 
     @classmethod
-    def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype,
-              tree: tuple[torch.Tensor, torch.Tensor] | None = None, exact: bool = False,
-              exact_prefix: int | None = None) -> Step:
-        """tree = (depth [T], ancestors [T, T] bool): the T tokens are a token tree in parent-before-child order;
-        token i sits at position start + depth[i] and attends to the history plus its ancestors (itself included).
-        exact (one row): every query row gets the same attention call a one-token decode at its place makes
-        (see `exact_rows`), so verification reproduces plain decode bit for bit where the Linears do.
-        exact_prefix = k (one row, a tree whose first k nodes are a chain): only those k rows get exact attention;
-        the others (drafts whose tokens will be re-verified) share one fused masked call."""
+    def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
         slots = list(range(B)) if slots is None else as_ints(slots)
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
         if length > cache.max_len:
             raise QconvError(f"sequence of {length} tokens exceeds the cache's max_len {cache.max_len}",
                              fix="create the cache with a larger max_len")
-        offsets = torch.arange(T, device=device) if tree is None else tree[0].to(device)
-        pos = torch.tensor(starts, device=device)[:, None] + offsets
+        pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
         freqs = pos[..., None].float() * cfg.inv_freq.to(device)
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = (emb.cos() * cfg.rope_scaling).to(dtype), (emb.sin() * cfg.rope_scaling).to(dtype)
         mask = None
-        if tree is not None:
-            keys = torch.arange(length, device=device)
-            mask = (keys[None, None, :] < torch.tensor(starts, device=device)[:, None, None]).expand(B, T, length)
-            mask = mask.clone()
-            for b, p in enumerate(starts):
-                mask[b, :, p:p + T] = tree[1].to(device)
-            # additive, once per forward (SDPA would convert a bool mask in every layer: ~2% of a 64-node verify)
-            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))[:, None]
-        elif T > 1 or len(set(starts)) > 1:
+        if T > 1 or len(set(starts)) > 1:
             keys = torch.arange(length, device=device)
             mask = (keys[None, None, :] <= pos[..., None])[:, None]
-        rows = None
-        if B == 1 and T > 1 and (exact or exact_prefix):
-            rows = exact_rows(starts[0], T if exact else exact_prefix, tree)
-            if not exact and any(anc is not None for _, anc in rows):
-                raise QconvError("exact_prefix: the tree's first nodes must be a chain")
-        use_mat = T <= ROPE_MATRIX_MAX_T or rows is not None  # a decode step's RoPE path, whatever T
-        rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if use_mat else None
-        return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat, rows)
+        rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if T <= ROPE_MATRIX_MAX_T else None
+        return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat)
 
     def end(self) -> None:
         for s in self.slots:
@@ -106,50 +82,6 @@ class Step:
             from qconv.runtime.qwen35 import commit_records
 
             commit_records(self)
-
-
-def exact_rows(start: int, T: int, tree) -> list[tuple[int, list[int] | None]]:
-    """Per query row of a verify forward: (key length a plain decode step at its place reads, None) for the first
-    path (its keys are a prefix of the cache as written), or (length, its ancestors' node indices, itself last) for
-    a tree node off the first path, whose keys are the history plus those nodes in order.
-
-    Why: fused kernels (SDPA with a mask over T queries, MKL GEMMs) round differently for different T, and in
-    bf16 that flips near-tie argmaxes, so speculative output could drift from plain greedy decoding. One
-    single-query call per row over exactly the keys a decode step sees is the same computation as that step."""
-    if tree is None:
-        return [(start + i + 1, None) for i in range(T)]
-    rows = []
-    for i in range(T):
-        anc = tree[1][i].nonzero().flatten().tolist()
-        rows.append((start + len(anc), None if anc == list(range(len(anc))) else anc))
-    return rows
-
-
-def exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st: Step, gqa: bool) -> torch.Tensor:
-    """Attention of q [1, H, T, D] row by row, each row over exactly the keys a one-token decode step at its place
-    reads (see `exact_rows`). The first path reads prefixes of the cache as written; for a node off it, its
-    ancestors' rows are moved into place behind the history (usually just the node itself: its parent was the
-    row before), so every call reads one contiguous prefix (no gathered copy of the history per row); the tree's
-    rows are put back afterwards. Rows past an exact prefix (Step.begin's exact_prefix) share one fused call."""
-    start, T, k = st.starts[0], st.T, len(st.rows)
-    sdpa = F.scaled_dot_product_attention
-    out = [sdpa(q[:, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa) if anc is None else None
-           for i, (n, anc) in enumerate(st.rows)]
-    if k < T:  # rows past an exact prefix: one fused call
-        out.append(sdpa(q[:, :, k:], keys, values, attn_mask=st.mask[:, :, k:], enable_gqa=gqa))
-    off = [(i, n, anc) for i, (n, anc) in enumerate(st.rows) if anc is not None]
-    if not off:  # a chain, or a tree that is one path: nothing to move
-        return torch.cat(out, dim=2)
-    tail = keys[:, :, start:start + T].clone(), values[:, :, start:start + T].clone()
-    at = list(range(T))  # which tree node's row sits at position start + j
-    for i, n, anc in off:
-        for j, node in enumerate(anc):
-            if at[j] != node:
-                keys[:, :, start + j], values[:, :, start + j] = tail[0][:, :, node], tail[1][:, :, node]
-                at[j] = node
-        out[i] = sdpa(q[:, :, i:i + 1], keys[:, :, :n], values[:, :, :n], enable_gqa=gqa)
-    keys[:, :, start:start + T], values[:, :, start:start + T] = tail
-    return torch.cat(out, dim=2)
 
 
 def _rope_matrix(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
@@ -214,11 +146,8 @@ class Attention(nn.Module):
         kv = st.cache.kv
         kv.write(self.kv_index, st.slots, st.starts, k, v)
         keys, values = kv.read(self.kv_index, st.slots, st.length)
-        gqa = self.nh != self.nkv
-        if st.rows is not None:
-            o = exact_attention(q.transpose(1, 2), keys, values, st, gqa)
-        else:
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=st.mask, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=st.mask,
+                                           enable_gqa=self.nh != self.nkv)
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -262,7 +191,7 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "none") -> ModelCache:
+    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
         c = self.config
         return ModelCache.create(max_batch, max_len, kv_layers=len(c.full_layers), kv_heads=c.num_kv_heads,
                                  head_dim=c.head_dim, dtype=self.dtype, kv_scheme=kv_scheme, device=self.device)
@@ -275,17 +204,10 @@ class Transformer(nn.Module):
         return F.linear(h, self.embed_tokens.weight).float()
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: ModelCache, slots=None, return_hidden: bool = False,
-                tree: tuple[torch.Tensor, torch.Tensor] | None = None, exact: bool = False,
-                exact_prefix: int | None = None):
-        """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden).
-        `tree` = (depth [T], ancestors [T, T]) scores a token tree (see Step.begin; attention-only models): the
-        slot then holds all T nodes until `cache.compact` keeps the accepted path."""
+    def forward(self, tokens: torch.Tensor, cache: ModelCache, slots=None, return_hidden: bool = False):
+        """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden)."""
         B, T = tokens.shape
-        if tree is not None and cache.conv:
-            raise QconvError("token-tree verification needs an attention-only model",
-                             fix="use the linear draft chain for models with recurrent (Gated-DeltaNet) layers")
-        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype, tree, exact, exact_prefix)
+        st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype)
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, st)

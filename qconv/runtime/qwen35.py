@@ -103,7 +103,7 @@ class MTPHead(nn.Module):
         self.block = Block(cfg, Attention(cfg, 0))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
-    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "none") -> ModelCache:
+    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
         c, t = self.config, self._target[0]
         return ModelCache.create(max_batch, max_len, kv_layers=1, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                                  dtype=t.dtype, kv_scheme=kv_scheme, device=t.device)
@@ -136,7 +136,7 @@ class Qwen35Transformer(Transformer):
             return GatedDeltaNet(cfg, cfg.linear_layers.index(i))
         return Attention(cfg, cfg.full_layers.index(i))
 
-    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "none") -> ModelCache:
+    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
         c = self.config
         cache = ModelCache.create(
             max_batch, max_len, kv_layers=len(c.full_layers), kv_heads=c.num_kv_heads, head_dim=c.head_dim,

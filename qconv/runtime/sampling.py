@@ -1,4 +1,4 @@
-"""Token selection: temperature / top-k / top-p processing, batched sampling, and the two lossless verification
+"""Token selection: temperature / top-k / top-p processing, and the two lossless verification
 rules of speculative decoding (greedy prefix match; rejection sampling that preserves the target distribution)."""
 
 from __future__ import annotations
@@ -50,13 +50,6 @@ def probs_from_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0, top_k=0)
     probs = torch.softmax(x, dim=-1)
     onehot = torch.zeros_like(probs).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, onehot, probs).reshape(shape)
-
-
-def sample_next(logits: torch.Tensor, temperature=0.0, top_p=1.0, top_k=0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """Next token per row of logits[B, V] -> LongTensor[B]. Parameters may be scalars or per-row tensors[B]."""
-    probs = probs_from_logits(logits, temperature, top_p, top_k)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def verify_greedy(draft: list[int], target_logits: torch.Tensor) -> tuple[int, int]:

@@ -1,69 +1,157 @@
-"""Drafters for speculative decoding. Each proposes tokens for the positions after the accepted sequence, with a
-source tag per token (for acceptance statistics) and its proposal distribution q (None = point mass, i.e. a
-deterministic proposal such as prompt lookup). They never change the output: the verifier decides."""
+"""Speculative decoding, once for every driver (`generate`, `bench`, the batched scheduler): a `Drafter` proposes
+tokens after the accepted sequence, `verify` accepts a prefix of them losslessly, `DraftLength` picks how many to
+draft from one acceptance EMA. Drafters never change the output: the target's verification decides."""
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from qconv.errors import QconvError
-from qconv.runtime.sampling import SamplingParams, probs_from_logits
+from qconv.manifest import MANIFEST, read_manifest
+from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
 
 SPEC_MODES = ("none", "lookup", "mtp", "hybrid")
 
 
 @dataclass
 class Draft:
+    """Proposed tokens and, per token, the drafter's distribution q (None = a point mass, as prompt lookup)."""
+
     tokens: list[int] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)
     probs: list[torch.Tensor | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def extend(self, other: Draft) -> Draft:
-        return Draft(self.tokens + other.tokens, self.sources + other.sources, self.probs + other.probs)
+    def __add__(self, other: Draft) -> Draft:
+        return Draft(self.tokens + other.tokens, self.probs + other.probs)
 
-    def truncate(self, k: int) -> Draft:
-        return Draft(self.tokens[:k], self.sources[:k], self.probs[:k])
+
+class Drafter(Protocol):
+    """`begin` once per sequence, `observe` the target's final hidden states at newly accepted positions (model
+    drafters only: `needs_hidden`), `propose(seq, k)` up to k tokens to follow seq."""
+
+    needs_hidden: bool
+
+    def begin(self, prompt: list[int], cache, slot: int) -> None: ...
+    def observe(self, hidden: torch.Tensor, next_tokens: list[int]) -> None: ...
+    def propose(self, seq: list[int], k: int) -> Draft: ...
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """What to draft: `method` (none | lookup | mtp | hybrid), the MTP head's chained drafts `k`, the most draft
+    tokens verified per step `max_block` (hybrid: lookup fills the block past the MTP drafts), prompt lookup's
+    n-gram range, and whether the draft length follows the acceptance EMA (`adaptive`) or is always the most."""
+
+    method: str = "lookup"
+    k: int = 4
+    max_block: int = 15
+    ngram_min: int = 2
+    ngram_max: int = 4
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if self.method not in SPEC_MODES:
+            raise QconvError(f"unknown speculative method {self.method!r}", fix=f"one of {', '.join(SPEC_MODES)}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise QconvError(f"bad lookup n-gram range {self.ngram_min}..{self.ngram_max}",
+                             fix="need 1 <= ngram_min <= ngram_max")
+        if not 0 <= self.max_block <= 15 or self.k < 0:
+            raise QconvError(f"bad draft sizes k={self.k}, max_block={self.max_block}",
+                             fix="need k >= 0 and 0 <= max_block <= 15")
+
+    @property
+    def on(self) -> bool:
+        return self.method != "none" and self.max_block > 0
+
+    @classmethod
+    def from_manifest(cls, speculative: dict | None, tokens: int | None = None) -> SpecConfig:
+        """The artifact's `speculative` block (qconv.json) as the runtime runs it; `tokens` overrides its k (the
+        lookup block for method lookup; 0 = off). Methods our engine lacks (dflash: vLLM's) fall back to lookup."""
+        spec = speculative or {}
+        method = "lookup" if spec.get("method") == "dflash" else spec.get("method", "none")
+        lk = spec.get("lookup") or {}
+        k = int(spec.get("num_speculative_tokens", 4) if tokens is None else tokens)
+        block = k if tokens is not None and method == "lookup" else int(lk.get("max_block", 15))
+        return cls(method="none" if k == 0 else method, k=k, max_block=min(max(block, k), 15),
+                   ngram_min=int(lk.get("ngram_min", 2)), ngram_max=int(lk.get("ngram_max", 4)))
+
+
+    @classmethod
+    def of_artifact(cls, path: Path, tokens: int | None = None) -> SpecConfig:
+        """`from_manifest` of the folder's qconv.json; prompt lookup (2..4-grams) for a folder without one."""
+        if not (Path(path) / MANIFEST).is_file():
+            return cls("lookup") if tokens is None else cls.from_manifest({"method": "lookup"}, tokens)
+        return cls.from_manifest(read_manifest(path).speculative, tokens)
+
+    def for_model(self, model) -> SpecConfig:
+        """This config on `model`: the MTP part dropped (prompt lookup kept) when the model has no MTP head."""
+        if self.method in ("mtp", "hybrid") and getattr(model, "mtp", None) is None:
+            return replace(self, method="lookup")
+        return self
+
+
+@dataclass
+class DraftLength:
+    """Draft length from one EMA of the per-token acceptance rate a: chained drafts are all accepted up to the
+    k-th with probability a^k, so draft while that stays above `cost`, a verified token's price relative to a
+    decode step. Steps that draft nothing still score the proposal's first token against what was produced, so
+    the estimate recovers when the text turns copyable. `adaptive=False`: always the most."""
+
+    most: int
+    adaptive: bool = True
+    cost: float = 0.15
+    rate: float = 0.5
+    memory: float = 0.8
+
+    def __call__(self) -> int:
+        if not self.adaptive or self.rate >= 1:
+            return self.most
+        if self.rate <= self.cost:
+            return 0
+        return max(1, min(self.most, int(math.log(self.cost) / math.log(self.rate))))
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """One verified chain: `accepted` of `drafted` draft tokens (a rejection is one more trial)."""
+        if drafted:
+            trials = accepted + (accepted < drafted)
+            self.rate = self.memory * self.rate + (1 - self.memory) * accepted / trials
 
 
 class PromptLookup:
-    """Prompt lookup: find the longest suffix (n from max_ngram down to min_ngram) of the sequence that occurred
+    """Prompt lookup: find the longest suffix (n from ngram_max down to ngram_min) of the sequence that occurred
     earlier in prompt + output, and propose what followed it. Among several occurrences take the one nearest to
     where the previous match would have continued by now (a copy keeps its place in the source even through
-    short, common n-grams), else the most recent. The n-gram index grows with the accepted sequence (one insert
-    per n per token), so a proposal costs O(max_ngram) dict lookups, not O(length)."""
+    short, common n-grams), else the most recent. The n-gram index grows with the sequence (one insert per n per
+    token), so a proposal costs O(ngram_max) dict lookups, not O(length)."""
 
     needs_hidden = False
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, aliases: dict[int, int] | None = None):
-        if not 1 <= min_ngram <= max_ngram:
-            raise QconvError(f"bad lookup n-gram range {min_ngram}..{max_ngram}", fix="need 1 <= min <= max")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.aliases = aliases or {}  # token -> the token it is matched as (see punctuation_aliases)
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.begin([])
 
-    def begin(self, prompt: list[int], cache=None, max_len: int = 0) -> None:
-        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(self.min_ngram,
-                                                                                       self.max_ngram + 1)}
-        self._indexed = 0  # n-grams ending at positions <= _indexed are in the index
+    def begin(self, prompt: list[int], cache=None, slot: int = 0) -> None:
+        self._index: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # n-grams whose continuation starts at positions <= _indexed are in the index
         self._cursor: tuple[int, int] | None = None  # (continuation start, sequence length) of the last match
 
     def observe(self, hidden, next_tokens) -> None:
         pass
 
     def _catch_up(self, seq: list[int]) -> None:
-        # Index occurrences whose continuation starts at e <= len(seq) - 1 (the suffix itself is not a match).
         if len(seq) - 1 < self._indexed:  # a different, shorter sequence: start over
             self.begin(seq)
-        for e in range(self._indexed + 1, len(seq)):
-            for n, idx in self._index.items():
-                if e >= n:
-                    idx.setdefault(self._key(seq[e - n:e]), []).append(e)
+        for e in range(self._indexed + 1, len(seq)):  # the suffix itself (e = len(seq)) is no match
+            for n in range(self.ngram_min, min(self.ngram_max, e) + 1):
+                self._index.setdefault(tuple(seq[e - n:e]), []).append(e)
         self._indexed = max(self._indexed, len(seq) - 1)
 
     def _nearest(self, occ: list[int], length: int) -> int:
@@ -71,150 +159,50 @@ class PromptLookup:
             return occ[-1]
         want = self._cursor[0] + length - self._cursor[1]
         i = bisect_left(occ, want)
-        near = occ[max(i - 1, 0):i + 1]
-        return min(near, key=lambda e: (abs(e - want), -e))
+        return min(occ[max(i - 1, 0):i + 1], key=lambda e: (abs(e - want), -e))
 
-    def match(self, seq: list[int], extra: list[int] = ()) -> tuple[int, int]:
-        """(start of the continuation, n) of the longest matching suffix of seq + extra, or (-1, 0)."""
+    def propose(self, seq: list[int], k: int) -> Draft:
         self._catch_up(seq)
-        ext = seq + list(extra) if extra else seq
-        for n in range(min(self.max_ngram, len(ext)), self.min_ngram - 1, -1):
-            occ = self._index[n].get(self._key(ext[len(ext) - n:]))
-            if occ:
-                e = self._nearest(occ, len(ext))
-                self._cursor = (e, len(ext))
-                return e, n
-        return -1, 0
-
-    def propose(self, seq: list[int], k: int, extra: list[int] = (), budget: int | None = None) -> Draft:
         if k <= 0:
             return Draft()
-        e, n = self.match(seq, extra)
-        if e < 0:
-            return Draft()
-        src = f"lookup{min(n, 4)}"
-        return Draft(_continuation(seq + list(extra), e, k), [src] * k, [None] * k)
-
-    def candidates(self, seq: list[int], k: int, limit: int) -> list[tuple[list[int], int]]:
-        """Up to `limit` continuations (k tokens each, with the n of their match) for a token tree: first the
-        one `propose` would give, then the other occurrences of the longest matching suffix and of shorter
-        ones, most recent first. Duplicates are left to the trie."""
-        e, n = self.match(seq)
-        if e < 0 or k <= 0:
-            return []
-        out, seen = [(_continuation(seq, e, k), n)], {e}
-        for m in range(n, self.min_ngram - 1, -1):
-            for e2 in reversed(self._index[m].get(self._key(seq[len(seq) - m:]), ())):
-                if len(out) >= limit:
-                    return out
-                if e2 not in seen:
-                    seen.add(e2)
-                    out.append((_continuation(seq, e2, k), m))
-        return out
-
-    def normalized(self, tokens: list[int]) -> list[int]:
-        """tokens with every alias replaced by its canonical token (how a model that normalizes them writes)."""
-        return list(alias_key(self.aliases, tokens))
-
-    def _key(self, ngram: list[int]) -> tuple[int, ...]:
-        return alias_key(self.aliases, ngram)
-
-
-def alias_key(aliases: dict[int, int] | None, ngram) -> tuple[int, ...]:
-    """An n-gram as matched: every alias replaced by its canonical token (see punctuation_aliases)."""
-    return tuple(aliases.get(t, t) for t in ngram) if aliases else tuple(ngram)
-
-
-class History:
-    """Cross-request n-gram memory (as in suffix decoding): the prompts and outputs of earlier requests, so a
-    request's token tree can also try what other requests wrote after the same n-gram (code idioms, boilerplate,
-    a template's phrasing). Only n >= min_ngram (2) matches, since other texts' single tokens are mostly noise.
-    Bounded: past max_tokens the oldest sequences are dropped. Lossless like every drafter: the target verifies."""
-
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2, max_tokens: int = 1 << 20,
-                 aliases: dict[int, int] | None = None):
-        self.max_ngram, self.min_ngram, self.max_tokens = max_ngram, min_ngram, max_tokens
-        self.aliases = aliases or {}
-        self.seqs: dict[int, list[int]] = {}
-        self._next = 0
-        self._tokens = 0  # sum of len(seq) over seqs
-        self._index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-
-    def __len__(self) -> int:
-        return self._tokens
-
-    def add(self, tokens: list[int]) -> None:
-        sid, self._next = self._next, self._next + 1
-        self.seqs[sid] = list(tokens)
-        self._tokens += len(tokens)
-        self._index_seq(sid)
-        if self._tokens > self.max_tokens:
-            while self._tokens > self.max_tokens and len(self.seqs) > 1:
-                self._tokens -= len(self.seqs.pop(min(self.seqs)))
-            self._index = {}
-            for i in self.seqs:
-                self._index_seq(i)
-
-    def _index_seq(self, sid: int) -> None:
-        seq = self.seqs[sid]
-        for e in range(1, len(seq)):
-            for n in range(self.min_ngram, min(self.max_ngram, e) + 1):
-                self._index.setdefault(self._key(seq[e - n:e]), []).append((sid, e))
-
-    def candidates(self, seq: list[int], k: int, limit: int) -> list[tuple[list[int], int]]:
-        """Up to `limit` distinct continuations (at most k tokens, with their n) of seq's longest suffixes."""
-        out: list[tuple[list[int], int]] = []
-        seen: set[tuple[int, ...]] = set()
-        for n in range(min(self.max_ngram, len(seq)), self.min_ngram - 1, -1):
-            for sid, e in reversed(self._index.get(self._key(seq[len(seq) - n:]), ())):
-                cont = self.seqs[sid][e:e + k]
-                if cont and tuple(cont) not in seen:
-                    seen.add(tuple(cont))
-                    out.append((cont, n))
-                    if len(out) >= limit:
-                        return out
-        return out
-
-    def _key(self, ngram: list[int]) -> tuple[int, ...]:
-        return alias_key(self.aliases, ngram)
-
-
-def _continuation(ext: list[int], e: int, k: int) -> list[int]:
-    """k tokens from ext[e]; past the end of the sequence the match repeats with period len(ext) - e."""
-    out: list[int] = []
-    for j in range(k):
-        i = e + j
-        out.append(ext[i] if i < len(ext) else out[i - len(ext)])
-    return out
+        for n in range(min(self.ngram_max, len(seq)), self.ngram_min - 1, -1):
+            occ = self._index.get(tuple(seq[len(seq) - n:]))
+            if occ:
+                e = self._nearest(occ, len(seq))
+                self._cursor = (e, len(seq))
+                out: list[int] = []
+                for j in range(k):  # past the end of the sequence the match repeats with period len(seq) - e
+                    out.append(seq[e + j] if e + j < len(seq) else out[e + j - len(seq)])
+                return Draft(out, [None] * k)
+        return Draft()
 
 
 class MTPDrafter:
     """qwen3_5 multi-token prediction: the MTP layer takes the target's hidden state at position t and the
-    embedding of token t+1 and predicts token t+2; chained on its own hidden state for k drafts. Its KV cache
-    holds one entry per accepted position (fed from the target's hidden states after every step); chained draft
-    entries are rolled back after proposing."""
+    embedding of token t+1 and predicts token t+2; chained on its own hidden state for up to k drafts. Its cache
+    (the target cache's `.mtp`, same slot) holds one entry per accepted position; chained entries are rolled back
+    after proposing."""
 
     needs_hidden = True
 
-    def __init__(self, model, k: int = 4, params: SamplingParams = SamplingParams(),
+    def __init__(self, model, k: int, params: SamplingParams = SamplingParams(),
                  generator: torch.Generator | None = None):
         if getattr(model, "mtp", None) is None:
             raise QconvError("this model has no MTP head", fix="use --spec lookup, or a qwen3_5 checkpoint with mtp.*")
         self.model, self.k, self.params, self.generator = model, k, params, generator
-        self.cache = None
-        self._logits: torch.Tensor | None = None  # MTP logits for the token after the next one
-        self._hidden: torch.Tensor | None = None
+        self._next: tuple[torch.Tensor, torch.Tensor] | None = None  # MTP logits and hidden for the next draft
 
-    def begin(self, prompt: list[int], cache=None, max_len: int = 0) -> None:
-        own = getattr(cache, "mtp", None)  # the target cache may carry the MTP head's cache
-        self.cache = own if own is not None else self.model.mtp.new_cache(1, max_len)
-        self._logits = self._hidden = None
+    def begin(self, prompt: list[int], cache, slot: int = 0) -> None:
+        self.cache, self.slot, self._next = cache, slot, None
+
+    def _step(self, hidden: torch.Tensor, tokens: list[int]) -> None:
+        nxt = torch.tensor([tokens], dtype=torch.long, device=hidden.device)
+        logits, h = self.model.mtp(hidden[None], nxt, self.cache, slots=[self.slot])
+        self._next = logits[0, -1], h[0, -1:]
 
     def observe(self, hidden: torch.Tensor, next_tokens: list[int]) -> None:
         """hidden[T, H]: target states at the newly accepted positions; next_tokens: the token after each."""
-        nxt = torch.tensor([next_tokens], dtype=torch.long, device=hidden.device)
-        logits, h = self.model.mtp(hidden[None], nxt, self.cache)
-        self._logits, self._hidden = logits[0, -1], h[0, -1:]
+        self._step(hidden, next_tokens)
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if self.params.greedy:
@@ -222,23 +210,21 @@ class MTPDrafter:
         q = probs_from_logits(logits, self.params.temperature, self.params.top_p, self.params.top_k)
         return int(torch.multinomial(q, 1, generator=self.generator)), q
 
-    @torch.no_grad()
-    def propose(self, seq: list[int], k: int, extra: list[int] = (), budget: int | None = None) -> Draft:
-        """Up to min(k, self.k, budget) chained drafts; `budget` lets the controller skip drafts it won't verify."""
-        k = min(k, self.k, self.k if budget is None else budget)
-        if k <= 0 or self._logits is None:
+    @torch.inference_mode()
+    def propose(self, seq: list[int], k: int) -> Draft:
+        k = min(k, self.k)
+        if k <= 0 or self._next is None:
             return Draft()
-        keep = self.cache.lengths[:1].clone()
+        mtp = self.cache.mtp
+        keep, saved = int(mtp.lengths[self.slot]), self._next
         draft = Draft()
-        logits, hidden = self._logits, self._hidden
         for i in range(k):
-            tok, q = self._pick(logits)
-            draft = draft.extend(Draft([tok], ["mtp"], [q]))
+            tok, q = self._pick(self._next[0])
+            draft += Draft([tok], [q])
             if i + 1 < k:
-                nxt = torch.tensor([[tok]], dtype=torch.long, device=hidden.device)
-                out, h = self.model.mtp(hidden[None], nxt, self.cache)
-                logits, hidden = out[0, -1], h[0, -1:]
-        self.cache.rollback(torch.zeros(1, dtype=torch.long), keep)
+                self._step(self._next[1], [tok])
+        mtp.rollback([self.slot], [keep])
+        self._next = saved
         return draft
 
 
@@ -247,48 +233,79 @@ class HybridDrafter:
 
     needs_hidden = True
 
-    def __init__(self, drafter, lookup: PromptLookup):
-        self.drafter, self.lookup = drafter, lookup
+    def __init__(self, model: MTPDrafter, lookup: PromptLookup):
+        self.model, self.lookup = model, lookup
 
-    def begin(self, prompt: list[int], cache=None, max_len: int = 0) -> None:
-        self.drafter.begin(prompt, cache, max_len)
-        self.lookup.begin(prompt, cache, max_len)
+    def begin(self, prompt: list[int], cache, slot: int = 0) -> None:
+        self.model.begin(prompt, cache, slot)
+        self.lookup.begin(prompt, cache, slot)
 
     def observe(self, hidden, next_tokens) -> None:
-        self.drafter.observe(hidden, next_tokens)
+        self.model.observe(hidden, next_tokens)
 
-    def propose(self, seq: list[int], k: int, extra: list[int] = (), budget: int | None = None) -> Draft:
-        head = self.drafter.propose(seq, k, budget=budget)
-        return head.extend(self.lookup.propose(seq, k - len(head), extra=head.tokens))
-
-
-CLOSING_PUNCTUATION = set(",.;:!?)]}")
+    def propose(self, seq: list[int], k: int) -> Draft:
+        head = self.model.propose(seq, k)
+        return head + self.lookup.propose(seq + head.tokens, k - len(head)) if head else self.lookup.propose(seq, k)
 
 
-def punctuation_aliases(tokenizer) -> dict[int, int]:
-    """Space-prefixed closing punctuation tokens -> the same punctuation without the space (" ," -> ","), for tokenizers
-    that mark a leading space in the token string (byte-level BPE "Ġ", sentencepiece "▁"). Text such as
-    wikitext spaces its punctuation ("film , television") and a model copying it writes "film, television":
-    matching n-grams modulo these aliases keeps the copy's place, and token trees also propose the normalized
-    form. Both forms are always verified by the target, so aliases change speed, never output."""
-    vocab = tokenizer.get_vocab()
-    out = {}
-    for text, i in vocab.items():
-        if text[:1] in ("Ġ", "▁") and len(text) > 1:
-            rest = text[1:]
-            if rest in vocab and all(c in CLOSING_PUNCTUATION for c in rest):
-                out[i] = vocab[rest]
-    return out
+@dataclass
+class Speculator:
+    """One sequence's drafter and draft length (a `generate` call, a scheduler row): what to verify next, and
+    what to learn from the verified step. A step that verifies nothing still scores the drafter's first token."""
+
+    drafter: Drafter
+    length: DraftLength
+    _probe: list[int] = field(default_factory=list)
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.drafter.needs_hidden
+
+    def begin(self, prompt: list[int], cache, slot: int, hidden: torch.Tensor | None, first: int) -> None:
+        """After prefill: hidden[len(prompt), H] (model drafters) and the first token it produced."""
+        self.drafter.begin(prompt, cache, slot)
+        if self.needs_hidden:
+            self.drafter.observe(hidden, prompt[1:] + [first])
+
+    def draft(self, seq: list[int], room: int) -> Draft:
+        """The draft to verify after seq, at most `room` tokens."""
+        want = min(self.length(), room)
+        full = self.drafter.propose(seq, max(want, 1)) if room > 0 else Draft()
+        self._probe = full.tokens[:1] if want < 1 else []
+        return full if want >= 1 else Draft()
+
+    def verified(self, draft: Draft, new: list[int], hidden: torch.Tensor | None) -> None:
+        """new = the accepted drafts + the target's token; hidden[>= len(new), H] of that forward."""
+        if draft:
+            self.length.update(len(draft), len(new) - 1)
+        elif self._probe:
+            self.length.update(1, int(self._probe == new[:1]))
+        if self.needs_hidden:
+            self.drafter.observe(hidden[:len(new)], new)
 
 
-def make_drafter(mode: str, model, params: SamplingParams, generator: torch.Generator | None = None, *,
-                 mtp_k: int = 4, max_ngram: int = 4, min_ngram: int = 1, aliases: dict[int, int] | None = None):
-    """The drafter for a --spec mode (None for "none")."""
-    if mode not in SPEC_MODES:
-        raise QconvError(f"unknown speculative mode {mode!r}", fix=f"one of {', '.join(SPEC_MODES)}")
-    if mode == "none":
+def make_speculator(spec: SpecConfig, model, params: SamplingParams = SamplingParams(),
+                    generator: torch.Generator | None = None) -> Speculator | None:
+    """The speculator for a SpecConfig (None when speculation is off)."""
+    if not spec.on:
         return None
-    if mode == "lookup":
-        return PromptLookup(max_ngram, min_ngram, aliases)
-    mtp = MTPDrafter(model, mtp_k, params, generator)
-    return mtp if mode == "mtp" else HybridDrafter(mtp, PromptLookup(max_ngram, min_ngram, aliases))
+    lookup = PromptLookup(spec.ngram_min, spec.ngram_max)
+    if spec.method == "lookup":
+        drafter = lookup
+    else:
+        mtp = MTPDrafter(model, spec.k, params, generator)
+        drafter = mtp if spec.method == "mtp" else HybridDrafter(mtp, lookup)
+    return Speculator(drafter, DraftLength(spec.max_block, spec.adaptive))
+
+
+def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None = None) -> list[int]:
+    """The accepted drafts plus the target's next token, from logits[len(draft) + 1, V] scored at the last accepted
+    token and each draft. Greedy: the longest prefix equal to the argmax; sampling: rejection sampling, whose output
+    is distributed exactly as plain sampling from the processed target distribution."""
+    if params.greedy:
+        n, nxt = verify_greedy(draft.tokens, logits)
+    else:
+        p = probs_from_logits(logits, params.temperature, params.top_p, params.top_k)
+        n, nxt = verify_sampling(draft.tokens, draft.probs, p, generator)
+    return draft.tokens[:n] + [nxt]

@@ -49,12 +49,9 @@ def _cuda_gpu() -> bool:
 @click.option("--spec-tokens", default=None, type=int,
               help="Draft tokens per step (0: no speculative decoding; default: the artifact's speculative config).")
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
-@click.option("--datastore", multiple=True, type=click.Path(), metavar="PATH",
-              help="Native: greedy rows with no prompt-lookup match also draft from these text files / folders "
-                   "(repeatable; indexed once, cached under QCONV_HOME).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve(target, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-          max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, datastore, vllm_args) -> None:
+          max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args) -> None:
     """Serve ARTIFACT_OR_NAME over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
@@ -62,11 +59,11 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
 
     with hold_artifact(target) as path:  # a re-pull cannot remove the revision while it is served
         _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-               max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, datastore, vllm_args)
+               max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args)
 
 
 def _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-           max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, datastore, vllm_args) -> None:
+           max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args) -> None:
     from qconv.serve import runtimes, vllm, vllm_probe
 
     if api_key and click.get_current_context().get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
@@ -92,7 +89,7 @@ def _serve(path, backend, profile, recipe, print_command, host, port, api_key, t
 
         run_native(path, NativeOptions(host=host, port=port, api_key=api_key, max_batch=max_batch or 8,
                                        max_model_len=max_model_len, profile=profile, spec_tokens=spec_tokens,
-                                       served_model_name=served_model_name, datastore=tuple(datastore)))
+                                       served_model_name=served_model_name))
         return
     src = vllm.load_source(path, recipe)
     if served_model_name:

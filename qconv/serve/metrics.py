@@ -45,8 +45,6 @@ class Metrics:
     step_tokens: int = 0  # tokens produced by those steps (tokens/step = step_tokens / decode_steps)
     draft_tokens: int = 0  # speculative drafts proposed / accepted (acceptance = accepted / draft)
     accepted_tokens: int = 0
-    history_drafts: int = 0  # drafts that came from earlier requests' text (the row's own text had no match)
-    datastore_drafts: int = 0  # drafts from the --datastore corpus (neither the row's text nor history matched)
     queue_depth: int = 0
     running: int = 0
     e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
@@ -92,10 +90,6 @@ class Metrics:
                    [f"qconv_spec_draft_tokens_total {self.draft_tokens}"])
             metric("qconv_spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted.",
                    [f"qconv_spec_accepted_tokens_total {self.accepted_tokens}"])
-            metric("qconv_spec_history_drafts_total", "counter", "Drafts taken from earlier requests' text.",
-                   [f"qconv_spec_history_drafts_total {self.history_drafts}"])
-            metric("qconv_spec_datastore_drafts_total", "counter", "Drafts taken from the --datastore corpus.",
-                   [f"qconv_spec_datastore_drafts_total {self.datastore_drafts}"])
             acc = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
             metric("qconv_spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens.", [f"qconv_spec_acceptance_rate {acc:.4f}"])
             metric("qconv_queue_depth", "gauge", "Requests waiting for a slot.", [f"qconv_queue_depth {self.queue_depth}"])

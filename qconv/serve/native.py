@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qconv.errors import QconvError
+from qconv.runtime.spec import SpecConfig
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
 DEFAULT_MAX_TOKENS = 2048  # a chat request without max_tokens, when the profile names no `max_tokens` of its own
@@ -29,22 +30,19 @@ class NativeOptions:
     profile: str | None = None
     served_model_name: str | None = None
     dtype: str = "float32"
-    spec_tokens: int | None = None  # prompt-lookup drafts per step; None: the artifact's speculative config
-    datastore: tuple[str, ...] = ()  # text files / folders greedy rows also draft from (runtime.datastore)
+    spec_tokens: int | None = None  # draft tokens per step (0: off); None: the artifact's speculative config
 
 
 @dataclass
 class NativePlan:
     context_len: int
-    kv_scheme: str = "none"
-    spec_tokens: int = 0
-    lookup_ngram: tuple[int, int] = (4, 2)
+    kv_scheme: str = "bf16"
+    spec: SpecConfig = SpecConfig("none")
     max_tokens: int = DEFAULT_MAX_TOKENS  # completion cap of a chat request that sends none
 
 
 def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
-    """Context, runtime KV scheme and prompt-lookup speculation from the artifact's manifest when it has one.
-    The batched scheduler drafts by prompt lookup only: the MTP part of `hybrid` needs the single-stream engine."""
+    """Context, runtime KV scheme and speculation from the artifact's manifest when it has one."""
     from qconv.manifest import MANIFEST, read_manifest
 
     cfg = json.loads((path / "config.json").read_text())
@@ -57,17 +55,12 @@ def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
             raise QconvError(f"unknown profile {name!r}", where="--profile", fix=f"profiles: {', '.join(m.profiles)}")
         p = m.profiles[name]
         plan.context_len = min(int(p["context_length"]), max_pos, DEFAULT_NATIVE_CONTEXT)
-        plan.kv_scheme = "none" if p.get("kv_cache", "bf16") == "bf16" else p["kv_cache"]
+        plan.kv_scheme = p.get("kv_cache", "bf16")
         plan.max_tokens = int(p.get("max_tokens", DEFAULT_MAX_TOKENS))
     elif opts.profile:
         raise QconvError(f"{path} has no serving profiles", where="--profile", fix="drop --profile for a plain model")
-    spec = (m.speculative if m is not None else None) or {}
-    if spec.get("method") in ("lookup", "hybrid"):
-        plan.spec_tokens = int(spec.get("num_speculative_tokens", 0))
-        lk = spec.get("lookup") or {}
-        plan.lookup_ngram = (int(lk.get("ngram_max", 4)), int(lk.get("ngram_min", 2)))
-    if opts.spec_tokens is not None:
-        plan.spec_tokens = opts.spec_tokens
+    spec = m.speculative if m is not None else {"method": "lookup"} if opts.spec_tokens else {}
+    plan.spec = SpecConfig.from_manifest(spec, opts.spec_tokens)
     if opts.max_model_len:
         plan.context_len = min(opts.max_model_len, max_pos)
     return plan
@@ -80,28 +73,17 @@ def build_native(path: str | Path, opts: NativeOptions):
     from qconv.runtime.loader import load_model, load_tokenizer
     from qconv.serve.scheduler import Scheduler
 
-    try:
-        from qconv.serve.server import ServerConfig, create_app
-    except ImportError as e:
-        raise QconvError(f"the native server needs {e.name}", fix="pip install 'qconv[serve]'") from e
+    from qconv.serve.server import ServerConfig, create_app
 
     path = Path(path)
     if not (path / "config.json").is_file():
         raise QconvError(f"no config.json in {path}", where=str(path), fix="pass a model or artifact folder")
     plan = native_plan(path, opts)
     tok = load_tokenizer(path)
-    store = None
-    if opts.datastore:
-        if not plan.spec_tokens:
-            raise QconvError("--datastore drafts for speculation, which is off", where="--datastore",
-                             fix="add --spec-tokens N (N > 0), or serve an artifact whose recipe speculates")
-        from qconv.runtime.datastore import load_datastore
-
-        store = load_datastore(list(opts.datastore), tok)
     model = load_model(path, dtype=getattr(torch, opts.dtype), max_batch=opts.max_batch)
+    plan.spec = plan.spec.for_model(model)
     sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
-                      max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec_tokens=plan.spec_tokens,
-                      lookup_ngram=plan.lookup_ngram, datastore=store).start()
+                      max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec=plan.spec).start()
     cfg = ServerConfig(opts.served_model_name or path.name, plan.context_len, opts.api_key,
                        max_tokens=min(plan.max_tokens, plan.context_len), host=opts.host)
     return create_app(sched, cfg), sched

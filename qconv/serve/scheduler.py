@@ -1,6 +1,7 @@
 """Continuous batching over the runtime model API: one background thread owns the model and its cache; requests
 join between decode steps (prefilled into their own cache slots, the requests that arrived together batched), then
-every active slot advances one token per batched T=1 forward, and a request leaves the batch as soon as it finishes or its client goes away.
+every active slot advances per batched forward by the token it samples plus whatever of its own drafts (spec.py)
+verify, and a request leaves the batch as soon as it finishes or its client goes away.
 
 The HTTP layer never touches the model: it submits a `GenRequest` whose `emit` callback is thread-safe (the server
 passes one that hops onto its asyncio loop), and it cancels by setting a flag the thread checks every step.
@@ -22,10 +23,9 @@ from typing import Callable
 
 import torch
 
-from qconv.runtime.datastore import Datastore
-from qconv.runtime.sampling import (SamplingParams, probs_from_logits, sample_next, verify_greedy,
-                                    verify_sampling)
-from qconv.runtime.spec import History, PromptLookup
+from qconv.runtime.detok import TextStream
+from qconv.runtime.sampling import SamplingParams
+from qconv.runtime.spec import Draft, SpecConfig, Speculator, make_speculator, verify
 from qconv.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -66,9 +66,9 @@ class GenRequest:
     # scheduler-side state
     slot: int = -1
     out_ids: list[int] = field(default_factory=list)
-    sent: int = 0  # characters of the decoded text already emitted
+    text: TextStream | None = None
     generator: torch.Generator | None = None
-    lookup: PromptLookup | None = None
+    speculator: Speculator | None = None
     first_token_at: float | None = None
 
     def cancel(self) -> None:
@@ -77,14 +77,11 @@ class GenRequest:
 
 class Scheduler:
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, max_queue: int = 64,
-                 kv_scheme: str = "none", metrics: Metrics | None = None, seed: int = 0, spec_tokens: int = 0,
-                 lookup_ngram: tuple[int, int] = (4, 2), datastore: Datastore | None = None):
+                 kv_scheme: str = "bf16", metrics: Metrics | None = None, seed: int = 0,
+                 spec: SpecConfig = SpecConfig("none")):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
-        self.spec_tokens, self.lookup_ngram = spec_tokens, lookup_ngram  # prompt-lookup drafts per step (0: off)
-        # What earlier requests wrote drafts for a row whose own prompt + output has no match (suffix decoding)
-        self.history = History(max_ngram=lookup_ngram[0], min_ngram=max(2, lookup_ngram[1])) if spec_tokens else None
-        self.datastore = datastore if spec_tokens else None  # then a corpus the operator pointed at (REST)
+        self.spec = spec  # each row drafts with its own speculator (spec.py), verified in the batched forward
         self.cache = model.new_cache(max_batch, max_len, kv_scheme)
         self.eos = set(getattr(model.config, "eos_token_ids", []) or [])
         if tokenizer.eos_token_id is not None:
@@ -207,102 +204,70 @@ class Scheduler:
             return
         fed = {id(r): 0 for r in reqs}
         last: dict[int, torch.Tensor] = {}
+        hidden: dict[int, list[torch.Tensor]] = {id(r): [] for r in reqs}  # model drafters see every position
+        need_hidden = any(r.speculator is not None and r.speculator.needs_hidden for r in reqs)
         while rows := [r for r in reqs if fed[id(r)] < len(r.prompt_ids)]:
             T = min(len(r.prompt_ids) - fed[id(r)] for r in rows)
             tokens = torch.tensor([r.prompt_ids[fed[id(r)]:fed[id(r)] + T] for r in rows], dtype=torch.long)
-            logits = self.model(tokens, self.cache, torch.tensor([r.slot for r in rows]))[:, -1]
+            out = self.model(tokens, self.cache, torch.tensor([r.slot for r in rows]), return_hidden=need_hidden)
+            logits, h = out if need_hidden else (out, None)
             for i, r in enumerate(rows):
                 fed[id(r)] += T
+                if need_hidden:
+                    hidden[id(r)].append(h[i])
                 if fed[id(r)] == len(r.prompt_ids):
-                    last[id(r)] = logits[i]
+                    last[id(r)] = logits[i, -1]
         self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in reqs)
-        toks = self._sample(torch.stack([last[id(r)] for r in reqs]), reqs)
-        self._accept(reqs, [None if t is None else [t] for t in toks])
+        toks = [self._guard(r, self._first, r, last[id(r)], hidden[id(r)]) if r in self.active else None
+                for r in reqs]
+        self._accept(reqs, toks)
+
+    def _first(self, r: GenRequest, logits: torch.Tensor, hidden: list[torch.Tensor]) -> list[int]:
+        new = verify(Draft(), logits[None], r.sampling, r.generator or self.generator)
+        if r.speculator is not None:
+            r.speculator.begin(r.prompt_ids, self.cache, r.slot, torch.cat(hidden) if hidden else None, new[0])
+        return new
 
     def _setup(self, r: GenRequest) -> None:
         if r.seed is not None:
             r.generator = torch.Generator().manual_seed(r.seed)
-        if self.spec_tokens:
-            r.lookup = PromptLookup(*self.lookup_ngram)
-            r.lookup.begin(r.prompt_ids)
+        r.text = TextStream(self.tokenizer, r.stop)
+        r.speculator = make_speculator(self.spec, self.model, r.sampling, r.generator or self.generator)
 
     def _decode(self) -> None:
-        """One batched step. With prompt lookup on, each row also feeds its drafts (rows padded to a common T),
-        verification keeps the accepted prefix plus the target's next token, and the cache rolls back the rest."""
+        """One batched step. Each row also feeds its own drafts (rows padded to a common T); verification keeps
+        the accepted prefix plus the target's next token, and the cache rolls back the rest."""
         batch = list(self.active)
         slots = [r.slot for r in batch]
         before = [int(self.cache.lengths[s]) for s in slots]
         room = self.max_len - max(before) - 1  # every row writes T tokens, so T is bounded by the fullest slot
-        drafts = [self._guard(r, self._propose, r, room) or [] for r in batch]
+        drafts = [self._guard(r, self._draft, r, room) or Draft() for r in batch]
         T = 1 + max(map(len, drafts))
-        rows = [[r.out_ids[-1], *d] + [r.out_ids[-1]] * (T - 1 - len(d)) for r, d in zip(batch, drafts)]
-        logits = self.model(torch.tensor(rows, dtype=torch.long), self.cache, torch.tensor(slots))
-        if T == 1:
-            toks = [None if t is None else [t] for t in self._sample(logits[:, -1], batch)]
-        else:
-            toks = [self._guard(r, self._verify, r, d, logits[i, :len(d) + 1]) if r in self.active else None
-                    for i, (r, d) in enumerate(zip(batch, drafts))]
-            kept = [(r, b, t) for r, b, t in zip(batch, before, toks) if t is not None]
-            if kept:
-                self.cache.rollback([r.slot for r, _, _ in kept], [b + len(t) for _, b, t in kept])
-            self.metrics.draft_tokens += sum(map(len, drafts))
-            self.metrics.accepted_tokens += sum(len(t) - 1 for t in toks if t is not None)
+        rows = [[r.out_ids[-1], *d.tokens] + [r.out_ids[-1]] * (T - 1 - len(d)) for r, d in zip(batch, drafts)]
+        need_hidden = any(r.speculator is not None and r.speculator.needs_hidden for r in batch)
+        out = self.model(torch.tensor(rows, dtype=torch.long), self.cache, torch.tensor(slots),
+                         return_hidden=need_hidden)
+        logits, hidden = out if need_hidden else (out, None)
+        toks = [self._guard(r, self._verify, r, d, logits[i, :len(d) + 1], None if hidden is None else hidden[i])
+                if r in self.active else None for i, (r, d) in enumerate(zip(batch, drafts))]
+        kept = [(r, b, t) for r, b, t in zip(batch, before, toks) if t is not None]
+        if kept and T > 1:
+            self.cache.rollback([r.slot for r, _, _ in kept], [b + len(t) for _, b, t in kept])
+        self.metrics.draft_tokens += sum(map(len, drafts))
+        self.metrics.accepted_tokens += sum(len(t) - 1 for t in toks if t is not None)
         self.metrics.step(len(batch), sum(len(t) for t in toks if t is not None))
         self._accept(batch, toks)
 
-    def _propose(self, r: GenRequest, room: int) -> list[int]:
-        k = min(self.spec_tokens, room, r.max_tokens - len(r.out_ids) - 1)
-        if k <= 0 or r.lookup is None:
-            return []
-        seq = r.prompt_ids + r.out_ids
-        draft = r.lookup.propose(seq, k).tokens
-        if draft or not r.sampling.greedy:  # a seeded sample must not depend on what other requests wrote
-            return draft  # (rejection sampling draws differently per draft, though lossless)
-        # No match in the row's own text: earlier requests' text, then the operator's corpus.
-        for source, counter in ((self.history, "history_drafts"), (self.datastore, "datastore_drafts")):
-            draft = next(iter(source.candidates(seq, k, 1)), ([], 0))[0] if source is not None else []
-            if draft:
-                setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
-                return draft
-        return []
+    def _draft(self, r: GenRequest, room: int) -> Draft:
+        if r.speculator is None:
+            return Draft()
+        return r.speculator.draft(r.prompt_ids + r.out_ids, min(room, r.max_tokens - len(r.out_ids) - 1))
 
-    def _verify(self, r: GenRequest, draft: list[int], logits: torch.Tensor) -> list[int]:
-        """Lossless: greedy keeps the drafts equal to the argmax; sampling uses rejection sampling, whose output
-        is distributed exactly as plain sampling would be."""
-        if r.sampling.greedy:
-            n, nxt = verify_greedy(draft, logits)
-        else:
-            p = r.sampling
-            probs = probs_from_logits(logits, p.temperature, p.top_p, p.top_k)
-            n, nxt = verify_sampling(draft, [None] * len(draft), probs, generator=r.generator or self.generator)
-        return draft[:n] + [nxt]
-
-    def _sample(self, logits: torch.Tensor, batch: list[GenRequest]) -> list[int | None]:
-        """Per-row sampling params in one call; a row with its own seed draws from its own generator so its
-        output does not depend on what else shares the batch. A row whose parameters fail is ended alone (None);
-        when the shared call fails, its rows are sampled one by one to find which."""
-        out: list[int | None] = logits.argmax(-1).tolist()  # greedy rows: no softmax over the vocabulary needed
-        shared = [i for i, r in enumerate(batch) if not r.sampling.greedy and r.generator is None]
-        try:
-            if shared:
-                sp = [batch[i].sampling for i in shared]
-                picked = sample_next(logits[shared], torch.tensor([p.temperature for p in sp]),
-                                     torch.tensor([p.top_p for p in sp]), torch.tensor([p.top_k for p in sp]),
-                                     generator=self.generator)
-                for i, t in zip(shared, picked.tolist()):
-                    out[i] = t
-            shared = []
-        except Exception:
-            pass
-        for i, r in enumerate(batch):
-            if r not in self.active:
-                out[i] = None
-            elif i in shared or (r.generator is not None and not r.sampling.greedy):
-                p, gen = r.sampling, r.generator or self.generator
-                t = self._guard(r, lambda: sample_next(logits[i:i + 1], p.temperature, p.top_p, p.top_k,
-                                                       generator=gen)[0].item())
-                out[i] = t
-        return out
+    def _verify(self, r: GenRequest, draft: Draft, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
+        new = verify(draft, logits, r.sampling, r.generator or self.generator)
+        if r.speculator is not None:
+            r.speculator.verified(draft, new, hidden)
+        return new
 
     def _accept(self, batch: list[GenRequest], toks: list[list[int] | None]) -> None:
         now = time.monotonic()
@@ -319,47 +284,28 @@ class Scheduler:
             r.out_ids.append(int(t))
             self.metrics.generation_tokens += 1
             if t in self.eos:
-                self._finish(r, "stop", drop_last=True)
-                break
+                self._finish(r, "stop")
+                return
+            text = r.text.push([t])
+            if r.text.stopped:
+                self._finish(r, "stop", text=text)
+                return
+            if text:
+                self._send(r, Event(text=text, token_ids=[t]))
             if len(r.out_ids) >= r.max_tokens or len(r.prompt_ids) + len(r.out_ids) >= self.max_len:
                 self._finish(r, "length")
-                break
-        else:
-            self._stream(r)
-
-    def _text(self, r: GenRequest, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _stream(self, r: GenRequest) -> None:
-        """Emit the text that is final: hold back a partial UTF-8 character and any tail that could still grow
-        into a stop string; a completed stop string ends the request with the text before it."""
-        text = self._text(r, r.out_ids)
-        if r.stop:
-            hits = [i for s in r.stop if (i := text.find(s, max(0, r.sent - len(s) + 1))) >= 0]
-            if hits:
-                self._finish(r, "stop", text=text[:min(hits)])
                 return
-        end = len(text) - (max(map(len, r.stop)) - 1 if r.stop else 0)
-        while end > r.sent and text[end - 1] == "\ufffd":
-            end -= 1
-        if end > r.sent:
-            self._send(r, Event(text=text[r.sent:end], token_ids=[r.out_ids[-1]]))
-            r.sent = end
 
-    def _finish(self, r: GenRequest, reason: str, *, drop_last: bool = False, text: str | None = None,
-                error: str | None = None) -> None:
+    def _finish(self, r: GenRequest, reason: str, *, text: str | None = None, error: str | None = None) -> None:
         if r in self.active:
             self.active.remove(r)
             self.cache.reset([r.slot])
             self.free.append(r.slot)
         if text is None:  # an error sends no text: decoding may be what failed
-            text = self._text(r, r.out_ids[:-1] if drop_last else r.out_ids) if r.out_ids and reason != "error" else ""
-        self._send(r, Event(text=text[r.sent:] if reason != "error" else "", finish_reason=reason,
-                            prompt_tokens=len(r.prompt_ids), completion_tokens=len(r.out_ids), error=error))
-        r.sent = len(text)
+            text = r.text.finish() if r.text is not None and reason != "error" else ""
+        self._send(r, Event(text=text, finish_reason=reason, prompt_tokens=len(r.prompt_ids),
+                            completion_tokens=len(r.out_ids), error=error))
         self.metrics.finished(reason, time.monotonic() - r.arrival)
-        if self.history is not None and reason in ("stop", "length"):
-            self.history.add(r.prompt_ids + r.out_ids)
 
     def _send(self, r: GenRequest, ev: Event) -> None:
         try:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, SourceInfo, hash_artifact_files
+from qconv.recipes.recipe import load_recipe
 
 BIG = "model-00001-of-00002.safetensors"
 SMALL = "model-00002-of-00002.safetensors"
@@ -39,7 +40,7 @@ def make_artifact(folder: Path) -> Path:
         "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}}))
     (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
     Manifest(source=SourceInfo(kind="hub", id="Qwen/Qwen3-Tiny", revision="0123abc", architecture="qwen3"),
-             recipe=RecipeInfo(name="3090", sha256="ab" * 32, resolved={"default_profile": "fast"}),
+             recipe=RecipeInfo(name="3090", sha256="ab" * 32, resolved=load_recipe("3090").to_dict()),
              modules=[ModuleDecision("model.layers.0.mlp.down_proj", "mlp.down", "w4a16", 4, 128, [128, 4096])],
              files=hash_artifact_files(folder), quality=QUALITY, status="ok",
              profiles={"fast": {"kv_cache": "bf16", "context_length": 4096}}).write(folder)

@@ -118,7 +118,7 @@ def test_stock_vllm_parses_the_3090_artifact_and_is_refused_what_it_lacks(tiny_q
     r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(tiny_qwen3), "--out", str(art),
                                   "--samples", "8", "--seq-len", "64"])
     assert r.exit_code == 0, r.output
-    feats = {q.get("vllm_feature") for q in read_manifest(art).requires}
+    feats = {q.vllm_feature for q in read_manifest(art).requires}
     assert "wna16-8bit-cpu" in feats and "quantized-embeddings" not in feats  # Qwen2Model passes the prefix
     src = vllm.load_source(art)
     vllm_probe.check_quant_config(src, vllm_python, vllm_probe.probe_vllm(vllm_python).version)  # the parser accepts it

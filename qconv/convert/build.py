@@ -24,7 +24,7 @@ from qconv.convert.stages import DONE, WorkDir, default_work_dir, stage_key
 from qconv.errors import GateFailure, QconvError
 from qconv.fsutil import (atomic_dir, check_out_folder, check_space, check_writable, disk_error, owned_temp_dir,
                           sha256_file, sweep_stale, write_json_atomic, write_text_atomic)
-from qconv.manifest import MANIFEST, CalibrationInfo, Manifest, RecipeInfo, SourceInfo, tool_versions
+from qconv.manifest import MANIFEST, CalibrationInfo, Manifest, QualityReport, RecipeInfo, SourceInfo, tool_versions
 from qconv.paths import qconv_home
 from qconv.recipes.recipe import Recipe, load_recipe
 
@@ -293,8 +293,8 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
         recipe=RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
         modules=modules,
         calibration=calib.info,
-        profiles={k: asdict(v) for k, v in recipe.profiles.items()},
-        speculative=asdict(recipe.speculative),
+        profiles=dict(recipe.profiles),
+        speculative=recipe.speculative,
         requires=requirements(recipe, final_plan),
         selection=selection.to_dict(),
         tools=tool_versions(),
@@ -411,7 +411,7 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
         _copy_files(qdir, artifact, reports)
     _name_final_path(artifact, final)
     summary = summary_of(json.loads((artifact / REPORT_JSON).read_text()))
-    manifest.quality = summary
+    manifest.quality = QualityReport(summary)
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
     if passed is False and opts.gates:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from qconv.convert.artifact import finalize, write_index
@@ -16,8 +15,8 @@ from qconv.convert.quantized import (Converted, QuantFormat, copy_model_files, d
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir
-from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, tool_versions
-from qconv.recipes.recipe import KEEP, Recipe
+from qconv.manifest import Manifest, ModuleDecision, QualityReport, RecipeInfo, tool_versions
+from qconv.recipes.recipe import KEEP, Recipe, Speculative
 from qconv.recipes.roles import role_of
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ def _decisions(done: Converted, fmt: QuantFormat) -> list[ModuleDecision]:
 
 
 def _write(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool, recipe: RecipeInfo, requantize,
-           extra_build: dict, quality=None, profiles: dict | None = None, speculative: dict | None = None,
+           extra_build: dict, quality=None, profiles: dict | None = None, speculative: Speculative | None = None,
            requires=None) -> Manifest:
     """Convert into a temp folder that becomes `out` only when complete. `requires(decisions)` lists what the
     artifact needs at run time; `quality(tmp, manifest)` measures it and returns the gate failure, raised once the
@@ -73,7 +72,7 @@ def _write(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool, recipe
         write_index(tmp)
         decisions = _decisions(done, fmt)
         manifest = Manifest(source=info, recipe=recipe, modules=decisions, profiles=profiles or {},
-                            speculative=speculative or {}, requires=requires(decisions) if requires else [],
+                            speculative=speculative, requires=requires(decisions) if requires else [],
                             tools=tool_versions(),
                             status="unchecked",
                             build={"source_format": fmt.summary(), "kept": sorted(done.kept),
@@ -156,8 +155,8 @@ def build_from_quantized(opts, recipe: Recipe) -> Manifest:
     m = _write(src, fmt, Path(opts.out), opts.force,
                RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
                requant_args(recipe, notes), {"notes": notes, "streamed": True, "reference": reference},
-               quality=quality, profiles={k: asdict(v) for k, v in recipe.profiles.items()},
-               speculative=asdict(recipe.speculative), requires=requires)
+               quality=quality, profiles=dict(recipe.profiles),
+               speculative=recipe.speculative, requires=requires)
     return m
 
 
@@ -200,7 +199,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
     md = render_md(report)
     write_text_atomic(artifact / REPORT_MD, f"Reference: {note}.\n\n" + md)
     summary["reference"] = kind
-    manifest.quality = summary
+    manifest.quality = QualityReport(summary)
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
     manifest.build["quality_reference"] = {"kind": kind, "note": note}

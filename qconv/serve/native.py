@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qconv.artifact import Artifact
 from qconv.errors import QconvError
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
@@ -45,27 +46,21 @@ class NativePlan:
 def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
     """Context, runtime KV scheme and prompt-lookup speculation from the artifact's manifest when it has one.
     The batched scheduler drafts by prompt lookup only: the MTP part of `hybrid` needs the single-stream engine."""
-    from qconv.manifest import MANIFEST, read_manifest
-
     cfg = json.loads((path / "config.json").read_text())
     max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
     plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
-    m = read_manifest(path) if (path / MANIFEST).is_file() else None
-    if m is not None and m.profiles:
-        name = opts.profile or m.recipe.resolved.get("default_profile") or next(iter(m.profiles))
-        if name not in m.profiles:
-            raise QconvError(f"unknown profile {name!r}", where="--profile", fix=f"profiles: {', '.join(m.profiles)}")
-        p = m.profiles[name]
-        plan.context_len = min(int(p["context_length"]), max_pos, DEFAULT_NATIVE_CONTEXT)
-        plan.kv_scheme = "none" if p.get("kv_cache", "bf16") == "bf16" else p["kv_cache"]
-        plan.max_tokens = int(p.get("max_tokens", DEFAULT_MAX_TOKENS))
+    art = Artifact.find(path)
+    if art is not None and art.profiles:
+        _, p = art.profile(opts.profile)
+        plan.context_len = min(p.context_length, max_pos, DEFAULT_NATIVE_CONTEXT)
+        plan.kv_scheme = "none" if p.kv_cache == "bf16" else p.kv_cache
+        plan.max_tokens = p.max_tokens or DEFAULT_MAX_TOKENS
     elif opts.profile:
         raise QconvError(f"{path} has no serving profiles", where="--profile", fix="drop --profile for a plain model")
-    spec = (m.speculative if m is not None else None) or {}
-    if spec.get("method") in ("lookup", "hybrid"):
-        plan.spec_tokens = int(spec.get("num_speculative_tokens", 0))
-        lk = spec.get("lookup") or {}
-        plan.lookup_ngram = (int(lk.get("ngram_max", 4)), int(lk.get("ngram_min", 2)))
+    spec = art.speculative if art is not None else None
+    if spec is not None and spec.method in ("lookup", "hybrid"):
+        plan.spec_tokens = spec.num_speculative_tokens
+        plan.lookup_ngram = (spec.lookup.ngram_max, spec.lookup.ngram_min)
     if opts.spec_tokens is not None:
         plan.spec_tokens = opts.spec_tokens
     if opts.max_model_len:

@@ -6,14 +6,13 @@ same code serves `--dry-run` on a 27B config and the real build.
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconv.errors import QconvError
+from qconv.fsutil import safetensors_header
 from qconv.manifest import ModuleDecision
 from qconv.recipes.recipe import KEEP, Recipe, Scheme
 from qconv.recipes.roles import family_of, role_of, text_config, unit_of
@@ -87,10 +86,7 @@ def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: 
 
 
 def read_safetensors_header(path: Path) -> dict[str, Tensor]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: Tensor(tuple(v["shape"]), _DTYPE_BYTES.get(v["dtype"], 2)) for k, v in header.items() if k != "__metadata__"}
+    return {k: Tensor(tuple(v["shape"]), _DTYPE_BYTES.get(v["dtype"], 2)) for k, v in safetensors_header(path).items()}
 
 
 def mtp_shapes(tc: dict) -> dict[str, tuple[int, ...]]:

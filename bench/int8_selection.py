@@ -62,7 +62,8 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     from transformers import AutoTokenizer
 
     from qconv.calibrate.data import load_calibration
-    from qconv.calibrate.select import apply_selection, candidate_units, parse_budget, select
+    from qconv.calibrate.select import parse_budget, select
+    from qconv.convert.layout import apply_selection, candidate_units
     from qconv.convert.artifact import copy_side_files, write_index
     from qconv.convert.build import BuildOptions, _recipe
     from qconv.convert.layout import plan_model
@@ -82,7 +83,7 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     calib = load_calibration(str(cal), tok, samples=samples, seq_len=seq_len, seed=recipe.calibration.seed)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    quantize(load_causal_lm(src).eval(), apply_selection(plan, units, sel), recipe, calib.input_ids, out,
+    quantize(load_causal_lm(src).eval(), apply_selection(plan, units, sel.chosen), recipe, calib.input_ids, out,
              untie=plan.untie_embeddings, seed=recipe.calibration.seed)
     copy_side_files(src, out)
     write_index(out)

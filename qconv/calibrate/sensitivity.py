@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -24,26 +25,19 @@ from qconv.manifest import ModuleDecision
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Unit:
-    """One selectable unit: its members' 4-bit (current) and 8-bit decisions."""
+class Candidate(Protocol):
+    """One selectable unit (qconv.convert.layout.Unit): its members' 4-bit (current) and 8-bit decisions."""
     name: str
     role: str
     w4: list[ModuleDecision]
     w8: list[ModuleDecision]
-    refusal: str = ""  # why this unit cannot be INT8 in vLLM ("" when it can)
+    refusal: str  # why this unit cannot be INT8 in vLLM ("" when it can)
 
     @property
-    def bytes4(self) -> int:
-        from qconv.convert.layout import module_bytes
-
-        return sum(module_bytes(m) for m in self.w4)
+    def bytes4(self) -> int: ...
 
     @property
-    def bytes8(self) -> int:
-        from qconv.convert.layout import module_bytes
-
-        return sum(module_bytes(m) for m in self.w8)
+    def bytes8(self) -> int: ...
 
 
 @dataclass
@@ -169,7 +163,7 @@ def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, to
     return {n: f / tokens for n, f in fs.items()}
 
 
-def proxy_scores(model, units: list[Unit], ids: list[list[int]], symmetric: bool = True) -> Scores:
+def proxy_scores(model, units: list[Candidate], ids: list[list[int]], symmetric: bool = True) -> Scores:
     """Σ_members Σ_rows F_r · [(E4 H E4ᵀ)_rr − (E8 H E8ᵀ)_rr]: each output channel's extra 4-bit error, weighted
     by how much the loss cares about that channel (capture_fisher). One forward + backward per sequence."""
     mods = dict(model.named_modules())
@@ -218,7 +212,7 @@ def _layer_inputs(model, ids: list[list[int]]) -> list[dict[int, torch.Tensor]]:
     return out
 
 
-def model_kld_scores(model, units: list[Unit], ids: list[list[int]], symmetric: bool = True,
+def model_kld_scores(model, units: list[Candidate], ids: list[list[int]], symmetric: bool = True,
                      progress: bool = True) -> Scores:
     """Model-level sensitivity (see module docstring). Restores the model's weights before returning."""
     from tqdm.auto import tqdm

@@ -60,7 +60,7 @@ class DryRun:
     selection: object | None = None  # calibrate.select.Selection when scores are cached in the work dir
     budget_bytes: int = 0
     budget_note: str = ""  # how an `auto` budget was found
-    units: list = None  # calibrate.sensitivity.Unit candidates (for the by-role preview without scores)
+    units: list = None  # convert.layout.Unit candidates (for the by-role preview without scores)
 
 
 def _recipe(opts: BuildOptions) -> Recipe:
@@ -101,7 +101,8 @@ def int8_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
 def dry_run(opts: BuildOptions) -> DryRun:
     """The plan without loading weights: shapes come from safetensors headers or a meta-device model. When the
     work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
-    from qconv.calibrate.select import candidate_units, select
+    from qconv.calibrate.select import select
+    from qconv.convert.layout import candidate_units
     from qconv.calibrate.sensitivity import Scores
 
     recipe = _recipe(opts)
@@ -218,7 +219,8 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from qconv.calibrate.select import apply_selection, candidate_units, format_table, select
+    from qconv.calibrate.select import format_table, select
+    from qconv.convert.layout import apply_selection, candidate_units
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
     from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq
@@ -283,7 +285,7 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     if budget > 0 and any(not u.refusal for u in units):
         scores = _sensitivity(opts, units, calib, source_info.sha256, model_loader, work)
     selection = select(units, scores, budget, budget=recipe.selection.budget, scheme=recipe.selection.scheme)
-    modules = apply_selection(plan, units, selection)
+    modules = apply_selection(plan, units, selection.chosen)
     if units:
         log.info("%s", format_table(selection))
     final_plan = replace(plan, modules=modules)

@@ -99,8 +99,8 @@ def smollm2_3090(smollm2_gguf, shared_data) -> Path:
     from qconv.cli import main
     from qconv.fsutil import sha256_bytes
 
-    code = REPO / "qconv" / "convert"
-    key = sha256_bytes(b"".join(p.read_bytes() for p in sorted(code.glob("*.py")))
+    code = [p for area in ("build", "convert") for p in sorted((REPO / "qconv" / area).glob("*.py"))]
+    key = sha256_bytes(b"".join(p.read_bytes() for p in code)
                        + (REPO / "qconv" / "recipes" / "3090.yaml").read_bytes())[:12]
     out = CACHE / "artifacts" / f"smollm2-3090-{key}"
     if not (out / "qconv.json").is_file():

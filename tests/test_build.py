@@ -78,7 +78,7 @@ def test_recipe_validation_names_the_key(tmp_path, patch, expect):
 
 def test_dry_run_27b_config(config_27b):
     """The real 27B config, no weights: plan and size, checkable against the published ~19-20 GB all-W4A16 build."""
-    from qconv.convert.build import BuildOptions, dry_run
+    from qconv.build.pipeline import BuildOptions, dry_run
 
     dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090"))
     p = dr.plan

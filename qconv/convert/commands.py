@@ -1,146 +1,10 @@
-"""CLI verbs of the build area: build, convert gguf, recipes list/show."""
+"""CLI verbs of the convert area: convert gguf / quantized, recipes list/show (`qconv build` is qconv.build)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import click
-
-log = logging.getLogger(__name__)
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
-def print_plan(dr) -> None:
-    """The per-role scheme table, size estimate and what is left on the recipe's card."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from qconv.convert.layout import module_bytes
-
-    plan, recipe = dr.plan, dr.recipe
-    con = Console()
-    t = Table(title=f"plan: recipe {recipe.name} on {plan.family} ({plan.num_parameters / 1e9:.3f}B params)")
-    for c in ("role", "modules", "params", "scheme", "bytes"):
-        t.add_column(c, justify="right" if c in ("modules", "params", "bytes") else "left")
-    for role, r in sorted(plan.bytes_by_role().items(), key=lambda kv: -kv[1]["bytes"]):
-        t.add_row(role, str(r["modules"]), f"{r['params'] / 1e6:.1f}M", ", ".join(sorted(r["schemes"])), _gb(r["bytes"]))
-    t.add_row("other (norms, conv, ...)", "", "", "bf16", _gb(plan.other_bytes))
-    con.print(t)
-    notes = [m for m in plan.modules if m.note]
-    if notes:
-        con.print(f"{len(notes)} modules with notes, e.g.:")
-        for m in notes[:6]:
-            con.print(f"  {m.name} [{m.shape[0]}x{m.shape[1]}] {m.scheme}: {m.note}")
-    for w in plan.warnings[:5]:
-        con.print(f"[yellow]warning:[/yellow] {w}")
-    # What int8 embeddings buy, against an all-W4A16 build that keeps embed/lm_head bf16.
-    emb = [m for m in plan.modules if m.role in ("embed", "lm_head") and m.bits]
-    saving = sum(m.shape[0] * m.shape[1] * 2 - module_bytes(m) for m in emb)
-    con.print(f"estimated artifact size: [bold]{_gb(plan.total_bytes)}[/bold] "
-              f"(source {_gb(plan.source_bytes)}, {100 * plan.total_bytes / plan.source_bytes:.1f}%)")
-    if saving:
-        con.print(f"  int8 embed/lm_head save {_gb(saving)} vs bf16: an all-W4A16 build would be "
-                  f"{_gb(plan.total_bytes + saving)}")
-    fits = _profile_fits(dr)
-    for line in fits:
-        con.print(line)
-    if dr.budget_note:
-        con.print(dr.budget_note)
-    if dr.budget_bytes and dr.selection is None and dr.units:
-        promoted = _promotion_preview(dr, con)
-        for line in _profile_fits(dr, extra=promoted):
-            con.print(f"after promotion (+{_gb(promoted)}): {line}")
-
-
-def _promotion_preview(dr, con) -> int:
-    """Without sensitivity scores (no weights loaded): per candidate role, what one unit costs to promote and how
-    many such units the budget covers; returns the bytes promotion can add at most (min(budget, all units))."""
-    from collections import defaultdict
-
-    by_role = defaultdict(list)
-    for u in dr.units:
-        if not u.refusal:
-            by_role[u.role].append(u.bytes8 - u.bytes4)
-    con.print(f"INT8 promotion candidates under {_gb(dr.budget_bytes)} (units ranked by the build's sensitivity "
-              "proxy per extra byte; shapes only here):")
-    for role, extras in sorted(by_role.items(), key=lambda kv: -sum(kv[1])):
-        each = max(extras)
-        con.print(f"  {role:12s} {len(extras):4d} units, +{each / 1e6:.1f} MB each, "
-                  f"{min(len(extras), dr.budget_bytes // max(each, 1))} affordable alone ({_gb(sum(extras))} for all)")
-    refused = [u for u in dr.units if u.refusal]
-    if refused:
-        con.print(f"  {len(refused)} units refused (e.g. {refused[0].name}: {refused[0].refusal})")
-    return min(dr.budget_bytes, sum(sum(v) for v in by_role.values()))
-
-
-def _profile_fits(dr, extra: int = 0) -> list[str]:
-    """Bytes left on the card per profile (weights + `extra` promoted bytes), from the KV/state planner when it
-    is installed."""
-    try:
-        from qconv.kv.plan import profile_fit_lines
-    except ImportError:
-        card = dr.recipe.card
-        left = card.memory_gib * 2**30 - card.reserve_gib * 2**30 - dr.plan.total_bytes - extra
-        return [f"on {card.name} ({card.memory_gib} GiB, {card.reserve_gib} GiB reserve): {left / 2**30:.2f} GiB left "
-                f"for KV cache and state"]
-    roles = dr.plan.bytes_by_role()
-    return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes + extra,
-                             vision_bytes=roles.get("vision", {}).get("bytes", 0),
-                             mtp_bytes=roles.get("mtp", {}).get("bytes", 0))
-
-
-@click.command()
-@click.option("--model", "-m", required=True, help="Local HF folder, Hugging Face id, or .gguf file.")
-@click.option("--recipe", "-r", default="3090", show_default=True, help="Built-in recipe name or a YAML path.")
-@click.option("--out", "-o", type=click.Path(path_type=Path), help="Artifact folder to write.")
-@click.option("--dataset", "-d", help="Calibration data: .txt/.jsonl/.json/.parquet file or HF dataset id.")
-@click.option("--samples", type=int, help="Calibration samples (default: recipe).")
-@click.option("--seq-len", type=int, help="Calibration sequence length (default: recipe).")
-@click.option("--seed", type=int, help="Seed for calibration sampling (default: recipe).")
-@click.option("--revision", help="Hub revision (branch, tag or commit) to pin.")
-@click.option("--eval-text", help="Held-out text (file or HF dataset id) for the quality report and gates.")
-@click.option("--force", is_flag=True, help="Replace an existing --out.")
-@click.option("--no-gates", is_flag=True, help="Keep a build whose quality gates fail (marked failed).")
-@click.option("--dry-run", is_flag=True, help="Print the plan and size estimate; load no weights.")
-@click.option("--work-dir", type=click.Path(path_type=Path), help="Stage cache (default: QCONV_HOME/work/<source hash>).")
-@click.option("--fresh", is_flag=True, help="Ignore cached stages in the work dir.")
-@click.option("--stream/--no-stream", default=None, help="Stream layers from safetensors (default: when RAM is short).")
-@click.option("--int8-budget", help="INT8 byte budget, overrides the recipe (0, 300MB, 1.5GiB, 5%).")
-@click.option("--sensitivity", type=click.Choice(["proxy", "kld"]), default="proxy", show_default=True,
-              help="Unit sensitivity: per-layer proxy, or model-level KLD (one forward pass per unit).")
-@click.option("--reference", type=click.Path(path_type=Path),
-              help="For a quantized --model: the full-precision original the quality report compares against "
-                   "(default: the quantized checkpoint itself).")
-def build(model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
-          work_dir, fresh, stream, int8_budget, sensitivity, reference):
-    """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
-    from qconv.convert.build import BuildOptions, build as run_build, dry_run as run_dry
-    from qconv.errors import QconvError
-
-    opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
-                        seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text,
-                        work_dir=work_dir, fresh=fresh, stream=stream, int8_budget=int8_budget,
-                        sensitivity=sensitivity, reference=str(reference) if reference else None)
-    if dry_run:
-        dr = run_dry(opts)
-        print_plan(dr)
-        if dr.selection is not None:
-            from qconv.calibrate.select import format_table
-
-            click.echo(format_table(dr.selection))
-        return
-    if out is None:
-        raise QconvError("missing --out", where="qconv build", fix="pass --out DIR (or --dry-run to only plan)")
-    m = run_build(opts)
-    if m.selection.get("units"):
-        from qconv.calibrate.select import Selection, format_table
-
-        click.echo(format_table(Selection.from_dict(m.selection)))
-    click.echo(f"artifact: {out}  ({m.total_size() / 1e9:.3f} GB, status {m.status})")
 
 
 @click.group()
@@ -204,4 +68,4 @@ def recipes_show(name):
     click.echo(yaml.safe_dump(r.to_dict(), sort_keys=False))
 
 
-COMMANDS = [build, convert, recipes]
+COMMANDS = [convert, recipes]

@@ -13,7 +13,7 @@ from pathlib import Path
 from qconv.artifact import Artifact
 from qconv.convert.layout import module_bytes, plan_model
 from qconv.errors import QconvError
-from qconv.kv.base import EXACT_DTYPE
+from qconv.kv.store import EXACT_DTYPE
 from qconv.kv.schemes import get_kv_scheme
 from qconv.recipes.recipe import Profile, Recipe, load_recipe
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_build import run
+from tests.cli_helpers import run
 
 
 def test_parse_auto():

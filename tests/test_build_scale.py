@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qconv.manifest import read_manifest
-from tests.test_build import FAST_CAL, calib_txt, run  # noqa: F401 - calib_txt is a fixture
+from tests.cli_helpers import FAST_CAL, run
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,16 +13,8 @@ import yaml
 from click.testing import CliRunner
 
 from qconv.cli import main
-from tests.tiny import CORPUS
 
 WINDOW = ["--window", "64", "--max-tokens", "512"]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("text") / "heldout.txt"
-    p.write_text(CORPUS * 3)
-    return p
 
 
 @pytest.fixture(scope="module")

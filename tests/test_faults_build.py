@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from qconv.fsutil import file_table
-from tests.test_build import FAST_CAL
+from tests.cli_helpers import FAST_CAL
 
 REPO = Path(__file__).resolve().parents[1]
 

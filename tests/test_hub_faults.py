@@ -17,13 +17,8 @@ import pytest
 from qconv.hub import cache
 from qconv.hub.download import MANIFEST_CAP, http_fetch
 from qconv.hub.pull import pull
-from tests.conftest_hub import BIG, SMALL
-from tests.test_hub import BIG_PATH, NAME, REPO, Hub, assert_same_tree, cli, served_hub
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    yield from served_hub(tmp_path, monkeypatch)
+from tests.cli_helpers import REPO, run as cli
+from tests.hub_server import BIG, BIG_PATH, NAME, SMALL, Hub, assert_same_tree
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from qconv.errors import QconvError
 from qconv.runtime.datastore import Datastore, _sort_by_prefix, load_datastore, text_files
 from qconv.runtime.generate import GenerationConfig, GenerationStats, generate_tokens
-from tests.test_runtime_spec_tree import llama  # noqa: F401  (fixture: the tiny llama, fp32, one thread)
 
 
 def test_prefix_sort_matches_a_brute_force_stable_sort():

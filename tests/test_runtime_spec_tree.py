@@ -118,16 +118,6 @@ def test_history_candidates_longest_first_distinct_and_bounded():
 
 
 # --- the tree forward on a real (tiny) llama ---
-@pytest.fixture(scope="module")
-def llama(tiny_llama):
-    from qconv.runtime.loader import load_model
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(tiny_llama, dtype=torch.float32)
-    torch.set_num_threads(n)
-
-
 def _chain_logits(model, tokens: list[int]) -> torch.Tensor:
     cache = model.new_cache(1, 128)
     return model(torch.tensor([tokens]), cache)[0]

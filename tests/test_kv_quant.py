@@ -136,19 +136,20 @@ def _planted_outlier_tile(seed=0):
 
 
 def test_best_so_far_tracking_matters_on_planted_outlier_tile():
+    """Returning the last iterate of the balancing instead of the best one seen (a known accuracy bug) leaves this
+    tile's relative MSE at 7e-5 (K, 4-bit) and 9e-4 (V, 2-bit); tracking the best brings it to 3e-6 and 4e-5."""
     k = _planted_outlier_tile(0)
     v = _planted_outlier_tile(1)
-    errs = {}
-    for track in (True, False):
-        s = TileScheme("t", tile=128, sink=False, k_bits=4, v_bits=2, track_best=track)
-        kh, vh = s.decode(s.encode(k, v), 128)
-        errs[track] = [float((kh - k).pow(2).mean()), float((vh - v).pow(2).mean())]
-    assert errs[False][0] > 2 * errs[True][0] and errs[False][1] > 2 * errs[True][1], errs
+    s = TileScheme("t", tile=128, sink=False, k_bits=4, v_bits=2)
+    kh, vh = s.decode(s.encode(k, v), 128)
+    rel_k = float((kh - k).pow(2).mean() / k.pow(2).mean())
+    rel_v = float((vh - v).pow(2).mean() / v.pow(2).mean())
+    assert rel_k < 1e-5 and rel_v < 2e-4, (rel_k, rel_v)
     # and tracking never leaves the tile more imbalanced than the unscaled start
     g = torch.Generator().manual_seed(4)
     x = torch.randn(8, 64, 128, generator=g) * torch.exp(2 * torch.randn(8, 64, 1, generator=g)) \
         * torch.exp(2 * torch.randn(8, 1, 128, generator=g))
-    u, v_ = balance(x, 8, True)
+    u, v_ = balance(x, 8)
     assert u.shape == (8, 128) and v_.shape == (8, 64)
     assert float(u.min()) >= -0.3 - 1e-6 and float(u.max()) <= 10 and float(v_.min()) >= -0.3 - 1e-6
 

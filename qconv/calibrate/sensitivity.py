@@ -6,9 +6,9 @@ Two measures:
   forward pass per unit: affordable on a 135M model, not on a 27B.
 - `proxy_scores`: the cheap per-layer proxy the build uses. With H = XᵀX/n from the unit's calibration inputs,
   E_b = Q_b(W) − W the b-bit rounding error and F the mean squared loss gradient at each output channel, score =
-  Σ_rows F_r·(E4 H E4ᵀ − E8 H E8ᵀ)_rr. The plain layer error tr(E H Eᵀ) (no F) ranks SmolLM2's 120 units badly
-  against the model-level measure (Spearman 0.22): it ignores that the rest of the network amplifies errors very
-  unevenly (the last MLP's down_proj dominates). Weighted by F it reaches Spearman 0.95 (docs/bench/build_scale.md).
+  Σ_rows F_r·(E4 H E4ᵀ − E8 H E8ᵀ)_rr. The plain layer error tr(E H Eᵀ) (no F) ignores that the rest of the
+  network amplifies errors very unevenly (the last MLP's down_proj dominates), and ranks units far worse against
+  the model-level measure (docs/BENCHMARKS.md, INT8 selection).
 """
 
 from __future__ import annotations

@@ -26,21 +26,21 @@ def _imbalance(col: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
 
 def _weighted_std(x: torch.Tensor, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """std over the rows of x [..., n, m] with row i scaled by w_i (w: [..., n]) -> [..., m], without building the
-    scaled tile: vector-matrix products with x and x^2 (precomputed). Several times faster than torch.std (a
-    Welford pass); the E[x^2] - E[x]^2 cancellation is harmless here (fp32, 64-256 values per row)."""
+    scaled tile: vector-matrix products with x and x^2 (precomputed), cheaper than torch.std's Welford pass; the
+    E[x^2] - E[x]^2 cancellation is harmless here (fp32, 64-256 values per row)."""
     n = x.shape[-2]
     m = (w.unsqueeze(-2) @ x).squeeze(-2) / n
     s = ((w * w).unsqueeze(-2) @ x2).squeeze(-2) / n
     return (s - m * m).clamp_min_(0).sqrt_()
 
 
-def balance(x: torch.Tensor, iters: int = 8, track_best: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def balance(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-scales (u per column, v per row) so that x / (e^v e^u^T) has even row and column spreads.
 
     Alternates column and row std normalization (stds clamped to [1e-3, 1e3], log-scales to [-0.3, 10]). The
     iteration need not converge under the clamps, so the (u, v) with the lowest imbalance max/min(col std) +
-    max/min(row std) seen so far is returned, starting from the unscaled tile; track_best=False returns the last
-    iterate (the known accuracy bug, kept for the test that shows it). x: [..., R, C] float32."""
+    max/min(row std) seen so far is returned, starting from the unscaled tile (returning the last iterate instead is
+    a known accuracy bug). x: [..., R, C] float32."""
     xt = x.transpose(-1, -2).contiguous()  # row stats as vector @ matrix too (far faster than matrix @ vector)
     x2, xt2 = x * x, xt * xt
     u = x.new_zeros(*x.shape[:-2], x.shape[-1])
@@ -54,13 +54,12 @@ def balance(x: torch.Tensor, iters: int = 8, track_best: bool = True) -> tuple[t
         v = (v + (row_raw * torch.exp(-v)).clamp_(STD_MIN, STD_MAX).log()).clamp_(LOG_MIN, LOG_MAX)
         row = (row_raw * torch.exp(-v)).clamp_(STD_MIN, STD_MAX)
         col = (_weighted_std(x, x2, torch.exp(-v)) * torch.exp(-u)).clamp_(STD_MIN, STD_MAX)
-        if track_best:
-            imb = _imbalance(col, row)
-            better = imb < best_i
-            best_i = torch.where(better, imb, best_i)
-            best_u = torch.where(better.unsqueeze(-1), u, best_u)
-            best_v = torch.where(better.unsqueeze(-1), v, best_v)
-    return (best_u, best_v) if track_best else (u, v)
+        imb = _imbalance(col, row)
+        better = imb < best_i
+        best_i = torch.where(better, imb, best_i)
+        best_u = torch.where(better.unsqueeze(-1), u, best_u)
+        best_v = torch.where(better.unsqueeze(-1), v, best_v)
+    return best_u, best_v
 
 
 def rtn_rows(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,7 +80,6 @@ class TileScheme(KVScheme):
     rotate: bool = True
     balance: bool = True
     iters: int = 8
-    track_best: bool = True
 
     def layout(self, d: int) -> Layout:
         g, f = self.tile, []
@@ -98,7 +96,7 @@ class TileScheme(KVScheme):
     def _side(self, x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One tile matrix [N, R, C] -> (packed codes, row scale a, row zero z, column scale), scales as fp16 bytes."""
         if self.balance:
-            u, v = balance(x, self.iters, self.track_best)
+            u, v = balance(x, self.iters)
             y = x * torch.exp(-v).unsqueeze(-1) * torch.exp(-u).unsqueeze(-2)
         else:
             u, v, y = None, None, x

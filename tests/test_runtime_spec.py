@@ -325,15 +325,6 @@ def _greedy_matches(model, prompts, spec, max_tokens, **kw):
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """Small models gain nothing from intra-op threads, and on a shared CPU spinning threads cost 10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
 def qwen35_model(tiny_qwen3_5, one_thread):
     from qconv.runtime.loader import load_model, load_tokenizer
 

@@ -30,11 +30,13 @@ class Artifact:
 
     @cached_property
     def recipe(self) -> Recipe | None:
-        """The recipe it was built with (None: the manifest records none); typed when first asked for."""
+        """The recipe it was built with (None: the manifest records none); typed when first asked for. Keys another
+        qconv version recorded and this one does not know are skipped with a warning; bad values are errors."""
         m = self.manifest
         if not m.recipe.resolved:
             return None
-        return from_dict(Recipe, m.recipe.resolved, "", f"{self.path / MANIFEST} recipe ({m.recipe.name})")
+        return from_dict(Recipe, m.recipe.resolved, "", f"{self.path / MANIFEST} recipe ({m.recipe.name})",
+                         strict=False)
 
     @property
     def profiles(self) -> dict[str, Profile]:
@@ -42,9 +44,10 @@ class Artifact:
 
     @property
     def default_profile(self) -> str:
-        if self.recipe is not None and self.recipe.default_profile in self.profiles:
-            return self.recipe.default_profile
-        return next(iter(self.profiles), "")
+        """The recipe's default profile, else the first. Read from the recorded recipe without typing all of it:
+        serving needs no quantizer settings, which an artifact from another qconv version may name differently."""
+        name = self.manifest.recipe.resolved.get("default_profile")
+        return name if name in self.profiles else next(iter(self.profiles), "")
 
     @property
     def speculative(self) -> Speculative | None:

@@ -139,7 +139,7 @@ def test_quality_report_for_build(artifact, text_file, tiny_llama, tmp_path):
     """The build's entry point: reports land in the artifact, the summary carries tier, metrics and verdicts."""
     from dataclasses import replace
 
-    from qconv.eval import quality_report
+    from qconv.eval.run import quality_report
     from qconv.recipes.recipe import load_recipe
 
     art = tmp_path / "a"

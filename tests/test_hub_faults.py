@@ -1,6 +1,6 @@
 """Fault injection for `qconv pull` (issue 18, Pull): one test per finding, each failing on the code before the fix.
 
-Disk faults are real: a tmpfs the test mounts (root), full or read-only. The server is tests.conftest_hub's."""
+Disk faults are real: a tmpfs the test mounts (root), full or read-only. The server is tests.hub_server's."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def kld(art: Path, src: Path, text: Path, tokens: int) -> dict:
 
 def build_cli(src: Path, out: Path, work: Path, cal: Path, budget: str, samples: int, seq_len: int,
               sensitivity: str = "proxy") -> dict:
-    from qconv.convert.build import BuildOptions, build
+    from qconv.build.pipeline import BuildOptions, build
 
     m = build(BuildOptions(model=str(src), recipe="3090", out=out, dataset=str(cal), samples=samples,
                            seq_len=seq_len, force=True, fresh=True, work_dir=work, int8_budget=budget,
@@ -62,9 +62,10 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     from transformers import AutoTokenizer
 
     from qconv.calibrate.data import load_calibration
-    from qconv.calibrate.select import apply_selection, candidate_units, parse_budget, select
+    from qconv.calibrate.select import parse_budget, select
+    from qconv.convert.layout import apply_selection, candidate_units
     from qconv.convert.artifact import copy_side_files, write_index
-    from qconv.convert.build import BuildOptions, _recipe
+    from qconv.build.pipeline import BuildOptions, _recipe
     from qconv.convert.layout import plan_model
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
@@ -82,7 +83,7 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     calib = load_calibration(str(cal), tok, samples=samples, seq_len=seq_len, seed=recipe.calibration.seed)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    quantize(load_causal_lm(src).eval(), apply_selection(plan, units, sel), recipe, calib.input_ids, out,
+    quantize(load_causal_lm(src).eval(), apply_selection(plan, units, sel.chosen), recipe, calib.input_ids, out,
              untie=plan.untie_embeddings, seed=recipe.calibration.seed)
     copy_side_files(src, out)
     write_index(out)

@@ -23,7 +23,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qconv.calibrate.data import load_calibration
-    from qconv.calibrate.select import candidate_units
+    from qconv.convert.layout import candidate_units
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores, spearman
     from qconv.convert.layout import plan_model
     from qconv.convert.sources import read_config

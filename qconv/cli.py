@@ -13,6 +13,7 @@ from qconv.errors import QconvError
 
 # Areas that contribute verbs; each module exposes COMMANDS: list[click.Command].
 COMMAND_MODULES = (
+    "qconv.build.commands",
     "qconv.convert.commands",
     "qconv.eval.commands",
     "qconv.kv.commands",

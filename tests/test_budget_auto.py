@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_build import run
+from tests.cli_helpers import run
 
 
 def test_parse_auto():
@@ -34,7 +34,7 @@ def test_recipe_accepts_auto_only_as_a_word(tmp_path):
 
 
 def test_auto_budget_is_the_default_profiles_slack_on_the_27b(config_27b):
-    from qconv.convert.build import BuildOptions, dry_run
+    from qconv.build.pipeline import BuildOptions, dry_run
     from qconv.convert.sources import read_config
     from qconv.kv.plan import build_report, int8_headroom
 
@@ -63,7 +63,7 @@ def test_dry_run_prints_budget_promotion_and_fit(config_27b, tmp_path):
 
 
 def test_explicit_budget_still_wins(config_27b, tmp_path):
-    from qconv.convert.build import BuildOptions, dry_run
+    from qconv.build.pipeline import BuildOptions, dry_run
 
     dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090", int8_budget="100MB", work_dir=tmp_path))
     assert dr.budget_bytes == 100_000_000 and dr.budget_note == ""
@@ -76,7 +76,7 @@ def test_auto_budget_is_capped_by_max_bpw(config_27b, smollm2, tmp_path):
 
     import yaml
 
-    from qconv.convert.build import int8_budget
+    from qconv.build.pipeline import int8_budget
     from qconv.convert.layout import plan_model
     from qconv.recipes.recipe import load_recipe
 

@@ -8,28 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from qconv.manifest import read_manifest, verify_files
-
-# Uniform W4 unless a test asks for INT8: the 3090 recipe's budget `auto` would promote every unit of a tiny model
-# (the card has room to spare); a test's own --int8-budget comes later on the command line and wins.
-FAST_CAL = ["--samples", "16", "--seq-len", "64", "--int8-budget", "0"]
-
-
-def run(*args):
-    from qconv.cli import main
-
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-@pytest.fixture(scope="module")
-def calib_txt(tmp_path_factory) -> Path:
-    from tests.tiny import CORPUS
-
-    p = tmp_path_factory.mktemp("cal") / "cal.txt"
-    p.write_text(CORPUS * 20)
-    return p
+from tests.cli_helpers import FAST_CAL, run
 
 
 def no_partials(out: Path) -> bool:
@@ -78,7 +59,7 @@ def test_recipe_validation_names_the_key(tmp_path, patch, expect):
 
 def test_dry_run_27b_config(config_27b):
     """The real 27B config, no weights: plan and size, checkable against the published ~19-20 GB all-W4A16 build."""
-    from qconv.convert.build import BuildOptions, dry_run
+    from qconv.build.pipeline import BuildOptions, dry_run
 
     dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090"))
     p = dr.plan

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from qconv.manifest import read_manifest
-from tests.test_build import FAST_CAL, calib_txt, run  # noqa: F401 - calib_txt is a fixture
+from tests.cli_helpers import FAST_CAL, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_bad_budget_is_a_clear_error(spec, pattern):
 
 
 def _units(model_dir: Path, recipe=None):
-    from qconv.calibrate.select import candidate_units
+    from qconv.convert.layout import candidate_units
     from qconv.convert.layout import plan_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
@@ -63,7 +63,8 @@ def _units(model_dir: Path, recipe=None):
 def test_units_respect_fusion_and_greedy_order(tiny_qwen3_5):
     """q/k/v, gate/up and in_proj_qkv/z are one unit each; the greedy takes the best score per byte first and
     never splits a unit."""
-    from qconv.calibrate.select import apply_selection, select
+    from qconv.calibrate.select import select
+    from qconv.convert.layout import apply_selection
     from qconv.calibrate.sensitivity import Scores
 
     plan, units = _units(tiny_qwen3_5)
@@ -75,7 +76,7 @@ def test_units_respect_fusion_and_greedy_order(tiny_qwen3_5):
     best = max(units, key=lambda u: scores.values[u.name] / (u.bytes8 - u.bytes4))
     sel = select(units, scores, best.bytes8 - best.bytes4, budget="x", scheme="w8a16")
     assert sel.chosen == [best.name] and sel.spent == best.bytes8 - best.bytes4
-    mods = {m.name: m for m in apply_selection(plan, units, sel)}
+    mods = {m.name: m for m in apply_selection(plan, units, sel.chosen)}
     assert {mods[m.name].bits for m in best.w4} == {8}
     others = [m for u in units if u.name != best.name for m in u.w4]
     assert {mods[m.name].bits for m in others} == {4}

@@ -13,16 +13,8 @@ import yaml
 from click.testing import CliRunner
 
 from qconv.cli import main
-from tests.tiny import CORPUS
 
 WINDOW = ["--window", "64", "--max-tokens", "512"]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("text") / "heldout.txt"
-    p.write_text(CORPUS * 3)
-    return p
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +139,7 @@ def test_quality_report_for_build(artifact, text_file, tiny_llama, tmp_path):
     """The build's entry point: reports land in the artifact, the summary carries tier, metrics and verdicts."""
     from dataclasses import replace
 
-    from qconv.eval import quality_report
+    from qconv.eval.run import quality_report
     from qconv.recipes.recipe import load_recipe
 
     art = tmp_path / "a"

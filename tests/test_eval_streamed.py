@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from qconv.eval.quality import EvalSettings, Source, measure, safetensors_stats
-from tests.test_build import run
-from tests.test_eval_check import text_file  # noqa: F401 - a fixture
+from tests.cli_helpers import run
 from tests.tiny import CORPUS
 
 STATS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")

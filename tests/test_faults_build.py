@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from qconv.fsutil import file_table
-from tests.test_build import FAST_CAL
+from tests.cli_helpers import FAST_CAL
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,15 +46,6 @@ def src(tiny_llama, tmp_path) -> Path:
     return p
 
 
-@pytest.fixture(scope="module")
-def cal(tmp_path_factory) -> Path:
-    from tests.tiny import CORPUS
-
-    p = tmp_path_factory.mktemp("cal") / "cal.txt"
-    p.write_text(CORPUS * 20)
-    return p
-
-
 def build_args(src: Path, out: Path, work: Path, cal: Path, *extra) -> list:
     return ["build", "--recipe", "3090", "--model", src, "--out", out, "--work-dir", work, "--dataset", cal,
             *FAST_CAL, *extra]
@@ -73,7 +64,7 @@ def strays(folder: Path) -> list[str]:
 
 @pytest.mark.parametrize("case", ["source", "inside_source", "parent_of_source", "work_dir", "reference_cache",
                                   "dot", "root", "foreign_folder"])
-def test_out_that_could_destroy_data_is_refused_before_any_work(case, src, tmp_path, cal, monkeypatch):
+def test_out_that_could_destroy_data_is_refused_before_any_work(case, src, tmp_path, calib_txt, monkeypatch):
     from qconv.paths import qconv_home
 
     work = tmp_path / "work"
@@ -86,18 +77,18 @@ def test_out_that_could_destroy_data_is_refused_before_any_work(case, src, tmp_p
     if case == "dot":
         monkeypatch.chdir(mine)
     before = file_table(src)
-    r = run(*build_args(src, out, work, cal, "--force"))
+    r = run(*build_args(src, out, work, calib_txt, "--force"))
     one_error(r, r"could destroy|file system root|not empty and holds no qconv\.json")
     assert file_table(src) == before
     assert (mine / "thesis.txt").read_text() == "years of work" and len(list(mine.iterdir())) == 1
     assert stage_results(work) == []  # refused before any work
 
 
-def test_force_replaces_an_empty_folder_or_an_artifact(src, tmp_path, cal):
+def test_force_replaces_an_empty_folder_or_an_artifact(src, tmp_path, calib_txt):
     work, out = tmp_path / "work", tmp_path / "out"
     out.mkdir()
-    assert run(*build_args(src, out, work, cal, "--force")).exit_code == 0
-    r = run(*build_args(src, out, work, cal, "--force"))  # holds a qconv.json now
+    assert run(*build_args(src, out, work, calib_txt, "--force")).exit_code == 0
+    r = run(*build_args(src, out, work, calib_txt, "--force"))  # holds a qconv.json now
     assert r.exit_code == 0, r.output
     assert strays(tmp_path / "out") == [] and not list(tmp_path.glob(".out.*"))
 
@@ -112,11 +103,11 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
-def test_second_build_of_a_source_waits_instead_of_deleting_the_first_ones_stage(src, tmp_path, cal):
+def test_second_build_of_a_source_waits_instead_of_deleting_the_first_ones_stage(src, tmp_path, calib_txt):
     """Build A is frozen (SIGSTOP) while its quantization stage is half-written; build B of the same source and work
     dir must leave that folder alone (it waits for the work dir's lock), and both finish with the same artifact."""
     work = tmp_path / "work"
-    a = subprocess.Popen(_cli(*build_args(src, tmp_path / "A", work, cal)), env=_env(), stderr=subprocess.PIPE,
+    a = subprocess.Popen(_cli(*build_args(src, tmp_path / "A", work, calib_txt)), env=_env(), stderr=subprocess.PIPE,
                          stdout=subprocess.DEVNULL, text=True)
     partial = None
     while partial is None and a.poll() is None:
@@ -126,7 +117,7 @@ def test_second_build_of_a_source_waits_instead_of_deleting_the_first_ones_stage
     os.kill(a.pid, signal.SIGSTOP)
     log_b = tmp_path / "b.log"
     with open(log_b, "w") as f:
-        b = subprocess.Popen(_cli(*build_args(src, tmp_path / "B", work, cal)), env=_env(), stderr=f,
+        b = subprocess.Popen(_cli(*build_args(src, tmp_path / "B", work, calib_txt)), env=_env(), stderr=f,
                              stdout=subprocess.DEVNULL)
     try:
         while b.poll() is None and "in use by another build" not in log_b.read_text():
@@ -178,7 +169,7 @@ def _crash(script: str, arg: Path) -> None:
     assert r.returncode == -signal.SIGKILL
 
 
-def test_crash_leftovers_are_swept_and_a_parked_folder_comes_back(src, tmp_path, cal):
+def test_crash_leftovers_are_swept_and_a_parked_folder_comes_back(src, tmp_path, calib_txt):
     work, out = tmp_path / "work", tmp_path / "out"
     out.mkdir()
     (out / "qconv.json").write_text("{}")
@@ -189,11 +180,11 @@ def test_crash_leftovers_are_swept_and_a_parked_folder_comes_back(src, tmp_path,
     _crash(CRASH_IN_STAGE, work)
     assert list(tmp_path.glob(".out.*.partial")) and list(work.glob(".quantization-*.partial"))
     # a build that fails on its input still puts the user's folder back and clears the temp folders
-    r = run(*build_args(tmp_path / "no-such-model", out, work, cal, "--force"))
+    r = run(*build_args(tmp_path / "no-such-model", out, work, calib_txt, "--force"))
     assert r.exit_code == 2
     assert (out / "old.txt").read_text() == "the user's previous artifact"
     assert not list(tmp_path.glob(".out.*"))
-    r = run(*build_args(src, out, work, cal, "--force"))
+    r = run(*build_args(src, out, work, calib_txt, "--force"))
     assert r.exit_code == 0, r.output
     assert not (out / "old.txt").exists() and (out / "config.json").is_file()
     assert not list(tmp_path.glob(".out.*")) and strays(work) == []
@@ -275,16 +266,16 @@ def _quantize_then(monkeypatch, before=None, after=None):
     monkeypatch.setattr(q, "quantize", quantize)
 
 
-def test_full_disk_is_refused_before_any_work(src, tmp_path, cal, tmpfs):
+def test_full_disk_is_refused_before_any_work(src, tmp_path, calib_txt, tmpfs):
     small = tmpfs("small", "64k")
     work = tmp_path / "work"
-    r = run(*build_args(src, small / "out", work, cal))
+    r = run(*build_args(src, small / "out", work, calib_txt))
     one_error(r, r"not enough disk space \(needs about [\d.]+ MB, [\d.]+ MB free\)")
     assert str(small) in r.output and list(small.iterdir()) == [] and stage_results(work) == []
 
 
 @pytest.mark.parametrize("where", ["out", "work"])
-def test_disk_full_mid_build_is_one_error_and_nothing_half_written(where, src, tmp_path, cal, tmpfs, monkeypatch):
+def test_disk_full_mid_build_is_one_error_and_nothing_half_written(where, src, tmp_path, calib_txt, tmpfs, monkeypatch):
     disk = tmpfs("disk", "16m")
     out = (disk if where == "out" else tmp_path) / "out"
     work = (disk if where == "work" else tmp_path) / "work"
@@ -292,21 +283,21 @@ def test_disk_full_mid_build_is_one_error_and_nothing_half_written(where, src, t
         _quantize_then(monkeypatch, after=lambda: _fill(disk))
     else:  # it fills before the quantization stage saves its folder (safetensors reports "os error 28")
         _quantize_then(monkeypatch, before=lambda: _fill(disk))
-    r = run(*build_args(src, out, work, cal))
+    r = run(*build_args(src, out, work, calib_txt))
     one_error(r, r"no space left on the device \(needs about [\d.]+ MB, [\d.]+ MB free\)")
     assert not out.exists() and not list(out.parent.glob(".out.*"))
     assert strays(work) == [] and (where == "out" or not list(work.glob("quantization-*")))
     assert sorted(p.name for p in disk.iterdir()) in (["filler"], ["filler", "work"])
 
 
-def test_read_only_out_is_refused_before_any_work(src, tmp_path, cal, tmpfs):
+def test_read_only_out_is_refused_before_any_work(src, tmp_path, calib_txt, tmpfs):
     ro = tmpfs("ro", "1m", ro=True)
-    r = run(*build_args(src, ro / "out", tmp_path / "work", cal))
+    r = run(*build_args(src, ro / "out", tmp_path / "work", calib_txt))
     one_error(r, r"read-only file system")
     assert stage_results(tmp_path / "work") == []
 
 
-def test_permission_denied_mid_build_is_one_error(src, tmp_path, cal, monkeypatch):
+def test_permission_denied_mid_build_is_one_error(src, tmp_path, calib_txt, monkeypatch):
     """Root passes every permission check, so the refusal is injected where packaging copies a file."""
     real = shutil.copy2
 
@@ -317,7 +308,7 @@ def test_permission_denied_mid_build_is_one_error(src, tmp_path, cal, monkeypatc
 
     monkeypatch.setattr(shutil, "copy2", copy2)
     out = tmp_path / "out"
-    r = run(*build_args(src, out, tmp_path / "work", cal))
+    r = run(*build_args(src, out, tmp_path / "work", calib_txt))
     one_error(r, r"writing the artifact: permission denied")
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
 
@@ -328,22 +319,22 @@ def _weights(out: Path) -> dict:
     return {k: v["sha256"] for k, v in json.loads((out / "qconv.json").read_text())["files"].items()}
 
 
-def test_a_tampered_stage_folder_is_recomputed(src, tmp_path, cal):
+def test_a_tampered_stage_folder_is_recomputed(src, tmp_path, calib_txt):
     work = tmp_path / "work"
-    assert run(*build_args(src, tmp_path / "A", work, cal)).exit_code == 0
+    assert run(*build_args(src, tmp_path / "A", work, calib_txt)).exit_code == 0
     (stage,) = work.glob("quantization-*")
     shard = stage / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[-100:] = bytes(100)  # same size, other weights
     shard.write_bytes(bytes(data))
-    r = run(*build_args(src, tmp_path / "B", work, cal))
+    r = run(*build_args(src, tmp_path / "B", work, calib_txt))
     assert r.exit_code == 0, r.output
     assert _weights(tmp_path / "B") == _weights(tmp_path / "A")
 
 
-def test_source_edited_with_same_name_size_and_mtime_is_rehashed(src, tmp_path, cal):
+def test_source_edited_with_same_name_size_and_mtime_is_rehashed(src, tmp_path, calib_txt):
     work = tmp_path / "work"
-    assert run(*build_args(src, tmp_path / "A", work, cal)).exit_code == 0
+    assert run(*build_args(src, tmp_path / "A", work, calib_txt)).exit_code == 0
     cfg = src / "generation_config.json"
     st = cfg.stat()
     text = cfg.read_text()
@@ -351,7 +342,7 @@ def test_source_edited_with_same_name_size_and_mtime_is_rehashed(src, tmp_path, 
     assert edited != text and len(edited) == len(text)
     cfg.write_text(edited)
     os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert run(*build_args(src, tmp_path / "B", work, cal)).exit_code == 0
+    assert run(*build_args(src, tmp_path / "B", work, calib_txt)).exit_code == 0
     m = json.loads((tmp_path / "B" / "qconv.json").read_text())
     assert m["source"]["files"]["generation_config.json"]["sha256"] == hashlib.sha256(cfg.read_bytes()).hexdigest()
 
@@ -366,19 +357,19 @@ POINTS = [("stage calibration", 1.0), ("stage quantization", 3.0), ("Writing mod
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(5))
-def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path, cal):
+def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path, calib_txt):
     """A build killed at a random moment (after a random log line, plus a random delay), rerun with --force into
     the same --out and work dir, ends with the same file table as an uninterrupted build and no stray folders.
     Odd seeds replace an earlier artifact, so the kill can also land in the atomic swap."""
     rng = random.Random(seed)
     ref = tmp_path / "ref"
-    assert run(*build_args(src, ref, tmp_path / "refwork", cal)).exit_code == 0
+    assert run(*build_args(src, ref, tmp_path / "refwork", calib_txt)).exit_code == 0
     out, work = tmp_path / "out", tmp_path / "work"
     if seed % 2:
         shutil.copytree(ref, out)
     point, longest = POINTS[seed % len(POINTS)]
     delay = rng.uniform(0, longest)
-    p = subprocess.Popen(_cli(*build_args(src, out, work, cal, "--force")), env=_env(), stderr=subprocess.PIPE,
+    p = subprocess.Popen(_cli(*build_args(src, out, work, calib_txt, "--force")), env=_env(), stderr=subprocess.PIPE,
                          stdout=subprocess.DEVNULL, text=True)
     for line in p.stderr:
         if point in line:
@@ -387,7 +378,7 @@ def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path
     p.kill()
     p.wait()
     p.stderr.close()
-    r = subprocess.run(_cli(*build_args(src, out, work, cal, "--force")), env=_env(), capture_output=True, text=True)
+    r = subprocess.run(_cli(*build_args(src, out, work, calib_txt, "--force")), env=_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads((out / "qconv.json").read_text())["files"] == json.loads((ref / "qconv.json").read_text())["files"]
     assert file_table(out, exclude=("qconv.json",)) == file_table(ref, exclude=("qconv.json",))

@@ -3,89 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from qconv.errors import QconvError
 from qconv.fsutil import sha256_bytes, sha256_file
 from qconv.hub import cache, resolve_artifact
 from qconv.hub.index import Location, add_to_index_file, entry_for_artifact, load_index
 from qconv.hub.pull import pull
-from tests.conftest_hub import BIG, SMALL, FileServer, flip_byte, make_artifact
-
-REPO = Path(__file__).resolve().parents[1]
-NAME = "tiny-w4a16"
-BIG_PATH = f"/artifacts/{NAME}/{BIG}"
-
-
-class Hub:
-    def __init__(self, tmp: Path):
-        self.root = tmp / "served"
-        self.art = make_artifact(self.root / "artifacts" / NAME)
-        self.server = FileServer(self.root)
-        self.index_url = f"{self.server.url}/index.json"
-        self.art_url = f"{self.server.url}/artifacts/{NAME}"
-        self.index_file = self.root / "index.json"
-        add_to_index_file(self.index_file, entry_for_artifact(self.art, Location("url", self.art_url), card="tiny"))
-        self.home = tmp / "home"
-
-    def edit_index(self, fn) -> None:
-        d = json.loads(self.index_file.read_text())
-        fn(d["artifacts"][0])
-        self.index_file.write_text(json.dumps(d))
-
-    @property
-    def loc(self) -> Location:
-        return Location("url", self.art_url)
-
-    def cached(self) -> Path | None:
-        """The current cached revision of the served artifact (QCONV_HOME is this hub's home)."""
-        return cache.current(self.loc)
-
-    def stray(self) -> list[str]:
-        """Anything under the cache besides the finished slot, its locks and the name records."""
-        root, slot, rev = self.home / "artifacts", cache.slot_key(self.loc), self.cached().name
-        allowed = {slot, f"{slot}/source.json", f"{slot}/current", f"{slot}/revs", f"{slot}/revs/{rev}",
-                   f"{slot}/revs/{rev}.lock", ".locks", f".locks/{slot}.lock", ".names", ".incoming"}
-        found = [p.relative_to(root).as_posix() for p in root.rglob("*")]
-        return [f for f in found if f not in allowed and not f.startswith((f"{slot}/revs/{rev}/", ".names/"))]
-
-
-def served_hub(tmp_path, monkeypatch):
-    """A Hub over tmp_path with QCONV_HOME pointed at its home (the `hub` fixture of the hub test modules)."""
-    h = Hub(tmp_path)
-    monkeypatch.setenv("QCONV_HOME", str(h.home))
-    monkeypatch.delenv("QCONV_INDEX", raising=False)
-    yield h
-    h.server.close()
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    yield from served_hub(tmp_path, monkeypatch)
-
-
-def cli(*args: str):
-    from qconv.cli import main  # imported here: the library tests need no other area's commands
-
-    return CliRunner().invoke(main, list(args), catch_exceptions=False)
-
-
-def assert_same_tree(a: Path, b: Path) -> None:
-    fa = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
-    fb = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
-    assert fa == fb
-    for n in fa:
-        assert (a / n).read_bytes() == (b / n).read_bytes(), n
-
+from tests.cli_helpers import REPO, run as cli
+from tests.hub_server import BIG, BIG_PATH, NAME, SMALL, assert_same_tree, flip_byte, make_artifact
 
 def test_shipped_index_is_valid(monkeypatch):
     monkeypatch.delenv("QCONV_INDEX", raising=False)
@@ -254,7 +185,8 @@ def test_pull_local_folder_location(hub, tmp_path):
     idx = tmp_path / "idx.json"
     add_to_index_file(idx, entry_for_artifact(hub.art, Location("path", str(hub.art)), name="local-one"))
     out = pull("local-one", index=str(idx), progress=False)
-    assert_same_tree(out, hub.art) and out.name == "local-one"
+    assert_same_tree(out, hub.art)
+    assert resolve_artifact("local-one") == out  # the pulled revision is known by its index name
 
 
 def test_push_uploads_with_model_card(hub, monkeypatch):
@@ -322,7 +254,8 @@ def test_readme_publishing_example_runs_offline(tmp_path, monkeypatch):
         outputs.append(r.stdout)
     assert "my-27b-3090" in outputs[1] and "27B for one 3090" not in outputs[1]  # list --remote shows the entry
     pulled = Path(outputs[2].strip())
-    assert_same_tree(pulled, team / "models" / "my-27b-3090") and "verified" in outputs[3]
+    assert_same_tree(pulled, team / "models" / "my-27b-3090")
+    assert "verified" in outputs[3]
     assert "no trusted hash" not in "".join(outputs)
 
 

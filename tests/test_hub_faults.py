@@ -1,6 +1,6 @@
 """Fault injection for `qconv pull` (issue 18, Pull): one test per finding, each failing on the code before the fix.
 
-Disk faults are real: a tmpfs the test mounts (root), full or read-only. The server is tests.conftest_hub's."""
+Disk faults are real: a tmpfs the test mounts (root), full or read-only. The server is tests.hub_server's."""
 
 from __future__ import annotations
 
@@ -17,13 +17,8 @@ import pytest
 from qconv.hub import cache
 from qconv.hub.download import MANIFEST_CAP, http_fetch
 from qconv.hub.pull import pull
-from tests.conftest_hub import BIG, SMALL
-from tests.test_hub import BIG_PATH, NAME, REPO, Hub, assert_same_tree, cli, served_hub
-
-
-@pytest.fixture
-def hub(tmp_path, monkeypatch):
-    yield from served_hub(tmp_path, monkeypatch)
+from tests.cli_helpers import REPO, run as cli
+from tests.hub_server import BIG, BIG_PATH, NAME, SMALL, Hub, assert_same_tree
 
 
 @pytest.fixture

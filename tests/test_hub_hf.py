@@ -18,8 +18,8 @@ from qconv.hub import cache, resolve_artifact
 from qconv.hub.index import Location, add_to_index_file, entry_for_artifact
 from qconv.hub.pull import pull
 from qconv.manifest import hash_artifact_files
-from tests.conftest_hub import BIG, SMALL, FakeHub, flip_byte, make_artifact
-from tests.test_hub import assert_same_tree, cli
+from tests.cli_helpers import run as cli
+from tests.hub_server import BIG, SMALL, FakeHub, assert_same_tree, flip_byte, make_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 REPO_ID = "org/tiny-w4a16"

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from tests.conftest_kv import one_thread  # noqa: F401  (fixture)
 
 from qconv.errors import QconvError
 from qconv.kv import KV_SCHEME_NAMES, get_kv_scheme

@@ -4,7 +4,6 @@ no more bytes -- at head_dim 64 that takes the 256-token tile (g128: 73 B/token/
 import pytest
 import torch
 
-from tests.conftest_kv import one_thread  # noqa: F401  (fixture)
 
 
 @pytest.mark.slow

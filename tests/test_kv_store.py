@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from tests.conftest_kv import one_thread  # noqa: F401  (fixture)
 
 from qconv.kv import get_kv_scheme
 from qconv.kv.store import PackedKV

@@ -150,7 +150,7 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt):
     assert (emb["weights"]["num_bits"], emb["weights"]["group_size"]) == (4, 32)
     m = read_manifest(outs["keep"])
     assert m.build["tied_embeddings"] is True and m.build["untie_bytes"] == 0
-    assert any(q.get("vllm_feature") == "quantized-tied-head" for q in m.requires)
+    assert any(q.vllm_feature == "quantized-tied-head" for q in m.requires)
     mu = read_manifest(outs["untie"])
     assert mu.build["untie_bytes"] > 0 and any("untied" in w and "bits per weight" in w for w in mu.build["warnings"])
     assert mu.total_size() - m.total_size() >= 0.9 * mu.build["untie_bytes"]
@@ -172,7 +172,7 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt):
 
 
 def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
-    from qconv.calibrate.select import bpw_budget
+    from qconv.convert.layout import bpw_budget
     from qconv.convert.layout import plan_model
     from qconv.convert.sources import read_config
     from qconv.errors import QconvError

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qconv.manifest import read_manifest, verify_files
-from tests.test_build import run
+from tests.cli_helpers import run
 from tests.tiny import CORPUS
 
 

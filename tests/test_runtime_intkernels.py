@@ -10,10 +10,11 @@ import torch
 from qconv.errors import QconvError
 from qconv.runtime import load_model
 from qconv.runtime.int_linear import Int4Linear, Int8Embedding, IntWeight, int4_supported, int_kernels_available
-from tests.test_runtime_model import _one_thread, _quantize, _tokens  # noqa: F401 (autouse fixture)
+from tests.test_runtime_model import _quantize, _tokens
 
-pytestmark = pytest.mark.skipif(not int_kernels_available(torch.device("cpu"), torch.bfloat16),
-                                reason="this torch build has no CPU int4 kernel")
+pytestmark = [pytest.mark.skipif(not int_kernels_available(torch.device("cpu"), torch.bfloat16),
+                                 reason="this torch build has no CPU int4 kernel"),
+              pytest.mark.usefixtures("one_thread")]
 
 # The 3090 SmolLM2 recipe's layout: int4 g64 attention + gate/up, int4 g128 down_proj, int8 g64 embedding + lm_head.
 SMOLLM2_LAYOUT = {"int4": (["re:.*self_attn.*", "re:.*mlp\\.(gate|up)_proj$"], 4, 64),

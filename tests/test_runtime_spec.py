@@ -183,15 +183,17 @@ def test_speculator_probes_when_it_drafts_nothing():
 
 
 def test_spec_config_from_the_artifact_block():
-    block = {"method": "hybrid", "num_speculative_tokens": 4, "lookup": {"max_block": 15, "ngram_max": 4,
-                                                                          "ngram_min": 2}}
+    from qconv.recipes.recipe import Lookup, Speculative
+
+    block = Speculative("hybrid", 4, Lookup(max_block=15, ngram_max=4, ngram_min=2))
     sc = SpecConfig.from_manifest(block)
     assert (sc.method, sc.k, sc.max_block, sc.ngram_min, sc.ngram_max) == ("hybrid", 4, 15, 2, 4)
     assert SpecConfig.from_manifest(block, tokens=0).method == "none"
-    lk = SpecConfig.from_manifest({"method": "lookup", "num_speculative_tokens": 4, "lookup": {"max_block": 8}}, 6)
+    lk = SpecConfig.from_manifest(Speculative("lookup", 4, Lookup(max_block=8)), 6)
     assert (lk.method, lk.max_block) == ("lookup", 6)
-    assert SpecConfig.from_manifest({}).method == "none"
+    assert SpecConfig.from_manifest(None).method == "none"
     assert SpecConfig.from_manifest(block).for_model(SimpleNamespace(mtp=None)).method == "lookup"
+    assert SpecConfig.from_manifest(Speculative("dflash", 4, drafter="d")).method == "lookup"
 
 
 # --- incremental detokenization ---
@@ -353,15 +355,6 @@ def _greedy_matches(model, prompts, spec: SpecConfig, max_tokens):
         out = list(generate_tokens(model, ids, GenerationConfig(max_tokens=max_tokens, spec=spec), totals))
         assert out == ref, f"{spec.method} diverged from plain greedy on prompt {ids[:8]}..."
     return totals
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Small models gain nothing from intra-op threads, and on a shared CPU spinning threads cost 10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _prompts(tok, n):

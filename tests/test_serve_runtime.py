@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from qconv.cli import main
 from qconv.convert.requires import KV_PREFIX, QUANTIZED_EMBEDDINGS, WNA16_8BIT_CPU
 from qconv.errors import QconvError
+from qconv.manifest import RecipeInfo, Requirement, SourceInfo
+from qconv.recipes.recipe import Speculative
 from qconv.serve import runtimes, vllm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,10 +26,10 @@ import qconv_vllm  # noqa: E402  (the plugin imports nothing of vLLM at module l
 from qconv_vllm.packing import dequantize_rows  # noqa: E402
 
 REQ_3090 = [  # what the 3090 recipe writes for a llama / qwen3_5 model
-    {"feature": "int8 embed_tokens", "needs": "the qconv-vllm plugin", "vllm_feature": QUANTIZED_EMBEDDINGS},
-    {"feature": "8-bit weight-only layers (lm_head)", "needs": "the qconv-vllm plugin", "platform": "cpu",
-     "vllm_feature": WNA16_8BIT_CPU},
-    {"feature": "profile huge: kvarn", "profile": "huge", "needs": "KVarN", "vllm_feature": KV_PREFIX + "kvarn"},
+    Requirement("int8 embed_tokens", "the qconv-vllm plugin", vllm_feature=QUANTIZED_EMBEDDINGS),
+    Requirement("8-bit weight-only layers (lm_head)", "the qconv-vllm plugin", platform="cpu",
+                vllm_feature=WNA16_8BIT_CPU),
+    Requirement("profile huge: kvarn", "KVarN", profile="huge", vllm_feature=KV_PREFIX + "kvarn"),
 ]
 
 
@@ -153,7 +155,7 @@ def test_speculative_mapping_dflash_cpu_and_override(tmp_path):
     from qconv.recipes import load_recipe
 
     def src(cfg, spec):
-        return vllm.ServeSource(tmp_path, "m", cfg, {}, "", spec)
+        return vllm.ServeSource(tmp_path, "m", cfg, {}, "", Speculative(**spec))
 
     hybrid_cfg = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
     spec = {"method": "hybrid", "num_speculative_tokens": 4}
@@ -174,9 +176,13 @@ def test_speculative_mapping_dflash_cpu_and_override(tmp_path):
                                         ("gpu_memory_utilization", 1.5), ("kv_cache", "--x"),
                                         ("mamba_ssm_cache_dtype", "int3")])
 def test_profile_values_are_checked_before_they_become_flags(key, value):
-    p = {"kv_cache": "bf16", "context_length": 4096, key: value}
-    with pytest.raises(QconvError, match=key):
-        vllm.checked_profile("fast", p)
+    """A pulled manifest is data from elsewhere: its profile values are typed and bounded when it is read."""
+    from qconv.manifest import Manifest
+
+    d = Manifest(source=SourceInfo(kind="hf_dir", id="x"), recipe=RecipeInfo("cpu", "0", {}), modules=[]).to_dict()
+    d["profiles"] = {"fast": {"kv_cache": "bf16", "context_length": 4096, key: value}}
+    with pytest.raises(QconvError, match=f"profiles.fast.{key}"):
+        Manifest.from_dict(d)
 
 
 def _alive(pid: int) -> bool:

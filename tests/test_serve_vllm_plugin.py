@@ -8,7 +8,6 @@ Needs the runtime made by `bash scripts/setup_vllm_cpu.sh` (the fixture runs it;
 from __future__ import annotations
 
 import json
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -30,13 +29,6 @@ TOLERANCE = 0.35
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
            "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:"]
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    r = subprocess.run(["bash", str(REPO / "scripts" / "setup_vllm_cpu.sh")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout.strip().splitlines()[-1]
 
 
 def _ids(tokens) -> list[int]:

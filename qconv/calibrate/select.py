@@ -1,7 +1,8 @@
 """Selective INT8 under a byte budget: the units whose 4-bit cost is highest per extra byte go to 8 bits.
 
 A unit is a fused group (q/k/v, gate/up, in_proj_qkv/z) or a single projection; vLLM loads a fused layer with one
-scheme, so the whole unit moves together. Units vLLM could not run at 8 bits are refused and recorded as such.
+scheme, so the whole unit moves together. The units and their refusals come from the plan (qconv.convert.layout
+candidate_units); refused units are recorded as such.
 """
 
 from __future__ import annotations
@@ -9,17 +10,11 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from qconv.calibrate.sensitivity import Scores, Unit
-from qconv.convert.layout import MARLIN_MIN_K, MARLIN_MIN_N, Plan, decide
+from qconv.calibrate.sensitivity import Candidate, Scores
 from qconv.errors import QconvError
-from qconv.manifest import ModuleDecision
-from qconv.recipes.recipe import KEEP, Recipe
-from qconv.recipes.roles import FUSED
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-# vLLM's int8 GEMM (cutlass scaled_mm) needs 16-aligned K and N for W8A8.
-CUTLASS_ALIGN = 16
 
 
 @dataclass
@@ -86,54 +81,7 @@ def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) 
     return int(value * _UNITS[unit.lower()])
 
 
-def bpw_budget(bpw: float, plan: Plan) -> int:
-    """The bytes a bits-per-weight target leaves for 8-bit upgrades over the recipe's plan, counted as the quality
-    report counts bpw (artifact tensor bytes x 8 / source parameters)."""
-    base = 8 * plan.total_bytes / max(plan.num_parameters, 1)
-    if bpw <= 0 or bpw < base - 1e-9:
-        raise QconvError(f"bits-per-weight target {bpw} is below the recipe's uniform plan ({base:.3f} bpw)",
-                         where="--bpw", fix=f"use --bpw >= {base:.2f}, or a recipe with smaller schemes")
-    return int(bpw * plan.num_parameters / 8) - plan.total_bytes
-
-
-def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
-    """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations the only W8A16
-    kernel is Marlin (Exllama is fp16-only, the Triton/Conch paths are 4-bit), so its shape limits are hard here;
-    W8A8 goes through cutlass scaled_mm."""
-    kept = [m for m in w8 if m.scheme == KEEP]
-    if kept:
-        return kept[0].note or "no group size fits"
-    k = w8[0].shape[1]
-    n = sum(m.shape[0] for m in w8) if role in FUSED else w8[0].shape[0]
-    if recipe.schemes[scheme].activations:
-        if k % CUTLASS_ALIGN or n % CUTLASS_ALIGN:
-            return f"cutlass int8 needs in%{CUTLASS_ALIGN}==0 and out%{CUTLASS_ALIGN}==0 (in {k}, out {n})"
-        return ""
-    if k % MARLIN_MIN_K or n % MARLIN_MIN_N:
-        return f"W8A16 needs Marlin: in%{MARLIN_MIN_K}==0 and out%{MARLIN_MIN_N}==0 (in {k}, out {n})"
-    return ""
-
-
-def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
-    """The recipe's candidate roles as units, with their 8-bit decisions and any refusal."""
-    sel = recipe.selection
-    s8 = recipe.schemes[sel.scheme]
-    units = []
-    for name, members in plan.units().items():
-        role = members[0].role
-        if role not in sel.candidates:
-            continue
-        if any(m.scheme == KEEP or (m.bits or 16) >= s8.weights.bits for m in members):
-            if recipe.scheme_for(role) == KEEP:
-                raise QconvError(f"INT8 candidate role {role!r} is kept bf16 by the recipe", where="selection.candidates",
-                                 fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates")
-            continue  # a member the plan already keeps (no group size fits): nothing to upgrade
-        w8 = [decide(m.name, m.role, tuple(m.shape), sel.scheme, s8, recipe)[0] for m in members]
-        units.append(Unit(name=name, role=role, w4=members, w8=w8, refusal=int8_refusal(role, w8, recipe, sel.scheme)))
-    return units
-
-
-def select(units: list[Unit], scores: Scores | None, budget_bytes: int, *, budget: str, scheme: str,
+def select(units: list[Candidate], scores: Scores | None, budget_bytes: int, *, budget: str, scheme: str,
            order: list[str] | None = None) -> Selection:
     """Greedy by score per extra byte (or a given `order`, for the random baselines) until the budget is spent."""
     out = Selection(budget=budget, budget_bytes=budget_bytes, scheme=scheme,
@@ -161,16 +109,9 @@ def select(units: list[Unit], scores: Scores | None, budget_bytes: int, *, budge
     return out
 
 
-def _extra(units: list[Unit], name: str) -> int:
+def _extra(units: list[Candidate], name: str) -> int:
     u = next(u for u in units if u.name == name)
     return u.bytes8 - u.bytes4
-
-
-def apply_selection(plan: Plan, units: list[Unit], selection: Selection) -> list[ModuleDecision]:
-    """The plan's modules with the chosen units' members switched to their 8-bit decisions."""
-    chosen = set(selection.chosen)
-    repl = {m.name: m for u in units if u.name in chosen for m in u.w8}
-    return [repl.get(m.name, m) for m in plan.modules]
 
 
 def format_table(selection: Selection, limit: int = 40) -> str:

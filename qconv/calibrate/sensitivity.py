@@ -6,9 +6,9 @@ Two measures:
   forward pass per unit: affordable on a 135M model, not on a 27B.
 - `proxy_scores`: the cheap per-layer proxy the build uses. With H = XᵀX/n from the unit's calibration inputs,
   E_b = Q_b(W) − W the b-bit rounding error and F the mean squared loss gradient at each output channel, score =
-  Σ_rows F_r·(E4 H E4ᵀ − E8 H E8ᵀ)_rr. The plain layer error tr(E H Eᵀ) (no F) ranks SmolLM2's 120 units badly
-  against the model-level measure (Spearman 0.22): it ignores that the rest of the network amplifies errors very
-  unevenly (the last MLP's down_proj dominates). Weighted by F it reaches Spearman 0.95 (docs/bench/build_scale.md).
+  Σ_rows F_r·(E4 H E4ᵀ − E8 H E8ᵀ)_rr. The plain layer error tr(E H Eᵀ) (no F) ignores that the rest of the
+  network amplifies errors very unevenly (the last MLP's down_proj dominates), and ranks units far worse against
+  the model-level measure (docs/BENCHMARKS.md, INT8 selection).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -24,26 +25,19 @@ from qconv.manifest import ModuleDecision
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Unit:
-    """One selectable unit: its members' 4-bit (current) and 8-bit decisions."""
+class Candidate(Protocol):
+    """One selectable unit (qconv.convert.layout.Unit): its members' 4-bit (current) and 8-bit decisions."""
     name: str
     role: str
     w4: list[ModuleDecision]
     w8: list[ModuleDecision]
-    refusal: str = ""  # why this unit cannot be INT8 in vLLM ("" when it can)
+    refusal: str  # why this unit cannot be INT8 in vLLM ("" when it can)
 
     @property
-    def bytes4(self) -> int:
-        from qconv.convert.layout import module_bytes
-
-        return sum(module_bytes(m) for m in self.w4)
+    def bytes4(self) -> int: ...
 
     @property
-    def bytes8(self) -> int:
-        from qconv.convert.layout import module_bytes
-
-        return sum(module_bytes(m) for m in self.w8)
+    def bytes8(self) -> int: ...
 
 
 @dataclass
@@ -169,7 +163,7 @@ def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, to
     return {n: f / tokens for n, f in fs.items()}
 
 
-def proxy_scores(model, units: list[Unit], ids: list[list[int]], symmetric: bool = True) -> Scores:
+def proxy_scores(model, units: list[Candidate], ids: list[list[int]], symmetric: bool = True) -> Scores:
     """Σ_members Σ_rows F_r · [(E4 H E4ᵀ)_rr − (E8 H E8ᵀ)_rr]: each output channel's extra 4-bit error, weighted
     by how much the loss cares about that channel (capture_fisher). One forward + backward per sequence."""
     mods = dict(model.named_modules())
@@ -218,7 +212,7 @@ def _layer_inputs(model, ids: list[list[int]]) -> list[dict[int, torch.Tensor]]:
     return out
 
 
-def model_kld_scores(model, units: list[Unit], ids: list[list[int]], symmetric: bool = True,
+def model_kld_scores(model, units: list[Candidate], ids: list[list[int]], symmetric: bool = True,
                      progress: bool = True) -> Scores:
     """Model-level sensitivity (see module docstring). Restores the model's weights before returning."""
     from tqdm.auto import tqdm

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from qconv.convert.artifact import finalize, write_index
@@ -17,7 +16,7 @@ from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir
 from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, tool_versions
-from qconv.recipes.recipe import KEEP, Recipe
+from qconv.recipes.recipe import KEEP, Recipe, Speculative
 from qconv.recipes.roles import role_of
 
 log = logging.getLogger(__name__)
@@ -57,8 +56,8 @@ def _decisions(done: Converted, fmt: QuantFormat) -> list[ModuleDecision]:
     return out
 
 
-def _write(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool, recipe: RecipeInfo, requantize,
-           extra_build: dict, quality=None, profiles: dict | None = None, speculative: dict | None = None,
+def write_imported(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool, recipe: RecipeInfo, requantize,
+           extra_build: dict, quality=None, profiles: dict | None = None, speculative: Speculative | None = None,
            requires=None) -> Manifest:
     """Convert into a temp folder that becomes `out` only when complete. `requires(decisions)` lists what the
     artifact needs at run time; `quality(tmp, manifest)` measures it and returns the gate failure, raised once the
@@ -73,7 +72,7 @@ def _write(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool, recipe
         write_index(tmp)
         decisions = _decisions(done, fmt)
         manifest = Manifest(source=info, recipe=recipe, modules=decisions, profiles=profiles or {},
-                            speculative=speculative or {}, requires=requires(decisions) if requires else [],
+                            speculative=speculative, requires=requires(decisions) if requires else [],
                             tools=tool_versions(),
                             status="unchecked",
                             build={"source_format": fmt.summary(), "kept": sorted(done.kept),
@@ -89,7 +88,7 @@ def _write(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool, recipe
     return manifest
 
 
-def _quantized_source(model: str, revision: str | None = None) -> tuple[ResolvedSource, QuantFormat]:
+def quantized_source(model: str, revision: str | None = None) -> tuple[ResolvedSource, QuantFormat]:
     src = resolve_source(model, revision=revision)
     fmt = detect_format(read_config(src.path), where=str(src.path / "config.json"))
     if fmt is None:
@@ -100,8 +99,8 @@ def _quantized_source(model: str, revision: str | None = None) -> tuple[Resolved
 
 def convert_quantized(model: str, out: Path, *, force: bool = False, revision: str | None = None) -> Manifest:
     """Lossless import of a GPTQ / AWQ / AutoRound / compressed-tensors checkpoint into compressed-tensors."""
-    src, fmt = _quantized_source(model, revision)
-    return _write(src, fmt, Path(out), force, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
+    src, fmt = quantized_source(model, revision)
+    return write_imported(src, fmt, Path(out), force, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
 
 
 def requant_args(recipe: Recipe, notes: dict[str, str]):
@@ -135,80 +134,4 @@ def requant_args(recipe: Recipe, notes: dict[str, str]):
     return choose
 
 
-def build_from_quantized(opts, recipe: Recipe) -> Manifest:
-    """`qconv build` on a quantized checkpoint (called by build.build): keep its quantized tensors, requantize what
-    the recipe asks of the rest, measure against `opts.reference` (the true original) or else the source itself."""
-    from qconv.convert.layout import Plan
-    from qconv.convert.requires import requirements
-    from qconv.recipes.roles import family_of
-
-    src, fmt = _quantized_source(opts.model, opts.revision)
-    notes: dict[str, str] = {}
-    reference = getattr(opts, "reference", None)
-    family = family_of(read_config(src.path))
-
-    def quality(tmp: Path, manifest: Manifest, final: Path):
-        return _quality_vs(opts, recipe, src, fmt, reference, tmp, manifest, final)
-
-    def requires(decisions):
-        return requirements(recipe, Plan(family=family, modules=decisions, other_bytes=0, source_bytes=0))
-
-    m = _write(src, fmt, Path(opts.out), opts.force,
-               RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
-               requant_args(recipe, notes), {"notes": notes, "streamed": True, "reference": reference},
-               quality=quality, profiles={k: asdict(v) for k, v in recipe.profiles.items()},
-               speculative=asdict(recipe.speculative), requires=requires)
-    return m
-
-
-def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Manifest, final: Path):
-    """Quality report against the bf16 original when given, else against the source checkpoint (its lossless
-    import, which our runtime reads), and the report says which."""
-    text = opts.eval_text or recipe.quality.text
-    if not text:
-        log.warning("quality report skipped: no held-out text (--eval-text); the artifact is marked unchecked")
-        manifest.build["quality_reference"] = None
-        return None
-    import json
-    import tempfile
-
-    from qconv.eval import quality_report
-    from qconv.eval.report import REPORT_JSON, REPORT_MD, render_md
-    from qconv.fsutil import write_json_atomic, write_text_atomic
-
-    with tempfile.TemporaryDirectory(dir=artifact.parent, prefix=".qconv-ref-") as tmpd:
-        if reference:
-            ref, kind = Path(reference), "original"
-            if fmt.layout != "compressed-tensors" and detect_format(read_config(ref)) is not None:
-                raise QconvError(f"--reference {reference} is itself quantized", where="--reference",
-                                 fix="pass the full-precision model the checkpoint was made from")
-        elif fmt.layout == "compressed-tensors":
-            ref, kind = src.path, "source checkpoint"
-        else:
-            ref, kind = Path(tmpd) / "source", "source checkpoint"
-            _write(src, fmt, ref, True, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
-        summary = quality_report(ref, artifact, recipe, text=text, num_parameters=manifest.source.num_parameters
-                                 or None)
-    note = ("against the true original model " + str(reference)) if kind == "original" else (
-        "against the quantized checkpoint it started from (no --reference): the numbers measure only what this "
-        "build changed, not the loss against the original full-precision model")
-    path = artifact / REPORT_JSON
-    report = json.loads(path.read_text())
-    report["artifact"] = str(final.resolve())
-    report["reference_model"] = {"kind": kind, "path": str(reference or src.path), "note": note}
-    write_json_atomic(path, report)
-    md = render_md(report)
-    write_text_atomic(artifact / REPORT_MD, f"Reference: {note}.\n\n" + md)
-    summary["reference"] = kind
-    manifest.quality = summary
-    passed = summary.get("passed")
-    manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
-    manifest.build["quality_reference"] = {"kind": kind, "note": note}
-    if passed is False and opts.gates:
-        from qconv.eval.run import gate_failure
-
-        return gate_failure(summary)
-    return None
-
-
-__all__ = ["convert_quantized", "build_from_quantized", "requant_args", "detect_format"]
+__all__ = ["convert_quantized", "requant_args", "detect_format"]

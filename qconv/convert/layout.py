@@ -6,17 +6,16 @@ same code serves `--dry-run` on a 27B config and the real build.
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconv.errors import QconvError
+from qconv.fsutil import safetensors_header
 from qconv.manifest import ModuleDecision
 from qconv.recipes.recipe import KEEP, Recipe, Scheme
-from qconv.recipes.roles import family_of, role_of, text_config, unit_of
+from qconv.recipes.roles import FUSED, family_of, role_of, text_config, unit_of
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +92,7 @@ def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: 
 
 
 def read_safetensors_header(path: Path) -> dict[str, Tensor]:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: Tensor(tuple(v["shape"]), _DTYPE_BYTES.get(v["dtype"], 2)) for k, v in header.items() if k != "__metadata__"}
+    return {k: Tensor(tuple(v["shape"]), _DTYPE_BYTES.get(v["dtype"], 2)) for k, v in safetensors_header(path).items()}
 
 
 def mtp_shapes(tc: dict) -> dict[str, tuple[int, ...]]:
@@ -238,3 +234,80 @@ def check_fused(plan: Plan) -> None:
             raise QconvError(f"fused group {unit} would get mixed schemes ({detail})", where="recipe",
                              fix="vLLM loads a fused layer with one scheme: give the whole group one scheme and a "
                                  "group size that divides every member")
+
+
+# vLLM's int8 GEMM (cutlass scaled_mm) needs 16-aligned K and N for W8A8.
+CUTLASS_ALIGN = 16
+
+
+@dataclass
+class Unit:
+    """One selectable unit of the plan (a fused group or one projection): its members' 4-bit (current) and 8-bit
+    decisions; qconv.calibrate.select chooses among them under the byte budget."""
+    name: str
+    role: str
+    w4: list[ModuleDecision]
+    w8: list[ModuleDecision]
+    refusal: str = ""  # why this unit cannot be INT8 in vLLM ("" when it can)
+
+    @property
+    def bytes4(self) -> int:
+        return sum(module_bytes(m) for m in self.w4)
+
+    @property
+    def bytes8(self) -> int:
+        return sum(module_bytes(m) for m in self.w8)
+
+
+def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
+    """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations the only W8A16
+    kernel is Marlin (Exllama is fp16-only, the Triton/Conch paths are 4-bit), so its shape limits are hard here;
+    W8A8 goes through cutlass scaled_mm."""
+    kept = [m for m in w8 if m.scheme == KEEP]
+    if kept:
+        return kept[0].note or "no group size fits"
+    k = w8[0].shape[1]
+    n = sum(m.shape[0] for m in w8) if role in FUSED else w8[0].shape[0]
+    if recipe.schemes[scheme].activations:
+        if k % CUTLASS_ALIGN or n % CUTLASS_ALIGN:
+            return f"cutlass int8 needs in%{CUTLASS_ALIGN}==0 and out%{CUTLASS_ALIGN}==0 (in {k}, out {n})"
+        return ""
+    if k % MARLIN_MIN_K or n % MARLIN_MIN_N:
+        return f"W8A16 needs Marlin: in%{MARLIN_MIN_K}==0 and out%{MARLIN_MIN_N}==0 (in {k}, out {n})"
+    return ""
+
+
+def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
+    """The recipe's candidate roles as units, with their 8-bit decisions and any refusal."""
+    sel = recipe.selection
+    s8 = recipe.schemes[sel.scheme]
+    units = []
+    for name, members in plan.units().items():
+        role = members[0].role
+        if role not in sel.candidates:
+            continue
+        if any(m.scheme == KEEP or (m.bits or 16) >= s8.weights.bits for m in members):
+            if recipe.scheme_for(role) == KEEP:
+                raise QconvError(f"INT8 candidate role {role!r} is kept bf16 by the recipe", where="selection.candidates",
+                                 fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates")
+            continue  # a member the plan already keeps (no group size fits): nothing to upgrade
+        w8 = [decide(m.name, m.role, tuple(m.shape), sel.scheme, s8, recipe)[0] for m in members]
+        units.append(Unit(name=name, role=role, w4=members, w8=w8, refusal=int8_refusal(role, w8, recipe, sel.scheme)))
+    return units
+
+
+def apply_selection(plan: Plan, units: list[Unit], chosen: list[str]) -> list[ModuleDecision]:
+    """The plan's modules with the chosen units' (Selection.chosen) members switched to their 8-bit decisions."""
+    chosen = set(chosen)
+    repl = {m.name: m for u in units if u.name in chosen for m in u.w8}
+    return [repl.get(m.name, m) for m in plan.modules]
+
+
+def bpw_budget(bpw: float, plan: Plan) -> int:
+    """The bytes a bits-per-weight target leaves for 8-bit upgrades over the recipe's plan, counted as the quality
+    report counts bpw (artifact tensor bytes x 8 / source parameters)."""
+    base = 8 * plan.total_bytes / max(plan.num_parameters, 1)
+    if bpw <= 0 or bpw < base - 1e-9:
+        raise QconvError(f"bits-per-weight target {bpw} is below the recipe's uniform plan ({base:.3f} bpw)",
+                         where="--bpw", fix=f"use --bpw >= {base:.2f}, or a recipe with smaller schemes")
+    return int(bpw * plan.num_parameters / 8) - plan.total_bytes

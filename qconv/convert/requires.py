@@ -10,12 +10,10 @@ embed_tokens without the quantization prefix, and its CPU backend has no 8-bit w
 from __future__ import annotations
 
 from qconv.convert.layout import Plan
+from qconv.manifest import KV_PREFIX, QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU, Requirement
 from qconv.recipes.recipe import KEEP, Recipe
 
-QUANTIZED_EMBEDDINGS = "quantized-embeddings"
-WNA16_8BIT_CPU = "wna16-8bit-cpu"
-TIED_QUANTIZED_HEAD = "quantized-tied-head"
-KV_PREFIX = "kv-cache:"
+__all__ = ["KV_PREFIX", "QUANTIZED_EMBEDDINGS", "TIED_QUANTIZED_HEAD", "WNA16_8BIT_CPU", "missing_for_vllm", "requirements"]
 NEEDS_RUNTIME = ("qconv", "qconv-runtime", "native")  # needs values that no vLLM satisfies
 PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
 # vLLM 0.32 models that pass their embed_tokens prefix to the quantization config themselves (Qwen2Model and
@@ -23,55 +21,44 @@ PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
 STOCK_QUANTIZED_EMBED_TYPES = ("qwen2", "qwen3")
 
 
-def requirements(recipe: Recipe, plan: Plan) -> list[dict]:
+def requirements(recipe: Recipe, plan: Plan) -> list[Requirement]:
     req = []
     quantized = [m for m in plan.modules if m.scheme != KEEP]
     if any(m.role == "embed" for m in quantized) and plan.model_type not in STOCK_QUANTIZED_EMBED_TYPES:
-        req.append({"feature": "int8 embed_tokens", "needs": PLUGIN, "vllm_feature": QUANTIZED_EMBEDDINGS,
-                    "reason": f"stock vLLM's {plan.model_type} model builds embed_tokens without its quantization "
-                              "prefix, so the weights do not load"})
+        req.append(Requirement("int8 embed_tokens", PLUGIN, vllm_feature=QUANTIZED_EMBEDDINGS,
+                               reason=f"stock vLLM's {plan.model_type} model builds embed_tokens without its "
+                                      "quantization prefix, so the weights do not load"))
     if plan.tied_embeddings and any(m.role == "embed" for m in quantized):
-        req.append({"feature": "lm_head tied to a quantized embed_tokens", "needs": PLUGIN,
-                    "vllm_feature": TIED_QUANTIZED_HEAD,
-                    "reason": "vLLM ties lm_head to embed_tokens.weight, which a pack-quantized embedding does not "
-                              "have (its embedding method does lookups only)"})
+        req.append(Requirement("lm_head tied to a quantized embed_tokens", PLUGIN, vllm_feature=TIED_QUANTIZED_HEAD,
+                               reason="vLLM ties lm_head to embed_tokens.weight, which a pack-quantized embedding "
+                                      "does not have (its embedding method does lookups only)"))
     if any(m.bits == 8 and m.scheme.endswith("a16") for m in quantized):
-        req.append({"feature": "8-bit weight-only layers (lm_head)", "needs": PLUGIN, "platform": "cpu",
-                    "vllm_feature": WNA16_8BIT_CPU,
-                    "reason": "vLLM's CPU backend has WNA16 kernels for 4-bit weights only (Marlin runs W8A16 on GPUs)"})
+        req.append(Requirement("8-bit weight-only layers (lm_head)", PLUGIN, platform="cpu",
+                               vllm_feature=WNA16_8BIT_CPU,
+                               reason="vLLM's CPU backend has WNA16 kernels for 4-bit weights only (Marlin runs "
+                                      "W8A16 on GPUs)"))
     for name, p in recipe.profiles.items():
         if p.kv_cache.startswith("kvarn"):
-            req.append({"feature": f"profile {name}: {p.kv_cache} KV cache", "profile": name,
-                        "needs": "qconv runtime or the KVarN build of vLLM", "vllm_feature": KV_PREFIX + p.kv_cache,
-                        "reason": "KVarN is not a stock vLLM kv-cache dtype"})
+            req.append(Requirement(f"profile {name}: {p.kv_cache} KV cache", "qconv runtime or the KVarN build of vLLM",
+                                   profile=name, vllm_feature=KV_PREFIX + p.kv_cache,
+                                   reason="KVarN is not a stock vLLM kv-cache dtype"))
     return req
 
 
-def vllm_feature(req: dict) -> str | None:
-    """The feature token of an entry; manifests written before tokens existed are read by their wording."""
-    if req.get("vllm_feature"):
-        return str(req["vllm_feature"])
-    needs = str(req.get("needs", "")).lower()
-    if "quantized embeddings" in needs:
-        return QUANTIZED_EMBEDDINGS
-    if "kvarn" in needs:
-        return KV_PREFIX + "kvarn"
-    return None
-
-
-def missing_for_vllm(requires: list[dict], profile: str, declared: set[str], platform: str | None = None) -> list[dict]:
+def missing_for_vllm(requires: list[Requirement], profile: str, declared: set[str],
+                     platform: str | None = None) -> list[Requirement]:
     """Entries a vLLM with the `declared` features on `platform` ("cuda" | "cpu"; None: any) cannot satisfy for
     `profile` (KV entries are left to the launcher's KV dtype check, which knows what the installed vLLM accepts)."""
     out = []
     for req in requires:
-        if req.get("profile") not in (None, profile):
+        if req.profile not in (None, profile):
             continue
-        if req.get("platform") and platform and req["platform"] != platform:
+        if req.platform and platform and req.platform != platform:
             continue
-        if str(req.get("needs", "")).lower() in NEEDS_RUNTIME:
+        if req.needs.lower() in NEEDS_RUNTIME:
             out.append(req)
             continue
-        feat = vllm_feature(req)
+        feat = req.vllm_feature
         if feat is None or feat.startswith(KV_PREFIX):
             continue
         if feat not in declared:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from qconv.errors import QconvError
-from qconv.fsutil import sha256_file, sha256_json
+from qconv.fsutil import safetensors_header, sha256_file, sha256_json
 from qconv.manifest import SourceInfo
 from qconv.paths import qconv_home
 
@@ -51,23 +50,6 @@ def read_config(folder: Path) -> dict:
         raise QconvError(f"config.json is not valid JSON: {e}", where=str(cfg), fix="re-download the model") from e
 
 
-def check_safetensors(path: Path) -> None:
-    """Fail early and clearly on a truncated or corrupt safetensors file (header and data extent)."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n <= 0 or 8 + n > size:
-                raise ValueError(f"header length {n} exceeds file size {size}")
-            header = json.loads(f.read(n))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end > size:
-            raise ValueError(f"tensor data needs {8 + n + end} bytes, file has {size}")
-    except (ValueError, struct.error, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise QconvError(f"corrupt or truncated safetensors file: {e}", where=str(path),
-                         fix="re-download or re-copy the model files") from e
-
-
 def source_files(folder: Path) -> dict[str, dict]:
     """sha256 + size of the files that define the model (weights, configs, tokenizer)."""
     out = {}
@@ -88,7 +70,7 @@ def check_model_dir(folder: Path, *, weights: bool = True) -> dict:
             raise QconvError(f"no *.safetensors weights in {folder}{hint}", where=str(folder),
                              fix="pass a folder saved with save_pretrained(safe_serialization=True)")
         for s in shards:
-            check_safetensors(s)
+            safetensors_header(s)  # fail early and clearly on a truncated or corrupt file
     return cfg
 
 

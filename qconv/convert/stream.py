@@ -19,8 +19,8 @@ GPTQ_BLOCK_BYTES = 64 << 20
 # (llmcompressor's default, 20 GB, is one shard = the whole compressed model).
 MAX_SHARD_SIZE = "512MB"
 # glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), so a build that allocates and
-# frees tens of MB per module serves them from the heap, which fragments and is never given back: compressing the
-# 170 modules of a 2B model grew RSS by 2.3 GB. Pinned, every block above it is mmapped and returned on free.
+# frees tens of MB per module serves them from the heap, which fragments and is never given back (RSS grows with
+# every module compressed). Pinned, every block above it is mmapped and returned on free.
 MMAP_THRESHOLD = 4 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 

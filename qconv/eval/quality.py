@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from qconv.errors import QconvError
+from qconv.fsutil import safetensors_header
 from qconv.eval.kvsim import get_scheme
 from qconv.eval.metrics import TokenStats, summarize
 from qconv.eval.forward import Forward, LogitSource
@@ -42,18 +43,11 @@ class Source:
 
 def safetensors_stats(folder: str | Path) -> tuple[int, int]:
     """(number of stored elements, bytes of tensor data) over a folder's *.safetensors, read from headers only."""
-    import json
-    import struct
-
     numel = nbytes = 0
     for f in sorted(Path(folder).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for k, t in header.items():
-            if k != "__metadata__":
-                numel += int(np.prod(t["shape"], dtype=np.int64))
-                nbytes += t["data_offsets"][1] - t["data_offsets"][0]
+        for t in safetensors_header(f).values():
+            numel += int(np.prod(t["shape"], dtype=np.int64))
+            nbytes += t["data_offsets"][1] - t["data_offsets"][0]
     return numel, nbytes
 
 

@@ -111,9 +111,9 @@ def reference_key(source_sha256: str, text_sha256: str, window: int, stride: int
 
 
 def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text_sha256: str,
-                    topk: int | None = None, logit_source=None) -> Reference:
+                    logit_source, topk: int | None = None) -> Reference:
     """Reference for `windows` (text.Windows), computing only the windows not cached yet, from `logit_source`
-    (forward.LogitSource; default: the whole source model on the default device)."""
+    (forward.LogitSource over the source model)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
@@ -130,10 +130,6 @@ def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text
     if missing:
         log.info("reference logits: computing %d of %d windows (%s) into %s", len(missing), len(windows.ids),
                  storage if not k else f"top-{k}", folder)
-        if logit_source is None:
-            from qconv.eval.forward import Forward, LogitSource
-
-            logit_source = LogitSource(source_dir, Forward(streamed=False), 0, "reference")
         for i, logits, targets in _progress(logit_source.logits(windows, missing), "reference", len(missing)):
             rw = ref_window_from_logits(logits, targets, k)
             tmp = folder / f".window_{i:05d}.{os.getpid()}.tmp"

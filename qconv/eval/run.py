@@ -12,16 +12,11 @@ from qconv.eval.forward import Forward
 from qconv.eval.gates import Verdict, apply_gates, regressions, tier_info, write_junit
 from qconv.eval.quality import EvalSettings, Source, measure, resolve_reference, safetensors_stats
 from qconv.eval.report import REPORT_JSON, summary, write_reports
-from qconv.manifest import read_manifest, verify_files
+from qconv.artifact import Artifact
+from qconv.manifest import verify_files
 from qconv.recipes.recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
-
-
-def manifest_recipe(manifest) -> Recipe:
-    from qconv.recipes.schema import from_dict
-
-    return from_dict(Recipe, manifest.recipe.resolved, "", f"recipe recorded in qconv.json ({manifest.recipe.name})")
 
 
 def auto_kv(recipe: Recipe) -> str | None:
@@ -63,13 +58,13 @@ def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | N
              out: str | Path | None = None, fwd: Forward | None = None) -> dict:
     """`qconv eval`: measure, judge by the recipe's tier gates (reported, not raised), write reports to `out`."""
     artifact = Path(artifact)
-    manifest = read_manifest(artifact)
+    art = Artifact.open(artifact)
     if tasks:
         from qconv.eval.tasks import resolve_tasks
 
         resolve_tasks(tasks, task_data)  # fail on an unknown task before minutes of measuring
-    source = resolve_reference(reference, manifest)
-    rec = load_recipe(recipe) if recipe else manifest_recipe(manifest)
+    source = resolve_reference(reference, art.manifest)
+    rec = load_recipe(recipe) if recipe else art.require_recipe()
     if settings.kv == "auto":
         settings = replace(settings, kv=auto_kv(rec))
     report, klds = measure(artifact, source, settings, fwd)
@@ -79,21 +74,21 @@ def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | N
     return report
 
 
-def load_recorded(against: str | Path | None, manifest) -> dict | None:
+def load_recorded(against: str | Path | None, art: Artifact) -> dict | None:
     """A report to regress against: a report.json, an artifact folder (its report.json, else its qconv.json
     quality), or by default this artifact's own recorded quality."""
     if against is None:
-        return manifest.quality if manifest.quality and manifest.quality.get("weights") else None
+        return art.quality.data if art.quality and art.quality.measured else None
     p = Path(against)
     if p.is_dir():
         if (p / REPORT_JSON).is_file():
             p = p / REPORT_JSON
         else:
-            other = read_manifest(p)
-            if not (other.quality and other.quality.get("weights")):
+            other = Artifact.open(p)
+            if not (other.quality and other.quality.measured):
                 raise QconvError(f"{against} records no quality report", where="--against",
                                  fix="pass an artifact built with quality gates, or its report.json")
-            return other.quality
+            return other.quality.data
     if not p.is_file():
         raise QconvError(f"--against not found: {against}", where="--against",
                          fix="pass an artifact folder or a report.json")
@@ -110,9 +105,10 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
     """`qconv check`: verify files, re-measure with the recorded settings, apply gates and regression tolerances.
     Raises GateFailure (exit 1) naming every failed gate with its measured value."""
     artifact = Path(artifact)
-    manifest = read_manifest(artifact)
-    rec = load_recipe(recipe) if recipe else manifest_recipe(manifest)
-    recorded_settings = (manifest.quality or {}).get("settings") or {}
+    art = Artifact.open(artifact)
+    manifest = art.manifest
+    rec = load_recipe(recipe) if recipe else art.require_recipe()
+    recorded_settings = art.quality.settings if art.quality else {}
     settings = EvalSettings(**{**recorded_settings, **{k: v for k, v in dict(
         text=text, window=window, max_tokens=max_tokens, kv=kv).items() if v is not None}})
     if not settings.text:
@@ -122,7 +118,7 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
                          where="--text", fix="pass --text FILE_OR_HF_DATASET_ID")
     if settings.kv == "auto":
         settings = replace(settings, kv=auto_kv(rec))
-    recorded = load_recorded(against, manifest)
+    recorded = load_recorded(against, art)
     problems = verify_files(artifact, manifest)
     files = Verdict("files", "files match qconv.json", not problems, message="files: " + (
         "all match qconv.json" if not problems else "; ".join(problems[:5]) + " — FAILED"))

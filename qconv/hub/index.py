@@ -192,7 +192,7 @@ def entry_for_artifact(artifact_dir: str | Path, location: Location, name: str |
     name = check_name(name or Path(artifact_dir).resolve().name, str(artifact_dir))
     files = {k: FileEntry(**v) for k, v in file_table(artifact_dir).items() if k in m.files or k == "qconv.json"}
     return IndexEntry(name=name, recipe=m.recipe.name, source=SourceRef(m.source.id, m.source.revision),
-                      location=location, files=files, card=card, quality=m.quality or {})
+                      location=location, files=files, card=card, quality=m.quality.data if m.quality else {})
 
 
 def add_to_index_file(index_file: str | Path, entry: IndexEntry) -> Index:

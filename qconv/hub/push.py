@@ -40,14 +40,14 @@ def model_card(manifest: Manifest, repo_id: str) -> str:
         f"| status | `{manifest.status}` |",
         f"| size | {manifest.total_size() / 1e9:.2f} GB in {len(manifest.files)} files |",
         "", "## Quality", ""]
-    rows = quality_rows(manifest.quality)
+    rows = quality_rows(manifest.quality.data if manifest.quality else None)
     if rows:
         out += ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     else:
         out.append("No quality report was recorded for this artifact.")
     if manifest.requires:
         out += ["", "## Requirements", ""] + [
-            f"- {r.get('feature', '?')}: needs {r.get('needs', '?')} — {r.get('reason', '')}" for r in manifest.requires]
+            f"- {r.feature}: needs {r.needs} — {r.reason}" for r in manifest.requires]
     out += ["", "## Serving", "", "```bash",
             f"qconv pull {repo_id}", f"qconv serve {repo_id}", "```", "",
             "Or with vLLM (compressed-tensors is read natively):", "", "```bash", f"vllm serve {repo_id}", "```", "",

@@ -55,7 +55,7 @@ def summary_lines(report: VerifyReport) -> list[str]:
              f"recipe:   {m.recipe.name} (sha256 {m.recipe.sha256[:12]})",
              f"status:   {m.status}",
              f"files:    {len(m.files)}, {m.total_size() / 1e6:.1f} MB"]
-    rows = quality_rows(m.quality)
+    rows = quality_rows(m.quality.data if m.quality else None)
     if rows:
         width = max(len(k) for k, _ in rows)
         lines += ["quality:"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Tokens that are not (yet) quantized are kept in this dtype by the store and the simulation.
-EXACT_DTYPE = torch.float16
+from qconv.kv.store import EXACT_DTYPE, SlotKVStore
 # Bound on the float32 elements one encode/decode step touches at once (a 128K-token cache does not fit twice in RAM).
 CHUNK_ELEMS = 1 << 22
 
@@ -91,8 +90,6 @@ class KVScheme:
                   dtype: torch.dtype, device=None, decoded_cache_bytes: int = 0):
         """The runtime's KVStore (qconv.runtime.cache) holding this scheme's packed records per (layer, slot);
         decoded_cache_bytes > 0 lets reads reuse decoded closed tiles (a speed cache, outside the memory bound)."""
-        from qconv.kv.store import SlotKVStore
-
         return SlotKVStore(self, layers, max_batch, heads, head_dim, dtype, device, decoded_cache_bytes)
 
     # --- simulation ----------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ def _imbalance(col: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
 
 def _weighted_std(x: torch.Tensor, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """std over the rows of x [..., n, m] with row i scaled by w_i (w: [..., n]) -> [..., m], without building the
-    scaled tile: vector-matrix products with x and x^2 (precomputed). Several times faster than torch.std (a
-    Welford pass); the E[x^2] - E[x]^2 cancellation is harmless here (fp32, 64-256 values per row)."""
+    scaled tile: vector-matrix products with x and x^2 (precomputed), cheaper than torch.std's Welford pass; the
+    E[x^2] - E[x]^2 cancellation is harmless here (fp32, 64-256 values per row)."""
     n = x.shape[-2]
     m = (w.unsqueeze(-2) @ x).squeeze(-2) / n
     s = ((w * w).unsqueeze(-2) @ x2).squeeze(-2) / n

@@ -10,10 +10,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qconv.artifact import Artifact
+from qconv.convert.layout import module_bytes, plan_model
 from qconv.errors import QconvError
-from qconv.kv.base import EXACT_DTYPE
+from qconv.kv.store import EXACT_DTYPE
 from qconv.kv.schemes import get_kv_scheme
-from qconv.recipes.recipe import Profile, Recipe
+from qconv.recipes.recipe import Profile, Recipe, load_recipe
 
 GIB = 1 << 30
 # Nominal memory per card (GiB). --card-gib overrides.
@@ -67,15 +69,11 @@ class Weights:
     mtp: int = 0
 
 
-def weights(folder: Path, config: dict, recipe: Recipe) -> tuple[int, int, int, str]:
-    """(total, vision, mtp) bytes: the artifact's file table when qconv.json exists, else an estimate from the
+def weights(folder: Path, config: dict, recipe: Recipe, art: Artifact | None = None) -> tuple[int, int, int, str]:
+    """(total, vision, mtp) bytes: the artifact's file table when it is one (`art`), else an estimate from the
     config + recipe (qconv.convert.layout, tensor shapes only: no weights are loaded)."""
-    from qconv.convert.layout import module_bytes, plan_model
-
-    if (folder / "qconv.json").is_file():
-        from qconv.manifest import read_manifest
-
-        m = read_manifest(folder)
+    if art is not None:
+        m = art.manifest
         total = sum(f["size"] for n, f in m.files.items() if n.endswith(".safetensors"))
         modules, source = m.modules, "manifest"
     else:
@@ -159,21 +157,13 @@ def fit_profile(name: str, p: Profile, dims: ModelDims, recipe: Recipe, w_reside
 def plan_fit(model: str | Path, *, card: str = "3090", card_gib: float | None = None, recipe: str | None = None,
              profile: str | None = None, draft_len: int | None = None) -> FitReport:
     """`qconv plan`: read the folder (artifact, model or config only), pick recipe and card, fit every profile."""
-    from qconv.recipes.recipe import load_recipe
-    from qconv.recipes.schema import from_dict
-
     folder = Path(model).expanduser()
     if not (folder / "config.json").is_file():
         raise QconvError(f"no config.json in {folder}", where="MODEL_OR_ARTIFACT",
                          fix="pass a model folder, an artifact folder or a config-only folder")
     config = json.loads((folder / "config.json").read_text())
-    if recipe is None and (folder / "qconv.json").is_file():
-        from qconv.manifest import read_manifest
-
-        m = read_manifest(folder)
-        rec = from_dict(Recipe, m.recipe.resolved, "", f"{folder}/qconv.json recipe")
-    else:
-        rec = load_recipe(recipe or "3090")
+    art = Artifact.find(folder)
+    rec = load_recipe(recipe) if recipe else art.require_recipe() if art is not None else load_recipe("3090")
     if card_gib is None:
         if card.lower() not in CARDS:
             raise QconvError(f"unknown card {card!r}", where="--card",
@@ -186,7 +176,7 @@ def plan_fit(model: str | Path, *, card: str = "3090", card_gib: float | None = 
     if profile is not None and profile not in rec.profiles:  # before the (slow) weight estimate
         raise QconvError(f"unknown profile {profile!r} in recipe {rec.name}", where="--profile",
                          fix=f"use one of {', '.join(rec.profiles)}")
-    return build_report(str(folder), config, rec, *weights(folder, config, rec), card_name, card_gib,
+    return build_report(str(folder), config, rec, *weights(folder, config, rec, art), card_name, card_gib,
                         profile=profile, draft_len=draft_len)
 
 

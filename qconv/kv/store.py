@@ -2,14 +2,17 @@
 
 `PackedKV` holds one sequence (any leading dims: heads, or layers x heads) and is what benchmarks and tests drive.
 `SlotKVStore` adapts it to qconv.runtime.cache's KVStore protocol (write / read / truncate per layer and slot),
-so `make_kv_store("kvarn_k4v2_g128", ...)` in the runtime gets packed records through `scheme.new_store(...)`."""
+so `make_kv_store("kvarn_k4v2_g128", ...)` in the runtime gets packed records through `scheme.new_store(...)`.
+A store holds any qconv.kv.base.KVScheme (it only calls its codec), so it does not import base: base builds stores."""
 
 from __future__ import annotations
 
 import torch
 
 from qconv.errors import QconvError
-from qconv.kv.base import EXACT_DTYPE, KVScheme
+
+# Tokens that are not (yet) quantized are kept in this dtype by the store and the simulation.
+EXACT_DTYPE = torch.float16
 
 
 class PackedKV:
@@ -22,7 +25,7 @@ class PackedKV:
     only the tiles closed since the previous one; tiles past the cap are decoded on every read as before. That
     buffer is a speed cache outside the memory bound: `decoded_nbytes` reports it, `nbytes` does not."""
 
-    def __init__(self, scheme: KVScheme, head_dim: int, *, keep_last_tile: bool = False, decoded_tiles: int = 0,
+    def __init__(self, scheme, head_dim: int, *, keep_last_tile: bool = False, decoded_tiles: int = 0,
                  device=None):
         self.scheme, self.head_dim, self.keep_last_tile, self.device = scheme, head_dim, keep_last_tile, device
         self.decoded_tiles = decoded_tiles
@@ -165,7 +168,7 @@ class PackedKV:
 class SlotKVStore:
     """qconv.runtime.cache.KVStore over PackedKV: one packed sequence per (layer, slot); heads are batched."""
 
-    def __init__(self, scheme: KVScheme, layers: int, max_batch: int, heads: int, head_dim: int,
+    def __init__(self, scheme, layers: int, max_batch: int, heads: int, head_dim: int,
                  dtype: torch.dtype, device=None, decoded_cache_bytes: int = 0):
         """decoded_cache_bytes: total budget for decoded closed tiles (see PackedKV), split evenly over the
         (layer, slot) sequences; 0 (default) decodes every closed tile on every read."""

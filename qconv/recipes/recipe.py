@@ -136,6 +136,7 @@ class Profile:
     gpu_memory_utilization: float = 0.92
     mamba_ssm_cache_dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     language_model_only: bool = True
+    max_tokens: int | None = None  # completion cap of a chat request that sends none (None: the server's default)
     description: str = ""
 
     def validate(self):
@@ -143,6 +144,12 @@ class Profile:
             yield "kv_cache", f"unknown KV scheme {self.kv_cache!r}; allowed: {', '.join(KV_SCHEMES)}"
         if self.context_length <= 0:
             yield "context_length", f"must be > 0, got {self.context_length}"
+        if self.max_num_seqs < 1:
+            yield "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}"
+        if not 0 < self.gpu_memory_utilization <= 1:
+            yield "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            yield "max_tokens", f"must be > 0, got {self.max_tokens}"
 
 
 @dataclass

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from typing import Any, Literal, Union
 
 from qconv.errors import QconvError
+
+log = logging.getLogger(__name__)
 
 
 class SchemaError(QconvError):
@@ -35,7 +38,7 @@ def _fail(source: str, path: str, msg: str, fix: str | None = None):
     raise SchemaError(f"{path or '<top>'}: {msg}", where=source, fix=fix)
 
 
-def convert(tp, value: Any, path: str, source: str):
+def convert(tp, value: Any, path: str, source: str, strict: bool = True):
     """Convert `value` to type `tp`, recursively; raise SchemaError naming `path` on any mismatch."""
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -49,7 +52,7 @@ def convert(tp, value: Any, path: str, source: str):
             if a is type(None):
                 continue
             try:
-                return convert(a, value, path, source)
+                return convert(a, value, path, source, strict)
             except SchemaError as e:
                 errors.append(e)
         if len(errors) == 1:
@@ -66,14 +69,15 @@ def convert(tp, value: Any, path: str, source: str):
         if not isinstance(value, list):
             _fail(source, path, f"expected a list, got {value!r}")
         (item,) = typing.get_args(tp)
-        return [convert(item, v, f"{path}[{i}]", source) for i, v in enumerate(value)]
+        return [convert(item, v, f"{path}[{i}]", source, strict) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
             _fail(source, path, f"expected a mapping, got {value!r}")
         kt, vt = typing.get_args(tp)
-        return {convert(kt, k, path, source): convert(vt, v, f"{path}.{k}", source) for k, v in value.items()}
+        return {convert(kt, k, path, source, strict): convert(vt, v, f"{path}.{k}", source, strict)
+                for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path, source)
+        return from_dict(tp, value, path, source, strict)
     if tp is bool:
         if not isinstance(value, bool):
             _fail(source, path, f"expected true/false, got {value!r}")
@@ -98,14 +102,19 @@ def convert(tp, value: Any, path: str, source: str):
     raise TypeError(f"schema: unsupported type {tp!r} at {path}")
 
 
-def from_dict(cls, data: Any, path: str = "", source: str = "<config>"):
-    """Build dataclass `cls` from a mapping, rejecting unknown keys and missing required ones."""
+def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: bool = True):
+    """Build dataclass `cls` from a mapping, rejecting unknown keys (strict; else skipping them with a warning, for
+    records written by another qconv version) and missing required ones."""
     if not isinstance(data, dict):
         _fail(source, path, f"expected {_type_name(cls)}, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
-    if unknown:
+    if unknown and not strict:
+        log.warning("%s: ignoring keys this qconv does not know: %s", source,
+                    ", ".join(f"{path}.{k}" if path else str(k) for k in unknown))
+        data = {k: v for k, v in data.items() if k in fields}
+    elif unknown:
         k = unknown[0]
         close = difflib.get_close_matches(str(k), list(fields), n=1)
         where = f"{path}.{k}" if path else str(k)
@@ -115,7 +124,7 @@ def from_dict(cls, data: Any, path: str = "", source: str = "<config>"):
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name
         if name in data:
-            kwargs[name] = convert(hints[name], data[name], sub, source)
+            kwargs[name] = convert(hints[name], data[name], sub, source, strict)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             _fail(source, sub, f"missing required key ({_type_name(hints[name])})")
     obj = cls(**kwargs)

@@ -12,8 +12,9 @@ from typing import Protocol
 
 import torch
 
+from qconv.artifact import Artifact
 from qconv.errors import QconvError
-from qconv.manifest import MANIFEST, read_manifest
+from qconv.recipes.recipe import Speculative
 from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
 
 SPEC_MODES = ("none", "lookup", "mtp", "hybrid")
@@ -72,24 +73,25 @@ class SpecConfig:
         return self.method != "none" and self.max_block > 0
 
     @classmethod
-    def from_manifest(cls, speculative: dict | None, tokens: int | None = None) -> SpecConfig:
-        """The artifact's `speculative` block (qconv.json) as the runtime runs it; `tokens` overrides its k (the
-        lookup block for method lookup; 0 = off). Methods our engine lacks (dflash: vLLM's) fall back to lookup."""
-        spec = speculative or {}
-        method = "lookup" if spec.get("method") == "dflash" else spec.get("method", "none")
-        lk = spec.get("lookup") or {}
-        k = int(spec.get("num_speculative_tokens", 4) if tokens is None else tokens)
-        block = k if tokens is not None and method == "lookup" else int(lk.get("max_block", 15))
+    def from_manifest(cls, spec: Speculative | None, tokens: int | None = None) -> SpecConfig:
+        """The artifact's typed `speculative` block as the runtime runs it (None: the artifact records none);
+        `tokens` overrides its k (the lookup block for method lookup; 0 = off). Methods our engine lacks (dflash:
+        vLLM's) fall back to lookup."""
+        if spec is None:
+            return cls("none")
+        method = "lookup" if spec.method == "dflash" else spec.method
+        k = spec.num_speculative_tokens if tokens is None else int(tokens)
+        block = k if tokens is not None and method == "lookup" else spec.lookup.max_block
         return cls(method="none" if k == 0 else method, k=k, max_block=min(max(block, k), 15),
-                   ngram_min=int(lk.get("ngram_min", 2)), ngram_max=int(lk.get("ngram_max", 4)))
-
+                   ngram_min=spec.lookup.ngram_min, ngram_max=spec.lookup.ngram_max)
 
     @classmethod
     def of_artifact(cls, path: Path, tokens: int | None = None) -> SpecConfig:
         """`from_manifest` of the folder's qconv.json; prompt lookup (2..4-grams) for a folder without one."""
-        if not (Path(path) / MANIFEST).is_file():
-            return cls("lookup") if tokens is None else cls.from_manifest({"method": "lookup"}, tokens)
-        return cls.from_manifest(read_manifest(path).speculative, tokens)
+        art = Artifact.find(path)
+        if art is None:
+            return cls("lookup") if tokens is None else cls.from_manifest(Speculative("lookup"), tokens)
+        return cls.from_manifest(art.speculative, tokens)
 
     def for_model(self, model) -> SpecConfig:
         """This config on `model`: the MTP part dropped (prompt lookup kept) when the model has no MTP head."""

@@ -12,7 +12,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from qconv.artifact import Artifact
 from qconv.errors import QconvError
+from qconv.manifest import Requirement
 
 
 def _cuda_gpu() -> bool:
@@ -103,7 +105,7 @@ def _serve(path, backend, profile, recipe, print_command, host, port, api_key, t
     info = vllm_probe.probe_vllm(python)
     opts.platform = info.platform
     argv = vllm.build_command(src, profile, opts)
-    if info.platform == "cpu" and src.hybrid and src.speculative.get("method", "none") != "none":
+    if info.platform == "cpu" and src.hybrid and src.speculative and src.speculative.method != "none":
         click.echo(f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it",
                    err=True)
     vllm_probe.check_vllm(src, profile, info, vllm_features)
@@ -114,14 +116,12 @@ def _serve(path, backend, profile, recipe, print_command, host, port, api_key, t
         sys.exit(rc)
 
 
-def _requires(path: Path, profile: str | None) -> tuple[list[dict], str]:
+def _requires(path: Path, profile: str | None) -> tuple[list[Requirement], str]:
     """What the artifact needs of vLLM, and the profile it would be served under (a plain folder needs nothing)."""
-    from qconv.manifest import MANIFEST, read_manifest
-
-    if not (path / MANIFEST).is_file():
+    art = Artifact.find(path)
+    if art is None:
         return [], profile or ""
-    m = read_manifest(path)
-    return m.requires, profile or m.recipe.resolved.get("default_profile") or next(iter(m.profiles), "")
+    return art.requires, profile or art.default_profile
 
 
 def _override_runtime(python: str):

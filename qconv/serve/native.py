@@ -11,7 +11,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qconv.artifact import Artifact
 from qconv.errors import QconvError
+from qconv.recipes.recipe import Speculative
 from qconv.runtime.spec import SpecConfig
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
@@ -43,23 +45,18 @@ class NativePlan:
 
 def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
     """Context, runtime KV scheme and speculation from the artifact's manifest when it has one."""
-    from qconv.manifest import MANIFEST, read_manifest
-
     cfg = json.loads((path / "config.json").read_text())
     max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
     plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
-    m = read_manifest(path) if (path / MANIFEST).is_file() else None
-    if m is not None and m.profiles:
-        name = opts.profile or m.recipe.resolved.get("default_profile") or next(iter(m.profiles))
-        if name not in m.profiles:
-            raise QconvError(f"unknown profile {name!r}", where="--profile", fix=f"profiles: {', '.join(m.profiles)}")
-        p = m.profiles[name]
-        plan.context_len = min(int(p["context_length"]), max_pos, DEFAULT_NATIVE_CONTEXT)
-        plan.kv_scheme = p.get("kv_cache", "bf16")
-        plan.max_tokens = int(p.get("max_tokens", DEFAULT_MAX_TOKENS))
+    art = Artifact.find(path)
+    if art is not None and art.profiles:
+        _, p = art.profile(opts.profile)
+        plan.context_len = min(p.context_length, max_pos, DEFAULT_NATIVE_CONTEXT)
+        plan.kv_scheme = p.kv_cache
+        plan.max_tokens = p.max_tokens or DEFAULT_MAX_TOKENS
     elif opts.profile:
         raise QconvError(f"{path} has no serving profiles", where="--profile", fix="drop --profile for a plain model")
-    spec = m.speculative if m is not None else {"method": "lookup"} if opts.spec_tokens else {}
+    spec = art.speculative if art is not None else Speculative("lookup") if opts.spec_tokens else None
     plan.spec = SpecConfig.from_manifest(spec, opts.spec_tokens)
     if opts.max_model_len:
         plan.context_len = min(opts.max_model_len, max_pos)

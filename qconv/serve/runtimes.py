@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import qconv
+from qconv.convert.requires import missing_for_vllm
 from qconv.errors import QconvError
+from qconv.manifest import Requirement
 from qconv.fsutil import write_json_atomic
 from qconv.paths import qconv_home
 
@@ -149,13 +151,11 @@ class BackendChoice:
     runtime: Runtime | None = None
 
 
-def choose_backend(requires: list[dict], profile: str, runtime: Runtime | None, gpu: bool,
+def choose_backend(requires: list[Requirement], profile: str, runtime: Runtime | None, gpu: bool,
                    declared: set[str] = frozenset()) -> BackendChoice:
     """`qconv serve --backend auto`: vLLM + plugin whenever a usable runtime meets the artifact's `requires` for
     this profile on its device (plus what the user `declared` their vLLM handles), qconv's own engine otherwise;
     the reason is said to the user in one line."""
-    from qconv.convert.requires import missing_for_vllm
-
     if runtime is None:
         return BackendChoice("native", "no vLLM runtime is installed (`qconv runtime install` adds one)")
     if runtime.device == "cuda" and not gpu:
@@ -163,7 +163,7 @@ def choose_backend(requires: list[dict], profile: str, runtime: Runtime | None, 
     missing = missing_for_vllm(requires, profile, set(runtime.features) | set(declared), runtime.device)
     if missing:
         m = missing[0]
-        return BackendChoice("native", f"runtime {runtime.name} cannot run it: {m.get('feature')} needs "
-                                       f"{m.get('needs')}", runtime)
+        return BackendChoice("native", f"runtime {runtime.name} cannot run it: {m.feature} needs "
+                                       f"{m.needs}", runtime)
     return BackendChoice("vllm", f"vLLM {runtime.vllm} + qconv-vllm {runtime.plugin} from runtime {runtime.name} "
                                  f"({runtime.device})", runtime)

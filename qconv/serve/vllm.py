@@ -18,7 +18,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qconv.artifact import Artifact, choose_profile
 from qconv.errors import QconvError
+from qconv.manifest import MANIFEST, Requirement
+from qconv.recipes.recipe import Profile, Speculative, load_recipe
 
 # Architectures whose decoder mixes Gated-DeltaNet (mamba-style state) with attention: they take
 # --mamba-ssm-cache-dtype, and vLLM's prefix caching is off for them (wrong reuse of recurrent state).
@@ -35,10 +38,10 @@ class ServeSource:
     model_dir: Path
     name: str
     config: dict
-    profiles: dict[str, dict]
+    profiles: dict[str, Profile]
     default_profile: str
-    speculative: dict
-    requires: list[dict] = field(default_factory=list)
+    speculative: Speculative | None
+    requires: list[Requirement] = field(default_factory=list)
 
     @property
     def model_type(self) -> str:
@@ -65,34 +68,23 @@ class ServeSource:
 
 def load_source(path: str | Path, recipe: str | None = None) -> ServeSource:
     """An artifact (profiles from `qconv.json`) or a plain config folder with `--recipe` (no weights needed)."""
-    from qconv.manifest import MANIFEST, read_manifest
-
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise QconvError(f"no config.json in {path}", where=str(path),
                          fix="pass an artifact folder (qconv build --out) or an HF config folder with --recipe")
     config = json.loads(cfg_path.read_text())
-    if recipe is None and (path / MANIFEST).is_file():
-        m = read_manifest(path)
-        profiles = m.profiles
-        default = m.recipe.resolved.get("default_profile") or next(iter(profiles), "")
-        return ServeSource(path, path.name, config, profiles, default, m.speculative, m.requires)
+    if recipe is None and (art := Artifact.find(path)) is not None:
+        return ServeSource(path, path.name, config, art.profiles, art.default_profile, art.speculative, art.requires)
     if recipe is None:
         raise QconvError(f"{path} has no {MANIFEST}, so it carries no serving profiles", where=str(path),
                          fix="pass --recipe NAME (e.g. --recipe 3090) to take the profiles from a recipe")
-    from qconv.recipes import load_recipe
-
-    r = load_recipe(recipe).to_dict()
-    return ServeSource(path, path.name, config, r["profiles"], r["default_profile"], r["speculative"], [])
+    r = load_recipe(recipe)
+    return ServeSource(path, path.name, config, r.profiles, r.default_profile, r.speculative, [])
 
 
-def pick_profile(src: ServeSource, profile: str | None) -> tuple[str, dict]:
-    name = profile or src.default_profile
-    if name not in src.profiles:
-        raise QconvError(f"unknown profile {name!r}", where="--profile",
-                         fix=f"profiles of {src.name}: {', '.join(src.profiles) or '(none)'}")
-    return name, src.profiles[name]
+def pick_profile(src: ServeSource, profile: str | None) -> tuple[str, Profile]:
+    return choose_profile(src.profiles, profile or src.default_profile, src.name)
 
 
 def kvarn_block_size(kv: str) -> int:
@@ -104,26 +96,22 @@ def speculative_config(src: ServeSource, platform: str | None = None, tokens: in
     """vLLM's --speculative-config. vLLM runs one method per server: `hybrid` (MTP + prompt lookup in qconv's
     runtime) becomes MTP when the checkpoint has an MTP head, else n-gram lookup; `dflash` passes its drafter model
     through. vLLM's CPU backend cannot run speculation on hybrid (Gated-DeltaNet) models, so none is set there."""
-    spec = src.speculative or {}
-    method = spec.get("method", "none")
-    n = int(spec.get("num_speculative_tokens", 0) or 0) if tokens is None else tokens
+    spec = src.speculative
+    method = spec.method if spec is not None else "none"
+    n = (spec.num_speculative_tokens if spec is not None else 0) if tokens is None else tokens
     if method == "none" or n <= 0:
         return None
     if platform == "cpu" and src.hybrid:
         return None
     if method == "dflash":
-        if not spec.get("drafter"):
-            raise QconvError("speculative method dflash without a drafter model", where="qconv.json speculative",
-                             fix="set speculative.drafter in the recipe (a Hub id or a local path) and rebuild")
-        return {"method": "dflash", "model": str(spec["drafter"]), "num_speculative_tokens": n}
+        return {"method": "dflash", "model": spec.drafter, "num_speculative_tokens": n}  # validated: has a drafter
     if method in ("mtp", "hybrid") and src.has_mtp:
         return {"method": "mtp", "num_speculative_tokens": n}
     if method == "mtp":
         raise QconvError(f"speculative method mtp, but {src.name} has no MTP head (mtp_num_hidden_layers = 0)",
                          fix="use a recipe with speculative.method lookup or none")
-    lk = spec.get("lookup") or {}
     return {"method": "ngram", "num_speculative_tokens": n,
-            "prompt_lookup_max": int(lk.get("ngram_max", 4)), "prompt_lookup_min": int(lk.get("ngram_min", 2))}
+            "prompt_lookup_max": spec.lookup.ngram_max, "prompt_lookup_min": spec.lookup.ngram_min}
 
 
 @dataclass
@@ -138,50 +126,21 @@ class LaunchOptions:
     spec_tokens: int | None = None  # overrides the artifact's num_speculative_tokens; 0 turns speculation off
 
 
-_MAMBA_DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-def checked_profile(pname: str, p: dict) -> dict:
-    """A profile's values as they become vLLM flags: a pulled manifest is data from elsewhere, so each one is typed
-    and bounded here rather than passed through (a value such as "--trust-remote-code" would be one more flag)."""
-    where = f"qconv.json profiles.{pname}"
-
-    def bad(key, why):
-        return QconvError(f"profile {pname!r}: {key} {why}", where=f"{where}.{key}",
-                          fix="rebuild the artifact, or re-pull it from a source you trust")
-
-    out = dict(p)
-    for key, lo in (("context_length", 1), ("max_num_seqs", 1)):
-        v = p.get(key, lo)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise bad(key, f"must be an integer >= {lo}, got {v!r}")
-    g = p.get("gpu_memory_utilization", 0.92)
-    if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
-        raise bad("gpu_memory_utilization", f"must be a number in (0, 1], got {g!r}")
-    kv = p.get("kv_cache", "bf16")
-    if not isinstance(kv, str) or not (kv in KV_TO_VLLM or (kv.startswith("kvarn_") and kv.rsplit("_g", 1)[-1].isdigit())):
-        raise bad("kv_cache", f"must be one of {', '.join(KV_TO_VLLM)} or kvarn_*_gN, got {kv!r}")
-    if p.get("mamba_ssm_cache_dtype", "auto") not in _MAMBA_DTYPES:
-        raise bad("mamba_ssm_cache_dtype", f"must be one of {', '.join(_MAMBA_DTYPES)}")
-    return out
-
-
 def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:
     """The argv that serves `src` under `profile` (pure: no vLLM needed)."""
-    pname, p = pick_profile(src, profile)
-    p = checked_profile(pname, p)
-    kv = p.get("kv_cache", "bf16")
+    _, p = pick_profile(src, profile)  # typed and bounded when read (Profile.validate): no value becomes a flag
+    kv = p.kv_cache
     argv = [opts.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(src.model_dir),
             "--served-model-name", src.name, "--host", opts.host, "--port", str(opts.port),
-            "--max-model-len", str(min(int(p["context_length"]), src.max_position_embeddings or 1 << 62)),
+            "--max-model-len", str(min(p.context_length, src.max_position_embeddings or 1 << 62)),
             "--kv-cache-dtype", KV_TO_VLLM.get(kv, kv)]
     if kv.startswith("kvarn_"):
         argv += ["--block-size", str(kvarn_block_size(kv)), "--dtype", "float16"]  # KVarN computes in fp16
-    argv += ["--max-num-seqs", str(opts.max_num_seqs or int(p.get("max_num_seqs", 1)))]
-    argv += ["--gpu-memory-utilization", str(p.get("gpu_memory_utilization", 0.92))]
+    argv += ["--max-num-seqs", str(opts.max_num_seqs or p.max_num_seqs)]
+    argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
     if src.hybrid:
-        argv += ["--mamba-ssm-cache-dtype", p.get("mamba_ssm_cache_dtype", "auto"), "--no-enable-prefix-caching"]
-    if src.architecture in MULTIMODAL_ARCHS and p.get("language_model_only", True):
+        argv += ["--mamba-ssm-cache-dtype", p.mamba_ssm_cache_dtype, "--no-enable-prefix-caching"]
+    if src.architecture in MULTIMODAL_ARCHS and p.language_model_only:
         argv += ["--language-model-only"]
     if (spec := speculative_config(src, opts.platform, opts.spec_tokens)) is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]

@@ -7,7 +7,7 @@ import json
 import subprocess
 from dataclasses import dataclass
 
-from qconv.convert.requires import KV_PREFIX, missing_for_vllm, vllm_feature
+from qconv.convert.requires import KV_PREFIX, missing_for_vllm
 from qconv.errors import QconvError
 from qconv.serve.vllm import KV_TO_VLLM, ServeSource, pick_profile, vllm_env
 
@@ -97,20 +97,20 @@ def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo,
     if src.architecture and info.archs is not None and src.architecture not in info.archs:
         raise QconvError(f"vLLM {info.version} does not know the architecture {src.architecture}",
                          where=str(src.model_dir), fix="upgrade vLLM (pip install -U vllm) or use --backend native")
-    kv = p.get("kv_cache", "bf16")
+    kv = p.kv_cache
     if not _accepts_kv(info, kv):
-        ok = [n for n, q in src.profiles.items() if _accepts_kv(info, q.get("kv_cache", "bf16"))]
+        ok = [n for n, q in src.profiles.items() if _accepts_kv(info, q.kv_cache)]
         need = "the KVarN build of vLLM" if kv.startswith("kvarn_") else "a vLLM that accepts it"
-        fallback = f"use --profile {ok[0]} ({src.profiles[ok[0]].get('kv_cache')} KV)" if ok else "no profile fits"
+        fallback = f"use --profile {ok[0]} ({src.profiles[ok[0]].kv_cache} KV)" if ok else "no profile fits"
         raise QconvError(f"profile {pname!r} needs KV cache dtype {kv}, which vLLM {info.version} does not accept "
                          f"(needs {need})", where="--profile",
                          fix=f"{fallback}, or serve this profile with --backend native")
     for req in missing_for_vllm(src.requires, pname, set(features) | info.features, info.platform):
-        feat = vllm_feature(req)
+        feat = req.vllm_feature
         declare = f", or, if your vLLM is built to handle it, pass --vllm-feature {feat}" if feat else ""
         plugin = (f"; the qconv-vllm plugin in that environment is not active ({info.plugin_error})"
                   if info.plugin_error else "; that environment has no qconv-vllm plugin" if not info.plugin else "")
-        raise QconvError(f"{src.name}: {req.get('feature')} needs {req.get('needs')} ({req.get('reason', '')})"
+        raise QconvError(f"{src.name}: {req.feature} needs {req.needs} ({req.reason})"
                          + plugin, where="qconv.json requires",
                          fix="install a runtime with the plugin (`qconv runtime install`), serve it with --backend "
                              f"native, or rebuild with a recipe that keeps it bf16 (3090-vllm){declare}")
@@ -148,8 +148,8 @@ def check_quant_config(src: ServeSource, python: str, version: str) -> None:
     data = json.loads(lines[-1]) if lines else {"ok": False, "error": (r.stderr.strip().splitlines() or ["?"])[-1],
                                                  "at": "import"}
     if not data["ok"]:
-        needs = "; ".join(f"{q.get('feature')}: {q.get('needs')}" for q in src.requires
-                          if vllm_feature(q) and not vllm_feature(q).startswith(KV_PREFIX))
+        needs = "; ".join(f"{q.feature}: {q.needs}" for q in src.requires
+                          if q.vllm_feature and not q.vllm_feature.startswith(KV_PREFIX))
         raise QconvError(f"vLLM {version} cannot load {src.name}: its compressed-tensors parser rejects the "
                          f"quantization_config ({data['error']} at {data['at']})" + (f"; the artifact needs {needs}"
                                                                                        if needs else ""),

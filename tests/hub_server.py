@@ -16,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from qconv.hub import cache
+from qconv.hub.index import Location, add_to_index_file, entry_for_artifact
 from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, SourceInfo, hash_artifact_files
+from qconv.recipes.recipe import load_recipe
 
 BIG = "model-00001-of-00002.safetensors"
 SMALL = "model-00002-of-00002.safetensors"
@@ -39,7 +42,7 @@ def make_artifact(folder: Path) -> Path:
         "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}}))
     (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
     Manifest(source=SourceInfo(kind="hub", id="Qwen/Qwen3-Tiny", revision="0123abc", architecture="qwen3"),
-             recipe=RecipeInfo(name="3090", sha256="ab" * 32, resolved={"default_profile": "fast"}),
+             recipe=RecipeInfo(name="3090", sha256="ab" * 32, resolved=load_recipe("3090").to_dict()),
              modules=[ModuleDecision("model.layers.0.mlp.down_proj", "mlp.down", "w4a16", 4, 128, [128, 4096])],
              files=hash_artifact_files(folder), quality=QUALITY, status="ok",
              profiles={"fast": {"kv_cache": "bf16", "context_length": 4096}}).write(folder)
@@ -259,3 +262,57 @@ class FakeHub(FileServer):
 
     def resolve_path(self, repo: str, sha: str, name: str) -> str:
         return f"/{repo}/resolve/{sha}/{name}"
+
+
+NAME = "tiny-w4a16"
+BIG_PATH = f"/artifacts/{NAME}/{BIG}"
+
+
+class Hub:
+    def __init__(self, tmp: Path):
+        self.root = tmp / "served"
+        self.art = make_artifact(self.root / "artifacts" / NAME)
+        self.server = FileServer(self.root)
+        self.index_url = f"{self.server.url}/index.json"
+        self.art_url = f"{self.server.url}/artifacts/{NAME}"
+        self.index_file = self.root / "index.json"
+        add_to_index_file(self.index_file, entry_for_artifact(self.art, Location("url", self.art_url), card="tiny"))
+        self.home = tmp / "home"
+
+    def edit_index(self, fn) -> None:
+        d = json.loads(self.index_file.read_text())
+        fn(d["artifacts"][0])
+        self.index_file.write_text(json.dumps(d))
+
+    @property
+    def loc(self) -> Location:
+        return Location("url", self.art_url)
+
+    def cached(self) -> Path | None:
+        """The current cached revision of the served artifact (QCONV_HOME is this hub's home)."""
+        return cache.current(self.loc)
+
+    def stray(self) -> list[str]:
+        """Anything under the cache besides the finished slot, its locks and the name records."""
+        root, slot, rev = self.home / "artifacts", cache.slot_key(self.loc), self.cached().name
+        allowed = {slot, f"{slot}/source.json", f"{slot}/current", f"{slot}/revs", f"{slot}/revs/{rev}",
+                   f"{slot}/revs/{rev}.lock", ".locks", f".locks/{slot}.lock", ".names", ".incoming"}
+        found = [p.relative_to(root).as_posix() for p in root.rglob("*")]
+        return [f for f in found if f not in allowed and not f.startswith((f"{slot}/revs/{rev}/", ".names/"))]
+
+
+def served_hub(tmp_path, monkeypatch):
+    """A Hub over tmp_path with QCONV_HOME pointed at its home (tests/conftest.py `hub`)."""
+    h = Hub(tmp_path)
+    monkeypatch.setenv("QCONV_HOME", str(h.home))
+    monkeypatch.delenv("QCONV_INDEX", raising=False)
+    yield h
+    h.server.close()
+
+
+def assert_same_tree(a: Path, b: Path) -> None:
+    fa = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    fb = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    assert fa == fb
+    for n in fa:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n

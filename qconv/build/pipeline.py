@@ -16,16 +16,24 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qconv import progress
+from qconv.build.quantized import build_from_quantized
+from qconv.calibrate.select import format_table, parse_budget, select
+from qconv.calibrate.sensitivity import Scores
 from qconv.convert.artifact import copy_mtp, copy_side_files, finalize, write_index
-from qconv.convert.layout import Plan, plan_model
+from qconv.convert.layout import Plan, apply_selection, bpw_budget, candidate_units, plan_model
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.convert.stages import DONE, WorkDir, default_work_dir, stage_key
 from qconv.errors import GateFailure, QconvError
+from qconv.eval.forward import Forward
+from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG, render_md
+from qconv.eval.report import summary as summary_of
+from qconv.eval.run import gate_failure, quality_report
 from qconv.fsutil import (atomic_dir, check_out_folder, check_space, check_writable, disk_error, owned_temp_dir,
                           sha256_file, sweep_stale, write_json_atomic, write_text_atomic)
-from qconv.manifest import MANIFEST, CalibrationInfo, Manifest, RecipeInfo, SourceInfo, tool_versions
+from qconv.kv.plan import int8_headroom
+from qconv.manifest import MANIFEST, CalibrationInfo, Manifest, QualityReport, RecipeInfo, SourceInfo, tool_versions
 from qconv.paths import qconv_home
 from qconv.recipes.recipe import Recipe, load_recipe
 
@@ -62,7 +70,7 @@ class DryRun:
     selection: object | None = None  # calibrate.select.Selection when scores are cached in the work dir
     budget_bytes: int = 0
     budget_note: str = ""  # how an `auto` budget was found
-    units: list = None  # calibrate.sensitivity.Unit candidates (for the by-role preview without scores)
+    units: list = None  # convert.layout.Unit candidates (for the by-role preview without scores)
 
 
 def _recipe(opts: BuildOptions) -> Recipe:
@@ -77,7 +85,6 @@ def _recipe(opts: BuildOptions) -> Recipe:
 
 def _budget(opts: BuildOptions, recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
     """The selection budget in bytes and how it was found: a --bpw target, else the recipe's (int8_budget)."""
-    from qconv.calibrate.select import bpw_budget
 
     if opts.bpw is not None:
         return bpw_budget(opts.bpw, plan), f"INT8 budget from --bpw {opts.bpw:g}"
@@ -95,13 +102,9 @@ def _work(opts: BuildOptions, src_id: str) -> WorkDir:
 def int8_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
     """The selection budget in bytes, and for `auto` the fit it came from (the KV planner's, see
     qconv.kv.plan.int8_headroom)."""
-    from qconv.calibrate.select import parse_budget
-
     spec = recipe.selection.budget
     if spec.strip() != "auto":
         return parse_budget(spec, plan.total_bytes), ""
-    from qconv.kv.plan import int8_headroom
-
     roles = plan.bytes_by_role()
     left, fit = int8_headroom(config, recipe, plan.total_bytes, roles.get("vision", {}).get("bytes", 0),
                               roles.get("mtp", {}).get("bytes", 0))
@@ -124,9 +127,6 @@ def int8_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
 def dry_run(opts: BuildOptions) -> DryRun:
     """The plan without loading weights: shapes come from safetensors headers or a meta-device model. When the
     work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
-    from qconv.calibrate.select import candidate_units, select
-    from qconv.calibrate.sensitivity import Scores
-
     recipe = _recipe(opts)
     src = resolve_source(opts.model, revision=opts.revision, weights=False)
     config = read_config(src.path)
@@ -177,7 +177,7 @@ def _calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: 
 
 def _sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, sens_samples: int = 8):
     """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions."""
-    from qconv.calibrate.sensitivity import Scores, model_kld_scores, proxy_scores
+    from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
 
     ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
     key = stage_key("sensitivity", src_sha, calib.info.sha256, opts.sensitivity, sens_samples,
@@ -241,7 +241,6 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
-    from qconv.calibrate.select import apply_selection, candidate_units, format_table, select
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
     from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq
@@ -255,8 +254,6 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     check_out(opts, source=src.path)
     config = read_config(src.path)
     if detect_format(config, where=str(src.path / "config.json")) is not None:
-        from qconv.convert.imported import build_from_quantized
-
         return build_from_quantized(opts, recipe)  # keeps its quantized tensors, requantizes the rest (no GPU)
     plan = plan_model(src.path, config, recipe)
     for w in plan.warnings:
@@ -307,7 +304,7 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     if budget > 0 and any(not u.refusal for u in units):
         scores = _sensitivity(opts, units, calib, source_info.sha256, model_loader, work)
     selection = select(units, scores, budget, budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
-    modules = apply_selection(plan, units, selection)
+    modules = apply_selection(plan, units, selection.chosen)
     if units:
         log.info("%s", format_table(selection))
     final_plan = replace(plan, modules=modules)
@@ -317,8 +314,8 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
         recipe=RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
         modules=modules,
         calibration=calib.info,
-        profiles={k: asdict(v) for k, v in recipe.profiles.items()},
-        speculative=asdict(recipe.speculative),
+        profiles=dict(recipe.profiles),
+        speculative=recipe.speculative,
         requires=requirements(recipe, final_plan),
         selection=selection.to_dict(),
         tools=tool_versions(),
@@ -413,14 +410,6 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
         log.warning("quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
                     "in the recipe); the artifact is marked unchecked")
         return None
-    try:
-        from qconv.eval import quality_report
-        from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG
-        from qconv.eval.report import summary as summary_of
-        from qconv.eval.run import gate_failure
-    except ImportError:
-        log.warning("quality report skipped: qconv.eval is not available in this install")
-        return None
     weights = {k: v["sha256"] for k, v in manifest.files.items() if k.endswith(".safetensors")}
     text_id = sha256_file(Path(text)) if Path(text).is_file() else text
     key = stage_key("quality", weights, text_id, asdict(recipe.quality), manifest.source.sha256)
@@ -428,8 +417,6 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
     qdir = work.cached_dir("quality", key)
     if qdir is None:
         with work.new_dir("quality", key) as tmp:
-            from qconv.eval.forward import Forward
-
             quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
                            num_parameters=manifest.source.num_parameters,
                            fwd=Forward(streamed=True if streamed else None))
@@ -438,7 +425,7 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
         _copy_files(qdir, artifact, reports)
     _name_final_path(artifact, final)
     summary = summary_of(json.loads((artifact / REPORT_JSON).read_text()))
-    manifest.quality = summary
+    manifest.quality = QualityReport(summary)
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
     if passed is False and opts.gates:
@@ -455,8 +442,6 @@ def _copy_files(src: Path, dst: Path, names) -> None:
 def _name_final_path(artifact: Path, final: Path) -> None:
     """The reports are written inside the build's temp folder (atomic_dir) and would name it; point them at the
     folder the artifact is renamed to."""
-    from qconv.eval.report import REPORT_JSON, REPORT_MD, render_md
-
     path = artifact / REPORT_JSON
     if path.is_file():
         report = json.loads(path.read_text())

@@ -163,7 +163,7 @@ def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
 
     from qconv import progress
     from qconv.build.pipeline import build as run_build
-    from qconv.convert.summary import artifact_summary, print_summary
+    from qconv.build.summary import artifact_summary, print_summary
     from qconv.errors import GateFailure
 
     failure, t0 = None, time.time()

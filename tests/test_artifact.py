@@ -71,12 +71,12 @@ def test_a_bad_profile_value_names_its_key(tmp_path):
 def test_a_recipe_recorded_by_another_version_reads_with_a_warning(tmp_path, caplog):
     """Keys this qconv does not know are skipped (warned) in the recorded recipe; a user's YAML stays strict."""
     d = _manifest(profiles=dict(load_recipe("3090").profiles)).to_dict()
-    d["recipe"]["resolved"]["tied_embeddings"] = "untie"
-    d["recipe"]["resolved"]["quantizer"]["observer"] = "mse"
+    d["recipe"]["resolved"]["future_key"] = "untie"
+    d["recipe"]["resolved"]["quantizer"]["future_option"] = "mse"
     (tmp_path / "qconv.json").write_text(json.dumps(d))
     art = Artifact.open(tmp_path)
     assert art.recipe.quantizer == load_recipe("3090").quantizer and art.default_profile == "fast"
-    assert "tied_embeddings" in caplog.text and "quantizer.observer" in caplog.text
+    assert "future_key" in caplog.text and "quantizer.future_option" in caplog.text
     bad = tmp_path / "r.yaml"
     bad.write_text('extends: "3090"\ntied_embeddings: untie\n')
     with pytest.raises(QconvError, match="unknown key 'tied_embeddings'"):

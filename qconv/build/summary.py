@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG
 from qconv.manifest import read_manifest
 
 QUALITY_KEYS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
@@ -17,20 +18,14 @@ def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
     """The facts of a finished build as one JSON-able dict."""
     out = Path(out).resolve()
     m = read_manifest(out)
-    q = m.quality or {}
+    q = m.quality.data if m.quality else {}
     size = m.total_size()
     source = m.build.get("source_bytes") or sum(f.get("size", 0) for f in m.source.files.values())
     bpw = q.get("bits_per_weight")
     if bpw is None and m.source.num_parameters:  # not measured: weight file bytes over the source's parameters
         bpw = 8 * sum(f["size"] for k, f in m.files.items() if k.endswith(".safetensors")) / m.source.num_parameters
     quality = {sec: {k: q[sec][k] for k in QUALITY_KEYS} for sec in ("weights", "weights_kv") if q.get(sec)}
-    reports = {}
-    try:
-        from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG
-
-        reports = {n: str(out / n) for n in (REPORT_MD, REPORT_PNG, REPORT_JSON) if (out / n).is_file()}
-    except ImportError:  # eval area not installed: no reports to point at
-        pass
+    reports = {n: str(out / n) for n in (REPORT_MD, REPORT_PNG, REPORT_JSON) if (out / n).is_file()}
     return {
         "artifact": str(out), "status": m.status, "recipe": m.recipe.name,
         "size_bytes": size, "source_bytes": source, "bits_per_weight": bpw,

@@ -19,6 +19,7 @@ import pytest
 from qconv.runtime.sampling import SamplingParams
 from qconv.serve.native import BackgroundServer, NativeOptions, build_native
 from qconv.serve.scheduler import GenRequest, Scheduler
+from tests.sched_helpers import submit_and_wait
 
 KEY = "fault-key"
 GOOD = ["The quick brown", "First Citizen:", "def add(a, b):", "0123456789 +", "All: Speak", "A tiny model"]
@@ -82,27 +83,6 @@ def test_out_of_range_fields_are_400_and_the_server_keeps_serving(server, model,
     assert code == 200 and ok["usage"]["completion_tokens"] >= 1
 
 
-def _collect(sched: Scheduler, reqs: list[GenRequest]) -> dict[int, str]:
-    """Submit, wait for every request's last event; finish reason per request index."""
-    done, out = threading.Event(), {}
-    lock = threading.Lock()
-
-    def sink(i):
-        def emit(ev):
-            if ev.finish_reason:
-                with lock:
-                    out[i] = ev.finish_reason
-                    if len(out) == len(reqs):
-                        done.set()
-        return emit
-
-    for i, r in enumerate(reqs):
-        r.emit = sink(i)
-        sched.submit(r)
-    assert done.wait(120), f"requests never finished: {sorted(set(range(len(reqs))) - set(out))}"
-    return out
-
-
 @pytest.mark.parametrize("bad", ["seed", "top_k"])
 def test_one_bad_request_ends_alone_in_the_scheduler(tiny_qwen3, bad):
     """Values the protocol now refuses, handed straight to the scheduler (a future field or a bug that slips
@@ -116,13 +96,13 @@ def test_one_bad_request_ends_alone_in_the_scheduler(tiny_qwen3, bad):
         alone = []
         for p in GOOD[:3]:
             r = mk(p)
-            _collect(sched, [r])
+            submit_and_wait(sched, [r])
             alone.append(r.out_ids)
         poison = GenRequest(tok("hear me speak").input_ids, 12, None,
                             SamplingParams(temperature=1.0, top_k=2**70 if bad == "top_k" else 0),
                             seed=2**70 if bad == "seed" else None)
         good = [mk(p) for p in GOOD[:3]]
-        reasons = _collect(sched, [good[0], poison, *good[1:]])
+        reasons = submit_and_wait(sched, [good[0], poison, *good[1:]])
         assert reasons[1] == "error"
         assert [reasons[i] for i in (0, 2, 3)] == ["length"] * 3 and [r.out_ids for r in good] == alone
         assert sorted(sched.free) == list(range(4)) and sched.thread.is_alive()
@@ -143,7 +123,7 @@ def test_dead_scheduler_thread_refuses_new_work_with_503(tiny_qwen3):
     sched.step = die
     sched.start()
     first = GenRequest(tok("hi").input_ids, 4, None)
-    assert _collect(sched, [first]) == {0: "error"}  # what it held is failed, not left waiting
+    assert submit_and_wait(sched, [first]) == {0: "error"}  # what it held is failed, not left waiting
     sched.thread.join(30)
     app = create_app(sched, ServerConfig("m", 128))
     with BackgroundServer(app, sched) as srv:

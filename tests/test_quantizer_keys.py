@@ -26,15 +26,6 @@ def variant(tmp_path: Path, name: str, **over) -> Path:
     return p
 
 
-@pytest.fixture(scope="module")
-def calib_txt(tmp_path_factory) -> Path:
-    from tests.tiny import CORPUS
-
-    p = tmp_path_factory.mktemp("cal") / "cal.txt"
-    p.write_text(CORPUS * 20)
-    return p
-
-
 @pytest.mark.parametrize("quantizer, expect", [
     ({"actorder": "group"}, r"quantizer\.actorder: actorder 'group' cannot be built: compressed-tensors 0\.19"),
     ({"actorder": "dynamic"}, r"quantizer\.actorder: actorder 'dynamic' cannot be built"),

@@ -4,13 +4,13 @@ nothing in greedy output, and the queue bound holds."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
 from qconv.runtime.sampling import SamplingParams
 from qconv.runtime.spec import SpecConfig
 from qconv.serve.scheduler import GenRequest, QueueFull, Scheduler
+from tests.sched_helpers import submit_and_wait
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):\n    return a + b\n\n",
            "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. First", "0123456789"]
@@ -18,21 +18,8 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def 
 
 def _run(sched: Scheduler, prompts: list[str], max_tokens: int = 24, **kw) -> list[tuple[list[int], str]]:
     """Submit all prompts at once; (token ids, finish reason) per prompt once every one has finished."""
-    done, lock, out = threading.Event(), threading.Lock(), {}
-
-    def sink(i):
-        def emit(ev):
-            if ev.finish_reason:
-                with lock:
-                    out[i] = ev.finish_reason
-                    if len(out) == len(prompts):
-                        done.set()
-        return emit
-
-    reqs = [GenRequest(sched.tokenizer(p).input_ids, max_tokens, sink(i), **kw) for i, p in enumerate(prompts)]
-    for r in reqs:
-        sched.submit(r)
-    assert done.wait(300), "requests did not finish"
+    reqs = [GenRequest(sched.tokenizer(p).input_ids, max_tokens, None, **kw) for p in prompts]
+    out = submit_and_wait(sched, reqs, timeout=300)
     return [(r.out_ids, out[i]) for i, r in enumerate(reqs)]
 
 

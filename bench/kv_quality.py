@@ -44,7 +44,7 @@ def _sink_ablation(name: str):
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qconv.eval.kvsim import kv_simulation
+    from qconv.eval.kvsim import SimulatedKV, kv_simulation
     from qconv.kv import KV_SCHEME_NAMES, get_kv_scheme
 
     ap = argparse.ArgumentParser()
@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--schemes", default=",".join(KV_SCHEME_NAMES))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kv-form", choices=["decode", "prefill"], default="decode",
+                    help="the runtime's decode-time tiles, or every full tile quantized (pessimistic)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.time()
@@ -86,7 +88,7 @@ def main() -> None:
         lp = logp(x)
         ref_nll.append(-lp.gather(-1, target[:, None])[:, 0])
         for n in names:
-            with kv_simulation(model, scheme(n)):
+            with kv_simulation(model, SimulatedKV(scheme(n), a.kv_form)):
                 lq = logp(x)
             acc[n]["kld"].append((lp.exp() * (lp - lq)).sum(-1))
             acc[n]["agree"].append((lp.argmax(-1) == lq.argmax(-1)).float())

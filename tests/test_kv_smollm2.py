@@ -10,7 +10,7 @@ import torch
 def test_kvarn_k4v4_beats_int4_per_token_on_smollm2(smollm2, shared_data, one_thread):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qconv.eval.kvsim import kv_simulation
+    from qconv.eval.kvsim import get_scheme, kv_simulation
     from qconv.kv import get_kv_scheme
 
     tok = AutoTokenizer.from_pretrained(smollm2)
@@ -27,7 +27,7 @@ def test_kvarn_k4v4_beats_int4_per_token_on_smollm2(smollm2, shared_data, one_th
     ref = logp()
     kld = {}
     for name in ("int4_g32", "kvarn_k4v4_g128", "kvarn_k4v4_g256"):
-        with kv_simulation(model, get_kv_scheme(name)):
+        with kv_simulation(model, get_scheme(name)):
             kld[name] = float((ref.exp() * (ref - logp())).sum(-1).mean())
     assert 0 < kld["kvarn_k4v4_g128"] < 0.5 * kld["int4_g32"], kld
     assert 0 < kld["kvarn_k4v4_g256"] < 0.5 * kld["int4_g32"], kld

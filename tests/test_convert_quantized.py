@@ -115,13 +115,16 @@ def test_import_lossless_and_runs(tiny_qwen3, tmp_path, name):
 
 
 def test_act_order(tiny_qwen3, tmp_path):
-    """GPTQ desc_act: auto-round cannot export act-order, so the checkpoint is written by hand in the documented
-    AutoGPTQ layout. Static groups (g_idx = the plain group map) import losslessly; a permuted g_idx has no form
-    compressed-tensors 0.19 or vLLM's WNA16 reads, and is refused with a clear error."""
+    """GPTQ desc_act: auto-round cannot export act-order, so the checkpoint is written by hand in the AutoGPTQ
+    layout, its g_idx as GPTQModel's GPTQ.quantize writes it (static groups: the plain group map; otherwise
+    invperm // group_size, a random permutation here). Static groups import losslessly; a permuted g_idx has no
+    form compressed-tensors 0.19 or vLLM 0.32 reads, and `convert quantized` and `build` both refuse it before
+    writing anything."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from qconv.cli import main
     from qconv.convert.imported import convert_quantized
 
     base = _quantized(tiny_qwen3, "qwen3", "gptq-asym")
@@ -143,9 +146,12 @@ def test_act_order(tiny_qwen3, tmp_path):
         if case == "static":
             convert_quantized(str(src), tmp_path / "out-static")
             assert _assert_lossless(src, tmp_path / "out-static") == 14
-        else:
-            with pytest.raises(QconvError, match="g_idx"):
-                convert_quantized(str(src), tmp_path / "out-permuted")
+            continue
+        for args in (["convert", "quantized", str(src), str(tmp_path / "out-permuted")],
+                     ["build", "--recipe", "3090", "--model", str(src), "--out", str(tmp_path / "out-permuted")]):
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code != 0 and "g_idx" in r.output and "13 more modules" in r.output, r.output
+            assert "desc_act=False or static_groups=True" in r.output, r.output
             assert not (tmp_path / "out-permuted").exists()
 
 

@@ -242,3 +242,39 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((ref_out / "report.json").read_text())["reference_model"]["kind"] == "original"
     assert read_manifest(ref_out).build["quality_reference"]["kind"] == "original"
+
+
+@pytest.mark.slow
+def test_build_against_cached_reference(tiny_qwen3, tmp_path, shared_data):
+    """`qconv build --model <quantized> --reference <cache>`: the reference log-probs a bf16 run cached stand in for
+    the bf16 model (same numbers, the report says so); a cache made on another text is refused, nothing written."""
+    import shutil
+
+    from qconv.cli import main
+    from qconv.manifest import read_manifest
+
+    src = _quantized(tiny_qwen3, "qwen3", "gptq-sym")
+    text = tmp_path / "eval.txt"
+    text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:6000])
+    common = ["build", "--recipe", "3090", "--model", str(src), "--eval-text", str(text), "--no-gates"]
+    r = CliRunner().invoke(main, common + ["--out", str(tmp_path / "a"), "--reference", str(tiny_qwen3)])
+    assert r.exit_code == 0, r.output
+    first = json.loads((tmp_path / "a" / "report.json").read_text())
+    cache = tmp_path / "cache"
+    shutil.copytree(first["reference"]["cache"], cache)
+
+    r = CliRunner().invoke(main, common + ["--out", str(tmp_path / "b"), "--reference", str(cache)])
+    assert r.exit_code == 0, r.output
+    got = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert got["weights"] == first["weights"] and got["source"]["sha256"] == first["source"]["sha256"]
+    assert got["reference_model"]["kind"] == "original" and got["reference_model"]["cached"]
+    assert got["reference_model"]["path"] == str(cache) and "cached reference log-probs" in got["reference_model"][
+        "note"]
+    q = read_manifest(tmp_path / "b").build["quality_reference"]
+    assert q["kind"] == "original" and q["cached"]
+    assert (tmp_path / "b" / "report.md").read_text().startswith("Reference: against cached reference log-probs")
+
+    text.write_text((shared_data / "tinyshakespeare.txt").read_text()[6000:12000])
+    r = CliRunner().invoke(main, common + ["--out", str(tmp_path / "c"), "--reference", str(cache)])
+    assert r.exit_code == 2 and "text_sha256" in r.output, r.output
+    assert not (tmp_path / "c").exists()

@@ -115,13 +115,16 @@ def test_import_lossless_and_runs(tiny_qwen3, tmp_path, name):
 
 
 def test_act_order(tiny_qwen3, tmp_path):
-    """GPTQ desc_act: auto-round cannot export act-order, so the checkpoint is written by hand in the documented
-    AutoGPTQ layout. Static groups (g_idx = the plain group map) import losslessly; a permuted g_idx has no form
-    compressed-tensors 0.19 or vLLM's WNA16 reads, and is refused with a clear error."""
+    """GPTQ desc_act: auto-round cannot export act-order, so the checkpoint is written by hand in the AutoGPTQ
+    layout, its g_idx as GPTQModel's GPTQ.quantize writes it (static groups: the plain group map; otherwise
+    invperm // group_size, a random permutation here). Static groups import losslessly; a permuted g_idx has no
+    form compressed-tensors 0.19 or vLLM 0.32 reads, and `convert quantized` and `build` both refuse it before
+    writing anything."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from qconv.cli import main
     from qconv.convert.imported import convert_quantized
 
     base = _quantized(tiny_qwen3, "qwen3", "gptq-asym")
@@ -143,9 +146,12 @@ def test_act_order(tiny_qwen3, tmp_path):
         if case == "static":
             convert_quantized(str(src), tmp_path / "out-static")
             assert _assert_lossless(src, tmp_path / "out-static") == 14
-        else:
-            with pytest.raises(QconvError, match="g_idx"):
-                convert_quantized(str(src), tmp_path / "out-permuted")
+            continue
+        for args in (["convert", "quantized", str(src), str(tmp_path / "out-permuted")],
+                     ["build", "--recipe", "3090", "--model", str(src), "--out", str(tmp_path / "out-permuted")]):
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code != 0 and "g_idx" in r.output and "13 more modules" in r.output, r.output
+            assert "desc_act=False or static_groups=True" in r.output, r.output
             assert not (tmp_path / "out-permuted").exists()
 
 
@@ -236,3 +242,39 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((ref_out / "report.json").read_text())["reference_model"]["kind"] == "original"
     assert read_manifest(ref_out).build["quality_reference"]["kind"] == "original"
+
+
+@pytest.mark.slow
+def test_build_against_cached_reference(tiny_qwen3, tmp_path, shared_data):
+    """`qconv build --model <quantized> --reference <cache>`: the reference log-probs a bf16 run cached stand in for
+    the bf16 model (same numbers, the report says so); a cache made on another text is refused, nothing written."""
+    import shutil
+
+    from qconv.cli import main
+    from qconv.manifest import read_manifest
+
+    src = _quantized(tiny_qwen3, "qwen3", "gptq-sym")
+    text = tmp_path / "eval.txt"
+    text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:6000])
+    common = ["build", "--recipe", "3090", "--model", str(src), "--eval-text", str(text), "--no-gates"]
+    r = CliRunner().invoke(main, common + ["--out", str(tmp_path / "a"), "--reference", str(tiny_qwen3)])
+    assert r.exit_code == 0, r.output
+    first = json.loads((tmp_path / "a" / "report.json").read_text())
+    cache = tmp_path / "cache"
+    shutil.copytree(first["reference"]["cache"], cache)
+
+    r = CliRunner().invoke(main, common + ["--out", str(tmp_path / "b"), "--reference", str(cache)])
+    assert r.exit_code == 0, r.output
+    got = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert got["weights"] == first["weights"] and got["source"]["sha256"] == first["source"]["sha256"]
+    assert got["reference_model"]["kind"] == "original" and got["reference_model"]["cached"]
+    assert got["reference_model"]["path"] == str(cache) and "cached reference log-probs" in got["reference_model"][
+        "note"]
+    q = read_manifest(tmp_path / "b").build["quality_reference"]
+    assert q["kind"] == "original" and q["cached"]
+    assert (tmp_path / "b" / "report.md").read_text().startswith("Reference: against cached reference log-probs")
+
+    text.write_text((shared_data / "tinyshakespeare.txt").read_text()[6000:12000])
+    r = CliRunner().invoke(main, common + ["--out", str(tmp_path / "c"), "--reference", str(cache)])
+    assert r.exit_code == 2 and "text_sha256" in r.output, r.output
+    assert not (tmp_path / "c").exists()

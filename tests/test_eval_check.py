@@ -152,3 +152,42 @@ def test_quality_report_for_build(artifact, text_file, tiny_llama, tmp_path):
     assert s["kv_scheme"] == "fp8_e4m3" and s["tier"]["name"].startswith("small")
     assert isinstance(s["passed"], bool) and all(not v["passed"] for v in s["verdicts"])
     assert quality_report(tiny_llama, art, recipe, text=None)["passed"] is None  # no text: unchecked
+
+
+def test_eval_against_cached_reference(artifact, evaluated, text_file, tmp_path):
+    """--reference may name a reference cache (as someone with the bf16 model computed it) instead of the model:
+    the numbers are the model's own, the report says where they came from, and a cache made on another text,
+    window, window count or tokenizer is refused with a clear error."""
+    from tests.tiny import make_tokenizer
+
+    out, _ = evaluated
+    rep = json.loads((out / "report.json").read_text())
+    cache = tmp_path / "their-cache"
+    shutil.copytree(rep["reference"]["cache"], cache)  # a copy: the original cache folder is out of play
+
+    r = qconv("eval", artifact, "--text", text_file, *WINDOW, "--reference", cache, "--out", tmp_path / "r")
+    assert r.exit_code == 0, r.output
+    got = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert got["weights"] == rep["weights"]
+    assert got["source"]["kind"] == "cached reference log-probs" and got["source"]["sha256"] == rep["source"]["sha256"]
+    assert got["reference"]["given_as_cache"] and got["reference"]["cache"] == str(cache)
+    assert got["source"]["num_parameters"] == rep["source"]["num_parameters"]
+    assert f"read from the cache `{cache}`" in (tmp_path / "r" / "report.md").read_text()
+    r = qconv("eval", artifact, "--text", text_file, *WINDOW, "--reference", cache / "meta.json")
+    assert r.exit_code == 0, r.output
+
+    other = tmp_path / "other.txt"
+    other.write_text(text_file.read_text()[::-1])
+    wrong_tok = tmp_path / "wrong-tokenizer"
+    shutil.copytree(artifact, wrong_tok)
+    make_tokenizer(vocab_size=300).save_pretrained(wrong_tok)  # another BPE: other ids for the same text
+    for args, msg in (
+            ([artifact, "--text", other, *WINDOW], "text_sha256"),
+            ([artifact, "--text", text_file, "--window", "32", "--max-tokens", "512"], "window is 64"),
+            ([artifact, "--text", text_file, "--window", "64", "--max-tokens", "100000"], "has no window"),
+            ([artifact, "--text", text_file, *WINDOW, "--ref-topk", "8"], "--ref-topk"),
+            ([artifact, "--text", text_file, *WINDOW, "--tasks", "wikitext_local", "--task-data",
+              f"wikitext_local={text_file}"], "reference cache has none"),
+            ([wrong_tok, "--text", text_file, *WINDOW], "other tokens than this text gives")):
+        r = qconv("eval", *args, "--reference", cache)
+        assert r.exit_code == 2 and msg in r.output, (args, r.output)

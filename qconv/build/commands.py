@@ -113,7 +113,8 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 @click.option("--sensitivity", type=click.Choice(["proxy", "kld"]), default="proxy", show_default=True,
               help="Unit sensitivity: per-layer proxy, or model-level KLD (one forward pass per unit).")
 @click.option("--reference", type=click.Path(path_type=Path),
-              help="For a quantized --model: the full-precision original the quality report compares against "
+              help="For a quantized --model: the full-precision original the quality report compares against, or "
+                   "a reference cache folder computed from it (QCONV_HOME/reference/KEY, named in a report.json) "
                    "(default: the quantized checkpoint itself).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Show library logs as they come (always kept in build.log).")

@@ -14,6 +14,7 @@ from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import read_config
 from qconv.errors import QconvError
+from qconv.eval.reference import is_cache
 from qconv.eval.report import REPORT_JSON, REPORT_MD, render_md
 from qconv.eval.run import gate_failure, quality_report
 from qconv.fsutil import write_json_atomic, write_text_atomic
@@ -55,9 +56,10 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
         manifest.build["quality_reference"] = None
         return None
     with tempfile.TemporaryDirectory(dir=artifact.parent, prefix=".qconv-ref-") as tmpd:
+        cached = bool(reference) and is_cache(reference)
         if reference:
             ref, kind = Path(reference), "original"
-            if fmt.layout != "compressed-tensors" and detect_format(read_config(ref)) is not None:
+            if not cached and fmt.layout != "compressed-tensors" and detect_format(read_config(ref)) is not None:
                 raise QconvError(f"--reference {reference} is itself quantized", where="--reference",
                                  fix="pass the full-precision model the checkpoint was made from")
         elif fmt.layout == "compressed-tensors":
@@ -67,13 +69,15 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
             write_imported(src, fmt, ref, True, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
         summary = quality_report(ref, artifact, recipe, text=text, num_parameters=manifest.source.num_parameters
                                  or None)
-    note = ("against the true original model " + str(reference)) if kind == "original" else (
-        "against the quantized checkpoint it started from (no --reference): the numbers measure only what this "
-        "build changed, not the loss against the original full-precision model")
     path = artifact / REPORT_JSON
     report = json.loads(path.read_text())
+    note = (f"against cached reference log-probs of the true original (source sha256 "
+            f"{report['source']['sha256'][:16]}...) from {reference}" if cached else
+            "against the true original model " + str(reference)) if kind == "original" else (
+        "against the quantized checkpoint it started from (no --reference): the numbers measure only what this "
+        "build changed, not the loss against the original full-precision model")
     report["artifact"] = str(final.resolve())
-    report["reference_model"] = {"kind": kind, "path": str(reference or src.path), "note": note}
+    report["reference_model"] = {"kind": kind, "path": str(reference or src.path), "cached": cached, "note": note}
     write_json_atomic(path, report)
     md = render_md(report)
     write_text_atomic(artifact / REPORT_MD, f"Reference: {note}.\n\n" + md)
@@ -81,7 +85,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
     manifest.quality = QualityReport(summary)
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
-    manifest.build["quality_reference"] = {"kind": kind, "note": note}
+    manifest.build["quality_reference"] = {"kind": kind, "cached": cached, "note": note}
     if passed is False and opts.gates:
         return gate_failure(summary)
     return None

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from qconv.convert.artifact import finalize, write_index
-from qconv.convert.quantized import (Converted, QuantFormat, copy_model_files, detect_format, quantization_config,
-                                     quantization_config_of, stream_convert, write_config)
+from qconv.convert.quantized import (Converted, QuantFormat, check_group_order, copy_model_files, detect_format,
+                                     quantization_config, quantization_config_of, stream_convert, write_config)
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir
@@ -63,6 +63,7 @@ def write_imported(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool
     artifact needs at run time; `quality(tmp, manifest)` measures it and returns the gate failure, raised once the
     artifact (marked failed) is in place."""
     t0 = time.time()
+    check_group_order(src.path, fmt)
     info = src.info()
     info.quantization = fmt.summary()
     with atomic_dir(out, force=force) as tmp:

@@ -9,10 +9,16 @@ Layouts (read from the libraries that write them, auto-round 0.15 / AutoGPTQ / A
 - AWQ (GEMM): qweight [K, N*b/32] and qzeros [K/g, N*b/32] pack output columns in the order 0,2,4,6,1,3,5,7.
 - compressed-tensors: copied byte for byte.
 
-Activation order: compressed-tensors 0.19 refuses `actorder: group` (quant_args.validate_actorder) and vLLM 0.32's
-CompressedTensorsWNA16 has no g_idx parameter, so a permuted g_idx has no lossless compressed-tensors form. A
-g_idx that is the plain group map (desc_act=False, or desc_act with static groups) is verified and dropped; any
-other is refused with a clear error rather than silently changed.
+Activation order: GPTQ's desc_act without static groups stores g_idx = invperm // group_size (GPTQModel
+quantization/gptq.py GPTQ.quantize), each input column in an arbitrary group. compressed-tensors 0.19 has no form for
+that: QuantizationArgs.validate_actorder rejects actorder "group"/"dynamic", and the pack-quantized compressor's
+compression_param_names and forward.dequantize take no g_idx. vLLM 0.32 refuses it on both paths
+(CompressedTensorsConfig._quantization_scheme_map_from_config for actorder group; gptq_utils.
+normalize_and_validate_gptq_desc_act for GPTQ desc_act) and drops `.g_idx` at load (QuantizationConfig.
+get_checkpoint_weight_mapper). Moving the permutation into the weights would need the input activations permuted
+too, which only the previous layer could do. So a g_idx that is the plain group map (desc_act=False, or desc_act
+with static groups) is verified and dropped; any other is refused, from a scan of the g_idx tensors alone, before
+anything is written.
 """
 
 from __future__ import annotations
@@ -158,15 +164,46 @@ def read_module(get, mod: str, fmt: QuantFormat, where: str) -> IntModule:
     if q.shape[0] != n or k % groups:
         raise QconvError(f"{mod}: qweight {tuple(qweight.shape)} does not fit scales {tuple(scales.shape)} at "
                          f"{bits} bits", where=where, fix="check the checkpoint's bits / group_size")
-    g = k // groups
-    g_idx = get(f"{mod}.g_idx", None)
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // g):
-        raise QconvError(
-            f"{mod}: activation-order GPTQ with a permuted g_idx has no lossless compressed-tensors form "
-            f"(compressed-tensors 0.19 removed actorder=group, vLLM's WNA16 kernel reads no g_idx)", where=where,
-            fix="import a checkpoint quantized with desc_act=False or static_groups=True (plain group order), or "
-                "build from the bf16 model with `qconv build`")
+    if not _plain_group_order(get(f"{mod}.g_idx", None), groups):
+        raise _act_order_error(mod, where)
     return IntModule(bits=bits, q=q.contiguous(), zero=zero.contiguous(), scale=scales.t().contiguous())
+
+
+def _plain_group_order(g_idx: torch.Tensor | None, groups: int) -> bool:
+    """g_idx absent or the plain group map (column k in group k // group_size): see the module doc."""
+    if g_idx is None:
+        return True
+    k = g_idx.numel()
+    return k % groups == 0 and torch.equal(g_idx.long(), torch.arange(k) // (k // groups))
+
+
+def _act_order_error(mod: str, where: str, others: int = 0) -> QconvError:
+    more = f" (and {others} more modules)" if others else ""
+    return QconvError(
+        f"{mod}{more}: activation-order GPTQ (desc_act=True without static groups) stores a permuted g_idx, which "
+        "has no lossless compressed-tensors form: compressed-tensors 0.19 removed actorder=group and vLLM 0.32 "
+        "refuses group activation order (and GPTQ desc_act) outright", where=where,
+        fix="re-export the checkpoint with desc_act=False or static_groups=True (GPTQModel/AutoGPTQ), or "
+            "actorder='weight' (llm-compressor); or build from the full-precision model with `qconv build --model`")
+
+
+def check_group_order(src: Path, fmt: QuantFormat) -> None:
+    """Before converting anything: every GPTQ-layout g_idx is the plain group map (reads only the g_idx tensors
+    and the scales' shapes)."""
+    from safetensors import safe_open
+
+    if fmt.layout != "gptq":
+        return
+    bad = []
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(shard, "pt") as f:
+            names = set(f.keys())
+            for name in sorted(n for n in names if n.endswith(".g_idx") and n[:-6] + ".scales" in names):
+                mod = name[: -len(".g_idx")]
+                if not _plain_group_order(f.get_tensor(name), f.get_slice(f"{mod}.scales").get_shape()[0]):
+                    bad.append(mod)
+    if bad:
+        raise _act_order_error(bad[0], str(src), len(bad) - 1)
 
 
 def compressed_tensors_of(m: IntModule, mod: str, where: str) -> dict[str, torch.Tensor]:

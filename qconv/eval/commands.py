@@ -9,7 +9,8 @@ import click
 
 def _text_options(f):
     for opt in reversed([
-        click.option("--reference", help="Full-precision source model (default: the source in qconv.json)."),
+        click.option("--reference", help="Full-precision source model, or a reference cache folder it made "
+                     "(QCONV_HOME/reference/KEY, named in report.json; default: the source in qconv.json)."),
         click.option("--text", help="Held-out text: a file, or an HF dataset id org/name[:config][@split]."),
         click.option("--window", type=int, help="Tokens per window (default 2048)."),
         click.option("--max-tokens", type=int, help="Use at most this many tokens of the text (default 8192)."),

@@ -17,7 +17,7 @@ from qconv.fsutil import safetensors_header
 from qconv.eval.kvsim import get_scheme
 from qconv.eval.metrics import TokenStats, summarize
 from qconv.eval.forward import Forward, LogitSource
-from qconv.eval.reference import Reference, build_reference
+from qconv.eval.reference import Reference, build_reference, open_cached
 from qconv.eval.text import Windows, load_text, make_windows
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,21 @@ class Source:
     path: Path
     sha256: str
     num_parameters: int
+    cache: bool = False  # path is a reference cache folder (log-probs someone computed), not the model itself
+
+
+def cached_source(path: str | Path, num_parameters: int | None = None) -> Source | None:
+    """A reference cache folder given where a reference model is expected, as a Source; None for anything else."""
+    from qconv.eval.reference import cache_meta, is_cache
+
+    if not is_cache(path):
+        return None
+    folder, meta = cache_meta(path)
+    n = meta.get("num_parameters") or num_parameters
+    if not n:
+        raise QconvError("the reference cache records no parameter count (made by an older qconv)",
+                         where=str(folder), fix="recompute it with `qconv eval ARTIFACT --reference MODEL`")
+    return Source(path=folder, sha256=meta.get("source_sha256", ""), num_parameters=int(n), cache=True)
 
 
 def safetensors_stats(folder: str | Path) -> tuple[int, int]:
@@ -55,6 +70,9 @@ def resolve_reference(reference: str | Path | None, manifest) -> Source:
     """The source model to compare against: --reference, else the source recorded in the artifact's manifest."""
     from qconv.convert.sources import resolve_source
 
+    cached = cached_source(reference, manifest.source.num_parameters if manifest else None) if reference else None
+    if cached:
+        return cached
     spec = str(reference) if reference else (manifest.source.id if manifest else None)
     if not spec:
         raise QconvError("no reference model: the artifact's qconv.json names no source", where="--reference",
@@ -90,14 +108,22 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
 
     t0 = time.time()
     text = load_text(settings.text)
-    tok = AutoTokenizer.from_pretrained(source.path)
+    # a cached reference has no model beside it: the artifact carries the source's tokenizer, and every cached
+    # window's token-id hash is checked against what it gives
+    tok = AutoTokenizer.from_pretrained(artifact_dir if source.cache else source.path)
     windows = make_windows(tok, text, window=settings.window, max_tokens=settings.max_tokens,
                            stride=settings.stride)
     fwd = fwd or Forward()
-    ref_source = LogitSource(source.path, fwd, source.num_parameters, "reference model")
-    ref = build_reference(source.path, windows, source_sha256=source.sha256, text_sha256=text.sha256,
-                          topk=settings.ref_topk, logit_source=ref_source)
-    ref_source.close()
+    if source.cache:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(artifact_dir).get_text_config().vocab_size
+        ref = open_cached(source.path, windows, text_sha256=text.sha256, vocab_size=vocab, topk=settings.ref_topk)
+    else:
+        ref_source = LogitSource(source.path, fwd, source.num_parameters, "reference model")
+        ref = build_reference(source.path, windows, source_sha256=source.sha256, text_sha256=text.sha256,
+                              topk=settings.ref_topk, logit_source=ref_source, num_parameters=source.num_parameters)
+        ref_source.close()
     kv = get_scheme(settings.kv, settings.kv_form) if settings.kv else None
     art = LogitSource(artifact_dir, fwd, source.num_parameters, "artifact")
     weights, kld_w = _run(art, ref, windows)
@@ -109,12 +135,13 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
     report = {
         "schema": 1,
         "artifact": str(Path(artifact_dir).resolve()),
-        "source": {"path": str(source.path), "sha256": source.sha256, "num_parameters": source.num_parameters},
+        "source": {"path": str(source.path), "sha256": source.sha256, "num_parameters": source.num_parameters,
+                   "kind": "cached reference log-probs" if source.cache else "model"},
         "settings": asdict(settings),
         "text": {"label": text.label, "sha256": text.sha256, "tokens_scored": windows.num_scored,
                  "windows": len(windows.ids), "window": windows.window, "stride": windows.stride},
         "reference": {"storage": ref.storage, "topk": ref.topk, "vocab_size": ref.vocab_size,
-                      "describe": ref.describe(), "cache": str(ref.folder)},
+                      "describe": ref.describe(), "cache": str(ref.folder), "given_as_cache": source.cache},
         "bits_per_weight": 8 * nbytes / source.num_parameters,
         "artifact_bytes": nbytes,
         "kv_scheme": kv.name if kv else None,

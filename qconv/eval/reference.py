@@ -6,12 +6,16 @@ Two storages, named in every report:
 - top-k: the k largest log-probs (fp32) + their ids; the tail mass is 1 - sum(top-k). Each position also keeps
   its exact entropy and the exact log-prob of the next token, so PPL and top-1 stay exact and the KLD of the
   unseen tail is bracketed (see metrics.kld_topk).
-Windows are computed one at a time and written one file each, so memory stays at one window of logits.
+Windows are computed one at a time and written one file each, so memory stays at one window of logits. Each
+window file records the sha256 of the token ids it was computed on, so a cache folder alone (copied from whoever
+has the full-precision model) can stand in for the model: open_cached checks it window by window.
 """
 
 from __future__ import annotations
 
 
+import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -104,6 +108,13 @@ def window_logits(model, ids: list[int], first: int) -> tuple[torch.Tensor, torc
     return logits, x[0, first + 1:].cpu()
 
 
+def ids_sha256(ids: list[int]) -> str:
+    """The token ids a reference window was computed on (tokenizer, text, window and stride in one hash)."""
+    import numpy as np
+
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
 def reference_key(source_sha256: str, text_sha256: str, window: int, stride: int, storage: str,
                   topk: int | None) -> str:
     return sha256_json({"source": source_sha256, "text": text_sha256, "window": window, "stride": stride,
@@ -111,7 +122,7 @@ def reference_key(source_sha256: str, text_sha256: str, window: int, stride: int
 
 
 def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text_sha256: str,
-                    logit_source, topk: int | None = None) -> Reference:
+                    logit_source, topk: int | None = None, num_parameters: int | None = None) -> Reference:
     """Reference for `windows` (text.Windows), computing only the windows not cached yet, from `logit_source`
     (forward.LogitSource over the source model)."""
     from safetensors.torch import save_file
@@ -125,17 +136,73 @@ def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(folder / "meta.json", {"source_sha256": source_sha256, "text_sha256": text_sha256,
                                              "window": windows.window, "stride": windows.stride,
-                                             "storage": storage, "topk": k, "vocab_size": vocab})
-    missing = [i for i in range(len(windows.ids)) if not (folder / f"window_{i:05d}.safetensors").is_file()]
+                                             "storage": storage, "topk": k, "vocab_size": vocab,
+                                             "num_parameters": num_parameters})
+    missing = [i for i, ids in enumerate(windows.ids) if _recorded_ids(folder, i) != ids_sha256(ids)]
     if missing:
         log.info("reference logits: computing %d of %d windows (%s) into %s", len(missing), len(windows.ids),
                  storage if not k else f"top-{k}", folder)
         for i, logits, targets in _progress(logit_source.logits(windows, missing), "reference", len(missing)):
             rw = ref_window_from_logits(logits, targets, k)
             tmp = folder / f".window_{i:05d}.{os.getpid()}.tmp"
-            save_file(rw.to_tensors(), str(tmp))
+            save_file(rw.to_tensors(), str(tmp), metadata={"ids_sha256": ids_sha256(windows.ids[i])})
             os.replace(tmp, folder / f"window_{i:05d}.safetensors")
     return Reference(folder=folder, storage=storage, topk=k, vocab_size=vocab)
+
+
+def is_cache(path: str | Path) -> bool:
+    """A reference cache folder (or its meta.json) rather than a model."""
+    p = Path(path)
+    p = p.parent if p.name == "meta.json" else p
+    return (p / "meta.json").is_file() and not (p / "config.json").exists() and any(p.glob("window_*.safetensors"))
+
+
+def cache_meta(path: str | Path) -> tuple[Path, dict]:
+    p = Path(path)
+    p = p.parent if p.name == "meta.json" else p
+    try:
+        return p, json.loads((p / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise QconvError(f"cannot read the reference cache's meta.json: {e}", where=str(p),
+                         fix="pass a reference cache folder as qconv wrote it (QCONV_HOME/reference/<key>)") from e
+
+
+def _recorded_ids(folder: Path, i: int) -> str | None:
+    """The token-id hash window i's file records; None when the file is missing or records none."""
+    from safetensors import safe_open
+
+    f = folder / f"window_{i:05d}.safetensors"
+    if not f.is_file():
+        return None
+    with safe_open(f, "pt") as st:
+        return (st.metadata() or {}).get("ids_sha256")
+
+
+def open_cached(path: str | Path, windows, *, text_sha256: str, vocab_size: int, topk: int | None) -> Reference:
+    """A reference cache used without its model: it must have been computed on this text, with these windows and
+    this tokenizer (every window's token-id hash), for this vocabulary, in the storage asked for."""
+    folder, meta = cache_meta(path)
+    fix = ("compute the reference on the same text/--window/--max-tokens with the full-precision model "
+           "(`qconv eval ARTIFACT --reference MODEL`), or pass the settings the cache was made with")
+    for key, want in (("text_sha256", text_sha256), ("window", windows.window), ("stride", windows.stride),
+                      ("vocab_size", vocab_size)):
+        if meta.get(key) != want:
+            raise QconvError(f"reference cache {key} is {meta.get(key)!r}, this evaluation needs {want!r}",
+                             where=str(folder), fix=fix)
+    if topk is not None and (topk or None) != meta.get("topk"):
+        raise QconvError(f"reference cache stores {meta.get('storage')} (topk {meta.get('topk')}), --ref-topk asked "
+                         f"for {topk}", where=str(folder), fix="drop --ref-topk to use the cache as stored")
+    for i, ids in enumerate(windows.ids):
+        recorded = _recorded_ids(folder, i)
+        if recorded is None and not (folder / f"window_{i:05d}.safetensors").is_file():
+            raise QconvError(f"reference cache has no window {i} (this text needs {len(windows.ids)} windows)",
+                             where=str(folder), fix=fix)
+        if recorded != ids_sha256(ids):
+            raise QconvError(
+                f"reference cache window {i} was computed on other tokens than this text gives with the artifact's "
+                "tokenizer" + ("" if recorded else " (it records none: made by an older qconv)"),
+                where=str(folder / f"window_{i:05d}.safetensors"), fix=fix)
+    return Reference(folder=folder, storage=meta["storage"], topk=meta.get("topk"), vocab_size=vocab_size)
 
 
 def _progress(items, desc: str, total: int | None = None):

@@ -47,7 +47,8 @@ def render_md(report: dict) -> str:
              f"sha256 {report['source']['sha256'][:16]}…)",
              f"- text: `{t['label']}` — {t['tokens_scored']} tokens scored in {t['windows']} windows of {t['window']}"
              f" (stride {t['stride']}), sha256 {t['sha256'][:16]}…",
-             f"- reference: {ref['describe']}",
+             f"- reference: {ref['describe']}" + (f"; read from the cache `{ref['cache']}` (no reference model run)"
+                                                  if ref.get("given_as_cache") else ""),
              f"- bits per weight: {report['bits_per_weight']:.2f} (tensor bytes × 8 / source parameters)",
              f"- machine: {report['machine']}, {report['date']}, {report['elapsed_s']} s", ""]
     tier = report.get("tier") or {}

@@ -10,7 +10,8 @@ from pathlib import Path
 from qconv.errors import GateFailure, QconvError
 from qconv.eval.forward import Forward
 from qconv.eval.gates import Verdict, apply_gates, regressions, tier_info, write_junit
-from qconv.eval.quality import EvalSettings, Source, measure, resolve_reference, safetensors_stats
+from qconv.eval.quality import (EvalSettings, Source, cached_source, measure, resolve_reference,
+                                safetensors_stats)
 from qconv.eval.report import REPORT_JSON, summary, write_reports
 from qconv.artifact import Artifact
 from qconv.manifest import verify_files
@@ -43,6 +44,12 @@ def _judge(report: dict, recipe: Recipe, extra: list[Verdict] = ()) -> dict:
     return report
 
 
+def _tasks_need_model(source: Source, tasks) -> None:
+    if tasks and source.cache:
+        raise QconvError("--tasks compare against the reference model, and a reference cache has none",
+                         where="--reference", fix="pass the full-precision model as --reference to run tasks")
+
+
 def _with_tasks(report: dict, artifact: Path, source: Source, tasks, limit, task_data, max_gen_toks=None) -> dict:
     if tasks:
         from qconv.eval.tasks import run_tasks
@@ -64,6 +71,7 @@ def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | N
 
         resolve_tasks(tasks, task_data)  # fail on an unknown task before minutes of measuring
     source = resolve_reference(reference, art.manifest)
+    _tasks_need_model(source, tasks)
     rec = load_recipe(recipe) if recipe else art.require_recipe()
     if settings.kv == "auto":
         settings = replace(settings, kv=auto_kv(rec))
@@ -151,13 +159,16 @@ def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Rec
     q = recipe.quality
     settings = EvalSettings(text=text, window=q.window, max_tokens=q.max_tokens,
                             kv=auto_kv(recipe) if kv == "auto" else kv)
-    if not source_sha256:
-        from qconv.convert.sources import source_files
-        from qconv.fsutil import sha256_json
+    source = cached_source(source_dir, num_parameters)
+    if source is None:
+        if not source_sha256:
+            from qconv.convert.sources import source_files
+            from qconv.fsutil import sha256_json
 
-        source_sha256 = sha256_json(source_files(Path(source_dir)))
-    source = Source(path=Path(source_dir), sha256=source_sha256,
-                    num_parameters=num_parameters or safetensors_stats(source_dir)[0])
+            source_sha256 = sha256_json(source_files(Path(source_dir)))
+        source = Source(path=Path(source_dir), sha256=source_sha256,
+                        num_parameters=num_parameters or safetensors_stats(source_dir)[0])
+    _tasks_need_model(source, tasks)
     report, klds = measure(artifact_dir, source, settings, fwd)
     report = _judge(_with_tasks(report, Path(artifact_dir), source, tasks, limit, None), recipe)
     write_reports(artifact_dir, report, klds)

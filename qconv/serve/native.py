@@ -1,13 +1,10 @@
 """Serve a model with qconv's own engine: load it, size the cache from the serving profile, run the scheduler
-thread and uvicorn. `BackgroundServer` runs the same thing inside a process (tests, benchmarks)."""
+thread and uvicorn."""
 
 from __future__ import annotations
 
 import json
 import logging
-import socket
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,39 +103,3 @@ def run_native(path: str | Path, opts: NativeOptions) -> None:
         uvicorn.run(app, host=opts.host, port=opts.port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         sched.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class BackgroundServer:
-    """uvicorn in a thread of this process, on a free loopback port; `with` stops it and its scheduler."""
-
-    def __init__(self, app, sched, host: str = "127.0.0.1", port: int | None = None):
-        import uvicorn
-
-        self.sched, self.host, self.port = sched, host, port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
-
-    def __enter__(self) -> BackgroundServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sched.stop()

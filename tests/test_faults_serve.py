@@ -91,7 +91,7 @@ def test_one_bad_request_ends_alone_in_the_scheduler(tiny_qwen3, bad):
     from qconv.runtime.loader import load_model, load_tokenizer
 
     tok = load_tokenizer(tiny_qwen3)
-    sched = Scheduler(load_model(tiny_qwen3, max_batch=4), tok, max_batch=4, max_len=256).start()
+    sched = Scheduler(load_model(tiny_qwen3), tok, max_batch=4, max_len=256).start()
     try:
         mk = lambda p: GenRequest(tok(p).input_ids, 12, None)  # noqa: E731
         alone = []

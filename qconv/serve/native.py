@@ -74,7 +74,7 @@ def build_native(path: str | Path, opts: NativeOptions):
         raise QconvError(f"no config.json in {path}", where=str(path), fix="pass a model or artifact folder")
     plan = native_plan(path, opts)
     tok = load_tokenizer(path)
-    model = load_model(path, dtype=getattr(torch, opts.dtype), max_batch=opts.max_batch)
+    model = load_model(path, dtype=getattr(torch, opts.dtype))
     plan.spec = plan.spec.for_model(model)
     sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
                       max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec=plan.spec).start()

@@ -1,8 +1,7 @@
-"""Per-slot caches: the full-attention KV store (behind a small interface so fp8 or KVarN's packed store can plug in)
-and the Gated-DeltaNet conv/recurrent state, which can be rolled back to any token of the last forward.
-
-Rollback of a recurrent state cannot just cut a length, so each forward records, per slot, the state at the start of
-its last `max_rollback` tokens plus those tokens' (already projected) inputs; rollback replays the kept prefix."""
+"""Per-slot caches: the full-attention KV store (an interface, so qconv.kv's packed stores plug in) and the
+Gated-DeltaNet conv/recurrent state. A recurrent state cannot be rolled back by cutting a length, so each forward
+records, per slot, the state at the start of its last `max_rollback` tokens and their projected inputs; rollback
+replays the kept prefix."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import torch
 
 from qconv.errors import QconvError
 from qconv.kv import get_kv_scheme
+from qconv.runtime.gdn import recurrent_gated_delta
 
 
 class KVStore(Protocol):
@@ -99,9 +99,8 @@ class ModelCache:
                for _ in range(gdn_layers)]
         return cls(max_batch, max_len, torch.zeros(max_batch, dtype=torch.long), kv, conv, rec)
 
-    def reset(self, slots) -> None:
+    def reset(self, slots: list[int]) -> None:
         """Free slots: length 0, zero recurrent state (the MTP cache's slots too)."""
-        slots = as_ints(slots)
         for s in slots:
             self.lengths[s] = 0
             self.records.pop(s, None)
@@ -112,9 +111,8 @@ class ModelCache:
         if self.mtp is not None:
             self.mtp.reset(slots)
 
-    def rollback(self, slots, n_keep) -> None:
+    def rollback(self, slots: list[int], n_keep: list[int]) -> None:
         """Keep only the first n_keep tokens of each slot (Gated-DeltaNet state: within the last forward's window)."""
-        slots, n_keep = as_ints(slots), as_ints(n_keep)
         for s, n in zip(slots, n_keep):
             cur = int(self.lengths[s])
             if not 0 <= n <= cur:
@@ -126,8 +124,6 @@ class ModelCache:
             self.kv.truncate(slots, n_keep)
 
     def _rollback_gdn(self, s: int, n: int) -> None:
-        from qconv.runtime.gdn import recurrent_gated_delta
-
         r = self.records.get(s)
         if r is None or not r.start <= n <= r.start + r.n:
             lo = "nothing" if r is None else f"{r.start}..{r.start + r.n}"
@@ -142,10 +138,3 @@ class ModelCache:
             self.rec[i][s].copy_(state[0])
         r.n = m
 
-
-def as_ints(x) -> list[int]:
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.reshape(-1).tolist()]
-    if isinstance(x, int):
-        return [x]
-    return [int(v) for v in x]

@@ -75,21 +75,18 @@ def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
 
 
 def _eos_ids(path: Path, *configs) -> list[int]:
-    ids: list[int] = []
-    for src in (*configs, _generation_config(path)):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        for e in [eos] if isinstance(eos, int) else (eos or []):
-            if e not in ids:
-                ids.append(int(e))
-    return ids
-
-
-def _generation_config(path: Path):
-    if not (path / "generation_config.json").is_file():
-        return None
+    """eos ids of the model configs and generation_config.json, in order, each once."""
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_pretrained(path)
+    if (path / "generation_config.json").is_file():
+        configs += (GenerationConfig.from_pretrained(path),)
+    ids: list[int] = []
+    for c in configs:
+        eos = getattr(c, "eos_token_id", None)
+        for e in [eos] if isinstance(eos, int) else eos or []:
+            if int(e) not in ids:
+                ids.append(int(e))
+    return ids
 
 
 def load_config(path: str | Path, *, has_mtp: bool = False) -> RuntimeConfig:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qconv.errors import QconvError
-from qconv.runtime.cache import ModelCache, as_ints
+from qconv.runtime.cache import ModelCache
 from qconv.runtime.config import RuntimeConfig
 
 
@@ -57,7 +57,7 @@ class Step:
 
     @classmethod
     def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
-        slots = list(range(B)) if slots is None else as_ints(slots)
+        slots = list(range(B)) if slots is None else [int(s) for s in slots]
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
         if length > cache.max_len:

@@ -58,17 +58,11 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
     from qconv.hub.cache import hold_artifact
-
-    with hold_artifact(target) as path:  # a re-pull cannot remove the revision while it is served
-        _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-               max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args)
-
-
-def _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-           max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args) -> None:
     from qconv.serve import runtimes, vllm, vllm_probe
 
-    if api_key and click.get_current_context().get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
+    ctx = click.get_current_context()
+    path = ctx.with_resource(hold_artifact(target))  # held until the command ends: a re-pull cannot remove it
+    if api_key and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
         click.echo("warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY "
                    "instead", err=True)
     if print_command:

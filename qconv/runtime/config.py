@@ -56,6 +56,14 @@ class RuntimeConfig:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
 
+def model_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise QconvError("not a model folder or qconv artifact (no config.json)", where=str(path),
+                         fix="pass the folder written by `qconv build` or an HF model folder")
+    return path
+
+
 def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
     """Inverse frequencies via transformers' rope registry (llama3, yarn, ... included); default computed here."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -93,9 +101,7 @@ def load_config(path: str | Path, *, has_mtp: bool = False) -> RuntimeConfig:
     """Read `path/config.json`; raise QconvError for architectures this runtime does not implement."""
     from transformers import AutoConfig
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise QconvError("no config.json in model folder", where=str(path), fix="pass an HF model folder or artifact")
+    path = model_dir(path)
     top = AutoConfig.from_pretrained(path)
     mt = top.model_type
     hf, prefix = top, "model."

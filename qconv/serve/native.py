@@ -11,6 +11,7 @@ from pathlib import Path
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
 from qconv.recipes.recipe import Speculative
+from qconv.runtime.config import model_dir
 from qconv.runtime.spec import SpecConfig
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
@@ -69,9 +70,7 @@ def build_native(path: str | Path, opts: NativeOptions):
 
     from qconv.serve.server import ServerConfig, create_app
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise QconvError(f"no config.json in {path}", where=str(path), fix="pass a model or artifact folder")
+    path = model_dir(path)
     plan = native_plan(path, opts)
     tok = load_tokenizer(path)
     model = load_model(path, dtype=getattr(torch, opts.dtype))

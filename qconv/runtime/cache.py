@@ -12,6 +12,7 @@ import torch
 
 from qconv.errors import QconvError
 from qconv.kv import get_kv_scheme
+from qconv.runtime.config import RuntimeConfig
 from qconv.runtime.gdn import recurrent_gated_delta
 
 
@@ -89,14 +90,16 @@ class ModelCache:
     records: dict[int, GDNRecord] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, max_batch: int, max_len: int, *, kv_layers: int, kv_heads: int, head_dim: int,
-               dtype: torch.dtype, kv_scheme: str = "bf16", gdn_layers: int = 0, conv_dim: int = 0,
-               conv_kernel: int = 0, v_heads: int = 0, k_dim: int = 0, v_dim: int = 0, device=None) -> ModelCache:
-        kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, kv_heads, head_dim, dtype, device)
-        conv = [torch.zeros(max_batch, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
-                for _ in range(gdn_layers)]
-        rec = [torch.zeros(max_batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
-               for _ in range(gdn_layers)]
+    def create(cls, c: RuntimeConfig, max_batch: int, max_len: int, dtype: torch.dtype, device=None,
+               kv_scheme: str = "bf16", kv_layers: int | None = None) -> ModelCache:
+        """The cache of a model with config `c`; `kv_layers` set: that many attention layers alone (the MTP head)."""
+        gdn = 0 if kv_layers is not None else len(c.linear_layers)
+        kv_layers = len(c.full_layers) if kv_layers is None else kv_layers
+        kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, dtype, device)
+        conv_dim = 2 * c.linear_num_k_heads * c.linear_k_head_dim + c.linear_num_v_heads * c.linear_v_head_dim
+        conv = [torch.zeros(max_batch, conv_dim, c.conv_kernel - 1, dtype=dtype, device=device) for _ in range(gdn)]
+        rec = [torch.zeros(max_batch, c.linear_num_v_heads, c.linear_k_head_dim, c.linear_v_head_dim,
+                           dtype=torch.float32, device=device) for _ in range(gdn)]
         return cls(max_batch, max_len, torch.zeros(max_batch, dtype=torch.long), kv, conv, rec)
 
     def reset(self, slots: list[int]) -> None:
@@ -122,6 +125,15 @@ class ModelCache:
             self.lengths[s] = n
         if self.kv is not None:
             self.kv.truncate(slots, n_keep)
+
+    def record_gdn(self, slots: list[int], starts: list[int], T: int, stash: dict[int, tuple]) -> None:
+        """Keep what the GDN layers stashed during one forward (qwen35.py) as each slot's rollback record."""
+        layers = [stash[i] for i in sorted(stash)]
+        w = layers[0][2].shape[2]
+        for row, (slot, start) in enumerate(zip(slots, starts)):
+            self.records[slot] = GDNRecord(
+                start=start + T - w, n=w, conv_win=[rec[0][row] for rec in layers],
+                state0=[rec[1][row] for rec in layers], qkvgb=[tuple(t[row] for t in rec[2:]) for rec in layers])
 
     def _rollback_gdn(self, s: int, n: int) -> None:
         r = self.records.get(s)

@@ -53,7 +53,7 @@ class Step:
     sin: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, T, length] bool, None when plain causal over the whole history works
     rope_mat: torch.Tensor | None  # [B, T, D, D]: RoPE as one small matmul (short steps: fewer ops per layer)
-    gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (qwen35.py)
+    gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (cache.record_gdn)
 
     @classmethod
     def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
@@ -79,9 +79,7 @@ class Step:
             self.cache.lengths[s] += self.T
             self.cache.records.pop(s, None)  # an older forward's GDN record no longer describes this slot
         if self.gdn:
-            from qconv.runtime.qwen35 import commit_records
-
-            commit_records(self)
+            self.cache.record_gdn(self.slots, self.starts, self.T, self.gdn)
 
 
 def _rope_matrix(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
@@ -192,9 +190,10 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
-        c = self.config
-        return ModelCache.create(max_batch, max_len, kv_layers=len(c.full_layers), kv_heads=c.num_kv_heads,
-                                 head_dim=c.head_dim, dtype=self.dtype, kv_scheme=kv_scheme, device=self.device)
+        cache = ModelCache.create(self.config, max_batch, max_len, self.dtype, self.device, kv_scheme)
+        if self.mtp is not None:
+            cache.mtp = self.mtp.new_cache(max_batch, max_len, kv_scheme)
+        return cache
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

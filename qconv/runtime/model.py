@@ -14,9 +14,6 @@ from qconv.runtime.cache import ModelCache
 from qconv.runtime.config import RuntimeConfig
 
 
-ROPE_MATRIX_MAX_T = 16  # steps up to this many tokens apply RoPE as one [D, D] matmul (decode, verify)
-
-
 class RMSNorm(nn.Module):
     """One norm for every family: qwen3_5's (1 + w) offset is folded into the weight at load time."""
 
@@ -52,7 +49,6 @@ class Step:
     cos: torch.Tensor  # [B, T, rotary_dim]
     sin: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, T, length] bool, None when plain causal over the whole history works
-    rope_mat: torch.Tensor | None  # [B, T, D, D]: RoPE as one small matmul (short steps: fewer ops per layer)
     gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (cache.record_gdn)
 
     @classmethod
@@ -71,8 +67,7 @@ class Step:
         if T > 1 or len(set(starts)) > 1:
             keys = torch.arange(length, device=device)
             mask = (keys[None, None, :] <= pos[..., None])[:, None]
-        rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if T <= ROPE_MATRIX_MAX_T else None
-        return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat)
+        return cls(cache, slots, starts, T, length, cos, sin, mask)
 
     def end(self) -> None:
         for s in self.slots:
@@ -82,27 +77,10 @@ class Step:
             self.cache.record_gdn(self.slots, self.starts, self.T, self.gdn)
 
 
-def _rope_matrix(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
-    """M with x @ M == rotate-half RoPE of x on the first rd channels (identity on the rest)."""
-    B, T, rd = cos.shape
-    h, i, j = rd // 2, torch.arange(rd, device=cos.device), torch.arange(rd // 2, device=cos.device)
-    M = torch.zeros(B, T, D, D, dtype=cos.dtype, device=cos.device)
-    M[..., i, i] = cos
-    M[..., j + h, j] = -sin[..., :h]
-    M[..., j, j + h] = sin[..., h:]
-    if rd < D:
-        rest = torch.arange(rd, D, device=cos.device)
-        M[..., rest, rest] = 1
-    return M
-
-
 def rotate(x: torch.Tensor, st: Step) -> torch.Tensor:
     """RoPE on the first rotary_dim channels of x [B, T, H, D] (rotate-half layout)."""
-    if st.rope_mat is not None:
-        return x @ st.rope_mat
-    cos, sin = st.cos, st.sin
+    cos, sin = st.cos[:, :, None], st.sin[:, :, None]
     rd = cos.shape[-1]
-    cos, sin = cos[:, :, None], sin[:, :, None]
     xr = x[..., :rd]
     x1, x2 = xr.chunk(2, dim=-1)
     out = xr * cos + torch.cat([-x2, x1], dim=-1) * sin

@@ -1,6 +1,5 @@
-"""Single-request generation: prefill, then per step draft -> verify all k+1 positions in one forward -> accept ->
-roll the cache back to the accepted length (spec.py holds the drafters and the verifier). Streams token ids (or
-text), stops on eos / stop strings / max tokens, and counts forwards and acceptance per draft position."""
+"""Single-request generation: prefill, then per step draft -> verify all k+1 positions in one forward -> roll the
+cache back to the accepted length (spec.py drafts and verifies); counts forwards and acceptance per draft position."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """Load a plain HF folder or a qconv (compressed-tensors) artifact into our model: dequantized on load, and for bf16
-on CPU the int4 Linears and int8 embedding also run from their integer form (int_linear.py).
-
-Checkpoint names are mapped to ours here: q/k/v and gate/up (and the four GDN input projections) are fused into one
-matrix each, and qwen3_5's zero-centred norms get their +1 folded into the weight."""
+on CPU the int4 Linears and int8 embedding also run from their integer form (int_linear.py). Checkpoint names map to
+ours: q/k/v, gate/up and the GDN input projections fuse into one matrix each; qwen3_5's (1 + w) norms fold the +1."""
 
 from __future__ import annotations
 

@@ -32,12 +32,6 @@ class IntWeight:
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """Dense weight, computed in fp32 like compressed-tensors' decompress, then rounded to dtype."""
-        N, K = self.q.shape
-        w = self.q.view(N, -1, self.group).float() * self.scale.float()[..., None]
-        return w.view(N, K).to(dtype)
-
     @staticmethod
     def cat(parts: list[IntWeight]) -> IntWeight | None:
         """Concatenate along the output dim (fused q/k/v, gate/up); None when the parts' formats differ."""

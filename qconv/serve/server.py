@@ -156,7 +156,8 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
                                             "owned_by": "qconv", "max_model_len": cfg.context_len}]}
 
-    def prepare(body, prompt_ids: list[int], max_tokens: int | None, emit) -> GenRequest:
+    async def start(body, prompt_ids: list[int], max_tokens: int | None) -> tuple[GenRequest, asyncio.Queue]:
+        """Check the request against this server, and submit it; its events arrive on the returned queue."""
         if body.model != cfg.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
                            param="model", code="model_not_found")
@@ -175,11 +176,9 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                                 f"completion). Please reduce the prompt or max_tokens.",
                            param="max_tokens" if max_tokens else "messages", code="context_length_exceeded")
         sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0))
-        return GenRequest(prompt_ids, want, emit, sp, body.seed, body.stop_list())
-
-    async def start(body, prompt_ids, max_tokens) -> tuple[GenRequest, asyncio.Queue]:
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        r = prepare(body, prompt_ids, max_tokens, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        r = GenRequest(prompt_ids, want, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), sp, body.seed,
+                       body.stop_list())
         try:
             sched.submit(r)
         except QueueFull as e:

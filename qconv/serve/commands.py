@@ -14,7 +14,6 @@ from click.core import ParameterSource
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
-from qconv.manifest import Requirement
 
 
 def _cuda_gpu() -> bool:
@@ -72,7 +71,8 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     else:
         runtime = runtimes.find_runtime()
     if backend == "auto":
-        requires, pname = _requires(path, profile)
+        art = Artifact.find(path)  # what it needs of vLLM under which profile (a plain folder: nothing)
+        requires, pname = (art.requires, profile or art.default_profile) if art else ([], profile or "")
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
         click.echo(f"backend: {choice.backend} ({choice.reason})", err=True)
         backend = choice.backend
@@ -108,14 +108,6 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     rc = vllm.run_vllm(argv, host, port, api_key=api_key)
     if rc:
         sys.exit(rc)
-
-
-def _requires(path: Path, profile: str | None) -> tuple[list[Requirement], str]:
-    """What the artifact needs of vLLM, and the profile it would be served under (a plain folder needs nothing)."""
-    art = Artifact.find(path)
-    if art is None:
-        return [], profile or ""
-    return art.requires, profile or art.default_profile
 
 
 def _override_runtime(python: str):

@@ -35,7 +35,7 @@ def smollm2_dir() -> Path:
 def run(model_dir: Path, max_tokens: int, max_batch: int, port: int, threads: int | None, spec: int) -> dict:
     import openai
 
-    from qconv.serve.loadgen import ServerProcess, run_load
+    from tests.serve_helpers import ServerProcess, run_load
 
     args = [str(model_dir), "--backend", "native", "--max-batch", str(max_batch), "--max-model-len", "512",
             "--spec-tokens", str(spec)]
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the server (default: torch's)")
     ap.add_argument("--spec-tokens", type=int, default=0, help="prompt-lookup drafts per step (0: off)")
     a = ap.parse_args()
-    from qconv.serve.native import free_port
+    from tests.serve_helpers import free_port
 
     print(json.dumps(run(a.model or smollm2_dir(), a.max_tokens, a.max_batch, a.port or free_port(), a.threads,
                          a.spec_tokens)))

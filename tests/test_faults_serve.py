@@ -17,9 +17,10 @@ import openai
 import pytest
 
 from qconv.runtime.sampling import SamplingParams
-from qconv.serve.native import BackgroundServer, NativeOptions, build_native
+from qconv.serve.native import NativeOptions, build_native
 from qconv.serve.scheduler import GenRequest, Scheduler
 from tests.sched_helpers import submit_and_wait
+from tests.serve_helpers import BackgroundServer
 
 KEY = "fault-key"
 GOOD = ["The quick brown", "First Citizen:", "def add(a, b):", "0123456789 +", "All: Speak", "A tiny model"]
@@ -90,7 +91,7 @@ def test_one_bad_request_ends_alone_in_the_scheduler(tiny_qwen3, bad):
     from qconv.runtime.loader import load_model, load_tokenizer
 
     tok = load_tokenizer(tiny_qwen3)
-    sched = Scheduler(load_model(tiny_qwen3, max_batch=4), tok, max_batch=4, max_len=256).start()
+    sched = Scheduler(load_model(tiny_qwen3), tok, max_batch=4, max_len=256).start()
     try:
         mk = lambda p: GenRequest(tok(p).input_ids, 12, None)  # noqa: E731
         alone = []
@@ -269,7 +270,7 @@ def test_warnings_for_exposed_bind_and_key_on_argv(tiny_qwen3, monkeypatch):
 # ---- load: 32 streaming clients, 8 bad ---------------------------------------------------------------------
 
 def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
-    from qconv.serve.loadgen import stream_one
+    from tests.serve_helpers import stream_one
 
     app, sched = build_native(tiny_qwen3, NativeOptions(max_batch=8, max_queue=64, max_model_len=512))
     prompts = [f"{GOOD[i % len(GOOD)]} {i}" for i in range(24)]

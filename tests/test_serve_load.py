@@ -7,8 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from qconv.serve.loadgen import ServerProcess, run_load
-from qconv.serve.native import free_port
+from tests.serve_helpers import ServerProcess, free_port, run_load
 
 TOPICS = ["the sea", "a red bicycle", "winter", "coffee", "the moon", "a lost key", "mountains", "rain", "a library",
           "trains", "old maps", "a garden", "the desert", "bread", "a violin", "owls"]

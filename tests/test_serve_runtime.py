@@ -196,7 +196,7 @@ def _alive(pid: int) -> bool:
 
 def test_run_vllm_leaves_no_process_of_its_group(tmp_path):
     """vLLM forks workers; when the server exits (or qconv is stopped), its whole process group goes with it."""
-    from qconv.serve.native import free_port
+    from tests.serve_helpers import free_port
 
     port, pidfile = free_port(), tmp_path / "child.pid"
     fake = tmp_path / "fake_vllm.py"

@@ -26,7 +26,7 @@ def _run(sched: Scheduler, prompts: list[str], max_tokens: int = 24, **kw) -> li
 def _scheduler(path, **kw) -> Scheduler:
     from qconv.runtime.loader import load_model, load_tokenizer
 
-    return Scheduler(load_model(path, max_batch=4), load_tokenizer(path), max_batch=4, max_len=256, **kw).start()
+    return Scheduler(load_model(path), load_tokenizer(path), max_batch=4, max_len=256, **kw).start()
 
 
 @pytest.mark.parametrize("family,methods", [("llama", ["lookup"]), ("qwen3", ["lookup"]),

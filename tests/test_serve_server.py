@@ -12,7 +12,8 @@ import urllib.request
 import openai
 import pytest
 
-from qconv.serve.native import BackgroundServer, NativeOptions, build_native
+from qconv.serve.native import NativeOptions, build_native
+from tests.serve_helpers import BackgroundServer
 
 KEY = "test-key"
 

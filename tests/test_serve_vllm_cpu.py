@@ -12,8 +12,7 @@ import openai
 import pytest
 import torch
 
-from qconv.serve.loadgen import ServerProcess
-from qconv.serve.native import free_port
+from tests.serve_helpers import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # nats: vLLM (bf16, int8 activations) vs our fp32 engine; measured differences here are below 0.01

@@ -17,8 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from qconv.cli import main
-from qconv.serve.loadgen import ServerProcess
-from qconv.serve.native import free_port
+from tests.serve_helpers import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}

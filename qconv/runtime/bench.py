@@ -1,6 +1,5 @@
-"""Speculative decoding benchmark: workloads built from user files, our decode with and without speculation in the
-same run (interleaved per prompt, so machine load hits both alike), and optionally transformers' own prompt lookup
-(`generate(prompt_lookup_num_tokens=...)`) on the same weights and prompts, against its own greedy decode."""
+"""Speculative decoding benchmark on workloads built from user files: our decode with and without speculation,
+interleaved per prompt (machine load hits both alike), and optionally transformers' own prompt lookup vs its greedy."""
 
 from __future__ import annotations
 
@@ -39,8 +38,8 @@ _HEADING = re.compile(r"^(=+) .* \1$")  # wikitext's "= Title =", "= = Section =
 
 
 def _paragraphs(text: str, long_line: int = 200) -> list[str]:
-    """Paragraphs of plain text. A file with lines longer than any wrapped text has keeps one paragraph per line
-    (wikitext's layout); otherwise blank lines end paragraphs and the wrapped lines between them are joined."""
+    """Paragraphs: one per line in a file with lines longer than wrapped text has (wikitext), else blank-line
+    separated blocks with their wrapped lines joined."""
     lines = [ln.strip() for ln in text.splitlines()]
     if any(len(ln) > long_line for ln in lines):
         return [ln for ln in lines if ln and not _HEADING.match(ln)]
@@ -104,11 +103,9 @@ def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> dict:
 
 def transformers_lookup_replay(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int, block: int,
                                eos: list[int]) -> dict:
-    """transformers' prompt-lookup drafter (its own PromptLookupCandidateGenerator, as `generate` sets it up)
-    replayed on our greedy outputs: with greedy verification a step accepts the drafts that agree with the output,
-    so its forwards are a function of the token sequence alone. This compares the two drafters on the same text
-    even where the engines' numerics make their greedy texts differ (bf16); in float32, where the texts agree,
-    it reproduces the real run's count (tests/test_runtime_spec.py)."""
+    """transformers' prompt-lookup drafter (PromptLookupCandidateGenerator, as `generate` sets it up) replayed on
+    our greedy outputs: under greedy verification its forwards depend on the token sequence alone, so the drafters
+    compare on the same text even where the engines' bf16 numerics make their greedy texts differ."""
     import torch
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
@@ -165,10 +162,9 @@ def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: 
 def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None,
               compare_transformers: bool = False, threads: int = 0, dequantize: bool = False,
               dtype: str | None = None, device: str | None = None, keep_spec: bool = False) -> dict:
-    """One workload: our speculative decode vs our plain decode (and optionally vs transformers' run), and
-    transformers' prompt-lookup drafter replayed on our outputs. An artifact runs in bf16 through the int kernels
-    unless `dequantize` (then fp32, like a plain folder); `dtype` overrides either. The MTP part of the config is
-    dropped for a model without the head unless `keep_spec` (the user asked for it). `device`: run our engine there."""
+    """One workload: our speculative vs plain decode, transformers' drafter replayed on our outputs, and optionally
+    transformers' own run. dtype as the CLI picks it (runtime_dtype). The MTP part of the config is dropped for a
+    model without the head unless `keep_spec` (the user asked for it)."""
     import torch
 
     from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype

@@ -1,8 +1,7 @@
-"""Per-slot caches: the full-attention KV store (behind a small interface so fp8 or KVarN's packed store can plug in)
-and the Gated-DeltaNet conv/recurrent state, which can be rolled back to any token of the last forward.
-
-Rollback of a recurrent state cannot just cut a length, so each forward records, per slot, the state at the start of
-its last `max_rollback` tokens plus those tokens' (already projected) inputs; rollback replays the kept prefix."""
+"""Per-slot caches: the full-attention KV store (an interface, so qconv.kv's packed stores plug in) and the
+Gated-DeltaNet conv/recurrent state. A recurrent state cannot be rolled back by cutting a length, so each forward
+records, per slot, the state at the start of its last `max_rollback` tokens and their projected inputs; rollback
+replays the kept prefix."""
 
 from __future__ import annotations
 
@@ -13,6 +12,8 @@ import torch
 
 from qconv.errors import QconvError
 from qconv.kv import get_kv_scheme
+from qconv.runtime.config import RuntimeConfig
+from qconv.runtime.gdn import recurrent_gated_delta
 
 
 class KVStore(Protocol):
@@ -89,19 +90,20 @@ class ModelCache:
     records: dict[int, GDNRecord] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, max_batch: int, max_len: int, *, kv_layers: int, kv_heads: int, head_dim: int,
-               dtype: torch.dtype, kv_scheme: str = "bf16", gdn_layers: int = 0, conv_dim: int = 0,
-               conv_kernel: int = 0, v_heads: int = 0, k_dim: int = 0, v_dim: int = 0, device=None) -> ModelCache:
-        kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, kv_heads, head_dim, dtype, device)
-        conv = [torch.zeros(max_batch, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
-                for _ in range(gdn_layers)]
-        rec = [torch.zeros(max_batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
-               for _ in range(gdn_layers)]
+    def create(cls, c: RuntimeConfig, max_batch: int, max_len: int, dtype: torch.dtype, device=None,
+               kv_scheme: str = "bf16", kv_layers: int | None = None) -> ModelCache:
+        """The cache of a model with config `c`; `kv_layers` set: that many attention layers alone (the MTP head)."""
+        gdn = 0 if kv_layers is not None else len(c.linear_layers)
+        kv_layers = len(c.full_layers) if kv_layers is None else kv_layers
+        kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, dtype, device)
+        conv_dim = 2 * c.linear_num_k_heads * c.linear_k_head_dim + c.linear_num_v_heads * c.linear_v_head_dim
+        conv = [torch.zeros(max_batch, conv_dim, c.conv_kernel - 1, dtype=dtype, device=device) for _ in range(gdn)]
+        rec = [torch.zeros(max_batch, c.linear_num_v_heads, c.linear_k_head_dim, c.linear_v_head_dim,
+                           dtype=torch.float32, device=device) for _ in range(gdn)]
         return cls(max_batch, max_len, torch.zeros(max_batch, dtype=torch.long), kv, conv, rec)
 
-    def reset(self, slots) -> None:
+    def reset(self, slots: list[int]) -> None:
         """Free slots: length 0, zero recurrent state (the MTP cache's slots too)."""
-        slots = as_ints(slots)
         for s in slots:
             self.lengths[s] = 0
             self.records.pop(s, None)
@@ -112,9 +114,8 @@ class ModelCache:
         if self.mtp is not None:
             self.mtp.reset(slots)
 
-    def rollback(self, slots, n_keep) -> None:
+    def rollback(self, slots: list[int], n_keep: list[int]) -> None:
         """Keep only the first n_keep tokens of each slot (Gated-DeltaNet state: within the last forward's window)."""
-        slots, n_keep = as_ints(slots), as_ints(n_keep)
         for s, n in zip(slots, n_keep):
             cur = int(self.lengths[s])
             if not 0 <= n <= cur:
@@ -125,9 +126,16 @@ class ModelCache:
         if self.kv is not None:
             self.kv.truncate(slots, n_keep)
 
-    def _rollback_gdn(self, s: int, n: int) -> None:
-        from qconv.runtime.gdn import recurrent_gated_delta
+    def record_gdn(self, slots: list[int], starts: list[int], T: int, stash: dict[int, tuple]) -> None:
+        """Keep what the GDN layers stashed during one forward (qwen35.py) as each slot's rollback record."""
+        layers = [stash[i] for i in sorted(stash)]
+        w = layers[0][2].shape[2]
+        for row, (slot, start) in enumerate(zip(slots, starts)):
+            self.records[slot] = GDNRecord(
+                start=start + T - w, n=w, conv_win=[rec[0][row] for rec in layers],
+                state0=[rec[1][row] for rec in layers], qkvgb=[tuple(t[row] for t in rec[2:]) for rec in layers])
 
+    def _rollback_gdn(self, s: int, n: int) -> None:
         r = self.records.get(s)
         if r is None or not r.start <= n <= r.start + r.n:
             lo = "nothing" if r is None else f"{r.start}..{r.start + r.n}"
@@ -142,10 +150,3 @@ class ModelCache:
             self.rec[i][s].copy_(state[0])
         r.n = m
 
-
-def as_ints(x) -> list[int]:
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.reshape(-1).tolist()]
-    if isinstance(x, int):
-        return [x]
-    return [int(v) for v in x]

@@ -11,19 +11,12 @@ import click
 
 from qconv.errors import QconvError
 from qconv.runtime.bench import WORKLOADS
+from qconv.runtime.config import model_dir
 from qconv.runtime.generate import GenerationConfig
 from qconv.runtime.sampling import SamplingParams
 from qconv.runtime.spec import SPEC_MODES, SpecConfig
 
 SPEC_CHOICES = click.Choice(list(SPEC_MODES))
-
-
-def _model_dir(path: str) -> Path:
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise QconvError("not a model folder or qconv artifact (no config.json)", where=str(p),
-                         fix="pass the folder written by `qconv build` or an HF model folder")
-    return p
 
 
 def _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop=()) -> GenerationConfig:
@@ -87,7 +80,7 @@ def generate(model, prompt, chat_text, stop, stats, dequantize, dtype, max_token
 
     if (prompt is None) == (chat_text is None):
         raise QconvError("give exactly one of --prompt and --chat")
-    path = _model_dir(model)
+    path = model_dir(model)
     cfg = _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
     tok = load_tokenizer(path)
     ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
@@ -120,7 +113,7 @@ def bench(model, workload, data, prompts, compare_transformers, threads, as_json
     plain decoding measured in the same run."""
     from qconv.runtime.bench import run_bench
 
-    path = _model_dir(model)
+    path = model_dir(model)
     cfg = _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block)
     r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
                   threads=threads, dequantize=dequantize, dtype=dtype, keep_spec=spec is not None)

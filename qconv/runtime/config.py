@@ -56,6 +56,14 @@ class RuntimeConfig:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
 
+def model_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise QconvError("not a model folder or qconv artifact (no config.json)", where=str(path),
+                         fix="pass the folder written by `qconv build` or an HF model folder")
+    return path
+
+
 def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
     """Inverse frequencies via transformers' rope registry (llama3, yarn, ... included); default computed here."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -75,30 +83,25 @@ def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
 
 
 def _eos_ids(path: Path, *configs) -> list[int]:
-    ids: list[int] = []
-    for src in (*configs, _generation_config(path)):
-        eos = getattr(src, "eos_token_id", None) if src is not None else None
-        for e in [eos] if isinstance(eos, int) else (eos or []):
-            if e not in ids:
-                ids.append(int(e))
-    return ids
-
-
-def _generation_config(path: Path):
-    if not (path / "generation_config.json").is_file():
-        return None
+    """eos ids of the model configs and generation_config.json, in order, each once."""
     from transformers import GenerationConfig
 
-    return GenerationConfig.from_pretrained(path)
+    if (path / "generation_config.json").is_file():
+        configs += (GenerationConfig.from_pretrained(path),)
+    ids: list[int] = []
+    for c in configs:
+        eos = getattr(c, "eos_token_id", None)
+        for e in [eos] if isinstance(eos, int) else eos or []:
+            if int(e) not in ids:
+                ids.append(int(e))
+    return ids
 
 
 def load_config(path: str | Path, *, has_mtp: bool = False) -> RuntimeConfig:
     """Read `path/config.json`; raise QconvError for architectures this runtime does not implement."""
     from transformers import AutoConfig
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise QconvError("no config.json in model folder", where=str(path), fix="pass an HF model folder or artifact")
+    path = model_dir(path)
     top = AutoConfig.from_pretrained(path)
     mt = top.model_type
     hf, prefix = top, "model."

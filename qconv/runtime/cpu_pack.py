@@ -1,12 +1,12 @@
-"""CPU decode is bound by streaming the weights once per token. For bf16, oneDNN's prepacked (blocked) weight layout
-streams them markedly faster than torch's plain bf16 GEMV (measured on this CPU for SmolLM2's shapes, batch 1:
-1.3-1.5x per matmul), so bf16 Linears and the lm_head are repacked once at load. For fp32 the plain MKL GEMV was
-as fast or faster for every shape we measured, so fp32 stays unpacked."""
+"""CPU decode streams every weight once per token, and oneDNN's prepacked (blocked) layout streams bf16 weights
+faster than torch's plain bf16 GEMV, so bf16 Linears and the lm_head are repacked once at load. fp32 stays unpacked:
+the plain MKL GEMV is as fast there (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16

@@ -1,11 +1,10 @@
-"""Single-request generation: prefill, then per step draft -> verify all k+1 positions in one forward -> accept ->
-roll the cache back to the accepted length (spec.py holds the drafters and the verifier). Streams token ids (or
-text), stops on eos / stop strings / max tokens, and counts forwards and acceptance per draft position."""
+"""Single-request generation: prefill, then per step draft -> verify all k+1 positions in one forward -> roll the
+cache back to the accepted length (spec.py drafts and verifies); counts forwards and acceptance per draft position."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -43,12 +42,6 @@ class GenerationStats:
             self.drafted[i] += 1
             self.accepted[i] += int(i < accepted)
 
-    def merge(self, other: GenerationStats) -> None:
-        for name in ("prompt_tokens", "new_tokens", "forwards", "prefill_s", "decode_s"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.drafted = [a + b for a, b in zip(self.drafted, other.drafted)]
-        self.accepted = [a + b for a, b in zip(self.accepted, other.accepted)]
-
     @property
     def tokens_per_step(self) -> float:
         return self.new_tokens / max(self.forwards, 1)
@@ -73,7 +66,7 @@ def _forward(model, tokens: list[int], cache, need_hidden: bool):
 
 
 def generate_tokens(model, prompt: list[int], cfg: GenerationConfig,
-                    stats: GenerationStats | None = None) -> Iterator[int]:
+                    stats: GenerationStats | None = None) -> Generator[int]:
     """Yield the new token ids for one prompt. Lossless: with temperature 0 the output equals plain greedy
     decoding token for token (fp32); with sampling it follows the target's processed distribution exactly."""
     if not prompt:
@@ -124,7 +117,7 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig,
             stats.decode_s += time.perf_counter() - t_dec
 
 
-def stream_text(tokenizer, tokens: Iterator[int], stop: tuple[str, ...] = ()) -> Iterator[str]:
+def stream_text(tokenizer, tokens: Generator[int], stop: tuple[str, ...] = ()) -> Iterator[str]:
     """Text as it becomes final (see detok.TextStream); at the first stop string the generator is closed, so its
     statistics are final, and neither the stop string nor anything after it is emitted."""
     ts = TextStream(tokenizer, stop)
@@ -132,8 +125,7 @@ def stream_text(tokenizer, tokens: Iterator[int], stop: tuple[str, ...] = ()) ->
         if piece := ts.push([t]):
             yield piece
         if ts.stopped:
-            if hasattr(tokens, "close"):
-                tokens.close()
+            tokens.close()
             return
     if piece := ts.finish():
         yield piece
@@ -144,7 +136,6 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise QconvError("this tokenizer has no chat template", fix="use --prompt instead of --chat")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -1,16 +1,11 @@
 """Run a qconv artifact's int4 Linears through torch's CPU int4 kernel and look its int8 embedding up row by row,
-instead of holding them dequantized.
+instead of holding them dequantized: batch-1 decode streams every weight once per token, and int4 is a quarter of
+bf16's bytes. The kernel's cost grows with rows, so steps with more rows than `max_rows` (prefill, verification,
+batched decode) use a dense packed copy of the same weights (thresholds: docs/BENCHMARKS.md). The int8 lm_head stays
+dense: torch's int8 kernel is per-channel only.
 
-Why: batch-1 CPU decode streams every weight once per token; int4 streams a quarter of bf16's bytes. Measured on this
-CPU (1 thread, bf16 activations, see docs/BENCHMARKS.md): `_weight_int4pack_mm_for_cpu` beats oneDNN-packed bf16 by
-1.3-3x per matmul at 1 row, but its cost grows linearly with rows (~3x slower than dense at 16 rows, 6-9x at 64),
-so steps with more rows than `int4_max_rows` (prefill, speculative verification, batched decode) use a dense packed
-copy of the same weights. The group-64 int8 lm_head stays dense: torch's int8 kernel is per-channel only and
-splitting K into groups (9 calls) or masking rows measured slower than the packed bf16 GEMV.
-
-Exactness: compressed-tensors stores symmetric int4 as q in [-8, 7] (offset +8 when packed); torch's int4 convention
-is w = (u - 8) * scale + zero with u in [0, 15], so u = q + 8 and zero = 0 give w = q * scale, computed by the kernel
-in fp32 -- the same value the dequantized path computes in fp32 (it then rounds it to the model dtype)."""
+Exactness: compressed-tensors stores symmetric int4 as q in [-8, 7]; torch's kernel computes (u - 8) * scale + zero
+with u in [0, 15], so u = q + 8 and zero = 0 give q * scale in fp32, as the dequantized path does."""
 
 from __future__ import annotations
 
@@ -37,12 +32,6 @@ class IntWeight:
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """Dense weight, computed in fp32 like compressed-tensors' decompress, then rounded to dtype."""
-        N, K = self.q.shape
-        w = self.q.view(N, -1, self.group).float() * self.scale.float()[..., None]
-        return w.view(N, K).to(dtype)
-
     @staticmethod
     def cat(parts: list[IntWeight]) -> IntWeight | None:
         """Concatenate along the output dim (fused q/k/v, gate/up); None when the parts' formats differ."""
@@ -56,10 +45,6 @@ def int_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype == torch.bfloat16
             and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
             and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"))
-
-
-def int4_max_rows(out_features: int, in_features: int) -> int:
-    return INT4_MAX_ROWS_LARGE if out_features * in_features >= LARGE_WEIGHTS else INT4_MAX_ROWS
 
 
 def int4_supported(w: IntWeight, in_features: int) -> bool:
@@ -76,7 +61,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = w.q.shape
         self.group = w.group
-        self.max_rows = int4_max_rows(self.out_features, self.in_features)
+        self.max_rows = INT4_MAX_ROWS_LARGE if w.q.numel() >= LARGE_WEIGHTS else INT4_MAX_ROWS
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32) + 8, 1)
         s = w.scale.to(torch.bfloat16).t()  # [K // group, N]
         self.scales_zeros = torch.stack([s, torch.zeros_like(s)], dim=-1).contiguous()

@@ -1,8 +1,6 @@
 """Load a plain HF folder or a qconv (compressed-tensors) artifact into our model: dequantized on load, and for bf16
-on CPU the int4 Linears and int8 embedding also run from their integer form (int_linear.py).
-
-Checkpoint names are mapped to ours here: q/k/v and gate/up (and the four GDN input projections) are fused into one
-matrix each, and qwen3_5's zero-centred norms get their +1 folded into the weight."""
+on CPU the int4 Linears and int8 embedding also run from their integer form (int_linear.py). Checkpoint names map to
+ours: q/k/v, gate/up and the GDN input projections fuse into one matrix each; qwen3_5's (1 + w) norms fold the +1."""
 
 from __future__ import annotations
 
@@ -17,6 +15,8 @@ from qconv.runtime.config import RuntimeConfig, load_config
 from qconv.runtime.cpu_pack import PackedLinear, pack_linears, packing_available
 from qconv.runtime.int_linear import IntWeight, attach_int_kernels, int_kernels_available
 from qconv.runtime.model import Transformer
+from qconv.runtime.quant import dequantize_tensors, int_weights
+from qconv.runtime.qwen35 import Qwen35Transformer
 
 FUSED = {  # our name -> checkpoint names concatenated along the output dim, in order
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -45,42 +45,14 @@ def quantization_config(path: Path) -> dict | None:
     return json.loads((path / "config.json").read_text()).get("quantization_config") or None
 
 
-def dequantize(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Replace compressed-tensors modules (weight_packed / int8 weight + scales) by dense weights."""
-    qcfg = quantization_config(path)
-    if not qcfg:
-        return tensors
-    from qconv.runtime.quant import dequantize_tensors
-
-    return dequantize_tensors(qcfg, tensors, dtype, where=str(path))
-
-
 def our_int_weights(path: Path, tensors: dict[str, torch.Tensor], cfg: RuntimeConfig) -> dict[str, IntWeight]:
     """The artifact's integer weights under our module names, fused like the dense ones; a fused projection whose
     parts differ in format (or are not all quantized) is left out and runs dense."""
-    from qconv.runtime.quant import int_weights
-
     qcfg = quantization_config(path)
     found = int_weights(qcfg, tensors, where=str(path)) if qcfg else {}
-    out: dict[str, IntWeight] = {}
-    pending: dict[str, dict[str, IntWeight]] = {}
-    for name, w in found.items():
-        ours = _our_name(name + ".weight", cfg)
-        if ours is None:
-            continue
-        module = ours[:-len(".weight")]
-        owner, _, leaf = module.rpartition(".")
-        if leaf not in PART_OF:
-            out[module] = w
-            continue
-        fused, parts = PART_OF[leaf]
-        pending.setdefault(f"{owner}.{fused}", {})[leaf] = w
-        if len(pending[f"{owner}.{fused}"]) == len(parts):
-            got = pending.pop(f"{owner}.{fused}")
-            cat = IntWeight.cat([got[p] for p in parts])
-            if cat is not None:
-                out[f"{owner}.{fused}"] = cat
-    return out
+    named = ((ours, w) for name, w in found.items() if (ours := _our_name(name + ".weight", cfg)) is not None)
+    fused, _ = _fuse(named, IntWeight.cat)
+    return {name.removesuffix(".weight"): w for name, w in fused.items() if w is not None}
 
 
 def _our_name(name: str, cfg: RuntimeConfig) -> str | None:
@@ -98,30 +70,40 @@ def _our_name(name: str, cfg: RuntimeConfig) -> str | None:
     return name
 
 
-def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: RuntimeConfig, dtype) -> dict[str, torch.Tensor]:
-    sd: dict[str, torch.Tensor] = {}
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        ours = _our_name(name, cfg)
-        if ours is None:
-            continue
-        t = t.to(dtype) if t.is_floating_point() else t
-        if cfg.norm_offset and OFFSET_NORM.search(ours):
-            t = t.float() + cfg.norm_offset
-            t = t.to(dtype)
-        if ours.endswith(".conv1d.weight"):  # [C, 1, K] -> [C, K]
-            ours, t = ours.replace(".conv1d.weight", ".conv_weight"), t.squeeze(1)
-        module, _, param = ours.rpartition(".")
+def _fuse(named, cat) -> tuple[dict, dict]:
+    """(our name, value) pairs with the parts of each fused projection joined by `cat` (in FUSED order), and the
+    fused projections some of whose parts never came."""
+    out, pending = {}, {}
+    for name, t in named:
+        module, _, param = name.rpartition(".")
         owner, _, leaf = module.rpartition(".")
-        if leaf in PART_OF:
-            fused, parts = PART_OF[leaf]
-            key = f"{owner}.{fused}.{param}"
-            pending.setdefault(key, {})[leaf] = t
-            if len(pending[key]) == len(parts):
-                got = pending.pop(key)
-                sd[key] = torch.cat([got[p] for p in parts], dim=0)
+        if leaf not in PART_OF:
+            out[name] = t
             continue
-        sd[ours] = t
+        fused, parts = PART_OF[leaf]
+        key = f"{owner}.{fused}.{param}"
+        got = pending.setdefault(key, {})
+        got[leaf] = t
+        if len(got) == len(parts):
+            del pending[key]
+            out[key] = cat([got[p] for p in parts])
+    return out, pending
+
+
+def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: RuntimeConfig, dtype) -> dict[str, torch.Tensor]:
+    def ours():
+        for name, t in tensors.items():
+            name = _our_name(name, cfg)
+            if name is None:
+                continue
+            t = t.to(dtype) if t.is_floating_point() else t
+            if cfg.norm_offset and OFFSET_NORM.search(name):
+                t = (t.float() + cfg.norm_offset).to(dtype)
+            if name.endswith(".conv1d.weight"):  # [C, 1, K] -> [C, K]
+                name, t = name.replace(".conv1d.weight", ".conv_weight"), t.squeeze(1)
+            yield name, t
+
+    sd, pending = _fuse(ours(), torch.cat)
     if pending:
         raise QconvError(f"checkpoint has incomplete fused projections: {sorted(pending)[:3]}")
     return sd
@@ -138,7 +120,7 @@ def runtime_dtype(path, dequantize: bool = False, requested: str | None = None) 
     return torch.bfloat16 if use_int else torch.float32
 
 
-def load_model(path, *, dtype: torch.dtype = torch.float32, max_batch: int = 1, pack: bool | None = None,
+def load_model(path, *, dtype: torch.dtype = torch.float32, pack: bool | None = None,
                int_kernels: bool | None = None) -> Transformer:
     """A plain HF folder (llama/qwen2/qwen3/qwen3_5) or a qconv artifact -> our Transformer, eval mode.
 
@@ -152,23 +134,18 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, max_batch: int = 1, 
         raise QconvError(f"int kernels need bfloat16 on a CPU torch with the int4 kernel (got {dtype})",
                          fix="load with dtype=torch.bfloat16, or int_kernels=False")
     raw = read_safetensors(path)
-    tensors = dequantize(path, raw, dtype)
+    qcfg = quantization_config(path)
+    tensors = dequantize_tensors(qcfg, raw, dtype, where=str(path)) if qcfg else raw
     cfg = load_config(path, has_mtp=any(k.startswith("mtp.fc.") for k in tensors))
     cfg.attention_bias = any(k.endswith("self_attn.q_proj.bias") for k in tensors)
     cfg.o_bias = any(k.endswith("self_attn.o_proj.bias") for k in tensors)
     sd = convert_state_dict(tensors, cfg, dtype)
-    if cfg.family == "qwen3_5":
-        from qconv.runtime.qwen35 import Qwen35Transformer as cls
-    else:
-        cls = Transformer
     with torch.device("meta"):
-        model = cls(cfg)
+        model = (Qwen35Transformer if cfg.family == "qwen3_5" else Transformer)(cfg)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise QconvError(f"checkpoint does not match the {cfg.model_type} model: missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}", where=str(path))
-    model.config.inv_freq = cfg.inv_freq
-    model.max_batch = max_batch
     packed = pack if pack is not None else packing_available(model.device, dtype)
     if packed:
         pack_linears(model)

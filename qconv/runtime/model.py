@@ -10,11 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qconv.errors import QconvError
-from qconv.runtime.cache import ModelCache, as_ints
+from qconv.runtime.cache import ModelCache
 from qconv.runtime.config import RuntimeConfig
-
-
-ROPE_MATRIX_MAX_T = 16  # steps up to this many tokens apply RoPE as one [D, D] matmul (decode, verify)
 
 
 class RMSNorm(nn.Module):
@@ -52,12 +49,11 @@ class Step:
     cos: torch.Tensor  # [B, T, rotary_dim]
     sin: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, T, length] bool, None when plain causal over the whole history works
-    rope_mat: torch.Tensor | None  # [B, T, D, D]: RoPE as one small matmul (short steps: fewer ops per layer)
-    gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (qwen35.py)
+    gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (cache.record_gdn)
 
     @classmethod
     def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
-        slots = list(range(B)) if slots is None else as_ints(slots)
+        slots = list(range(B)) if slots is None else [int(s) for s in slots]
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
         if length > cache.max_len:
@@ -71,40 +67,20 @@ class Step:
         if T > 1 or len(set(starts)) > 1:
             keys = torch.arange(length, device=device)
             mask = (keys[None, None, :] <= pos[..., None])[:, None]
-        rope_mat = _rope_matrix(cos, sin, cfg.head_dim) if T <= ROPE_MATRIX_MAX_T else None
-        return cls(cache, slots, starts, T, length, cos, sin, mask, rope_mat)
+        return cls(cache, slots, starts, T, length, cos, sin, mask)
 
     def end(self) -> None:
         for s in self.slots:
             self.cache.lengths[s] += self.T
             self.cache.records.pop(s, None)  # an older forward's GDN record no longer describes this slot
         if self.gdn:
-            from qconv.runtime.qwen35 import commit_records
-
-            commit_records(self)
-
-
-def _rope_matrix(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
-    """M with x @ M == rotate-half RoPE of x on the first rd channels (identity on the rest)."""
-    B, T, rd = cos.shape
-    h, i, j = rd // 2, torch.arange(rd, device=cos.device), torch.arange(rd // 2, device=cos.device)
-    M = torch.zeros(B, T, D, D, dtype=cos.dtype, device=cos.device)
-    M[..., i, i] = cos
-    M[..., j + h, j] = -sin[..., :h]
-    M[..., j, j + h] = sin[..., h:]
-    if rd < D:
-        rest = torch.arange(rd, D, device=cos.device)
-        M[..., rest, rest] = 1
-    return M
+            self.cache.record_gdn(self.slots, self.starts, self.T, self.gdn)
 
 
 def rotate(x: torch.Tensor, st: Step) -> torch.Tensor:
     """RoPE on the first rotary_dim channels of x [B, T, H, D] (rotate-half layout)."""
-    if st.rope_mat is not None:
-        return x @ st.rope_mat
-    cos, sin = st.cos, st.sin
+    cos, sin = st.cos[:, :, None], st.sin[:, :, None]
     rd = cos.shape[-1]
-    cos, sin = cos[:, :, None], sin[:, :, None]
     xr = x[..., :rd]
     x1, x2 = xr.chunk(2, dim=-1)
     out = xr * cos + torch.cat([-x2, x1], dim=-1) * sin
@@ -192,9 +168,10 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.device
 
     def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
-        c = self.config
-        return ModelCache.create(max_batch, max_len, kv_layers=len(c.full_layers), kv_heads=c.num_kv_heads,
-                                 head_dim=c.head_dim, dtype=self.dtype, kv_scheme=kv_scheme, device=self.device)
+        cache = ModelCache.create(self.config, max_batch, max_len, self.dtype, self.device, kv_scheme)
+        if self.mtp is not None:
+            cache.mtp = self.mtp.new_cache(max_batch, max_len, kv_scheme)
+        return cache
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:

@@ -1,9 +1,6 @@
-"""Dequantize a compressed-tensors checkpoint on load, model-free, with compressed-tensors' own compressors.
-
-Each quantized module is matched to its config group by name (regex / exact targets first, then class targets such as
-"Linear" or "Embedding", whose class is inferred from the name since no model is built), and decompressed with the
-compressor for the format its tensors are actually stored in. `int_weights` hands the integer values and scales
-themselves to the int kernels (int_linear.py)."""
+"""Dequantize a compressed-tensors checkpoint on load, model-free, with compressed-tensors' own compressors: each
+module matches its config group by name (class targets such as "Linear" inferred from the name, since no model is
+built) and is decompressed by the compressor of the format it is stored in. `int_weights` feeds int_linear.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qconv.runtime.cache import GDNRecord, ModelCache
+from qconv.runtime.cache import ModelCache
 from qconv.runtime.config import RuntimeConfig
 from qconv.runtime.gdn import gated_delta
 from qconv.runtime.model import Attention, Block, RMSNorm, Step, Transformer
@@ -79,17 +79,6 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(B, T, self.value_dim))
 
 
-def commit_records(st: Step) -> None:
-    """Turn what the GDN layers stashed during this forward into per-slot rollback records."""
-    layers = [st.gdn[i] for i in sorted(st.gdn)]
-    w = layers[0][2].shape[2]
-    for row, (slot, start) in enumerate(zip(st.slots, st.starts)):
-        st.cache.records[slot] = GDNRecord(
-            start=start + st.T - w, n=w,
-            conv_win=[rec[0][row] for rec in layers], state0=[rec[1][row] for rec in layers],
-            qkvgb=[tuple(t[row] for t in rec[2:]) for rec in layers])
-
-
 class MTPHead(nn.Module):
     """qwen3_5's multi-token-prediction layer; shares the target's embeddings and lm_head."""
 
@@ -104,9 +93,8 @@ class MTPHead(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
     def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
-        c, t = self.config, self._target[0]
-        return ModelCache.create(max_batch, max_len, kv_layers=1, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                 dtype=t.dtype, kv_scheme=kv_scheme, device=t.device)
+        t = self._target[0]
+        return ModelCache.create(self.config, max_batch, max_len, t.dtype, t.device, kv_scheme, kv_layers=1)
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: ModelCache, slots=None):
@@ -135,15 +123,3 @@ class Qwen35Transformer(Transformer):
         if cfg.layer_types[i] == "linear_attention":
             return GatedDeltaNet(cfg, cfg.linear_layers.index(i))
         return Attention(cfg, cfg.full_layers.index(i))
-
-    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
-        c = self.config
-        cache = ModelCache.create(
-            max_batch, max_len, kv_layers=len(c.full_layers), kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            dtype=self.dtype, kv_scheme=kv_scheme, gdn_layers=len(c.linear_layers),
-            conv_dim=2 * c.linear_num_k_heads * c.linear_k_head_dim + c.linear_num_v_heads * c.linear_v_head_dim,
-            conv_kernel=c.conv_kernel, v_heads=c.linear_num_v_heads, k_dim=c.linear_k_head_dim,
-            v_dim=c.linear_v_head_dim, device=self.device)
-        if self.mtp is not None:
-            cache.mtp = self.mtp.new_cache(max_batch, max_len, kv_scheme)
-        return cache

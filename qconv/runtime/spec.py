@@ -1,6 +1,5 @@
-"""Speculative decoding, once for every driver (`generate`, `bench`, the batched scheduler): a `Drafter` proposes
-tokens after the accepted sequence, `verify` accepts a prefix of them losslessly, `DraftLength` picks how many to
-draft from one acceptance EMA. Drafters never change the output: the target's verification decides."""
+"""Speculative decoding for every driver (`generate`, `bench`, the batched scheduler): a `Drafter` proposes tokens,
+`verify` accepts a prefix of them losslessly, `DraftLength` picks how many to draft from one acceptance EMA."""
 
 from __future__ import annotations
 
@@ -35,8 +34,8 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """`begin` once per sequence, `observe` the target's final hidden states at newly accepted positions (model
-    drafters only: `needs_hidden`), `propose(seq, k)` up to k tokens to follow seq."""
+    """`begin` once per sequence; `observe` the target's hidden states at newly accepted positions (if
+    `needs_hidden`); `propose(seq, k)`: up to k tokens to follow seq."""
 
     needs_hidden: bool
 
@@ -47,9 +46,9 @@ class Drafter(Protocol):
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """What to draft: `method` (none | lookup | mtp | hybrid), the MTP head's chained drafts `k`, the most draft
-    tokens verified per step `max_block` (hybrid: lookup fills the block past the MTP drafts), prompt lookup's
-    n-gram range, and whether the draft length follows the acceptance EMA (`adaptive`) or is always the most."""
+    """`method` (none | lookup | mtp | hybrid), the MTP head's chained drafts `k`, the most draft tokens verified
+    per step `max_block` (hybrid: lookup fills it past the MTP drafts), prompt lookup's n-gram range, and whether
+    the draft length follows the acceptance EMA (`adaptive`)."""
 
     method: str = "lookup"
     k: int = 4
@@ -102,10 +101,9 @@ class SpecConfig:
 
 @dataclass
 class DraftLength:
-    """Draft length from one EMA of the per-token acceptance rate a: chained drafts are all accepted up to the
-    k-th with probability a^k, so draft while that stays above `cost`, a verified token's price relative to a
-    decode step. Steps that draft nothing still score the proposal's first token against what was produced, so
-    the estimate recovers when the text turns copyable. `adaptive=False`: always the most."""
+    """Draft length from one EMA of the per-token acceptance rate a: the k-th chained draft is accepted with
+    probability a^k, so draft while that stays above `cost` (a verified token's price relative to a decode step).
+    `adaptive=False`: always the most."""
 
     most: int
     adaptive: bool = True
@@ -128,11 +126,10 @@ class DraftLength:
 
 
 class PromptLookup:
-    """Prompt lookup: find the longest suffix (n from ngram_max down to ngram_min) of the sequence that occurred
-    earlier in prompt + output, and propose what followed it. Among several occurrences take the one nearest to
-    where the previous match would have continued by now (a copy keeps its place in the source even through
-    short, common n-grams), else the most recent. The n-gram index grows with the sequence (one insert per n per
-    token), so a proposal costs O(ngram_max) dict lookups, not O(length)."""
+    """Propose what followed the longest suffix (ngram_max down to ngram_min tokens) of the sequence that occurred
+    earlier in it. Of several occurrences take the one nearest to where the previous match would have continued by
+    now (a copy keeps its place through short, common n-grams), else the most recent. The n-gram index grows with
+    the sequence, so a proposal costs O(ngram_max) dict lookups."""
 
     needs_hidden = False
 
@@ -180,10 +177,9 @@ class PromptLookup:
 
 
 class MTPDrafter:
-    """qwen3_5 multi-token prediction: the MTP layer takes the target's hidden state at position t and the
-    embedding of token t+1 and predicts token t+2; chained on its own hidden state for up to k drafts. Its cache
-    (the target cache's `.mtp`, same slot) holds one entry per accepted position; chained entries are rolled back
-    after proposing."""
+    """qwen3_5 multi-token prediction: from the target's hidden state at t and token t+1 the MTP layer predicts
+    t+2, chained on its own hidden state for up to k drafts. Its cache (the target cache's `.mtp`, same slot) holds
+    one entry per accepted position; the chained entries are rolled back after proposing."""
 
     needs_hidden = True
 
@@ -197,14 +193,12 @@ class MTPDrafter:
     def begin(self, prompt: list[int], cache, slot: int = 0) -> None:
         self.cache, self.slot, self._next = cache, slot, None
 
-    def _step(self, hidden: torch.Tensor, tokens: list[int]) -> None:
-        nxt = torch.tensor([tokens], dtype=torch.long, device=hidden.device)
+    def observe(self, hidden: torch.Tensor, next_tokens: list[int]) -> None:
+        """hidden[T, H]: states at the newly accepted positions (target's, or the head's own when chaining);
+        next_tokens: the token after each."""
+        nxt = torch.tensor([next_tokens], dtype=torch.long, device=hidden.device)
         logits, h = self.model.mtp(hidden[None], nxt, self.cache, slots=[self.slot])
         self._next = logits[0, -1], h[0, -1:]
-
-    def observe(self, hidden: torch.Tensor, next_tokens: list[int]) -> None:
-        """hidden[T, H]: target states at the newly accepted positions; next_tokens: the token after each."""
-        self._step(hidden, next_tokens)
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         if self.params.greedy:
@@ -224,7 +218,7 @@ class MTPDrafter:
             tok, q = self._pick(self._next[0])
             draft += Draft([tok], [q])
             if i + 1 < k:
-                self._step(self._next[1], [tok])
+                self.observe(self._next[1], [tok])
         mtp.rollback([self.slot], [keep])
         self._next = saved
         return draft
@@ -252,8 +246,8 @@ class HybridDrafter:
 
 @dataclass
 class Speculator:
-    """One sequence's drafter and draft length (a `generate` call, a scheduler row): what to verify next, and
-    what to learn from the verified step. A step that verifies nothing still scores the drafter's first token."""
+    """One sequence's drafter and draft length (a `generate` call, a scheduler row). A step that drafts nothing
+    still scores the drafter's first token, so the EMA recovers when the text turns copyable."""
 
     drafter: Drafter
     length: DraftLength
@@ -288,7 +282,6 @@ class Speculator:
 
 def make_speculator(spec: SpecConfig, model, params: SamplingParams = SamplingParams(),
                     generator: torch.Generator | None = None) -> Speculator | None:
-    """The speculator for a SpecConfig (None when speculation is off)."""
     if not spec.on:
         return None
     lookup = PromptLookup(spec.ngram_min, spec.ngram_max)
@@ -303,8 +296,7 @@ def make_speculator(spec: SpecConfig, model, params: SamplingParams = SamplingPa
 def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None = None) -> list[int]:
     """The accepted drafts plus the target's next token, from logits[len(draft) + 1, V] scored at the last accepted
-    token and each draft. Greedy: the longest prefix equal to the argmax; sampling: rejection sampling, whose output
-    is distributed exactly as plain sampling from the processed target distribution."""
+    token and each draft: greedy prefix match, or rejection sampling (distributed exactly as plain sampling)."""
     if params.greedy:
         n, nxt = verify_greedy(draft.tokens, logits)
     else:

@@ -14,7 +14,6 @@ from click.core import ParameterSource
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
-from qconv.manifest import Requirement
 
 
 def _cuda_gpu() -> bool:
@@ -58,17 +57,11 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
     from qconv.hub.cache import hold_artifact
-
-    with hold_artifact(target) as path:  # a re-pull cannot remove the revision while it is served
-        _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-               max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args)
-
-
-def _serve(path, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-           max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args) -> None:
     from qconv.serve import runtimes, vllm, vllm_probe
 
-    if api_key and click.get_current_context().get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
+    ctx = click.get_current_context()
+    path = ctx.with_resource(hold_artifact(target))  # held until the command ends: a re-pull cannot remove it
+    if api_key and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
         click.echo("warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY "
                    "instead", err=True)
     if print_command:
@@ -78,7 +71,8 @@ def _serve(path, backend, profile, recipe, print_command, host, port, api_key, t
     else:
         runtime = runtimes.find_runtime()
     if backend == "auto":
-        requires, pname = _requires(path, profile)
+        art = Artifact.find(path)  # what it needs of vLLM under which profile (a plain folder: nothing)
+        requires, pname = (art.requires, profile or art.default_profile) if art else ([], profile or "")
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
         click.echo(f"backend: {choice.backend} ({choice.reason})", err=True)
         backend = choice.backend
@@ -114,14 +108,6 @@ def _serve(path, backend, profile, recipe, print_command, host, port, api_key, t
     rc = vllm.run_vllm(argv, host, port, api_key=api_key)
     if rc:
         sys.exit(rc)
-
-
-def _requires(path: Path, profile: str | None) -> tuple[list[Requirement], str]:
-    """What the artifact needs of vLLM, and the profile it would be served under (a plain folder needs nothing)."""
-    art = Artifact.find(path)
-    if art is None:
-        return [], profile or ""
-    return art.requires, profile or art.default_profile
 
 
 def _override_runtime(python: str):

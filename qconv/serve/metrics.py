@@ -69,33 +69,32 @@ class Metrics:
 
     def render(self) -> str:
         with self.lock:
-            lines: list[str] = []
-
-            def metric(name, kind, help_, samples):
-                lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples])
-
-            metric("qconv_requests_total", "counter", "Finished requests by finish reason.",
-                   [f'qconv_requests_total{{status="{k}"}} {v}' for k, v in sorted(self.requests.items())])
-            metric("qconv_rejected_requests_total", "counter", "Requests refused with an HTTP error, by status.",
-                   [f'qconv_rejected_requests_total{{code="{k}"}} {v}' for k, v in sorted(self.rejected.items())])
-            metric("qconv_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [f"qconv_prompt_tokens_total {self.prompt_tokens}"])
-            metric("qconv_generation_tokens_total", "counter", "Tokens generated.",
-                   [f"qconv_generation_tokens_total {self.generation_tokens}"])
-            metric("qconv_decode_steps_total", "counter", "Batched decode forward passes.",
-                   [f"qconv_decode_steps_total {self.decode_steps}"])
             tps = self.step_tokens / self.decode_steps if self.decode_steps else 0.0
-            metric("qconv_tokens_per_step", "gauge", "Mean tokens produced per decode step (batch x accepted).",
-                   [f"qconv_tokens_per_step {tps:.4f}"])
-            metric("qconv_spec_draft_tokens_total", "counter", "Speculative draft tokens proposed.",
-                   [f"qconv_spec_draft_tokens_total {self.draft_tokens}"])
-            metric("qconv_spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted.",
-                   [f"qconv_spec_accepted_tokens_total {self.accepted_tokens}"])
             acc = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-            metric("qconv_spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens.", [f"qconv_spec_acceptance_rate {acc:.4f}"])
-            metric("qconv_queue_depth", "gauge", "Requests waiting for a slot.", [f"qconv_queue_depth {self.queue_depth}"])
-            metric("qconv_running_requests", "gauge", "Requests in the running batch.", [f"qconv_running_requests {self.running}"])
-            metric("qconv_request_latency_seconds", "histogram", "End-to-end request latency.", self.e2e.render("qconv_request_latency_seconds"))
-            metric("qconv_time_to_first_token_seconds", "histogram", "Time from arrival to the first token.",
-                   self.ttft.render("qconv_time_to_first_token_seconds"))
-            metric("qconv_batch_size", "histogram", "Rows per decode step.", self.batch.render("qconv_batch_size"))
+            table = [  # name, type, help, samples (a plain number: one unlabelled sample)
+                ("requests_total", "counter", "Finished requests by finish reason.",
+                 [f'qconv_requests_total{{status="{k}"}} {v}' for k, v in sorted(self.requests.items())]),
+                ("rejected_requests_total", "counter", "Requests refused with an HTTP error, by status.",
+                 [f'qconv_rejected_requests_total{{code="{k}"}} {v}' for k, v in sorted(self.rejected.items())]),
+                ("prompt_tokens_total", "counter", "Prompt tokens prefilled.", self.prompt_tokens),
+                ("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
+                ("decode_steps_total", "counter", "Batched decode forward passes.", self.decode_steps),
+                ("tokens_per_step", "gauge", "Mean tokens produced per decode step (batch x accepted).", f"{tps:.4f}"),
+                ("spec_draft_tokens_total", "counter", "Speculative draft tokens proposed.", self.draft_tokens),
+                ("spec_accepted_tokens_total", "counter", "Speculative draft tokens accepted.", self.accepted_tokens),
+                ("spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens.", f"{acc:.4f}"),
+                ("queue_depth", "gauge", "Requests waiting for a slot.", self.queue_depth),
+                ("running_requests", "gauge", "Requests in the running batch.", self.running),
+                ("request_latency_seconds", "histogram", "End-to-end request latency.", self.e2e),
+                ("time_to_first_token_seconds", "histogram", "Time from arrival to the first token.", self.ttft),
+                ("batch_size", "histogram", "Rows per decode step.", self.batch),
+            ]
+            lines: list[str] = []
+            for name, kind, help_, samples in table:
+                name = f"qconv_{name}"
+                if isinstance(samples, Histogram):
+                    samples = samples.render(name)
+                elif not isinstance(samples, list):
+                    samples = [f"{name} {samples}"]
+                lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *samples]
             return "\n".join(lines) + "\n"

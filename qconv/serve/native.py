@@ -1,19 +1,17 @@
 """Serve a model with qconv's own engine: load it, size the cache from the serving profile, run the scheduler
-thread and uvicorn. `BackgroundServer` runs the same thing inside a process (tests, benchmarks)."""
+thread and uvicorn."""
 
 from __future__ import annotations
 
 import json
 import logging
-import socket
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
 from qconv.recipes.recipe import Speculative
+from qconv.runtime.config import model_dir
 from qconv.runtime.spec import SpecConfig
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
@@ -72,12 +70,10 @@ def build_native(path: str | Path, opts: NativeOptions):
 
     from qconv.serve.server import ServerConfig, create_app
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise QconvError(f"no config.json in {path}", where=str(path), fix="pass a model or artifact folder")
+    path = model_dir(path)
     plan = native_plan(path, opts)
     tok = load_tokenizer(path)
-    model = load_model(path, dtype=getattr(torch, opts.dtype), max_batch=opts.max_batch)
+    model = load_model(path, dtype=getattr(torch, opts.dtype))
     plan.spec = plan.spec.for_model(model)
     sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
                       max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec=plan.spec).start()
@@ -106,39 +102,3 @@ def run_native(path: str | Path, opts: NativeOptions) -> None:
         uvicorn.run(app, host=opts.host, port=opts.port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         sched.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class BackgroundServer:
-    """uvicorn in a thread of this process, on a free loopback port; `with` stops it and its scheduler."""
-
-    def __init__(self, app, sched, host: str = "127.0.0.1", port: int | None = None):
-        import uvicorn
-
-        self.sched, self.host, self.port = sched, host, port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
-
-    def __enter__(self) -> BackgroundServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sched.stop()

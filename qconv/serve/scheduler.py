@@ -1,15 +1,10 @@
-"""Continuous batching over the runtime model API: one background thread owns the model and its cache; requests
-join between decode steps (prefilled into their own cache slots, the requests that arrived together batched), then
-every active slot advances per batched forward by the token it samples plus whatever of its own drafts (spec.py)
-verify, and a request leaves the batch as soon as it finishes or its client goes away.
+"""Continuous batching: one thread owns the model and its cache. Requests join between decode steps (prefilled
+together into their own slots); each batched forward advances every active slot by its sampled token plus whatever
+of its own drafts (spec.py) verify. The HTTP layer submits a `GenRequest` with a thread-safe `emit` callback and
+cancels by setting a flag the thread checks every step.
 
-The HTTP layer never touches the model: it submits a `GenRequest` whose `emit` callback is thread-safe (the server
-passes one that hops onto its asyncio loop), and it cancels by setting a flag the thread checks every step.
-
-A failure that belongs to one request (its seed, its sampling parameters, decoding its text) ends only that request
-with an error; a failing model forward ends the batch it ran; if the thread itself dies, every request it held is
-failed and `submit` refuses from then on (`SchedulerDown`, a 503), rather than queueing work nobody will run.
-"""
+A failure of one request (its seed, sampling, detokenizing) ends only that request; a failing forward ends its
+batch; if the thread dies, every request it held fails and `submit` refuses from then on (`SchedulerDown`)."""
 
 from __future__ import annotations
 
@@ -46,7 +41,6 @@ class Event:
     """One message from the scheduler to a request's client: new text, and on the last one why it ended."""
 
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -77,17 +71,16 @@ class GenRequest:
 
 class Scheduler:
     def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, max_queue: int = 64,
-                 kv_scheme: str = "bf16", metrics: Metrics | None = None, seed: int = 0,
-                 spec: SpecConfig = SpecConfig("none")):
+                 kv_scheme: str = "bf16", spec: SpecConfig = SpecConfig("none")):
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch, self.max_len, self.max_queue = max_batch, max_len, max_queue
+        self.max_len, self.max_queue = max_len, max_queue
         self.spec = spec  # each row drafts with its own speculator (spec.py), verified in the batched forward
         self.cache = model.new_cache(max_batch, max_len, kv_scheme)
-        self.eos = set(getattr(model.config, "eos_token_ids", []) or [])
+        self.eos = set(model.config.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos.add(int(tokenizer.eos_token_id))
-        self.metrics = metrics or Metrics()
-        self.generator = torch.Generator().manual_seed(seed)
+        self.metrics = Metrics()
+        self.generator = torch.Generator().manual_seed(0)  # requests without a seed share it
         self.waiting: deque[GenRequest] = deque()
         self.active: list[GenRequest] = []
         self.free = list(range(max_batch))
@@ -96,7 +89,6 @@ class Scheduler:
         self.died: str | None = None  # why the model thread ended abnormally
         self.thread: threading.Thread | None = None
 
-    # ---- called from other threads -------------------------------------------------------------------------------
     def submit(self, req: GenRequest) -> None:
         if not req.prompt_ids:
             raise ValueError("empty prompt")
@@ -123,7 +115,6 @@ class Scheduler:
         if self.thread is not None:
             self.thread.join(timeout=30)
 
-    # ---- the model thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
         reason, error = "cancelled", "server shutting down"
         try:
@@ -291,8 +282,8 @@ class Scheduler:
                 self._finish(r, "stop", text=text)
                 return
             if text:
-                self._send(r, Event(text=text, token_ids=[t]))
-            if len(r.out_ids) >= r.max_tokens or len(r.prompt_ids) + len(r.out_ids) >= self.max_len:
+                self._send(r, Event(text=text))
+            if len(r.out_ids) >= r.max_tokens:  # submit keeps prompt + max_tokens within max_len
                 self._finish(r, "length")
                 return
 

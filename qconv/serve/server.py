@@ -1,10 +1,9 @@
-"""The OpenAI-compatible HTTP server over qconv's engine (FastAPI + uvicorn). Handlers tokenize, check limits,
-hand a request to the scheduler thread and relay its events (SSE or one JSON body); they never run the model.
+"""The OpenAI-compatible HTTP server over qconv's engine (FastAPI): handlers tokenize (in a worker thread, so a long
+prompt does not stall other streams), check limits, submit to the scheduler thread and relay its events.
 
-What a client sends is bounded before it costs anything: the body size (an ASGI guard, before JSON parsing), the
-prompt's characters and the message count (before tokenizing), every numeric field (protocol.py). Tokenizing and
-chat templating run in a worker thread, so one long prompt does not stall every other stream on the event loop.
-On a loopback bind only loopback Host headers are served (a web page cannot reach the server by DNS rebinding)."""
+What a client sends is bounded before it costs anything: the body size (before JSON parsing), the prompt's characters
+and the message count (before tokenizing), every numeric field (protocol.py). On a loopback bind only loopback Host
+headers are served (a web page cannot reach the server by DNS rebinding)."""
 
 from __future__ import annotations
 
@@ -27,6 +26,8 @@ from qconv.serve.protocol import APIError, ChatRequest, CompletionRequest, valid
 from qconv.serve.scheduler import Event, GenRequest, QueueFull, Scheduler, SchedulerDown
 
 DISCONNECT_POLL_S = 0.5
+MAX_MESSAGES = 1024
+CHARS_PER_TOKEN = 32  # prompts longer than this many characters per context token are refused untokenized
 
 
 @dataclass
@@ -36,17 +37,14 @@ class ServerConfig:
     api_key: str | None = None
     max_tokens: int | None = None  # completion cap of a chat request that sends none (the profile's); None: context
     host: str = "127.0.0.1"  # the bind address
-    max_body_bytes: int | None = None  # None: 64 bytes per context token, at least 1 MiB
-    max_messages: int = 1024
-    chars_per_token: int = 32  # prompts longer than this many characters per context token are refused untokenized
 
     @property
     def body_cap(self) -> int:
-        return self.max_body_bytes or max(1 << 20, 64 * self.context_len)
+        return max(1 << 20, 64 * self.context_len)
 
     @property
     def prompt_chars(self) -> int:
-        return self.chars_per_token * self.context_len
+        return CHARS_PER_TOKEN * self.context_len
 
 
 def is_loopback(host: str) -> bool:
@@ -158,7 +156,8 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
                                             "owned_by": "qconv", "max_model_len": cfg.context_len}]}
 
-    def prepare(body, prompt_ids: list[int], max_tokens: int | None, emit) -> GenRequest:
+    async def start(body, prompt_ids: list[int], max_tokens: int | None) -> tuple[GenRequest, asyncio.Queue]:
+        """Check the request against this server, and submit it; its events arrive on the returned queue."""
         if body.model != cfg.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
                            param="model", code="model_not_found")
@@ -177,11 +176,9 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                                 f"completion). Please reduce the prompt or max_tokens.",
                            param="max_tokens" if max_tokens else "messages", code="context_length_exceeded")
         sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0))
-        return GenRequest(prompt_ids, want, emit, sp, body.seed, body.stop_list())
-
-    async def start(body, prompt_ids, max_tokens) -> tuple[GenRequest, asyncio.Queue]:
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        r = prepare(body, prompt_ids, max_tokens, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+        r = GenRequest(prompt_ids, want, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), sp, body.seed,
+                       body.stop_list())
         try:
             sched.submit(r)
         except QueueFull as e:
@@ -217,9 +214,11 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                 "total_tokens": ev.prompt_tokens + ev.completion_tokens}
 
     async def respond(body, r, q, request, chat: bool):
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+
+        def envelope(obj: str, **rest) -> dict:
+            return {"id": rid, "object": obj, "created": created, "model": cfg.model_name, **rest}
+
         if not body.stream:
             text, last = [], Event()
             async for ev in events(r, q, request):
@@ -232,8 +231,12 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                 choice["message"] = {"role": "assistant", "content": "".join(text)}
             else:
                 choice["text"] = "".join(text)
-            return {"id": rid, "object": obj, "created": created, "model": cfg.model_name, "choices": [choice],
-                    "usage": usage(last)}
+            return envelope("chat.completion" if chat else "text_completion", choices=[choice], usage=usage(last))
+
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def sse(data: dict) -> str:
+            return f"data: {json.dumps(data)}\n\n"
 
         def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
             if chat:
@@ -243,25 +246,22 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                 c = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 c = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            data = {"id": rid, "object": f"{obj}.chunk" if chat else obj, "created": created,
-                    "model": cfg.model_name, "choices": [c]}
-            return f"data: {json.dumps(data)}\n\n"
+            return sse(envelope(obj, choices=[c]))
 
-        async def sse():
+        async def stream():
             if chat:
                 yield chunk(None, None, first=True)
             async for ev in events(r, q, request):
                 if ev.finish_reason == "error":
-                    err = APIError(500, f"generation failed: {ev.error}", "server_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
+                    yield sse(APIError(500, f"generation failed: {ev.error}", "server_error").body())
                     return
                 if ev.text or ev.finish_reason:
                     yield chunk(ev.text or None, ev.finish_reason)
                 if ev.finish_reason and body.include_usage:
-                    yield f"data: {json.dumps({'id': rid, 'object': obj + '.chunk', 'created': created, 'model': cfg.model_name, 'choices': [], 'usage': usage(ev)})}\n\n"
+                    yield sse(envelope(obj, choices=[], usage=usage(ev)))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream",
+        return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def too_long(n: int, unit: str, param: str) -> APIError:
@@ -286,8 +286,8 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat(body: ChatRequest, request: Request):
-        if len(body.messages) > cfg.max_messages:
-            raise APIError(400, f"{len(body.messages)} messages; this server accepts at most {cfg.max_messages}",
+        if len(body.messages) > MAX_MESSAGES:
+            raise APIError(400, f"{len(body.messages)} messages; this server accepts at most {MAX_MESSAGES}",
                            param="messages", code="too_many_messages")
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         chars = sum(len(m["content"]) for m in msgs)

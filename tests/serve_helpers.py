@@ -1,13 +1,16 @@
-"""A small load generator for OpenAI-compatible servers (ours or vLLM): N streaming chat clients at a fixed
-concurrency, bounded in count and time, loopback only by default. Used by bench/serve_load.py and the load test."""
+"""Running servers from tests and benchmarks: our native server in a thread of this process (`BackgroundServer`),
+`qconv serve` as a child process (`ServerProcess`, ours or vLLM), and a small load generator for OpenAI-compatible
+servers (streaming chat clients at a fixed concurrency). bench/serve_load.py imports it too."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -87,7 +90,7 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         # the server's logs go to our stderr: stdout stays for what the caller prints (a benchmark's JSON line)
-        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=Path(__file__).resolve().parents[2],
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=Path(__file__).resolve().parents[1],
                                      stdout=sys.stderr, start_new_session=True)
         deadline = time.monotonic() + self.health_timeout
         while time.monotonic() < deadline:
@@ -111,3 +114,39 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class BackgroundServer:
+    """uvicorn in a thread of this process, on a free loopback port; `with` stops it and its scheduler."""
+
+    def __init__(self, app, sched, host: str = "127.0.0.1", port: int | None = None):
+        import uvicorn
+
+        self.sched, self.host, self.port = sched, host, port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sched.stop()

@@ -83,7 +83,7 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     calib = load_calibration(str(cal), tok, samples=samples, seq_len=seq_len, seed=recipe.calibration.seed)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    quantize(load_causal_lm(src).eval(), apply_selection(plan, units, sel.chosen), recipe, calib.input_ids, out,
+    quantize(load_causal_lm(src).eval(), apply_selection(plan, units, sel.choices), recipe, calib.input_ids, out,
              untie=plan.untie_embeddings, seed=recipe.calibration.seed)
     copy_side_files(src, out)
     write_index(out)

@@ -76,7 +76,7 @@ def test_units_respect_fusion_and_greedy_order(tiny_qwen3_5):
     best = max(units, key=lambda u: scores.values[u.name] / (u.bytes8 - u.bytes4))
     sel = select(units, scores, best.bytes8 - best.bytes4, budget="x", scheme="w8a16")
     assert sel.chosen == [best.name] and sel.spent == best.bytes8 - best.bytes4
-    mods = {m.name: m for m in apply_selection(plan, units, sel.chosen)}
+    mods = {m.name: m for m in apply_selection(plan, units, sel.choices)}
     assert {mods[m.name].bits for m in best.w4} == {8}
     others = [m for u in units if u.name != best.name for m in u.w4]
     assert {mods[m.name].bits for m in others} == {4}

@@ -137,7 +137,7 @@ def dry_run(opts: BuildOptions) -> DryRun:
     cached = WorkDir(work_root).latest("sensitivity") if work_root.is_dir() else None
     units = candidate_units(plan, recipe)
     if cached and set(cached["values"]) >= {u.name for u in units}:
-        selection = select(units, Scores(cached["method"], cached["values"], cached["tokens"]), budget,
+        selection = select(units, Scores(**cached), budget,
                            budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
     return DryRun(plan, recipe, config, selection, budget, note, units)
 
@@ -181,10 +181,11 @@ def _sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, sens_
 
     ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
     key = stage_key("sensitivity", src_sha, calib.info.sha256, opts.sensitivity, sens_samples,
-                    [(u.name, [asdict(m) for m in u.w4], [asdict(m) for m in u.w8]) for u in units])
+                    [(u.name, [asdict(m) for m in u.w4], [(o.scheme, [asdict(m) for m in o.members]) for o in u.options])
+                     for u in units])
     cached = work.load_json("sensitivity", key)
     if cached:
-        return Scores(cached["method"], cached["values"], cached["tokens"])
+        return Scores(**cached)
     model = model_loader()
     fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
     scores = fn(model, units, ids)
@@ -304,7 +305,7 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     if budget > 0 and any(not u.refusal for u in units):
         scores = _sensitivity(opts, units, calib, source_info.sha256, model_loader, work)
     selection = select(units, scores, budget, budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
-    modules = apply_selection(plan, units, selection.chosen)
+    modules = apply_selection(plan, units, selection.choices)
     if units:
         log.info("%s", format_table(selection))
     final_plan = replace(plan, modules=modules)
@@ -425,6 +426,10 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
         _copy_files(qdir, artifact, reports)
     _name_final_path(artifact, final)
     summary = summary_of(json.loads((artifact / REPORT_JSON).read_text()))
+    predicted = manifest.selection.get("predicted_kld")
+    if predicted is not None and summary.get("weights"):
+        summary["selection"] = {"method": manifest.selection.get("method"), "predicted_kld": predicted,
+                                "measured_kld": summary["weights"]["kld_mean"]}
     manifest.quality = QualityReport(summary)
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")

@@ -34,7 +34,8 @@ def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
         "quality": quality, "kv_scheme": q.get("kv_scheme"), "passed": q.get("passed"),
         "tier": (q.get("tier") or {}).get("name"),
         "failed_gates": [v["message"] for v in q.get("verdicts", []) if not v.get("passed")],
-        "int8_units": m.selection.get("int8_units", 0), "reports": reports,
+        "int8_units": m.selection.get("int8_units", 0), "step_units": sum((m.selection.get("step_units") or {}).values()),
+        "predicted_kld": m.selection.get("predicted_kld"), "reports": reports,
         "log": str(log_path) if log_path else None,
         "next": [f"qconv serve {out}", f"qconv check {out}", f'qconv generate {out} --chat "Hello"'],
     }
@@ -57,7 +58,7 @@ def print_summary(s: dict, console=None) -> None:
     took = f" in {s['elapsed_s']:.0f} s" if s.get("elapsed_s") is not None else ""
     con.print(f"[bold]artifact[/bold]  {escape(s['artifact'])}  {_mb(s['size_bytes'])} "
               f"(source {_mb(s['source_bytes'])}{pct}){bpw}{took}")
-    if s["int8_units"]:
+    if s["int8_units"] or s.get("step_units"):
         from qconv.calibrate.select import Selection, format_table
 
         con.print(escape(format_table(Selection.from_dict(read_manifest(s["artifact"]).selection), limit=INT8_ROWS)))
@@ -70,6 +71,9 @@ def print_summary(s: dict, console=None) -> None:
             t.add_row(labels[sec], f"{r['kld_mean']:.4f}", f"{r['kld_p99']:.3f}", f"{100 * r['top1']:.1f}%",
                       f"{r['ppl_ratio']:.3f}")
         con.print(t)
+        if s.get("predicted_kld") is not None and "weights" in s["quality"]:
+            con.print(f"[bold]selection[/bold] predicted KLD {s['predicted_kld']:.4f} (sensitivity proxy: the "
+                      f"selectable units' rounding, before GPTQ) vs measured {s['quality']['weights']['kld_mean']:.4f}")
     tier = f" ({escape(s['tier'].split(' (')[0])} tier)" if s["tier"] else ""
     if s["passed"] is True:
         con.print(f"[bold]verdict[/bold]   [green]PASSED[/green] the recipe's quality gates{tier}")

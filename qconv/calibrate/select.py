@@ -1,4 +1,5 @@
-"""Selective INT8 under a byte budget: the units whose 4-bit cost is highest per extra byte go to 8 bits.
+"""Selective upgrades under a byte budget: the units whose 4-bit cost is highest per extra byte go to 8 bits, or
+to one of the selection's cheaper steps (smaller int4 groups) where that buys more per byte.
 
 A unit is a fused group (q/k/v, gate/up, in_proj_qkv/z) or a single projection; vLLM loads a fused layer with one
 scheme, so the whole unit moves together. The units and their refusals come from the plan (qconv.convert.layout
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from qconv.calibrate.sensitivity import Candidate, Scores
+from qconv.calibrate.sensitivity import BASE, Candidate, Scores
 from qconv.errors import QconvError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -25,11 +26,18 @@ class Row:
     bytes4: int
     bytes8: int
     score: float | None
-    decision: str  # "int8" | "w4" | "refused: <why>"
+    decision: str  # "int8" (the 8-bit scheme) | "w4" (unchanged) | a step's scheme name | "refused: <why>"
+    chosen_bytes: int | None = None  # the unit's bytes under its decision (None: bytes4 / bytes8 by decision)
 
     @property
     def extra(self) -> int:
         return self.bytes8 - self.bytes4
+
+    @property
+    def spent(self) -> int:
+        if self.decision == "w4" or self.decision.startswith("refused"):
+            return 0
+        return (self.chosen_bytes if self.chosen_bytes is not None else self.bytes8) - self.bytes4
 
 
 @dataclass
@@ -39,24 +47,38 @@ class Selection:
     scheme: str
     method: str  # how units were scored ("proxy", "kld", "random", "none")
     rows: list[Row] = field(default_factory=list)
+    predicted_kld: float | None = None  # proxy only: ½ Σ units' F-weighted rounding error under their decisions
 
     @property
     def spent(self) -> int:
-        return sum(r.extra for r in self.rows if r.decision == "int8")
+        return sum(r.spent for r in self.rows)
 
     @property
     def chosen(self) -> list[str]:
+        """The units moved to the 8-bit scheme."""
         return [r.unit for r in self.rows if r.decision == "int8"]
+
+    @property
+    def choices(self) -> dict[str, str]:
+        """Every upgraded unit -> the recipe scheme it takes (qconv.convert.layout.apply_selection)."""
+        return {r.unit: self.scheme if r.decision == "int8" else r.decision for r in self.rows
+                if r.decision != "w4" and not r.decision.startswith("refused")}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Selection":
         fields = ("unit", "role", "modules", "bytes4", "bytes8", "score", "decision")
         return cls(budget=d["budget"], budget_bytes=d["budget_bytes"], scheme=d["scheme"], method=d["method"],
-                   rows=[Row(**{k: r[k] for k in fields}) for r in d["units"]])
+                   rows=[Row(**{k: r[k] for k in fields}, chosen_bytes=r.get("chosen_bytes")) for r in d["units"]],
+                   predicted_kld=d.get("predicted_kld"))
 
     def to_dict(self) -> dict:
+        steps = {}
+        for r in self.rows:
+            if r.decision != "w4" and not r.decision.startswith("refused") and r.decision != "int8":
+                steps[r.decision] = steps.get(r.decision, 0) + 1
         return {"budget": self.budget, "budget_bytes": self.budget_bytes, "scheme": self.scheme, "method": self.method,
-                "spent_bytes": self.spent, "int8_units": len(self.chosen),
+                "spent_bytes": self.spent, "int8_units": len(self.chosen), "step_units": steps,
+                "predicted_kld": self.predicted_kld,
                 "units": [{**asdict(r), "extra_bytes": r.extra} for r in self.rows]}
 
 
@@ -83,43 +105,74 @@ def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) 
 
 def select(units: list[Candidate], scores: Scores | None, budget_bytes: int, *, budget: str, scheme: str,
            order: list[str] | None = None) -> Selection:
-    """Greedy by score per extra byte (or a given `order`, for the random baselines) until the budget is spent."""
+    """Greedy by gain per extra byte until the budget is spent: each step takes, over all units, the upgrade (from a
+    unit's current scheme to a costlier one of its options) with the best marginal gain per byte that still fits.
+    With one option per unit this is the plain score-per-byte order. A given `order` (the random baselines) moves
+    units to the 8-bit scheme in that order instead."""
     out = Selection(budget=budget, budget_bytes=budget_bytes, scheme=scheme,
                     method="random" if order is not None else (scores.method if scores else "none"))
-    ok = [u for u in units if not u.refusal]
+    ok = [u for u in units if not u.refusal or any(not o.refusal for o in u.options)]
     if budget_bytes > 0 and units and not ok:
         detail = "; ".join(f"{u.name}: {u.refusal}" for u in units[:4])
         raise QconvError(f"INT8 budget {budget!r} cannot be spent: no candidate unit can be INT8 in vLLM ({detail})",
                          where="selection", fix="use budget 0, another selection.scheme, or other selection.candidates")
-    if order is None and budget_bytes > 0 and ok:
-        if scores is None:
-            raise QconvError("INT8 selection needs sensitivity scores", where="selection")
-        order = sorted((u.name for u in ok), key=lambda n: (-scores.values[n] / max(_extra(units, n), 1), n))
-    chosen, left = set(), budget_bytes
-    for name in order or []:
-        extra = _extra(units, name)
-        if extra <= left:
-            chosen.add(name)
-            left -= extra
+    if order is None and budget_bytes > 0 and ok and scores is None:
+        raise QconvError("INT8 selection needs sensitivity scores", where="selection")
+    level: dict[str, tuple[str, int, float]] = {}  # unit -> (scheme, extra bytes, gain)
+    if order is not None:
+        left = budget_bytes
+        for name in order:
+            u = next(u for u in units if u.name == name)
+            if not u.refusal and u.bytes8 - u.bytes4 <= left:
+                level[name] = (scheme, u.bytes8 - u.bytes4, 0.0)
+                left -= u.bytes8 - u.bytes4
+    elif budget_bytes > 0:
+        level = _greedy(ok, scores, budget_bytes, scheme)
     for u in units:
-        decision = f"refused: {u.refusal}" if u.refusal else ("int8" if u.name in chosen else "w4")
         score = scores.values.get(u.name) if scores else None
+        chosen, extra, _ = level.get(u.name, ("", 0, 0.0))
+        if chosen:
+            decision = "int8" if chosen == scheme else chosen
+        else:
+            decision = f"refused: {u.refusal}" if u.refusal else "w4"
         out.rows.append(Row(unit=u.name, role=u.role, modules=len(u.w4), bytes4=u.bytes4, bytes8=u.bytes8,
-                            score=score, decision=decision))
+                            score=score, decision=decision, chosen_bytes=u.bytes4 + extra if chosen else None))
+    if scores is not None and scores.errors and all(u.name in scores.errors for u in units):
+        out.predicted_kld = 0.5 * sum(scores.errors[u.name][level.get(u.name, (BASE,))[0] or BASE] for u in units)
     return out
 
 
-def _extra(units: list[Candidate], name: str) -> int:
-    u = next(u for u in units if u.name == name)
-    return u.bytes8 - u.bytes4
+def _greedy(units: list[Candidate], scores: Scores, budget: int, top: str) -> dict[str, tuple[str, int, float]]:
+    level: dict[str, tuple[str, int, float]] = {}
+    left = budget
+    while True:
+        best = None
+        for u in units:
+            _, cur_extra, cur_gain = level.get(u.name, ("", 0, 0.0))
+            for o in u.options:
+                gain, extra = scores.gain(u.name, o.scheme, top), o.bytes - u.bytes4
+                if o.refusal or gain is None or extra <= cur_extra or extra - cur_extra > left:
+                    continue
+                if u.name in level and gain <= cur_gain:
+                    continue  # costlier and no better than what the unit already has
+                key = ((gain - cur_gain) / (extra - cur_extra), u.name)
+                if best is None or key[0] > best[0][0] or (key[0] == best[0][0] and key[1] < best[0][1]):
+                    best = (key, u.name, o.scheme, extra, gain)
+        if best is None:
+            return level
+        _, name, chosen, extra, gain = best
+        left -= extra - level.get(name, ("", 0, 0.0))[1]
+        level[name] = (chosen, extra, gain)
 
 
 def format_table(selection: Selection, limit: int = 40) -> str:
     """The selection table as text: most sensitive first, refused units last."""
     rows = sorted(selection.rows, key=lambda r: (r.decision.startswith("refused"), -(r.score or 0.0), r.unit))
+    steps = len(selection.choices) - len(selection.chosen)
+    predicted = f"; predicted KLD {selection.predicted_kld:.4g}" if selection.predicted_kld is not None else ""
     lines = [f"INT8 selection: budget {selection.budget} = {selection.budget_bytes / 1e6:.2f} MB, scheme "
-             f"{selection.scheme}, scored by {selection.method}: {len(selection.chosen)} units, "
-             f"{selection.spent / 1e6:.2f} MB spent",
+             f"{selection.scheme}, scored by {selection.method}: {len(selection.chosen)} units"
+             + (f" + {steps} at a cheaper step" if steps else "") + f", {selection.spent / 1e6:.2f} MB spent{predicted}",
              f"  {'unit':40s} {'role':12s} {'score':>11s} {'w4 MB':>8s} {'+int8 MB':>9s}  decision"]
     for r in rows[:limit]:
         score = f"{r.score:.4g}" if r.score is not None else "-"

@@ -1,4 +1,5 @@
-"""Per-unit sensitivity: what keeping a unit at 4 bits costs against 8 bits (a fused group counts as one unit).
+"""Per-unit sensitivity: what keeping a unit at 4 bits costs against each scheme it could take instead (8 bits,
+or the selection's cheaper steps such as smaller int4 groups); a fused group counts as one unit.
 
 Two measures:
 - `model_kld_scores`: the model-level truth. Every candidate unit at 8 bits (RTN) is the base; each unit in turn
@@ -25,8 +26,19 @@ from qconv.manifest import ModuleDecision
 log = logging.getLogger(__name__)
 
 
+class Option(Protocol):
+    """One scheme a unit can take (qconv.convert.layout.Option)."""
+    scheme: str
+    members: list[ModuleDecision]
+    refusal: str
+
+    @property
+    def bytes(self) -> int: ...
+
+
 class Candidate(Protocol):
-    """One selectable unit (qconv.convert.layout.Unit): its members' 4-bit (current) and 8-bit decisions."""
+    """One selectable unit (qconv.convert.layout.Unit): its members' 4-bit (current) and 8-bit decisions, and every
+    scheme it can take (`options`: the selection's steps, then its 8-bit scheme)."""
     name: str
     role: str
     w4: list[ModuleDecision]
@@ -39,12 +51,29 @@ class Candidate(Protocol):
     @property
     def bytes8(self) -> int: ...
 
+    @property
+    def options(self) -> list[Option]: ...
+
+
+BASE = "base"  # the key of a unit's current (4-bit) decisions in Scores.errors
+
 
 @dataclass
 class Scores:
     method: str  # "proxy" | "kld"
-    values: dict[str, float] = field(default_factory=dict)  # unit name -> score (higher = more sensitive)
+    values: dict[str, float] = field(default_factory=dict)  # unit -> gain of its 8-bit scheme (higher = more sensitive)
     tokens: int = 0
+    gains: dict[str, dict[str, float]] = field(default_factory=dict)  # unit -> scheme -> gain over the base
+    # proxy only: unit -> scheme (or BASE) -> Σ F·diag(E H Eᵀ); half of it is a second-order estimate of the
+    # mean KLD the unit's rounding adds (summed over units: the predicted KLD of a selection)
+    errors: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def gain(self, unit: str, scheme: str, top: str) -> float | None:
+        """What moving `unit` to `scheme` buys; None when it was not scored (scores from before steps existed)."""
+        g = self.gains.get(unit, {})
+        if scheme in g:
+            return g[scheme]
+        return self.values.get(unit) if scheme == top else None
 
 
 def fake_quant(w: torch.Tensor, d: ModuleDecision, symmetric: bool = True) -> torch.Tensor:
@@ -164,21 +193,26 @@ def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, to
 
 
 def proxy_scores(model, units: list[Candidate], ids: list[list[int]], symmetric: bool = True) -> Scores:
-    """Σ_members Σ_rows F_r · [(E4 H E4ᵀ)_rr − (E8 H E8ᵀ)_rr]: each output channel's extra 4-bit error, weighted
-    by how much the loss cares about that channel (capture_fisher). One forward + backward per sequence."""
+    """Per unit and scheme, Σ_members Σ_rows F_r · (E H Eᵀ)_rr: each output channel's rounding error, weighted by
+    how much the loss cares about that channel (capture_fisher); a scheme's gain is the base's error minus its own.
+    One forward + backward per sequence."""
     mods = dict(model.named_modules())
     hs, tokens = capture_hessians(model, ids, {u.w4[0].name for u in units})
     fs = capture_fisher(model, ids, {m.name for u in units for m in u.w4})
-    out = {}
+    values, gains, errors = {}, {}, {}
     with torch.no_grad():
         for u in units:
-            s, h = 0.0, hs[u.w4[0].name]
-            for m4, m8 in zip(u.w4, u.w8):
-                w = mods[m4.name].weight.detach().float()
-                rows = [(((e := fake_quant(w, m) - w) @ h) * e).sum(1) for m in (m4, m8)]
-                s += float((fs[m4.name] * (rows[0] - rows[1])).sum())
-            out[u.name] = s
-    return Scores("proxy", out, tokens)
+            h = hs[u.w4[0].name]
+            weights = {m.name: mods[m.name].weight.detach().float() for m in u.w4}
+
+            def err(members):
+                return sum(float((fs[m.name] * (((e := fake_quant(weights[m.name], m) - weights[m.name]) @ h) * e)
+                                  .sum(1)).sum()) for m in members)
+
+            errors[u.name] = {BASE: err(u.w4), **{o.scheme: err(o.members) for o in u.options}}
+            gains[u.name] = {o.scheme: errors[u.name][BASE] - errors[u.name][o.scheme] for o in u.options}
+            values[u.name] = gains[u.name][u.options[-1].scheme]
+    return Scores("proxy", values, tokens, gains, errors)
 
 
 def _mean_kld(model, ids: list[list[int]], ref: list[torch.Tensor], start: int = 0,
@@ -214,31 +248,40 @@ def _layer_inputs(model, ids: list[list[int]]) -> list[dict[int, torch.Tensor]]:
 
 def model_kld_scores(model, units: list[Candidate], ids: list[list[int]], symmetric: bool = True,
                      progress: bool = True) -> Scores:
-    """Model-level sensitivity (see module docstring). Restores the model's weights before returning."""
+    """Model-level sensitivity (see module docstring): with every other candidate at its 8-bit scheme, each unit's
+    gain under a scheme is the mean KLD at its base minus the KLD at that scheme. Restores the weights on return."""
     from tqdm.auto import tqdm
 
     mods = dict(model.named_modules())
     with torch.no_grad():
         ref = [torch.log_softmax(model(torch.tensor([r])).logits[0].float(), -1) for r in ids]
     orig = {m.name: mods[m.name].weight.detach().clone() for u in units for m in u.w4}
+
+    def put(members):
+        for m in members:
+            mods[m.name].weight.data.copy_(fake_quant(orig[m.name], m, symmetric))
+
     try:
         for u in units:
-            for m8 in u.w8:
-                mods[m8.name].weight.data.copy_(fake_quant(orig[m8.name], m8, symmetric))
+            put(u.w8)
         base = _mean_kld(model, ids, ref)
         inputs = _layer_inputs(model, ids)
-        out = {}
+        values, gains = {}, {}
         for u in tqdm(units, desc="sensitivity (model KLD)", unit="unit", disable=not progress, leave=False):
-            for m4 in u.w4:
-                mods[m4.name].weight.data.copy_(fake_quant(orig[m4.name], m4, symmetric))
-            out[u.name] = _mean_kld(model, ids, ref, _layer_index(u.w4[0].name), inputs) - base
-            for m8 in u.w8:
-                mods[m8.name].weight.data.copy_(fake_quant(orig[m8.name], m8, symmetric))
+            start = _layer_index(u.w4[0].name)
+            put(u.w4)
+            at_base = _mean_kld(model, ids, ref, start, inputs)
+            gains[u.name] = {u.options[-1].scheme: at_base - base}
+            for o in u.options[:-1]:
+                put(o.members)
+                gains[u.name][o.scheme] = at_base - _mean_kld(model, ids, ref, start, inputs)
+            values[u.name] = at_base - base
+            put(u.w8)
     finally:
         for name, w in orig.items():
             mods[name].weight.data.copy_(w)
     log.info("model-level sensitivity: base KLD (all candidates int8) %.5f", base)
-    return Scores("kld", out, sum(len(r) for r in ids))
+    return Scores("kld", values, sum(len(r) for r in ids), gains)
 
 
 def spearman(a: dict[str, float], b: dict[str, float]) -> float:

@@ -241,14 +241,29 @@ CUTLASS_ALIGN = 16
 
 
 @dataclass
+class Option:
+    """One scheme a unit can be upgraded to: its members' decisions under it, and why vLLM could not run it."""
+    scheme: str  # the recipe's scheme name
+    members: list[ModuleDecision]
+    refusal: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return sum(module_bytes(m) for m in self.members)
+
+
+@dataclass
 class Unit:
-    """One selectable unit of the plan (a fused group or one projection): its members' 4-bit (current) and 8-bit
-    decisions; qconv.calibrate.select chooses among them under the byte budget."""
+    """One selectable unit of the plan (a fused group or one projection): its members' 4-bit (current) decisions,
+    its decisions under the selection's 8-bit `scheme` (w8) and under each cheaper step (selection.steps);
+    qconv.calibrate.select chooses among them under the byte budget."""
     name: str
     role: str
     w4: list[ModuleDecision]
     w8: list[ModuleDecision]
     refusal: str = ""  # why this unit cannot be INT8 in vLLM ("" when it can)
+    scheme: str = "w8a16"  # the recipe's name for the w8 decisions (selection.scheme)
+    steps: list[Option] = field(default_factory=list)  # upgrades short of w8, in selection.steps order
 
     @property
     def bytes4(self) -> int:
@@ -257,6 +272,10 @@ class Unit:
     @property
     def bytes8(self) -> int:
         return sum(module_bytes(m) for m in self.w8)
+
+    @property
+    def options(self) -> list[Option]:
+        return [*self.steps, Option(self.scheme, self.w8, self.refusal)]
 
 
 def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
@@ -277,8 +296,16 @@ def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: st
     return ""
 
 
+def _refusal(role: str, members: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
+    if recipe.schemes[scheme].weights.bits >= 8:
+        return int8_refusal(role, members, recipe, scheme)
+    kept = [m for m in members if m.scheme == KEEP]
+    return (kept[0].note or "no group size fits") if kept else ""  # 4-bit: the base's own kernel limits apply
+
+
 def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
-    """The recipe's candidate roles as units, with their 8-bit decisions and any refusal."""
+    """The recipe's candidate roles as units, with their 8-bit decisions, their cheaper steps that change anything
+    (a step whose group size the fallback already gave the base is dropped) and any refusal."""
     sel = recipe.selection
     s8 = recipe.schemes[sel.scheme]
     units = []
@@ -292,14 +319,23 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
                                  fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates")
             continue  # a member the plan already keeps (no group size fits): nothing to upgrade
         w8 = [decide(m.name, m.role, tuple(m.shape), sel.scheme, s8, recipe)[0] for m in members]
-        units.append(Unit(name=name, role=role, w4=members, w8=w8, refusal=int8_refusal(role, w8, recipe, sel.scheme)))
+        unit = Unit(name=name, role=role, w4=members, w8=w8, refusal=int8_refusal(role, w8, recipe, sel.scheme),
+                    scheme=sel.scheme)
+        for step in sel.steps:
+            opt = Option(step, [decide(m.name, m.role, tuple(m.shape), step, recipe.schemes[step], recipe)[0]
+                                for m in members])
+            opt.refusal = _refusal(role, opt.members, recipe, step)
+            if opt.refusal or opt.bytes > unit.bytes4:
+                unit.steps.append(opt)
+        units.append(unit)
     return units
 
 
-def apply_selection(plan: Plan, units: list[Unit], chosen: list[str]) -> list[ModuleDecision]:
-    """The plan's modules with the chosen units' (Selection.chosen) members switched to their 8-bit decisions."""
-    chosen = set(chosen)
-    repl = {m.name: m for u in units if u.name in chosen for m in u.w8}
+def apply_selection(plan: Plan, units: list[Unit], choices: dict[str, str]) -> list[ModuleDecision]:
+    """The plan's modules with each chosen unit's (Selection.choices: unit -> scheme) members switched to that
+    scheme's decisions."""
+    repl = {m.name: m for u in units if u.name in choices
+            for o in u.options if o.scheme == choices[u.name] for m in o.members}
     return [repl.get(m.name, m) for m in plan.modules]
 
 

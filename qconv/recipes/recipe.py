@@ -103,6 +103,9 @@ class Selection:
     # card has left after the weights, the first profile's KV cache + recurrent state and the reserve
     budget: str = "0"
     scheme: str = "w8a16"
+    # cheaper upgrades the budget may buy instead of `scheme` (e.g. int4 with smaller groups), unit by unit, by
+    # measured sensitivity per byte; [] = `scheme` only
+    steps: list[str] = field(default_factory=list)
     # with `auto`: never promote past this many bits per weight over the whole artifact (None: the card decides).
     # A model far smaller than the card it is built for would otherwise be promoted to INT8 throughout.
     max_bpw: float | None = None
@@ -251,6 +254,10 @@ class Recipe:
                                           "than group_size; schemes of one bit width may differ in group_size only")
         if self.selection.scheme not in self.schemes:
             yield "selection.scheme", f"unknown scheme {self.selection.scheme!r}; defined: {', '.join(self.schemes)}"
+        for step in self.selection.steps:
+            if step not in self.schemes or step == self.selection.scheme:
+                yield "selection.steps", (f"step {step!r} is not a scheme other than selection.scheme; defined: "
+                                          f"{', '.join(self.schemes)}")
         if self.profiles and self.default_profile not in self.profiles:
             yield "default_profile", f"{self.default_profile!r} is not a profile; profiles: {', '.join(self.profiles)}"
 

@@ -1,0 +1,122 @@
+"""Selection among several schemes per unit (selection.steps): int4 with smaller groups short of INT8, chosen unit
+by unit by gain per byte, with the proxy's predicted KLD of the result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from qconv.calibrate.select import Selection, select
+from qconv.calibrate.sensitivity import BASE, Scores
+from qconv.convert.layout import Option, Unit, apply_selection
+from qconv.manifest import ModuleDecision
+from tests.cli_helpers import run
+
+
+def _unit(name: str, k: int = 256, n: int = 256, int8_refusal: str = "") -> Unit:
+    def d(bits, g):
+        return ModuleDecision(name=name, role="mlp_down", scheme=f"w{bits}a16", bits=bits, group_size=g, shape=[n, k])
+
+    return Unit(name, "mlp_down", [d(4, 128)], [d(8, 128)], refusal=int8_refusal, scheme="w8a16",
+                steps=[Option("w4a16_g32", [d(4, 32)])])
+
+
+def test_greedy_takes_the_best_gain_per_byte_across_schemes():
+    a, b = _unit("a"), _unit("b")
+    g32 = a.steps[0].bytes - a.bytes4  # int4 g32 costs far less than int8 over the g128 base
+    i8 = a.bytes8 - a.bytes4
+    assert 0 < g32 < i8
+    # a: g32 buys most of what int8 buys; b: only int8 helps
+    scores = Scores("proxy", {"a": 10.0, "b": 6.0}, 1, gains={"a": {"w4a16_g32": 9.0, "w8a16": 10.0},
+                                                              "b": {"w4a16_g32": 0.1, "w8a16": 6.0}},
+                    errors={"a": {BASE: 12.0, "w4a16_g32": 3.0, "w8a16": 2.0},
+                            "b": {BASE: 7.0, "w4a16_g32": 6.9, "w8a16": 1.0}})
+    sel = select([a, b], scores, g32 + i8, budget="x", scheme="w8a16")
+    assert sel.choices == {"a": "w4a16_g32", "b": "w8a16"} and sel.chosen == ["b"]
+    assert sel.spent == g32 + i8
+    assert sel.predicted_kld == pytest.approx(0.5 * (3.0 + 1.0))
+    # a budget for one g32 step only: the best gain per byte, not the best gain
+    one = select([a, b], scores, g32, budget="x", scheme="w8a16")
+    assert one.choices == {"a": "w4a16_g32"} and one.predicted_kld == pytest.approx(0.5 * (3.0 + 7.0))
+    # everything affordable: each unit ends at its best scheme, never a costlier one that is no better
+    scores.gains["a"]["w8a16"] = 8.0
+    assert select([a, b], scores, 10 * i8, budget="x", scheme="w8a16").choices == {"a": "w4a16_g32", "b": "w8a16"}
+    # round trip through qconv.json
+    back = Selection.from_dict(json.loads(json.dumps(sel.to_dict())))
+    assert back.choices == sel.choices and back.spent == sel.spent and back.predicted_kld == sel.predicted_kld
+    assert sel.to_dict()["step_units"] == {"w4a16_g32": 1}
+
+
+def test_a_unit_refused_at_int8_can_still_take_a_step():
+    u = _unit("u", int8_refusal="W8A16 needs Marlin")
+    scores = Scores("proxy", {"u": 5.0}, 1, gains={"u": {"w4a16_g32": 4.0, "w8a16": 5.0}})
+    sel = select([u], scores, 10**9, budget="x", scheme="w8a16")
+    assert sel.choices == {"u": "w4a16_g32"}
+    mods = apply_selection(type("P", (), {"modules": u.w4})(), [u], sel.choices)
+    assert mods[0].group_size == 32 and mods[0].bits == 4
+    # scores from before steps existed (values only) move units to the 8-bit scheme alone
+    v = _unit("v")
+    assert select([v], Scores("proxy", {"v": 1.0}), 10**9, budget="x", scheme="w8a16").choices == {"v": "w8a16"}
+
+
+def test_steps_must_name_other_schemes(tmp_path):
+    from qconv.errors import QconvError
+    from qconv.recipes.recipe import load_recipe
+
+    bad = tmp_path / "r.yaml"
+    bad.write_text(yaml.safe_dump({"extends": "3090", "selection": {"steps": ["w4a16_g16"]}}))
+    with pytest.raises(QconvError, match="selection.steps"):
+        load_recipe(str(bad))
+
+
+def _steps_recipe(tmp_path):
+    p = tmp_path / "steps.yaml"
+    p.write_text(yaml.safe_dump({
+        "extends": "3090", "name": "steps",
+        "schemes": {"w4a16_g32": {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}},
+        "selection": {"steps": ["w4a16_g32"], "budget": "8%"}}))
+    return p
+
+
+def test_candidate_units_carry_their_steps(tiny_llama, tmp_path):
+    from qconv.convert.layout import candidate_units, plan_model
+    from qconv.convert.sources import read_config
+    from qconv.recipes.recipe import load_recipe
+
+    r = load_recipe(str(_steps_recipe(tmp_path)))
+    plan = plan_model(tiny_llama, read_config(tiny_llama), r)
+    units = candidate_units(plan, r)
+    assert units and all([o.scheme for o in u.options] == ["w4a16_g32", "w8a16"] for u in units)
+    assert all(u.bytes4 < u.steps[0].bytes < u.bytes8 for u in units)
+    assert all(m.group_size == 32 for u in units for m in u.steps[0].members)
+
+
+@pytest.mark.slow
+def test_build_with_steps_writes_mixed_groups_and_a_prediction(tiny_llama, tmp_path, calib_txt):
+    """A real build: the proxy scores every scheme, the budget buys int4 g32 for some units, the artifact's
+    compressed-tensors config holds those groups, our engine loads it, and the report carries the predicted KLD
+    next to the measured one."""
+    from qconv.manifest import read_manifest
+    from qconv.runtime.loader import load_model
+    from tests.tiny import CORPUS
+
+    out, text_file = tmp_path / "A", tmp_path / "held_out.txt"
+    text_file.write_text(CORPUS[::-1] * 30)
+    r = run("build", "--recipe", _steps_recipe(tmp_path), "--model", tiny_llama, "--out", out, "--dataset",
+            calib_txt, "--samples", "16", "--seq-len", "64", "--work-dir", tmp_path / "w", "--eval-text", text_file,
+            "--no-gates")
+    assert r.exit_code == 0, r.output
+    m = read_manifest(out)
+    sel = Selection.from_dict(m.selection)
+    assert sel.method == "proxy" and sel.predicted_kld is not None and sel.predicted_kld > 0
+    g32 = {u for u, s in sel.choices.items() if s == "w4a16_g32"}
+    assert g32, sel.to_dict()
+    mods = {d.name: d for d in m.modules}
+    assert any(d.group_size == 32 and d.bits == 4 for d in mods.values())
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert {(g["weights"]["num_bits"], g["weights"]["group_size"]) for g in cfg.values()} >= {(4, 32)}
+    assert "predicted KLD" in r.output
+    assert m.quality.data["selection"]["predicted_kld"] == pytest.approx(sel.predicted_kld)
+    load_model(out)

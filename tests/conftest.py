@@ -91,26 +91,39 @@ def smollm2(smollm2_gguf) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def smollm2_3090(smollm2_gguf, shared_data) -> Path:
-    """SmolLM2 built straight from the GGUF by `qconv build --recipe 3090` (GPTQ on 16 x 512 tokens of tiny
-    shakespeare, uniform W4: --int8-budget 0), cached across runs under a key of the recipe and the quantization code it was built with."""
+def _built_smollm2(gguf: Path, calib: Path, name: str, recipes: tuple[str, ...], args: list[str]) -> Path:
+    """`qconv build` of SmolLM2 straight from the GGUF, cached across runs under a key of the recipe files and the
+    quantization code it was built with."""
     from click.testing import CliRunner
 
     from qconv.cli import main
     from qconv.fsutil import sha256_bytes
 
     code = [p for area in ("build", "convert") for p in sorted((REPO / "qconv" / area).glob("*.py"))]
-    key = sha256_bytes(b"".join(p.read_bytes() for p in code)
-                       + (REPO / "qconv" / "recipes" / "3090.yaml").read_bytes())[:12]
-    out = CACHE / "artifacts" / f"smollm2-3090-{key}"
+    code += [REPO / "qconv" / "recipes" / f"{r}.yaml" for r in recipes]
+    key = sha256_bytes(b"".join(p.read_bytes() for p in code))[:12]
+    out = CACHE / "artifacts" / f"smollm2-{name}-{key}"
     if not (out / "qconv.json").is_file():
-        r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(smollm2_gguf), "--out", str(out),
-                                      "--dataset", str(shared_data / "tinyshakespeare.txt"), "--samples", "16",
-                                      "--seq-len", "512", "--int8-budget", "0"],
-                               catch_exceptions=False)
+        r = CliRunner().invoke(main, ["build", "--recipe", recipes[-1], "--model", str(gguf), "--out", str(out),
+                                      "--dataset", str(calib), *args], catch_exceptions=False)
         assert r.exit_code == 0, r.output
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_3090(smollm2_gguf, shared_data) -> Path:
+    """SmolLM2 built by `qconv build --recipe 3090` (GPTQ on 16 x 512 tokens of tiny shakespeare, uniform W4:
+    --int8-budget 0)."""
+    return _built_smollm2(smollm2_gguf, shared_data / "tinyshakespeare.txt", "3090", ("3090",),
+                          ["--samples", "16", "--seq-len", "512", "--int8-budget", "0"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_3090_tied(smollm2_gguf, shared_data) -> Path:
+    """SmolLM2 built by `qconv build --recipe 3090-tied-g32`: one shared INT8 embed_tokens that is also the tied
+    lm_head (GPTQ on 16 x 256 tokens of tiny shakespeare)."""
+    return _built_smollm2(smollm2_gguf, shared_data / "tinyshakespeare.txt", "3090-tied-g32",
+                          ("3090", "3090-tied-g32"), ["--samples", "16", "--seq-len", "256"])
 
 
 @pytest.fixture(scope="session")

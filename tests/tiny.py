@@ -53,11 +53,12 @@ def _config(family: str, vocab: int):
                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                                  linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=False,
                                  mtp_num_hidden_layers=1, **common)
-    if family == "qwen3_5_wide":  # Gated-DeltaNet heads of the real width (128): vLLM's CPU GDN kernel needs them
+    if family in ("qwen3_5_wide", "qwen3_5_wide_tied"):  # Gated-DeltaNet heads of the real width (128): vLLM's CPU
+        # GDN kernel needs them; `_tied` as the small Qwen3.5 models are
         return Qwen3_5TextConfig(num_hidden_layers=4, head_dim=64, full_attention_interval=2,
                                  linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
-                                 linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-                                 mtp_num_hidden_layers=1, **common)
+                                 linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                 tie_word_embeddings=family.endswith("_tied"), mtp_num_hidden_layers=1, **common)
     raise ValueError(f"unknown tiny family {family!r}")
 
 

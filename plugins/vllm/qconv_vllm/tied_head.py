@@ -1,0 +1,64 @@
+"""A tied lm_head on a pack-quantized embed_tokens: the logits come from the embedding's own packed weights.
+
+vLLM 0.32 ties a head with `ParallelLMHead.tie_weights`, which hands off to the head's quant method; every method
+shares `embed_tokens.weight`, which a pack-quantized embedding does not have (it holds `weight_packed` and
+`weight_scale`), and `CompressedTensorsEmbeddingWNA16Int.apply` raises (lookups only). So the tie returns the
+quantized embedding module itself as the lm_head (one table, as in the checkpoint), and the method gets an `apply`
+that `LogitsProcessor` calls with the hidden states: it dequantizes the table in row blocks, through the method's
+own lookup (vLLM's Triton gather on GPUs, the plugin's torch one on CPU), and multiplies. Marlin's W8A16 path is
+not reused: it repacks its weights in place, so it would need a second, repacked copy of the table in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+ROWS = 8192  # vocabulary rows dequantized at a time: bounds the transient dense block to ROWS x hidden
+
+
+def _method():
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_embedding import (
+        CompressedTensorsEmbeddingWNA16Int,
+    )
+
+    return CompressedTensorsEmbeddingWNA16Int
+
+
+def _tie_to_packed_embedding() -> None:
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    method, orig = _method(), ParallelLMHead.tie_weights
+
+    @functools.wraps(orig)
+    def tie_weights(self, embed_tokens):
+        if isinstance(getattr(embed_tokens, "quant_method", None), method):
+            return embed_tokens  # vocab-sharded like a head; LogitsProcessor calls quant_method.apply on it
+        return orig(self, embed_tokens)
+
+    ParallelLMHead.tie_weights = tie_weights
+
+
+def _logits_from_packed_rows() -> None:
+    method = _method()
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden @ dequant(W).T over this rank's (padded) vocabulary rows; LogitsProcessor drops the padding."""
+        vocab = layer.weight_packed.shape[0]
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.empty(flat.shape[0], vocab, dtype=x.dtype, device=x.device)
+        for start in range(0, vocab, ROWS):
+            ids = torch.arange(start, min(start + ROWS, vocab), device=layer.weight_packed.device)
+            out[:, start:start + len(ids)] = flat @ self.embedding(layer, ids).to(x.dtype).t()
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], vocab)
+
+    method.apply = apply
+
+
+def apply() -> list[str]:
+    _tie_to_packed_embedding()
+    _logits_from_packed_rows()
+    return ["lm_head tied to a quantized embed_tokens"]

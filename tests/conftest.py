@@ -113,17 +113,9 @@ def _built_smollm2(gguf: Path, calib: Path, name: str, recipes: tuple[str, ...],
 @pytest.fixture(scope="session")
 def smollm2_3090(smollm2_gguf, shared_data) -> Path:
     """SmolLM2 built by `qconv build --recipe 3090` (GPTQ on 16 x 512 tokens of tiny shakespeare, uniform W4:
-    --int8-budget 0)."""
+    --int8-budget 0): one shared INT8 table for embed_tokens and the tied lm_head."""
     return _built_smollm2(smollm2_gguf, shared_data / "tinyshakespeare.txt", "3090", ("3090",),
                           ["--samples", "16", "--seq-len", "512", "--int8-budget", "0"])
-
-
-@pytest.fixture(scope="session")
-def smollm2_3090_tied(smollm2_gguf, shared_data) -> Path:
-    """SmolLM2 built by `qconv build --recipe 3090-tied-g32`: one shared INT8 embed_tokens that is also the tied
-    lm_head (GPTQ on 16 x 256 tokens of tiny shakespeare)."""
-    return _built_smollm2(smollm2_gguf, shared_data / "tinyshakespeare.txt", "3090-tied-g32",
-                          ("3090", "3090-tied-g32"), ["--samples", "16", "--seq-len", "256"])
 
 
 @pytest.fixture(scope="session")

@@ -102,7 +102,8 @@ def check_artifact(src: Path, art: Path, *, int4_roles: set[str], tol_rel: float
               for g in qc["config_groups"].values()}
     int4 = " ".join(groups[(4, 128, "pack-quantized")])
     int8 = " ".join(groups[(8, 128, "pack-quantized")])
-    assert "lm_head" in int8 and "embed_tokens" in int8
+    tied = json.loads((art / "config.json").read_text()).get("tie_word_embeddings")
+    assert "embed_tokens" in int8 and (tied or "lm_head" in int8)  # tied: one INT8 table serves both
     for frag in int4_roles:
         assert frag in int4, (frag, int4)
     m = read_manifest(art)
@@ -138,7 +139,7 @@ def test_build_tiny_qwen3_5(tiny_qwen3_5, tmp_path, calib_txt):
 
 
 def test_build_tiny_llama_tied_and_reproducible(tiny_llama, tmp_path, calib_txt):
-    """Tied embeddings are untied so lm_head and embed carry their own int8 scheme; same inputs, same bytes."""
+    """Tied embeddings stay tied (one INT8 table, no lm_head tensor in the checkpoint); same inputs, same bytes."""
     outs = []
     for name in ("A", "B"):
         out = tmp_path / name
@@ -146,7 +147,9 @@ def test_build_tiny_llama_tied_and_reproducible(tiny_llama, tmp_path, calib_txt)
         assert r.exit_code == 0, r.output
         outs.append(out)
     _, m = check_artifact(tiny_llama, outs[0], tol_rel=0.4, min_top1=0.6, int4_roles={"self_attn", "mlp"})
-    assert m.build["untied_embeddings"] is True
+    assert m.build["tied_embeddings"] is True and m.build["untied_embeddings"] is False
+    index = json.loads((outs[0] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any(k.startswith("lm_head") for k in index)
     m2 = read_manifest(outs[1])
     weights = {k: v["sha256"] for k, v in m.files.items() if k.endswith(".safetensors")}
     assert weights and weights == {k: v["sha256"] for k, v in m2.files.items() if k.endswith(".safetensors")}
@@ -220,12 +223,12 @@ def test_build_smollm2_from_gguf_beats_rtn(smollm2_3090, shared_data):
 
     out = smollm2_3090
     m = read_manifest(out)
-    assert m.source.kind == "gguf" and m.build["untied_embeddings"] is True
+    assert m.source.kind == "gguf" and m.build["tied_embeddings"] is True  # one shared INT8 table
     by_name = {d.name: d for d in m.modules}
     assert by_name["model.layers.0.self_attn.q_proj"].group_size == 64  # 576 % 128 != 0
     assert "576 % 128" in by_name["model.layers.0.self_attn.q_proj"].note
     assert by_name["model.layers.0.mlp.down_proj"].group_size == 128  # 1536 % 128 == 0
-    assert by_name["model.embed_tokens"].bits == 8 and by_name["lm_head"].bits == 8
+    assert by_name["model.embed_tokens"].bits == 8 and "lm_head" not in by_name
     assert verify_files(out, m) == []
     rep = evaluate(out, EvalSettings(text=str(shared_data / "wikitext-2-raw-test.txt"), window=2048,
                                      max_tokens=4096, kv="bf16"))

@@ -63,7 +63,7 @@ def test_build_terminal_is_short_and_the_log_has_the_rest(tiny_llama, texts, tmp
     # one line per stage, grouped warnings, no library chatter on the terminal
     for stage in ("import", "calibration", "quantization", "packaging", "quality"):
         assert any(ln.startswith(f"✓ {stage}") for ln in r.stderr.splitlines()), r.stderr
-    assert "2 modules [in 128; out 405]: vLLM's Marlin kernel cannot run this shape" in r.stderr
+    assert "warning: plan: tied embeddings kept tied" in r.stderr
     assert "compress_module_list" not in r.stderr + r.stdout and "Compression lifecycle" not in r.stderr
     assert "offline:" in r.stderr
     # the library logs are in build.log, inside the work dir

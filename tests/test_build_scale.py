@@ -273,22 +273,26 @@ def test_streamed_build_equals_in_memory_build(tiny_qwen3_5, tmp_path, calib_txt
     assert not (tmp_path / "w2" / "offload").exists()
 
 
-@pytest.mark.parametrize("strategy, group", [("group", 32), ("channel", None)])
-def test_row_blocked_gptq_equals_whole_matrix(strategy, group):
+@pytest.mark.parametrize("strategy, group, actorder", [("group", 32, None), ("channel", None, None),
+                                                      ("group", 32, "weight")])
+def test_row_blocked_gptq_equals_whole_matrix(strategy, group, actorder):
     """GPTQ quantizes each output row on its own against the shared Hessian: running it on blocks of rows (how a
-    65,536-row lm_head stays small in memory) gives the same weights and losses."""
+    65,536-row lm_head stays small in memory) gives the same weights and losses, with the Hessian factorized once
+    for all blocks (a dead input column and act-order included)."""
     import torch
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.utils import calculate_qparams
-    from llmcompressor.modifiers.gptq import base
+    from llmcompressor.modifiers.gptq import base, gptq_quantize
 
     from qconv.convert.stream import row_blocked_gptq
 
     g = torch.Generator().manual_seed(0)
     rows, cols = 1000, 256
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy=strategy, group_size=group)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy=strategy, group_size=group,
+                            actorder=actorder)
     w = torch.randn(1, rows, cols, generator=g)
     x = torch.randn(512, cols, generator=g)
+    x[:, 7] = 0  # a dead input channel: GPTQ zeroes that weight column in every block
     h = (x.T @ x / 512)[None]
     wg = w.view(1, rows, cols // (group or cols), group or cols)
     scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
@@ -300,13 +304,20 @@ def test_row_blocked_gptq_equals_whole_matrix(strategy, group):
         block_rows.append(weights.shape[1])
         return orig(weights, *a, **k)
 
-    base.quantize_weight = counting
+    factorize, factorized = gptq_quantize.factorize_hessian, []
+
+    def counting_factorize(*a):
+        factorized.append(1)
+        return factorize(*a)
+
+    base.quantize_weight, gptq_quantize.factorize_hessian = counting, counting_factorize
     try:
         with row_blocked_gptq(block_bytes=4 * cols * 300):
             blocked = base.quantize_weight(weights=w.clone(), hessians=h.clone(), **kw)
     finally:
-        base.quantize_weight = orig
-    assert block_rows == [300, 300, 300, 100]
+        base.quantize_weight, gptq_quantize.factorize_hessian = orig, factorize
+    assert block_rows == [300, 300, 300, 100] and len(factorized) == 1
+    assert not blocked[0][0, :, 7].any()
     assert torch.equal(whole[0], blocked[0]) and torch.equal(whole[2], blocked[2])
     assert torch.allclose(whole[1], blocked[1], rtol=1e-5)
     # A bf16 stack (what prepare_batch gives under row_blocked_gptq): blocks go to fp32 one at a time, the result
@@ -411,3 +422,34 @@ def test_stream_with_int8_budget_is_refused_up_front(tiny_qwen3_5, tmp_path, cal
     r = run(*build_args(tiny_qwen3_5, tmp_path / "o", calib_txt, tmp_path / "w", "--stream", "--int8-budget", "5%"))
     assert r.exit_code == 2 and "INT8 selection is not RAM-bounded yet" in r.output
     assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
+
+
+def test_calibration_activations_on_disk(tmp_path):
+    """A streamed build's calibration activations live in files while the pipeline holds them: large tensors are
+    stored as files and read back bit for bit, small ones stay in memory, and a dropped value deletes its file."""
+    import gc
+
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    from qconv.convert.stream import Spilled, activations_on_disk
+
+    hidden = torch.randn(1, 64, 4096).to(torch.bfloat16)  # 512 KiB
+    mask = torch.ones(1, 64, dtype=torch.long)
+    with activations_on_disk(tmp_path / "act", min_bytes=256 << 10):
+        cache = IntermediatesCache(offload_device="cpu")
+        cache.append({"hidden_states": hidden, "attention_mask": mask, "pair": (hidden * 2, 3)})
+        stored = cache.batch_intermediates[0]
+        assert isinstance(stored["hidden_states"].value, Spilled)
+        assert isinstance(stored["attention_mask"].value, torch.Tensor)
+        assert len(list((tmp_path / "act").iterdir())) == 2
+        back = cache.fetch(0)
+        assert torch.equal(back["hidden_states"], hidden) and back["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(back["pair"][0], hidden * 2) and back["pair"][1] == 3
+        del back
+        cache.delete(0)
+        gc.collect()
+        assert not list((tmp_path / "act").iterdir())
+    cache = IntermediatesCache(offload_device="cpu")  # outside the block: in memory again
+    cache.append({"hidden_states": hidden})
+    assert isinstance(cache.batch_intermediates[0]["hidden_states"].value, torch.Tensor)

@@ -331,7 +331,8 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
                      plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE)
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), tokenizer_as_processor(tok):
+        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), tokenizer_as_processor(tok), \
+                _calibration_activations(stream, work.root):
             quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
                      tied=plan.tied_embeddings)
         qdir = work.root / f"quantization-{qkey}"
@@ -356,6 +357,20 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     if gate_error:
         raise gate_error
     return manifest
+
+
+@contextlib.contextmanager
+def _calibration_activations(stream: bool, root: Path):
+    """A streamed build keeps its calibration activations on disk (bounded memory whatever the sample count), in
+    a temp folder of the work dir that a crash leaves for sweeping; an in-memory build keeps them in memory."""
+    if not stream:
+        yield
+        return
+    from qconv.convert.stream import activations_on_disk
+
+    with owned_temp_dir(root, "qconv-activations") as tmp, activations_on_disk(tmp):
+        log.info("calibration activations are kept on disk under %s", tmp)
+        yield
 
 
 @contextlib.contextmanager

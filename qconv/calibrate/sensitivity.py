@@ -192,27 +192,42 @@ def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, to
     return {n: f / tokens for n, f in fs.items()}
 
 
-def proxy_scores(model, units: list[Candidate], ids: list[list[int]], symmetric: bool = True) -> Scores:
+def row_errors(u: Candidate, weights: dict[str, torch.Tensor], h: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+    """Per scheme (BASE: the unit's current decisions) and member, diag(E H Eᵀ): each output row's rounding error
+    under that scheme, measured on the unit's input statistics H. `weights` are the members' float32 weights."""
+    def per_row(m: ModuleDecision) -> torch.Tensor:
+        e = fake_quant(weights[m.name], m) - weights[m.name]
+        return ((e @ h) * e).sum(1)
+
+    with torch.no_grad():
+        return {BASE: {m.name: per_row(m) for m in u.w4},
+                **{o.scheme: {m.name: per_row(m) for m in o.members} for o in u.options}}
+
+
+def proxy_from(units: list[Candidate], rows: dict[str, dict[str, dict[str, torch.Tensor]]],
+               fisher: dict[str, torch.Tensor], tokens: int) -> Scores:
+    """Scores from each unit's row errors (row_errors) and each member's output Fisher (capture_fisher): a scheme's
+    error is Σ_members Σ_rows F_r·diag(E H Eᵀ)_r, its gain the base's error minus its own."""
+    values, gains, errors = {}, {}, {}
+    for u in units:
+        errors[u.name] = {k: sum(float((fisher[name] * r).sum()) for name, r in per.items())
+                          for k, per in rows[u.name].items()}
+        gains[u.name] = {o.scheme: errors[u.name][BASE] - errors[u.name][o.scheme] for o in u.options}
+        values[u.name] = gains[u.name][u.options[-1].scheme]
+    return Scores("proxy", values, tokens, gains, errors)
+
+
+def proxy_scores(model, units: list[Candidate], ids: list[list[int]]) -> Scores:
     """Per unit and scheme, Σ_members Σ_rows F_r · (E H Eᵀ)_rr: each output channel's rounding error, weighted by
     how much the loss cares about that channel (capture_fisher); a scheme's gain is the base's error minus its own.
-    One forward + backward per sequence."""
+    One forward + backward per sequence, the whole model in memory (qconv.build.streamed_sensitivity: a layer at a
+    time)."""
     mods = dict(model.named_modules())
     hs, tokens = capture_hessians(model, ids, {u.w4[0].name for u in units})
     fs = capture_fisher(model, ids, {m.name for u in units for m in u.w4})
-    values, gains, errors = {}, {}, {}
-    with torch.no_grad():
-        for u in units:
-            h = hs[u.w4[0].name]
-            weights = {m.name: mods[m.name].weight.detach().float() for m in u.w4}
-
-            def err(members):
-                return sum(float((fs[m.name] * (((e := fake_quant(weights[m.name], m) - weights[m.name]) @ h) * e)
-                                  .sum(1)).sum()) for m in members)
-
-            errors[u.name] = {BASE: err(u.w4), **{o.scheme: err(o.members) for o in u.options}}
-            gains[u.name] = {o.scheme: errors[u.name][BASE] - errors[u.name][o.scheme] for o in u.options}
-            values[u.name] = gains[u.name][u.options[-1].scheme]
-    return Scores("proxy", values, tokens, gains, errors)
+    rows = {u.name: row_errors(u, {m.name: mods[m.name].weight.detach().float() for m in u.w4}, hs[u.w4[0].name])
+            for u in units}
+    return proxy_from(units, rows, fs, tokens)
 
 
 def _mean_kld(model, ids: list[list[int]], ref: list[torch.Tensor], start: int = 0,

@@ -22,6 +22,9 @@ MAX_SHARD_SIZE = "512MB"
 # frees tens of MB per module serves them from the heap, which fragments and is never given back (RSS grows with
 # every module compressed). Pinned, every block above it is mmapped and returned on free.
 MMAP_THRESHOLD = 4 << 20
+# Calibration activations at least this large go to disk in a streamed build (activations_on_disk); the rest (masks,
+# position ids, rotary tables shared by every sample) stay in memory.
+SPILL_MIN_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 
 
@@ -118,6 +121,65 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
     return model
 
 
+class Spilled:
+    """One calibration activation in a file of its own (raw bytes), deleted when the cache drops the value."""
+
+    def __init__(self, t, folder: Path):
+        import tempfile
+        import weakref
+
+        import torch
+
+        t = t.detach().to("cpu").contiguous()
+        self.dtype, self.shape = t.dtype, tuple(t.shape)
+        fd, path = tempfile.mkstemp(dir=folder, suffix=".act")
+        with open(fd, "wb") as f:
+            f.write(memoryview(t.view(torch.uint8).numpy()))
+        weakref.finalize(self, Path(path).unlink, missing_ok=True)
+        self.path = path
+
+    def load(self):
+        """Read into fresh memory (a mapping of the file would count as resident for as long as it is held)."""
+        import numpy as np
+        import torch
+
+        return torch.from_numpy(np.fromfile(self.path, dtype=np.uint8)).view(self.dtype).view(self.shape)
+
+
+@contextlib.contextmanager
+def activations_on_disk(folder: Path, min_bytes: int = SPILL_MIN_BYTES):
+    """Keep llmcompressor's calibration activations in files under `folder` instead of in memory.
+
+    Its sequential pipeline holds, between two layers, every calibration sample's hidden states in an
+    IntermediatesCache on the CPU: samples x seq_len x hidden (128 x 2,048 x 5,120 in bf16 is 2.7 GB), growing with
+    the sample count. Here each tensor of at least `min_bytes` goes to a file when the pipeline stores it and is
+    read back when the next layer takes it, so what stays resident is the sample in flight (offload, not
+    recompute: each layer's outputs are computed once, as in memory, and the weights come out the same)."""
+    from llmcompressor.pipelines.cache import IntermediatesCache, IntermediateValue
+
+    offload, onload = IntermediatesCache.__dict__["_offload_value"], IntermediatesCache.__dict__["_onload_value"]
+
+    def spill(cls, value, offload_device, onload_device=None):
+        import torch
+
+        if (isinstance(value, torch.Tensor) and value.nbytes >= min_bytes and offload_device is not None
+                and torch.device(offload_device).type == "cpu"):
+            return IntermediateValue(value=Spilled(value, folder), device=onload_device or value.device)
+        return offload.__func__(cls, value, offload_device, onload_device)
+
+    def unspill(cls, intermediate):
+        if isinstance(intermediate.value, Spilled):
+            return intermediate.value.load().to(intermediate.device)
+        return onload.__func__(cls, intermediate)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    IntermediatesCache._offload_value, IntermediatesCache._onload_value = classmethod(spill), classmethod(unspill)
+    try:
+        yield
+    finally:
+        IntermediatesCache._offload_value, IntermediatesCache._onload_value = offload, onload
+
+
 def _rows(t, sl: slice, rows: int):
     return t[:, sl] if t is not None and t.dim() >= 2 and t.shape[1] == rows else t
 
@@ -126,8 +188,10 @@ def _rows(t, sl: slice, rows: int):
 def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
     """Run llmcompressor's GPTQ on blocks of output rows. GPTQ quantizes each row on its own against the shared
     Hessian (the error of a column is propagated along the row), so blocks of rows give the same weights while the
-    float32 work buffers shrink from the whole matrix to one block. Each block gets a fresh copy of the Hessian,
-    which GPTQ factorizes in place.
+    float32 work buffers shrink from the whole matrix to one block. Each block gets a fresh copy of the Hessian
+    (GPTQ permutes it for act-order and factorizes it in place); the factorization depends on the Hessian alone, so
+    it is computed for the first block and reused by the others (a 17,408-wide Cholesky inverse costs more than
+    the whole column sweep of one block on a CPU).
 
     llmcompressor also stacks every weight it quantizes into a float32 copy before GPTQ starts (prepare_batch):
     for a 248,320 x 5,120 lm_head that is 5.1 GB next to the 2.5 GB bf16 weight, and the bf16 cast of the result
@@ -135,22 +199,37 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
     GPTQ works on it; the result is written back in that dtype, the cast llmcompressor would make anyway (the same
     bits)."""
     import torch
-    from llmcompressor.modifiers.gptq import base, helpers
+    from llmcompressor.modifiers.gptq import base, gptq_quantize, helpers
 
-    whole, prepare = base.quantize_weight, base.prepare_batch
+    whole, prepare, factorize = base.quantize_weight, base.prepare_batch, gptq_quantize.factorize_hessian
 
     def blocked(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize=128, percdamp=0.01):
         batch, rows, cols = weights.shape
         step = max(1, block_bytes // (4 * batch * cols))
         if rows <= step and weights.dtype == torch.float32:
             return whole(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize, percdamp)
-        losses, fallback = 0, None
-        for r0 in range(0, rows, step):
-            sl = slice(r0, min(r0 + step, rows))
-            q, loss, fb = whole(weights[:, sl].float(), hessians.clone(), _rows(scale, sl, rows),
-                                _rows(zero_point, sl, rows), global_scale, quant_args, blocksize, percdamp)
-            weights[:, sl] = q.to(weights.dtype)
-            losses, fallback = losses + loss, fb if fallback is None else fallback | fb
+        losses, fallback, memo = 0, None, {}
+
+        def factorize_once(w, h, damp, used_rtn_fallback):
+            if not memo:  # the dead columns (zero Hessian diagonal) GPTQ zeroes in each block's weights
+                memo["dead"] = torch.diagonal(h, dim1=-2, dim2=-1) == 0
+                memo["hinv"] = factorize(w, h, damp, used_rtn_fallback)
+                memo["fallback"] = used_rtn_fallback.clone()
+                return memo["hinv"]
+            w.masked_fill_(memo["dead"].unsqueeze(1), 0)
+            used_rtn_fallback.copy_(memo["fallback"])
+            return memo["hinv"]
+
+        gptq_quantize.factorize_hessian = factorize_once
+        try:
+            for r0 in range(0, rows, step):
+                sl = slice(r0, min(r0 + step, rows))
+                q, loss, fb = whole(weights[:, sl].float(), hessians.clone(), _rows(scale, sl, rows),
+                                    _rows(zero_point, sl, rows), global_scale, quant_args, blocksize, percdamp)
+                weights[:, sl] = q.to(weights.dtype)
+                losses, fallback = losses + loss, fb if fallback is None else fallback | fb
+        finally:
+            gptq_quantize.factorize_hessian = factorize
         return weights, losses, fallback
 
     def lean_prepare(batch, *args, **kwargs):

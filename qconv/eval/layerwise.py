@@ -15,6 +15,7 @@ position logic is rewritten here, so each window sees exactly what the whole-mod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -128,6 +129,11 @@ class Checkpoint:
         return out
 
 
+def layer_output(out) -> torch.Tensor:
+    """A decoder layer's hidden states (some families return a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 class _Recorder(torch.nn.Module):
     """Stands in for decoder layer `i` in the model's forward: records what the layer is given, passes through."""
 
@@ -186,6 +192,15 @@ class StreamedModel:
     def config(self):
         return self.model.config
 
+    @contextlib.contextmanager
+    def loaded(self, module: torch.nn.Module, where: str):
+        """`module` with its weights read from the checkpoint, for the block's duration (then meta again)."""
+        _load(module, self.ckpt.read(self._prefix(module)), self.device, where)
+        try:
+            yield module
+        finally:
+            _free(module)
+
     def _names(self) -> dict[int, str]:
         return {id(m): n for n, m in self.model.named_modules()}
 
@@ -195,12 +210,8 @@ class StreamedModel:
     @torch.inference_mode()
     def embed(self, windows: list[list[int]]) -> torch.Tensor:
         """[W, T, H] bf16 on the CPU."""
-        emb = self.model.get_input_embeddings()
-        _load(emb, self.ckpt.read(self._prefix(emb)), self.device, "embedding")
-        try:
+        with self.loaded(self.model.get_input_embeddings(), "embedding") as emb:
             return torch.stack([emb(torch.tensor(ids, device=self.device)).cpu() for ids in windows])
-        finally:
-            _free(emb)
 
     @torch.inference_mode()
     def layer_inputs(self, seq_len: int) -> dict[int, tuple[tuple, dict]]:
@@ -229,40 +240,39 @@ class StreamedModel:
         inputs = self.layer_inputs(hidden.shape[1])
         layers = self.model.get_decoder().layers
         for i, layer in enumerate(tqdm(layers, desc="layers (streamed)", unit="layer", leave=False)):
-            _load(layer, self.ckpt.read(self._prefix(layer)), self.device, f"decoder layer {i}")
             args, kwargs = inputs[i]
-            try:
+            with self.loaded(layer, f"decoder layer {i}"):
                 for w in range(hidden.shape[0]):
-                    out = layer(hidden[w:w + 1].to(self.device), *args, **kwargs)
-                    hidden[w] = (out[0] if isinstance(out, tuple) else out)[0].to(hidden.device)
-            finally:
-                _free(layer)
+                    out = layer_output(layer(hidden[w:w + 1].to(self.device), *args, **kwargs))
+                    hidden[w] = out[0].to(hidden.device)
         return hidden
 
-    def _head_weights(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+    @contextlib.contextmanager
+    def head(self) -> Iterator[tuple[torch.nn.Module, torch.nn.Module]]:
+        """The final norm and the lm_head (the embedding's table when they are tied), loaded for the block."""
         dec, head = self.model.get_decoder(), self.model.get_output_embeddings()
-        _load(dec.norm, self.ckpt.read(self._prefix(dec.norm)), self.device, "final norm")
         prefix = self._prefix(head)
         if self.ckpt.resolve(prefix) is None:  # tied: the lm_head is the embedding
             prefix = self._prefix(self.model.get_input_embeddings())
-        _load(head, self.ckpt.read(prefix), self.device, "lm_head")
-        return dec.norm, head
+        _load(dec.norm, self.ckpt.read(self._prefix(dec.norm)), self.device, "final norm")
+        try:
+            _load(head, self.ckpt.read(prefix), self.device, "lm_head")
+            yield dec.norm, head
+        finally:
+            _free(dec.norm)
+            _free(head)
 
     @torch.inference_mode()
     def window_logits(self, hidden: torch.Tensor, windows: list[list[int]], firsts: list[int]
                       ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(window index, float32 logits of positions first..T-2, the tokens they predict), one window at a time;
         norm + lm_head run `row_block` positions at a time."""
-        norm, head = self._head_weights()
-        try:
+        with self.head() as (norm, head):
             for w, (ids, first) in enumerate(zip(windows, firsts)):
                 h = hidden[w, first:-1]
                 logits = torch.cat([head(norm(h[a:a + self.row_block].to(self.device))).float().cpu()
                                     for a in range(0, len(h), self.row_block)])
                 yield w, logits, torch.tensor(ids[first + 1:])
-        finally:
-            _free(norm)
-            _free(head)
 
 
 def streamed_logits(path: str | Path, windows: list[list[int]], firsts: list[int], *, device: str = "cpu",

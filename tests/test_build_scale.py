@@ -418,9 +418,58 @@ def test_model_kld_from_cached_layer_inputs_matches_full_forward(tiny_models, fa
     assert full > 0 and abs(full - part) < 1e-6 * max(1.0, full)
 
 
-def test_stream_with_int8_budget_is_refused_up_front(tiny_qwen3_5, tmp_path, calib_txt):
-    r = run(*build_args(tiny_qwen3_5, tmp_path / "o", calib_txt, tmp_path / "w", "--stream", "--int8-budget", "5%"))
-    assert r.exit_code == 2 and "INT8 selection is not RAM-bounded yet" in r.output
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_streamed_proxy_equals_in_memory_proxy(tiny_models, tmp_path, family):
+    """The layer-at-a-time proxy (one layer loaded, inputs spilled to disk, the gradient pulled back layer by
+    layer) gives the in-memory proxy's H, Fisher and row errors: the same scores, the same order. Windows of two
+    lengths, a tied (llama) and an untied (qwen3_5) head."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qconv.build.streamed_sensitivity import streamed_proxy_scores
+    from qconv.calibrate.sensitivity import proxy_scores
+
+    path = tiny_models(family)
+    _, units = _units(path)
+    ids = [list(range(5, 45)), list(range(50, 80)), list(range(7, 47))]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    want = proxy_scores(model, units, ids)
+    got = streamed_proxy_scores(path, units, ids, tmp_path)
+    assert got.tokens == want.tokens == 110 and set(got.values) == set(want.values) == {u.name for u in units}
+    for u in units:
+        for k, e in want.errors[u.name].items():
+            assert got.errors[u.name][k] == pytest.approx(e, rel=2e-2), (u.name, k)
+    order = sorted(want.values, key=want.values.get)
+    assert sorted(got.values, key=got.values.get) == order
+    assert not list(tmp_path.iterdir())  # every spilled input is gone
+
+
+def test_streamed_build_with_int8_budget(tiny_qwen3_5, tmp_path, calib_txt, caplog):
+    """A streamed build with a budget scores its units a layer at a time and selects what the in-memory build
+    selects."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    extra = ("--int8-budget", "5%")
+    r = run(*build_args(tiny_qwen3_5, tmp_path / "mem", calib_txt, tmp_path / "w1", "--no-stream", *extra))
+    assert r.exit_code == 0, r.output
+    r = run(*build_args(tiny_qwen3_5, tmp_path / "str", calib_txt, tmp_path / "w2", "--stream", *extra))
+    assert r.exit_code == 0, r.output
+    mem, got = read_manifest(tmp_path / "mem"), read_manifest(tmp_path / "str")
+    assert got.build["streamed"] is True and mem.build["streamed"] is False
+    chosen = [m.name for m in got.modules if (m.bits or 16) == 8 and m.role != "lm_head" and m.role != "embed"]
+    assert chosen and chosen == [m.name for m in mem.modules if (m.bits or 16) == 8 and m.role not in ("lm_head", "embed")]
+    assert not list((tmp_path / "w2").glob("qconv-sensitivity*"))
+
+
+def test_streamed_build_refuses_candidates_outside_decoder_layers(tiny_qwen3_5, tmp_path, calib_txt):
+    recipe = tmp_path / "r.yaml"
+    text = (REPO / "qconv" / "recipes" / "3090.yaml").read_text()
+    recipe.write_text(text.replace("candidates: [attn_qkv,", "candidates: [lm_head, attn_qkv,")
+                      .replace("lm_head: w8a16", "lm_head: w4a16"))
+    r = run("build", "--recipe", str(recipe), "--model", tiny_qwen3_5, "--out", tmp_path / "o", "--dataset",
+            calib_txt, "--work-dir", tmp_path / "w", *FAST_CAL, "--stream", "--int8-budget", "5%")
+    assert r.exit_code == 2 and "is not in a decoder layer" in r.output, r.output
     assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
 
 

@@ -175,8 +175,10 @@ def _calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: 
     return calib
 
 
-def _sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, sens_samples: int = 8):
-    """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions."""
+def _sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, streamed_from: Path | None,
+                 sens_samples: int = 8):
+    """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions.
+    A streamed build (`streamed_from`: the source folder) scores a decoder layer at a time."""
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
 
     ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
@@ -186,9 +188,14 @@ def _sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, sens_
     cached = work.load_json("sensitivity", key)
     if cached:
         return Scores(**cached)
-    model = model_loader()
-    fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
-    scores = fn(model, units, ids)
+    if streamed_from is not None:
+        from qconv.build.streamed_sensitivity import streamed_proxy_scores
+
+        with owned_temp_dir(work.root, "qconv-sensitivity") as spill:
+            scores = streamed_proxy_scores(streamed_from, units, ids, spill)
+    else:
+        fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
+        scores = fn(model_loader(), units, ids)
     work.save_json("sensitivity", key, asdict(scores))
     return scores
 
@@ -262,14 +269,13 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     budget, _ = _budget(opts, recipe, plan, config)
     units = candidate_units(plan, recipe)
     stream = use_streaming(opts, plan)
-    if budget > 0 and stream and recipe.selection.budget.strip() == "auto":
-        log.warning("INT8 selection skipped (budget auto = %.2f GB): its sensitivity pass is not RAM-bounded in a "
-                    "streamed build yet; building uniform W4 (pass --int8-budget to force it in memory)", budget / 1e9)
-        budget = 0
-    if budget > 0 and stream and any(not u.refusal for u in units):
-        raise QconvError("INT8 selection is not RAM-bounded yet: its sensitivity pass (forward + backward) would "
-                         "hold every layer of a streamed model", where="--int8-budget / selection.budget",
-                         fix="stream with budget 0 (uniform W4), or build in memory where the model fits")
+    if budget > 0 and stream and opts.sensitivity == "kld" and any(not u.refusal for u in units):
+        raise QconvError("--sensitivity kld runs the whole model once per unit: a streamed build cannot",
+                         where="--sensitivity", fix="use --sensitivity proxy (the default) or build in memory")
+    if budget > 0 and stream:
+        from qconv.build.streamed_sensitivity import members_by_layer
+
+        members_by_layer(units)  # a candidate outside the decoder layers is refused before anything is written
     work = _work(opts, src.id)
     check_out(opts, source=src.path, work=work.root)
     held.enter_context(work.locked())
@@ -303,7 +309,7 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     calib = _calibration(opts, recipe, source_info.sha256, tok, model_loader, work, seed)
     scores = None
     if budget > 0 and any(not u.refusal for u in units):
-        scores = _sensitivity(opts, units, calib, source_info.sha256, model_loader, work)
+        scores = _sensitivity(opts, units, calib, source_info.sha256, model_loader, work, src.path if stream else None)
     selection = select(units, scores, budget, budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
     modules = apply_selection(plan, units, selection.choices)
     if units:

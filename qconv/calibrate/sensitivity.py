@@ -95,11 +95,15 @@ def fake_quant(w: torch.Tensor, d: ModuleDecision, symmetric: bool = True) -> to
 
 
 @contextmanager
-def _input_hooks(model, names: set[str], fn):
-    mods = dict(model.named_modules())
-    handles = [mods[n].register_forward_pre_hook(lambda m, args, n=n: fn(n, args[0])) for n in names]
+def input_hessians(mods: dict[str, torch.nn.Module], hs: dict[str, torch.Tensor]):
+    """While open, Σ XᵀX (float32) of each named Linear's input is added into `hs` (name -> matrix)."""
+    def add(name, x):
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        hs[name] = hs[name] + x.T @ x if name in hs else x.T @ x
+
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: add(n, args[0])) for n, m in mods.items()]
     try:
-        yield
+        yield hs
     finally:
         for h in handles:
             h.remove()
@@ -107,14 +111,10 @@ def _input_hooks(model, names: set[str], fn):
 
 def capture_hessians(model, ids: list[list[int]], names: set[str]) -> tuple[dict[str, torch.Tensor], int]:
     """H = XᵀX / n (float32) of each named Linear's input over the calibration tokens, one sequence at a time."""
+    mods = dict(model.named_modules())
     hs: dict[str, torch.Tensor] = {}
     tokens = 0
-
-    def add(name, x):
-        x = x.detach().reshape(-1, x.shape[-1]).float()
-        hs[name] = hs[name] + x.T @ x if name in hs else x.T @ x
-
-    with torch.no_grad(), _input_hooks(model, names, add):
+    with torch.no_grad(), input_hessians({n: mods[n] for n in names}, hs):
         for row in ids:
             model(torch.tensor([row]))
             tokens += len(row)
@@ -154,13 +154,10 @@ def _from_layer(layers, start: int, hidden: torch.Tensor | None):
             layers[i] = layer
 
 
-def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, torch.Tensor]:
-    """Mean squared gradient of the next-token loss w.r.t. each named Linear's output, per output channel (the
-    diagonal empirical Fisher of the layer output): how much the rest of the model amplifies an error there."""
-    mods = dict(model.named_modules())
-    fs: dict[str, torch.Tensor] = {}
-    tokens = 0
-
+@contextmanager
+def output_fisher(mods: dict[str, torch.nn.Module], fs: dict[str, torch.Tensor]):
+    """While open, every backward through a named Linear adds its output gradient's square, summed per output
+    channel, into `fs` (name -> vector)."""
     def grad_hook(name):
         def hook(g):
             g2 = g.detach().float().pow(2).reshape(-1, g.shape[-1]).sum(0)
@@ -172,21 +169,34 @@ def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, to
             out.register_hook(grad_hook(name))  # returns None: the output is left as is
         return hook
 
-    handles = [mods[n].register_forward_hook(watch(n)) for n in names]
+    handles = [m.register_forward_hook(watch(n)) for n, m in mods.items()]
+    try:
+        yield fs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, torch.Tensor]:
+    """Mean squared gradient of the next-token loss w.r.t. each named Linear's output, per output channel (the
+    diagonal empirical Fisher of the layer output): how much the rest of the model amplifies an error there."""
+    mods = dict(model.named_modules())
+    fs: dict[str, torch.Tensor] = {}
+    tokens = 0
     emb = model.get_input_embeddings()
-    handles.append(emb.register_forward_hook(lambda m, a, out: out.detach().requires_grad_()))
+    handle = emb.register_forward_hook(lambda m, a, out: out.detach().requires_grad_())
     flags = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
     try:
-        for row in ids:
-            x = torch.tensor([row])
-            logits = model(x).logits[0, :-1].float()
-            torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").backward()
-            tokens += len(row) - 1
+        with output_fisher({n: mods[n] for n in names}, fs):
+            for row in ids:
+                x = torch.tensor([row])
+                logits = model(x).logits[0, :-1].float()
+                torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").backward()
+                tokens += len(row) - 1
     finally:
-        for h in handles:
-            h.remove()
+        handle.remove()
         for p, f in zip(model.parameters(), flags):
             p.requires_grad_(f)
     return {n: f / tokens for n, f in fs.items()}

@@ -8,7 +8,7 @@ wall time of build and eval, the bytes written; across depths the least-squares 
 fixed part and a per-layer part.
 
 Full run (hours on a CPU; depth 8 is 5.6B parameters, ~11 GB bf16):
-    OMP_NUM_THREADS=2 .venv/bin/python bench/scale_27b.py --depths 2,4,8 --samples 32 --seq-len 2048
+    OMP_NUM_THREADS=2 .venv/bin/python bench/scale_27b.py --depths 2,4,8 --samples 32 --seq-len 2048 --int8-budget 0.68GiB
 Smoke run at narrow widths (every width / 16, vocab 16,384; a minute or two):
     .venv/bin/python bench/scale_27b.py --depths 2 --width-div 16 --vocab 16384 --samples 2 --seq-len 128
 """
@@ -70,6 +70,25 @@ def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
 
 
+def stage_seconds(build_log: Path) -> dict[str, float]:
+    """Wall seconds per build stage, from the stage start lines of the work dir's build.log to the next one (the
+    last stage to the log's last timestamped line)."""
+    from datetime import datetime
+
+    stamp = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) ")
+    starts, last = [], None
+    for line in build_log.read_text(errors="replace").splitlines():
+        m = stamp.match(line)
+        if not m:
+            continue
+        last = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+        st = re.search(r"stage (\w+): running", line)
+        if st:
+            starts.append((st.group(1), last))
+    ends = [t for _, t in starts[1:]] + [last]
+    return {name: round((end - t0).total_seconds(), 1) for (name, t0), end in zip(starts, ends)}
+
+
 def linear_fit(xs: list[int], ys: list[float]) -> dict | None:
     """y = fixed + per_layer * depth, least squares (None below two depths)."""
     if len(set(xs)) < 2:
@@ -90,6 +109,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, help="Vocabulary size (default: the 27B's 248,320).")
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--int8-budget", help="Passed to the build (the recipe's `auto` is 0 at these depths: the INT8 "
+                                          "embedding and lm_head already exceed selection.max_bpw); 0.68GiB is "
+                                          "what `auto` finds for the 27B, so the build scores its units as the 27B's does.")
     args = ap.parse_args()
 
     sys.path.insert(0, str(REPO / "bench"))
@@ -115,7 +137,9 @@ def main() -> None:
         qconv = [sys.executable, "-m", "qconv.cli"]
         build = timed(qconv + ["build", "--recipe", "3090", "--model", str(src), "--out", str(art), "--dataset",
                                str(text), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--stream",
-                               "--force", "--fresh", "--work-dir", str(work)], args.work / f"build-{tag}.log")
+                               "--force", "--fresh", "--work-dir", str(work),
+                               *(["--int8-budget", args.int8_budget] if args.int8_budget else [])],
+                      args.work / f"build-{tag}.log")
         window = min(args.window, args.eval_tokens)
         ev = timed(qconv + ["eval", str(art), "--reference", str(src), "--text", str(text), "--window", str(window),
                             "--max-tokens", str(args.eval_tokens), "--streamed", "--out", str(args.work / f"eval-{tag}")],
@@ -124,13 +148,14 @@ def main() -> None:
         rows.append({"depth": depth, "params": params, "bf16_bytes": total,
                      "build_peak_rss_bytes": build["peak_rss_bytes"], "build_wall_s": build["wall_s"],
                      "eval_peak_rss_bytes": ev["peak_rss_bytes"], "eval_wall_s": ev["wall_s"],
-                     "artifact_bytes": dir_bytes(art), "work_dir_bytes": dir_bytes(work),
+                     "build_stage_s": stage_seconds(work / "build.log"), "artifact_bytes": dir_bytes(art), "work_dir_bytes": dir_bytes(work),
                      "kld_mean": report["weights"]["kld_mean"], "eval_streamed": report["forward"]["streamed"]})
     depths = [r["depth"] for r in rows]
     fits = {k: linear_fit(depths, [r[k] for r in rows])
             for k in ("build_peak_rss_bytes", "build_wall_s", "eval_peak_rss_bytes", "eval_wall_s")}
     print(json.dumps({"bench": "scale_27b", "width_div": args.width_div, "vocab": args.vocab or "27b",
                       "samples": args.samples, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens,
+                      "int8_budget": args.int8_budget or "recipe",
                       "rows": rows, "fit": fits}))
 
 

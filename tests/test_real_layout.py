@@ -115,3 +115,23 @@ def test_eval_measures_it_streamed_equals_whole(artifact, real_layout_27b, tmp_p
         assert s[sec]["kld_mean"] > 0
         for k in ("kld_mean", "kld_p99", "top1"):
             assert abs(s[sec][k] - w[sec][k]) <= 1e-4, (sec, k)
+
+
+def test_streamed_sensitivity_reads_the_real_layout(real_layout_27b, tmp_path):
+    """The layer-at-a-time proxy finds the units under model.language_model.* and scores them as the in-memory
+    proxy does on the model transformers loads."""
+    from qconv.build.streamed_sensitivity import streamed_proxy_scores
+    from qconv.calibrate.sensitivity import proxy_scores
+    from qconv.convert.hfmodel import load_causal_lm
+    from qconv.convert.layout import candidate_units, plan_model
+    from qconv.convert.sources import read_config
+    from qconv.recipes.recipe import load_recipe
+
+    recipe = load_recipe("3090")
+    units = candidate_units(plan_model(real_layout_27b, read_config(real_layout_27b), recipe), recipe)
+    assert units and all(".language_model.layers." in m.name for u in units for m in u.w4)
+    ids = [list(range(5, 45)), list(range(50, 90))]
+    want = proxy_scores(load_causal_lm(real_layout_27b).eval(), units, ids)
+    got = streamed_proxy_scores(real_layout_27b, units, ids, tmp_path)
+    for u in units:
+        assert got.values[u.name] == pytest.approx(want.values[u.name], rel=2e-2, abs=1e-12), u.name

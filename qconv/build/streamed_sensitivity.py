@@ -13,7 +13,6 @@ largest unit's H; the spilled inputs (windows x tokens x hidden x depth) live on
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -23,8 +22,6 @@ from qconv.calibrate.sensitivity import Candidate, Scores, input_hessians, outpu
 from qconv.convert.stream import Spilled
 from qconv.errors import QconvError
 from qconv.eval.layerwise import StreamedModel, layer_output
-
-log = logging.getLogger(__name__)
 
 
 def members_by_layer(units: list[Candidate], n_layers: int | None = None) -> dict[int, dict[str, str]]:
@@ -73,7 +70,9 @@ def streamed_proxy_scores(path: str | Path, units: list[Candidate], ids: list[li
         args, kwargs = extra[x.shape[0]][i]
         return layer_output(layer(x.unsqueeze(0).to(sm.device), *args, **kwargs))[0]
 
-    for i, layer in enumerate(layers):  # forward: H, row errors, spilled inputs
+    from tqdm.auto import tqdm
+
+    for i, layer in enumerate(tqdm(layers, desc="sensitivity forward", unit="layer", leave=False)):
         saved.append([Spilled(h, spill) for h in hidden])
         local = by_layer.get(i, {})
         with sm.loaded(layer, f"decoder layer {i}"), torch.no_grad():
@@ -85,7 +84,6 @@ def streamed_proxy_scores(path: str | Path, units: list[Candidate], ids: list[li
                 if u.w4[0].name in watched:
                     weights = {m.name: layer.get_submodule(local[m.name]).weight.float() for m in u.w4}
                     rows[u.name] = row_errors(u, weights, hs[u.w4[0].name] / tokens)
-        log.debug("sensitivity forward: layer %d", i)
 
     grads, predicted = [], 0
     with sm.head() as (norm, head):  # the loss gradient at the last hidden state, row blocks at a time
@@ -102,7 +100,8 @@ def streamed_proxy_scores(path: str | Path, units: list[Candidate], ids: list[li
     del hidden
 
     fs: dict[str, torch.Tensor] = {}
-    for i in reversed(range(len(layers))):  # backward: Fisher of every member's output
+    for i in tqdm(reversed(range(len(layers))), total=len(layers), desc="sensitivity backward", unit="layer",
+                  leave=False):  # the Fisher of every member's output
         layer, local = layers[i], by_layer.get(i, {})
         with sm.loaded(layer, f"decoder layer {i}"), output_fisher(
                 {n: layer.get_submodule(loc) for n, loc in local.items()}, fs):
@@ -112,5 +111,4 @@ def streamed_proxy_scores(path: str | Path, units: list[Candidate], ids: list[li
                 run(i, layer, x).backward(grads[w].to(sm.device))
                 grads[w] = x.grad.cpu()
         saved[i] = []  # its files go with it
-        log.debug("sensitivity backward: layer %d", i)
     return proxy_from(units, rows, {n: f / predicted for n, f in fs.items()}, tokens)

@@ -502,3 +502,65 @@ def test_calibration_activations_on_disk(tmp_path):
     cache = IntermediatesCache(offload_device="cpu")  # outside the block: in memory again
     cache.append({"hidden_states": hidden})
     assert isinstance(cache.batch_intermediates[0]["hidden_states"].value, torch.Tensor)
+
+
+@pytest.mark.parametrize("fmt, bits, strategy, group", [("int-quantized", 8, "group", 16),
+                                                         ("pack-quantized", 4, "group", 16),
+                                                         ("pack-quantized", 4, "channel", None)])
+def test_row_blocked_compression_gives_the_same_integers(fmt, bits, strategy, group):
+    """Saving quantizes large matrices a block of rows at a time; the stored integers are the whole matrix's."""
+    import torch
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from qconv.convert.quantize import row_blocked_compression
+
+    torch.manual_seed(0)
+    w = torch.randn(203, 64).to(torch.bfloat16)
+    args = QuantizationArgs(num_bits=bits, symmetric=True, strategy=strategy, group_size=group)
+    g = group or 64
+    scale, zp = calculate_qparams(w.view(203, 64 // g, g).amin(-1).float(), w.view(203, 64 // g, g).amax(-1).float(),
+                                  args)
+    sd = {"weight": w, "weight_scale": scale.view(203, -1).to(torch.bfloat16),
+          "weight_zero_point": zp.view(203, -1)}
+    comp = BaseCompressor.get_value_from_registry(fmt)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    want = comp.compress(dict(sd), scheme)
+    with row_blocked_compression(block_elements=64 * 10):
+        got = comp.compress(dict(sd), scheme)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+
+
+@pytest.mark.parametrize("strategy, group", [("group", 16), ("channel", None)])
+def test_row_blocked_mse_search_chooses_the_same_scales(strategy, group):
+    """The MSE scale search, its error computed a block of rows at a time, picks the whole matrix's scales."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from llmcompressor.observers.base import Observer
+
+    from qconv.convert.stream import row_blocked_observer
+
+    torch.manual_seed(0)
+    w = (torch.randn(300, 64) * torch.linspace(0.1, 3, 64)).to(torch.bfloat16)
+    args = QuantizationArgs(num_bits=4, symmetric=True, strategy=strategy, group_size=group, observer="memoryless_mse")
+
+    def search():
+        obs = Observer.load_from_registry("memoryless_mse", base_name="weight", args=args)(w)
+        return obs.min_vals, obs.max_vals
+
+    from llmcompressor.observers import mse_quant
+
+    original, calls = mse_quant._calculate_error, []
+    mse_quant._calculate_error = lambda *a: calls.append(a[0].shape[1]) or original(*a)
+    try:
+        want = search()
+        whole_calls = len(calls)
+        with row_blocked_observer(block_bytes=4 * 64 * 7):  # 7 rows a block
+            got = search()
+    finally:
+        mse_quant._calculate_error = original
+    assert set(calls[:whole_calls]) == {300} and max(calls[whole_calls:]) == 7  # blocks of 7 rows were searched
+    assert want[0].shape[0] == 300 and torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])

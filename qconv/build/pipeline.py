@@ -251,7 +251,7 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
 
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
-    from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq
+    from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq, row_blocked_observer
 
     t0 = time.time()
     recipe = _recipe(opts)
@@ -337,8 +337,8 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
                      plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE)
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), tokenizer_as_processor(tok), \
-                _calibration_activations(stream, work.root):
+        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), row_blocked_observer(), \
+                tokenizer_as_processor(tok), _calibration_activations(stream, work.root):
             quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
                      tied=plan.tied_embeddings)
         qdir = work.root / f"quantization-{qkey}"

@@ -19,6 +19,7 @@ from qconv.recipes.roles import _ROLE_PATTERNS
 log = logging.getLogger(__name__)
 
 _PATTERN = dict(_ROLE_PATTERNS)
+COMPRESS_BLOCK_ELEMENTS = 1 << 26  # rows quantized for saving at a time: 256 MB per float32 temporary
 
 
 def _role_target(role: str) -> str:
@@ -101,16 +102,69 @@ def calibrate_embeddings(model) -> None:
         if not isinstance(mod, torch.nn.Embedding) or not hasattr(mod, "quantization_scheme"):
             continue
         args = mod.quantization_scheme.weights
-        w = mod.weight.detach().float()
+        w = mod.weight.detach()  # min/max in its own dtype are exact: no float32 copy of a 248,320-row table
         g = args.group_size if args.strategy == "group" else w.shape[1]
         wg = w.view(w.shape[0], w.shape[1] // g, g)
-        scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+        scale, zp = calculate_qparams(wg.amin(-1).float(), wg.amax(-1).float(), args)
         # update_offload_parameter also writes through to a disk-offloaded (streamed) module
         update_offload_parameter(mod, "weight_scale", scale.view_as(mod.weight_scale).to(mod.weight_scale.dtype))
         if hasattr(mod, "weight_zero_point"):
             update_offload_parameter(mod, "weight_zero_point",
                                      zp.view_as(mod.weight_zero_point).to(mod.weight_zero_point.dtype))
         log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
+
+
+@contextlib.contextmanager
+def _untie_only_tied():
+    """llmcompressor unties the embeddings (clones both tables) whenever a scheme targets one, also when they are
+    separate already: for the 27B two 2.5 GB copies in memory, written again to a streamed build's offload folder,
+    for the same values. Separate tables are left as they are."""
+    from llmcompressor.modifiers.quantization.quantization import mixin
+
+    untie = mixin.untie_word_embeddings
+
+    def only_tied(model):
+        i, o = model.get_input_embeddings(), model.get_output_embeddings()
+        if i is None or o is None or i.weight is o.weight:
+            return untie(model)
+        model.config.tie_word_embeddings = False
+
+    mixin.untie_word_embeddings = only_tied
+    try:
+        yield
+    finally:
+        mixin.untie_word_embeddings = untie
+
+
+@contextlib.contextmanager
+def row_blocked_compression(block_elements: int = COMPRESS_BLOCK_ELEMENTS):
+    """compressed-tensors quantizes a weight for saving through float32 temporaries of the whole matrix, several
+    at once (5 GB each for a 248,320 x 5,120 lm_head). With per-row scales (channel or group strategy) rows are
+    independent, so blocks of rows are quantized into one output instead: the same integers."""
+    import torch
+    from compressed_tensors.compressors.naive_quantized import base as naive
+    from compressed_tensors.compressors.pack_quantized import base as packed
+
+    whole = naive.quantize
+
+    def blocked(x, scale, zero_point, args, dtype=None, global_scale=None):
+        step = max(1, block_elements // max(1, x.shape[-1]))
+        if x.dim() != 2 or x.shape[0] <= step or args.strategy not in ("channel", "group") or global_scale is not None:
+            return whole(x, scale, zero_point, args, dtype, global_scale)
+        out = None
+        for a in range(0, x.shape[0], step):
+            sl = slice(a, a + step)
+            q = whole(x[sl], scale[sl], None if zero_point is None else zero_point[sl], args, dtype)
+            if out is None:
+                out = torch.empty(x.shape, dtype=q.dtype, device=q.device)
+            out[sl] = q
+        return out
+
+    naive.quantize = packed.quantize = blocked
+    try:
+        yield
+    finally:
+        naive.quantize = packed.quantize = whole
 
 
 def awq_mappings(model) -> list:
@@ -189,12 +243,13 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
     linear = sum(1 for m in modules if m.scheme != KEEP and m.role != "embed")  # embeddings: round-to-nearest
     log.info("quantization: %s on %d modules, layer by layer, %d calibration samples",
              recipe.quantizer.algorithm.upper(), linear, len(calib_ids), extra=progress.total(linear))
-    with _cpu_awq():
+    with _cpu_awq(), _untie_only_tied():
         oneshot(model=model, dataset=ds, recipe=modifiers(model, recipe, groups, ignore), max_seq_length=max_len,
                 num_calibration_samples=len(calib_ids), pipeline="sequential" if recipe.quantizer.gptq else "datafree",
                 shuffle_calibration_samples=False)
     calibrate_embeddings(model)
-    model.save_pretrained(out, save_compressed=True, max_shard_size=MAX_SHARD_SIZE)
+    with row_blocked_compression():
+        model.save_pretrained(out, save_compressed=True, max_shard_size=MAX_SHARD_SIZE)
     if tied:
         keep_tied(out)
 

@@ -180,6 +180,32 @@ def activations_on_disk(folder: Path, min_bytes: int = SPILL_MIN_BYTES):
         IntermediatesCache._offload_value, IntermediatesCache._onload_value = offload, onload
 
 
+@contextlib.contextmanager
+def row_blocked_observer(block_bytes: int = GPTQ_BLOCK_BYTES):
+    """llmcompressor's MSE scale search fake-quantizes the whole weight once per candidate shrink, in float32
+    temporaries of the whole matrix (several of 5 GB for a 248,320 x 5,120 lm_head). The error it compares is per
+    output row (and group), so each candidate's error is computed a block of rows at a time and concatenated: the
+    same errors, the same chosen scales, the early stop still decided over the whole matrix."""
+    import torch
+    from llmcompressor.observers import mse_quant
+
+    whole = mse_quant._calculate_error
+
+    def blocked(observed, args, token_args, lo, hi, norm):
+        rows = observed.shape[1] if observed.dim() >= 3 and lo.dim() >= 1 and lo.shape[0] == observed.shape[1] else 0
+        step = max(1, block_bytes // (4 * max(1, observed.numel() // max(rows, 1))))
+        if rows <= step:
+            return whole(observed, args, token_args, lo, hi, norm)
+        return torch.cat([whole(observed[:, a:a + step], args, token_args, lo[a:a + step], hi[a:a + step], norm)
+                          for a in range(0, rows, step)])
+
+    mse_quant._calculate_error = blocked
+    try:
+        yield
+    finally:
+        mse_quant._calculate_error = whole
+
+
 def _rows(t, sl: slice, rows: int):
     return t[:, sl] if t is not None and t.dim() >= 2 and t.shape[1] == rows else t
 

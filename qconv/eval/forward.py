@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # for one window of logits, the activations and the other model of the pair (freed before the next is loaded).
 FIT_FRACTION = 0.7
 DEVICES = ("cpu", "cuda")
+Blocks = tuple[torch.Tensor, torch.Tensor]  # (logits [n, V] float32, the n tokens they predict)
 
 
 @dataclass
@@ -63,8 +64,9 @@ class LogitSource:
                      2 * num_parameters / 1e9, free_memory(self.device) / 1e9, self.device)
         self._model = None
 
-    def logits(self, windows, indices: list[int], kv_scheme=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(i, logits [n, V] float32 of the positions window i scores, the tokens they predict) for each i."""
+    def logits(self, windows, indices: list[int], kv_scheme=None) -> Iterator[tuple[int, Iterator[Blocks]]]:
+        """For each window i: (i, its row blocks in order), a block being (logits [n, V] float32 of positions the
+        window scores, the tokens they predict). Consume a window's blocks before asking for the next window."""
         from qconv.eval.kvsim import kv_simulation
         from qconv.eval.reference import load_causal_lm, window_logits
 
@@ -74,15 +76,15 @@ class LogitSource:
             from qconv.eval.layerwise import streamed_logits
 
             firsts = [windows.first_scored(i) for i in indices]
-            for j, logits, targets in streamed_logits(self.path, [windows.ids[i] for i in indices], firsts,
-                                                      device=self.device, kv_scheme=kv_scheme):
-                yield indices[j], logits, targets
+            for j, blocks in streamed_logits(self.path, [windows.ids[i] for i in indices], firsts,
+                                             device=self.device, kv_scheme=kv_scheme):
+                yield indices[j], blocks
             return
         if self._model is None:
             self._model = load_causal_lm(self.path, device=self.device)
         with kv_simulation(self._model, kv_scheme):
             for i in indices:
-                yield (i, *window_logits(self._model, windows.ids[i], windows.first_scored(i)))
+                yield i, iter([window_logits(self._model, windows.ids[i], windows.first_scored(i))])
 
     def close(self) -> None:
         self._model = None

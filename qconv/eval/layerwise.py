@@ -262,21 +262,22 @@ class StreamedModel:
             _free(dec.norm)
             _free(head)
 
-    @torch.inference_mode()
     def window_logits(self, hidden: torch.Tensor, windows: list[list[int]], firsts: list[int]
-                      ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(window index, float32 logits of positions first..T-2, the tokens they predict), one window at a time;
-        norm + lm_head run `row_block` positions at a time."""
+                      ) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, torch.Tensor]]]]:
+        """(window index, its blocks), a block being the float32 logits of `row_block` of the positions first..T-2
+        and the tokens they predict: a large vocabulary's logits are never held for a whole window."""
         with self.head() as (norm, head):
             for w, (ids, first) in enumerate(zip(windows, firsts)):
-                h = hidden[w, first:-1]
-                logits = torch.cat([head(norm(h[a:a + self.row_block].to(self.device))).float().cpu()
-                                    for a in range(0, len(h), self.row_block)])
-                yield w, logits, torch.tensor(ids[first + 1:])
+                yield w, self._blocks(norm, head, hidden[w, first:-1], torch.tensor(ids[first + 1:]))
+
+    @torch.inference_mode()
+    def _blocks(self, norm, head, h: torch.Tensor, targets: torch.Tensor):
+        for a in range(0, len(h), self.row_block):
+            yield head(norm(h[a:a + self.row_block].to(self.device))).float().cpu(), targets[a:a + self.row_block]
 
 
 def streamed_logits(path: str | Path, windows: list[list[int]], firsts: list[int], *, device: str = "cpu",
-                    kv_scheme=None) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+                    kv_scheme=None) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, torch.Tensor]]]]:
     """The layer-streamed equivalent of running `reference.window_logits` on each window of a loaded model."""
     from qconv.eval.kvsim import kv_simulation
 

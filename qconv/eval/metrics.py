@@ -69,8 +69,7 @@ class TokenStats:
     def add(self, ref: RefWindow, logits_q: torch.Tensor, targets: torch.Tensor, chunk: int = 256) -> None:
         """One window; rows go `chunk` at a time so a large vocabulary never needs [n, V] float64 at once."""
         for a in range(0, len(targets), chunk):
-            part = RefWindow(**{k: v[a:a + chunk] for k, v in vars(ref).items() if v is not None})
-            self._add(part, logits_q[a:a + chunk], targets[a:a + chunk])
+            self._add(ref.rows(a, a + chunk), logits_q[a:a + chunk], targets[a:a + chunk])
 
     def _add(self, ref: RefWindow, logits_q: torch.Tensor, targets: torch.Tensor) -> None:
         logq = torch.log_softmax(logits_q.float(), dim=-1)

@@ -93,10 +93,12 @@ def _run(logit_source: LogitSource, ref: Reference, windows: Windows, kv_scheme=
 
     stats = TokenStats()
     n = len(windows.ids)
-    for i, logits, targets in tqdm(logit_source.logits(windows, list(range(n)), kv_scheme), total=n,
-                                   desc=f"eval{'+' + kv_scheme.name if kv_scheme else ''}", unit="window",
-                                   leave=False):
-        stats.add(ref.window(i), logits, targets)
+    for i, blocks in tqdm(logit_source.logits(windows, list(range(n)), kv_scheme), total=n,
+                          desc=f"eval{'+' + kv_scheme.name if kv_scheme else ''}", unit="window", leave=False):
+        ref_i, a = ref.window(i), 0
+        for logits, targets in blocks:
+            stats.add(ref_i.rows(a, a + len(targets)), logits, targets)
+            a += len(targets)
     return summarize(stats), stats.arrays()["kld"]
 
 

@@ -44,19 +44,32 @@ class RefWindow:
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.contiguous() for k, v in vars(self).items() if v is not None}
 
+    def rows(self, a: int, b: int) -> "RefWindow":
+        return RefWindow(**{k: v[a:b] for k, v in vars(self).items() if v is not None})
+
+    @staticmethod
+    def cat(parts: list["RefWindow"]) -> "RefWindow":
+        return RefWindow(**{k: torch.cat([vars(p)[k] for p in parts]) for k, v in vars(parts[0]).items()
+                            if v is not None})
+
     def top1(self) -> torch.Tensor:
         return self.topk_idx[:, 0] if self.logp is None else self.logp.argmax(-1)
 
 
-def ref_window_from_logits(logits: torch.Tensor, targets: torch.Tensor, topk: int | None) -> RefWindow:
-    """logits [n, V] of the positions scored, targets [n] the tokens that follow them."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    target_logp = logp.gather(-1, targets[:, None])[:, 0]
-    if not topk:
-        return RefWindow(target_logp=target_logp, entropy=entropy, logp=logp.to(torch.float16))
-    vals, idx = logp.topk(topk, dim=-1, sorted=True)
-    return RefWindow(target_logp=target_logp, entropy=entropy, topk_idx=idx, topk_logp=vals)
+def ref_window_from_logits(logits: torch.Tensor, targets: torch.Tensor, topk: int | None,
+                           chunk: int = 256) -> RefWindow:
+    """logits [n, V] of the positions scored, targets [n] the tokens that follow them; `chunk` rows at a time, so
+    that a large vocabulary's float32 temporaries stay a block's (248,320 x 2,048 is 2 GB each)."""
+    parts = []
+    for a in range(0, len(targets), chunk):
+        logp = torch.log_softmax(logits[a:a + chunk].float(), dim=-1)
+        part = {"entropy": -(logp.exp() * logp).sum(-1), "target_logp": logp.gather(-1, targets[a:a + chunk, None])[:, 0]}
+        if topk:
+            part["topk_logp"], part["topk_idx"] = logp.topk(topk, dim=-1, sorted=True)
+        else:
+            part["logp"] = logp.to(torch.float16)
+        parts.append(part)
+    return RefWindow(**{k: torch.cat([p[k] for p in parts]) for k in parts[0]})
 
 
 @dataclass
@@ -142,8 +155,8 @@ def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text
     if missing:
         log.info("reference logits: computing %d of %d windows (%s) into %s", len(missing), len(windows.ids),
                  storage if not k else f"top-{k}", folder)
-        for i, logits, targets in _progress(logit_source.logits(windows, missing), "reference", len(missing)):
-            rw = ref_window_from_logits(logits, targets, k)
+        for i, blocks in _progress(logit_source.logits(windows, missing), "reference", len(missing)):
+            rw = RefWindow.cat([ref_window_from_logits(logits, targets, k) for logits, targets in blocks])
             tmp = folder / f".window_{i:05d}.{os.getpid()}.tmp"
             save_file(rw.to_tensors(), str(tmp), metadata={"ids_sha256": ids_sha256(windows.ids[i])})
             os.replace(tmp, folder / f"window_{i:05d}.safetensors")

@@ -505,7 +505,7 @@ def test_calibration_activations_on_disk(tmp_path):
 
 
 @pytest.mark.parametrize("fmt, bits, strategy, group", [("int-quantized", 8, "group", 16),
-                                                         ("pack-quantized", 4, "group", 16),
+                                                         ("pack-quantized", 4, "group", 16), ("pack-quantized", 8, "group", 16),
                                                          ("pack-quantized", 4, "channel", None)])
 def test_row_blocked_compression_gives_the_same_integers(fmt, bits, strategy, group):
     """Saving quantizes large matrices a block of rows at a time; the stored integers are the whole matrix's."""

@@ -139,13 +139,20 @@ def _untie_only_tied():
 @contextlib.contextmanager
 def row_blocked_compression(block_elements: int = COMPRESS_BLOCK_ELEMENTS):
     """compressed-tensors quantizes a weight for saving through float32 temporaries of the whole matrix, several
-    at once (5 GB each for a 248,320 x 5,120 lm_head). With per-row scales (channel or group strategy) rows are
-    independent, so blocks of rows are quantized into one output instead: the same integers."""
+    at once (5 GB each for a 248,320 x 5,120 lm_head), and packs it through int32 ones. With per-row scales
+    (channel or group strategy) rows are independent, so blocks of rows are quantized and packed into one output
+    instead: the same integers, the same packed words."""
     import torch
     from compressed_tensors.compressors.naive_quantized import base as naive
     from compressed_tensors.compressors.pack_quantized import base as packed
 
-    whole = naive.quantize
+    whole, pack = naive.quantize, packed.pack_to_int32
+
+    def blocked_pack(value, num_bits, packed_dim=1):  # packing runs along each row: rows are independent
+        step = max(1, block_elements // max(1, value.shape[-1]))
+        if value.dim() != 2 or packed_dim != 1 or value.shape[0] <= step:
+            return pack(value, num_bits, packed_dim)
+        return torch.cat([pack(value[a:a + step], num_bits, 1) for a in range(0, value.shape[0], step)])
 
     def blocked(x, scale, zero_point, args, dtype=None, global_scale=None):
         step = max(1, block_elements // max(1, x.shape[-1]))
@@ -161,10 +168,12 @@ def row_blocked_compression(block_elements: int = COMPRESS_BLOCK_ELEMENTS):
         return out
 
     naive.quantize = packed.quantize = blocked
+    packed.pack_to_int32 = blocked_pack
     try:
         yield
     finally:
         naive.quantize = packed.quantize = whole
+        packed.pack_to_int32 = pack
 
 
 def awq_mappings(model) -> list:

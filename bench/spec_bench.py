@@ -1,5 +1,6 @@
 """Speculative decoding benchmark on SmolLM2 (or any model folder / artifact): per workload, our tokens/step and
-speedup over our own plain decode (same run), and transformers' prompt lookup (same weights, prompts, block size)
+speedup over our own plain decode (same run, `qconv bench`'s measurement), transformers' prompt-lookup drafter
+replayed on our output, and with --transformers transformers' own prompt lookup (same weights, prompts, block size)
 vs its own greedy. Prints one JSON line.
 
     .venv/bin/python bench/spec_bench.py --model .cache/models/smollm2-135m-instruct --threads 1
@@ -13,16 +14,75 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from qconv.runtime.bench import run_bench  # noqa: E402
+from qconv.runtime.config import load_config  # noqa: E402
 from qconv.runtime.generate import GenerationConfig  # noqa: E402
+from qconv.runtime.loader import runtime_dtype  # noqa: E402
 from qconv.runtime.spec import SpecConfig  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 FILES = {"copy": "wikitext-2-raw-test.txt", "code": "humaneval.jsonl", "chat": "mt_bench_questions.jsonl",
          "math": "gsm8k_test.jsonl"}
+
+
+def transformers_lookup_replay(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int, block: int,
+                               eos: list[int]) -> dict:
+    """transformers' prompt-lookup drafter (PromptLookupCandidateGenerator, as `generate` sets it up) replayed on
+    our greedy outputs: under greedy verification its forwards depend on the token sequence alone, so the drafters
+    compare on the same text even where the engines' bf16 numerics make their greedy texts differ."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    tokens = forwards = 0
+    for prompt, out in zip(prompts, outputs):
+        limit = len(prompt) + max_tokens
+        gen = PromptLookupCandidateGenerator(eos_token_id=torch.tensor(eos), num_output_tokens=block,
+                                             max_matching_ngram_size=2, max_length=limit)
+        seq, pos = list(prompt), 0
+        while pos < len(out):
+            cand = gen.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
+            n = 0
+            while n < len(cand) and pos + n < len(out) and cand[n] == out[pos + n]:
+                n += 1
+            if n == len(cand) > 0 and len(seq) + len(cand) >= limit:  # generate's is_done_candidate rule
+                n -= 1
+            take = min(n + 1, len(out) - pos)
+            seq += out[pos:pos + take]
+            pos += take
+            forwards += 1
+        tokens += len(out)
+    return {"tokens_per_forward": round(tokens / max(forwards, 1), 4), "forwards": forwards, "new_tokens": tokens}
+
+
+def transformers_run(path: Path, prompts: list[list[int]], max_tokens: int, block: int, eos: list[int],
+                     dtype) -> dict:
+    """transformers' greedy vs its prompt lookup on the same prompts; forwards counted with a hook."""
+    from qconv.convert.hfmodel import load_causal_lm
+
+    hf = load_causal_lm(path, dtype=dtype).eval()
+    calls = [0]
+    hf.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    res = {"greedy": [0, 0.0, 0], "lookup": [0, 0.0, 0]}  # tokens, seconds, forwards
+    for ids in prompts:
+        x = torch.tensor([ids])
+        for mode, extra in (("greedy", {}), ("lookup", {"prompt_lookup_num_tokens": block})):
+            calls[0] = 0
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=eos[0], **extra)
+            r = res[mode]
+            r[0] += out.shape[1] - x.shape[1]
+            r[1] += time.perf_counter() - t
+            r[2] += calls[0]
+    g, lk = res["greedy"], res["lookup"]
+    return {"tokens_per_forward": round(lk[0] / lk[2], 4), "greedy_tok_s": round(g[0] / g[1], 2),
+            "lookup_tok_s": round(lk[0] / lk[1], 2), "speedup": round((lk[0] / lk[1]) / (g[0] / g[1]), 3),
+            "new_tokens": lk[0]}
 
 
 def main() -> None:
@@ -46,12 +106,22 @@ def main() -> None:
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.ngram.split(","))
     spec = SpecConfig(a.spec, max_block=a.max_block, ngram_min=lo, ngram_max=hi, adaptive=not a.fixed_blocks)
+    eos = load_config(a.model).eos_token_ids
     out = {"bench": "runtime_spec", "model": a.model, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "workloads": {}}
     for w in a.workloads.split(","):
-        r = run_bench(a.model, w, Path(a.data) / FILES[w], prompts=a.prompts,
-                      cfg=GenerationConfig(max_tokens=a.max_tokens, spec=spec), compare_transformers=a.transformers,
-                      threads=a.threads, dequantize=a.dequantize, device=a.device, dtype=a.dtype, keep_spec=True)
+        r, ids, outputs = run_bench(a.model, w, Path(a.data) / FILES[w], prompts=a.prompts,
+                                    cfg=GenerationConfig(max_tokens=a.max_tokens, spec=spec), threads=a.threads,
+                                    dequantize=a.dequantize, device=a.device, dtype=a.dtype, keep_spec=True)
+        replay = transformers_lookup_replay(ids, outputs, a.max_tokens, spec.max_block, eos)
+        r["transformers_drafter_on_our_output"] = replay
+        r["tokens_per_step_vs_transformers_drafter"] = round(r["ours"]["tokens_per_step"]
+                                                             / replay["tokens_per_forward"], 3)
+        if a.transformers:
+            dtype = runtime_dtype(a.model, a.dequantize, a.dtype)
+            t = transformers_run(Path(a.model), ids, a.max_tokens, spec.max_block, eos, dtype)
+            r["transformers"] = t
+            r["tokens_per_step_vs_transformers"] = round(r["ours"]["tokens_per_step"] / t["tokens_per_forward"], 3)
         out["workloads"][w] = r
         print(json.dumps({w: r}), file=sys.stderr, flush=True)
     print(json.dumps(out))

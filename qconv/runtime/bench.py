@@ -1,11 +1,10 @@
 """Speculative decoding benchmark on workloads built from user files: our decode with and without speculation,
-interleaved per prompt (machine load hits both alike), and optionally transformers' own prompt lookup vs its greedy."""
+interleaved per prompt (machine load hits both alike). Comparisons with transformers live in bench/spec_bench.py."""
 
 from __future__ import annotations
 
 import json
 import re
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,7 +82,7 @@ def workload_texts(workload: str, data: Path, n: int) -> list[str]:
     return texts
 
 
-def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> dict:
+def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> tuple[dict, list[list[int]]]:
     """Plain and speculative decode per prompt, interleaved. Greedy outputs must agree token for token."""
     plain, spec = GenerationStats(), GenerationStats()
     identical = True
@@ -101,70 +100,12 @@ def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> dict:
     return d, outputs
 
 
-def transformers_lookup_replay(prompts: list[list[int]], outputs: list[list[int]], max_tokens: int, block: int,
-                               eos: list[int]) -> dict:
-    """transformers' prompt-lookup drafter (PromptLookupCandidateGenerator, as `generate` sets it up) replayed on
-    our greedy outputs: under greedy verification its forwards depend on the token sequence alone, so the drafters
-    compare on the same text even where the engines' bf16 numerics make their greedy texts differ."""
-    import torch
-    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
-
-    tokens = forwards = 0
-    for prompt, out in zip(prompts, outputs):
-        limit = len(prompt) + max_tokens
-        gen = PromptLookupCandidateGenerator(eos_token_id=torch.tensor(eos), num_output_tokens=block,
-                                             max_matching_ngram_size=2, max_length=limit)
-        seq, pos = list(prompt), 0
-        while pos < len(out):
-            cand = gen.get_candidates(torch.tensor([seq]))[0][0, len(seq):].tolist()
-            n = 0
-            while n < len(cand) and pos + n < len(out) and cand[n] == out[pos + n]:
-                n += 1
-            if n == len(cand) > 0 and len(seq) + len(cand) >= limit:  # generate's is_done_candidate rule
-                n -= 1
-            take = min(n + 1, len(out) - pos)
-            seq += out[pos:pos + take]
-            pos += take
-            forwards += 1
-        tokens += len(out)
-    return {"tokens_per_forward": round(tokens / max(forwards, 1), 4), "forwards": forwards, "new_tokens": tokens}
-
-
-def _transformers(path: Path, prompts: list[list[int]], max_tokens: int, block: int, eos: list[int],
-                  dtype) -> dict:
-    """transformers' greedy vs its prompt lookup on the same prompts; forwards counted with a hook."""
-    import torch
-
-    from qconv.convert.hfmodel import load_causal_lm
-
-    hf = load_causal_lm(path, dtype=dtype).eval()
-    calls = [0]
-    hf.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
-    res = {"greedy": [0, 0.0, 0], "lookup": [0, 0.0, 0]}  # tokens, seconds, forwards
-    for ids in prompts:
-        x = torch.tensor([ids])
-        for mode, extra in (("greedy", {}), ("lookup", {"prompt_lookup_num_tokens": block})):
-            calls[0] = 0
-            t = time.perf_counter()
-            with torch.inference_mode():
-                out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
-                                  eos_token_id=eos, pad_token_id=eos[0], **extra)
-            r = res[mode]
-            r[0] += out.shape[1] - x.shape[1]
-            r[1] += time.perf_counter() - t
-            r[2] += calls[0]
-    g, lk = res["greedy"], res["lookup"]
-    return {"tokens_per_forward": round(lk[0] / lk[2], 4), "greedy_tok_s": round(g[0] / g[1], 2),
-            "lookup_tok_s": round(lk[0] / lk[1], 2), "speedup": round((lk[0] / lk[1]) / (g[0] / g[1]), 3),
-            "new_tokens": lk[0]}
-
-
-def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None,
-              compare_transformers: bool = False, threads: int = 0, dequantize: bool = False,
-              dtype: str | None = None, device: str | None = None, keep_spec: bool = False) -> dict:
-    """One workload: our speculative vs plain decode, transformers' drafter replayed on our outputs, and optionally
-    transformers' own run. dtype as the CLI picks it (runtime_dtype). The MTP part of the config is dropped for a
-    model without the head unless `keep_spec` (the user asked for it)."""
+def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None, threads: int = 0,
+              dequantize: bool = False, dtype: str | None = None, device: str | None = None,
+              keep_spec: bool = False) -> tuple[dict, list[list[int]], list[list[int]]]:
+    """One workload: our speculative vs plain decode. dtype as the CLI picks it (runtime_dtype). The MTP part of the
+    config is dropped for a model without the head unless `keep_spec` (the user asked for it). Returns the report,
+    the prompts' token ids and our outputs (bench/spec_bench.py replays transformers' drafter on them)."""
     import torch
 
     from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
@@ -188,15 +129,4 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
               "max_block": sc.max_block, "ngram": [sc.ngram_min, sc.ngram_max], "adaptive": sc.adaptive,
               "threads": torch.get_num_threads(), "device": str(model.device)}
     report["ours"], outputs = _ours(model, ids, cfg)
-    eos = list(model.config.eos_token_ids)
-    replay = transformers_lookup_replay(ids, outputs, cfg.max_tokens, sc.max_block, eos)
-    report["transformers_drafter_on_our_output"] = replay
-    report["tokens_per_step_vs_transformers_drafter"] = round(report["ours"]["tokens_per_step"]
-                                                              / replay["tokens_per_forward"], 3)
-    if compare_transformers:
-        del model
-        t = _transformers(path, ids, cfg.max_tokens, sc.max_block, eos, dtype)
-        report["transformers"] = t
-        report["tokens_per_step_vs_transformers"] = round(report["ours"]["tokens_per_step"] / t["tokens_per_forward"],
-                                                          3)
-    return report
+    return report, ids, outputs

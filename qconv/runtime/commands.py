@@ -101,22 +101,21 @@ def generate(model, prompt, chat_text, stop, stats, dequantize, dtype, max_token
                    "chat: MT-Bench-style jsonl ('turns'); math: GSM8K-style jsonl ('question').")
 @click.option("--data", type=click.Path(), required=True, help="The workload's input file.")
 @click.option("--prompts", default=5, show_default=True)
-@click.option("--compare-transformers", is_flag=True, help="Also run transformers' prompt lookup vs its greedy.")
 @click.option("--threads", default=0, help="torch CPU threads (0 = torch default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @_dequantize_option
 @_dtype_option
 @_sampling_options
-def bench(model, workload, data, prompts, compare_transformers, threads, as_json, dequantize, dtype, max_tokens,
-          temperature, top_p, top_k, seed, spec, max_block):
+def bench(model, workload, data, prompts, threads, as_json, dequantize, dtype, max_tokens, temperature, top_p, top_k,
+          seed, spec, max_block):
     """Speculative decoding on MODEL: tokens/step, acceptance per draft position, tok/s, and the speedup over
     plain decoding measured in the same run."""
     from qconv.runtime.bench import run_bench
 
     path = model_dir(model)
     cfg = _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block)
-    r = run_bench(path, workload, data, prompts=prompts, cfg=cfg, compare_transformers=compare_transformers,
-                  threads=threads, dequantize=dequantize, dtype=dtype, keep_spec=spec is not None)
+    r, _, _ = run_bench(path, workload, data, prompts=prompts, cfg=cfg, threads=threads, dequantize=dequantize,
+                        dtype=dtype, keep_spec=spec is not None)
     if as_json:
         click.echo(json.dumps(r))
         return
@@ -126,13 +125,6 @@ def bench(model, workload, data, prompts, compare_transformers, threads, as_json
     click.echo(f"  tok/s spec | plain     {o['decode_tok_s']:.2f} | {o['plain_decode_tok_s']:.2f}  "
                f"(speedup {o['speedup']:.2f}x, identical to plain: {o['identical_to_plain']})")
     click.echo("  acceptance/position    " + " ".join(f"{a:.2f}" for a in o["acceptance_per_position"]))
-    replay = r["transformers_drafter_on_our_output"]
-    click.echo(f"  transformers' drafter  {replay['tokens_per_forward']:.2f} tokens/forward on the same text; "
-               f"ours/theirs {r['tokens_per_step_vs_transformers_drafter']:.2f}")
-    if "transformers" in r:
-        t = r["transformers"]
-        click.echo(f"  transformers lookup    {t['tokens_per_forward']:.2f} tokens/forward, {t['speedup']:.2f}x its "
-                   f"greedy; ours/theirs tokens per step {r['tokens_per_step_vs_transformers']:.2f}")
 
 
 COMMANDS = [generate, bench]

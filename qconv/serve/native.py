@@ -29,7 +29,6 @@ class NativeOptions:
     max_model_len: int | None = None  # None: the profile's context, capped at DEFAULT_NATIVE_CONTEXT
     profile: str | None = None
     served_model_name: str | None = None
-    dtype: str = "float32"
     spec_tokens: int | None = None  # draft tokens per step (0: off); None: the artifact's speculative config
 
 
@@ -62,18 +61,15 @@ def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
 
 
 def build_native(path: str | Path, opts: NativeOptions):
-    """(FastAPI app, started Scheduler) for the model at `path`."""
-    import torch
-
+    """(FastAPI app, started Scheduler) for the model at `path`, loaded in float32."""
     from qconv.runtime.loader import load_model, load_tokenizer
     from qconv.serve.scheduler import Scheduler
-
     from qconv.serve.server import ServerConfig, create_app
 
     path = model_dir(path)
     plan = native_plan(path, opts)
     tok = load_tokenizer(path)
-    model = load_model(path, dtype=getattr(torch, opts.dtype))
+    model = load_model(path)
     plan.spec = plan.spec.for_model(model)
     sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
                       max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec=plan.spec).start()

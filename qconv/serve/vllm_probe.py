@@ -70,14 +70,19 @@ class VllmInfo:
         return set((self.plugin or {}).get("features", ()))
 
 
-def probe_vllm(python: str) -> VllmInfo:
+def _run_probe(python: str, script: str, *args: str, timeout: float, env: dict | None = None) -> dict:
+    """Run a probe script in the vLLM interpreter: its last JSON line, or {"error": the last line of stderr}."""
     try:
-        r = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([python, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise QconvError(f"cannot run the vLLM interpreter {python}: {e}", where="--vllm-python",
                          fix="pass --vllm-python PATH to a python with vLLM installed, or use --backend native")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    data = json.loads(lines[-1]) if lines else {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
+    return json.loads(lines[-1]) if lines else {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
+def probe_vllm(python: str) -> VllmInfo:
+    data = _run_probe(python, _PROBE, timeout=120)
     if "error" in data:
         raise QconvError(f"vLLM is not usable from {python}: {data['error']}", where="--backend vllm",
                          fix="install a runtime with `qconv runtime install` (or pass --vllm-python PATH to a python "
@@ -138,21 +143,13 @@ def check_quant_config(src: ServeSource, python: str, version: str) -> None:
     a long load."""
     if src.config.get("quantization_config", {}).get("quant_method") != "compressed-tensors":
         return
-    try:
-        r = subprocess.run([python, "-c", _QUANT_PROBE, str(src.model_dir / "config.json")], capture_output=True,
-                           text=True, timeout=600, env=vllm_env())
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise QconvError(f"cannot run the vLLM interpreter {python}: {e}", where="--vllm-python",
-                         fix="pass --vllm-python PATH to a python with vLLM installed, or use --backend native")
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    data = json.loads(lines[-1]) if lines else {"ok": False, "error": (r.stderr.strip().splitlines() or ["?"])[-1],
-                                                 "at": "import"}
-    if not data["ok"]:
+    data = _run_probe(python, _QUANT_PROBE, str(src.model_dir / "config.json"), timeout=600, env=vllm_env())
+    if not data.get("ok"):
         needs = "; ".join(f"{q.feature}: {q.needs}" for q in src.requires
                           if q.vllm_feature and not q.vllm_feature.startswith(KV_PREFIX))
+        needs = f"; the artifact needs {needs}" if needs else ""
         raise QconvError(f"vLLM {version} cannot load {src.name}: its compressed-tensors parser rejects the "
-                         f"quantization_config ({data['error']} at {data['at']})" + (f"; the artifact needs {needs}"
-                                                                                       if needs else ""),
+                         f"quantization_config ({data['error']} at {data.get('at', 'import')}){needs}",
                          where=str(src.model_dir / "config.json"),
                          fix="serve it with --backend native, or rebuild with a recipe that stock vLLM loads "
                              "(--recipe 3090-vllm keeps embed_tokens/lm_head bf16)")

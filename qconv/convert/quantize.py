@@ -114,6 +114,15 @@ def calibrate_embeddings(model) -> None:
         log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
 
 
+def sequential_targets(model) -> list[str]:
+    """llmcompressor's own layer targets (the model's no-split modules) plus the embedding and the lm_head, each a
+    subgraph of its own: llmcompressor keeps a subgraph's modules onloaded until its GPTQ is done, so otherwise a
+    248,320-row table sits in memory while the first or last decoder layer runs GPTQ (2.5 GB each for the 27B)."""
+    from llmcompressor.utils.pytorch.module import get_no_split_params
+
+    return [*get_no_split_params(model), "re:(.*\\.)?embed_tokens$", "re:(.*\\.)?lm_head$"]
+
+
 @contextlib.contextmanager
 def _untie_only_tied():
     """llmcompressor unties the embeddings (clones both tables) whenever a scheme targets one, also when they are
@@ -255,6 +264,7 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
     with _cpu_awq(), _untie_only_tied():
         oneshot(model=model, dataset=ds, recipe=modifiers(model, recipe, groups, ignore), max_seq_length=max_len,
                 num_calibration_samples=len(calib_ids), pipeline="sequential" if recipe.quantizer.gptq else "datafree",
+                sequential_targets=sequential_targets(model),
                 shuffle_calibration_samples=False)
     calibrate_embeddings(model)
     with row_blocked_compression():

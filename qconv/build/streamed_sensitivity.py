@@ -23,6 +23,8 @@ from qconv.convert.stream import Spilled
 from qconv.errors import QconvError
 from qconv.eval.layerwise import StreamedModel, layer_output
 
+HEAD_ROWS = 128  # positions per lm_head forward + backward: float32 logits, softmax and gradient are each rows x vocab
+
 
 def members_by_layer(units: list[Candidate], n_layers: int | None = None) -> dict[int, dict[str, str]]:
     """layer index -> {member name: its name inside the layer}; every member must sit in a decoder layer (a
@@ -91,8 +93,8 @@ def streamed_proxy_scores(path: str | Path, units: list[Candidate], ids: list[li
         for r, h in zip(ids, hidden):
             h = h.detach().to(sm.device).requires_grad_()
             target = torch.tensor(r[1:], device=sm.device)
-            for a in range(0, len(r) - 1, sm.row_block):
-                b = min(a + sm.row_block, len(r) - 1)
+            for a in range(0, len(r) - 1, HEAD_ROWS):
+                b = min(a + HEAD_ROWS, len(r) - 1)
                 logits = head(norm(h[a:b])).float()
                 torch.nn.functional.cross_entropy(logits, target[a:b], reduction="sum").backward()
             grads.append(h.grad.cpu())

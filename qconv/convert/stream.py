@@ -206,6 +206,17 @@ def row_blocked_observer(block_bytes: int = GPTQ_BLOCK_BYTES):
         mse_quant._calculate_error = whole
 
 
+def _permute_in_place(h, perm, block_bytes: int):
+    """h[b] = h[b][perm[b]][:, perm[b]] with one extra matrix at a time (gathering both axes at once holds two)."""
+    for b in range(h.shape[0]):
+        p = h[b].index_select(0, perm[b])
+        step = max(1, block_bytes // (4 * h.shape[-1]))
+        for r0 in range(0, p.shape[0], step):
+            p[r0:r0 + step] = p[r0:r0 + step].index_select(1, perm[b])
+        h[b].copy_(p)
+        del p
+
+
 def _rows(t, sl: slice, rows: int):
     return t[:, sl] if t is not None and t.dim() >= 2 and t.shape[1] == rows else t
 
@@ -214,20 +225,23 @@ def _rows(t, sl: slice, rows: int):
 def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
     """Run llmcompressor's GPTQ on blocks of output rows. GPTQ quantizes each row on its own against the shared
     Hessian (the error of a column is propagated along the row), so blocks of rows give the same weights while the
-    float32 work buffers shrink from the whole matrix to one block. Each block gets a fresh copy of the Hessian
-    (GPTQ permutes it for act-order and factorizes it in place); the factorization depends on the Hessian alone, so
-    it is computed for the first block and reused by the others (a 17,408-wide Cholesky inverse costs more than
-    the whole column sweep of one block on a CPU).
+    float32 work buffers shrink from the whole matrix to one block. The act-order permutation and the factorization
+    depend on the Hessian alone, so they are computed for the first block, in place in the stacked Hessian
+    llmcompressor hands over as disposable, and reused by the others: no block copies the Hessian (1.2 GB for a
+    17,408-wide down_proj), and a 17,408-wide Cholesky inverse, which costs more than a block's column sweep on a
+    CPU, runs once.
 
     llmcompressor also stacks every weight it quantizes into a float32 copy before GPTQ starts (prepare_batch):
     for a 248,320 x 5,120 lm_head that is 5.1 GB next to the 2.5 GB bf16 weight, and the bf16 cast of the result
     another 2.5 GB. Here the stack stays in the weight's own dtype and each row block goes to float32 only while
     GPTQ works on it; the result is written back in that dtype, the cast llmcompressor would make anyway (the same
-    bits)."""
+    bits). Its Hessian stack (the accumulated sum, its normalized copy and the stack of those) becomes the sum
+    normalized in place."""
     import torch
     from llmcompressor.modifiers.gptq import base, gptq_quantize, helpers
 
-    whole, prepare, factorize = base.quantize_weight, base.prepare_batch, gptq_quantize.factorize_hessian
+    whole, prepare = base.quantize_weight, base.prepare_batch
+    factorize, order = gptq_quantize.factorize_hessian, gptq_quantize.apply_activation_ordering
 
     def blocked(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize=128, percdamp=0.01):
         batch, rows, cols = weights.shape
@@ -236,8 +250,17 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
             return whole(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize, percdamp)
         losses, fallback, memo = 0, None, {}
 
+        def order_once(w, h, actorder):
+            if not actorder:
+                return w, h, None
+            if "perm" not in memo:
+                memo["perm"] = torch.argsort(torch.diagonal(h, dim1=-2, dim2=-1), dim=-1, descending=True)
+                _permute_in_place(h, memo["perm"], block_bytes)
+            perm = memo["perm"]
+            return torch.gather(w, -1, perm.unsqueeze(-2).expand(-1, w.shape[1], -1)), h, perm
+
         def factorize_once(w, h, damp, used_rtn_fallback):
-            if not memo:  # the dead columns (zero Hessian diagonal) GPTQ zeroes in each block's weights
+            if "hinv" not in memo:  # the dead columns (zero Hessian diagonal) GPTQ zeroes in each block
                 memo["dead"] = torch.diagonal(h, dim1=-2, dim2=-1) == 0
                 memo["hinv"] = factorize(w, h, damp, used_rtn_fallback)
                 memo["fallback"] = used_rtn_fallback.clone()
@@ -246,25 +269,38 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
             used_rtn_fallback.copy_(memo["fallback"])
             return memo["hinv"]
 
-        gptq_quantize.factorize_hessian = factorize_once
+        gptq_quantize.factorize_hessian, gptq_quantize.apply_activation_ordering = factorize_once, order_once
         try:
             for r0 in range(0, rows, step):
                 sl = slice(r0, min(r0 + step, rows))
-                q, loss, fb = whole(weights[:, sl].float(), hessians.clone(), _rows(scale, sl, rows),
+                q, loss, fb = whole(weights[:, sl].float(), hessians, _rows(scale, sl, rows),
                                     _rows(zero_point, sl, rows), global_scale, quant_args, blocksize, percdamp)
                 weights[:, sl] = q.to(weights.dtype)
                 losses, fallback = losses + loss, fb if fallback is None else fallback | fb
         finally:
-            gptq_quantize.factorize_hessian = factorize
+            gptq_quantize.factorize_hessian, gptq_quantize.apply_activation_ordering = factorize, order
         return weights, losses, fallback
 
-    def lean_prepare(batch, *args, **kwargs):
+    def lean_prepare(batch, batch_qparams, hessians_by_module, samples_by_module):
+        stacked = None
+        for i, module in enumerate(batch):
+            h = hessians_by_module.pop(module)
+            h.div_(samples_by_module.pop(module).to(device=h.device))
+            if len(batch) == 1:
+                stacked = h.unsqueeze(0)
+            else:
+                if stacked is None:
+                    stacked = torch.empty((len(batch), *h.shape), dtype=h.dtype, device=h.device)
+                stacked[i] = h
+            del h
         before = helpers.GPTQ_PRECISION  # read by prepare_batch for the stacked weights only
         helpers.GPTQ_PRECISION = batch[0].weight.dtype
-        try:
-            return prepare(batch, *args, **kwargs)
+        try:  # the Hessians are already stacked: prepare_batch gets one-element stand-ins
+            out = prepare(batch, batch_qparams, {m: torch.ones(1, 1) for m in batch},
+                          {m: torch.ones(()) for m in batch})
         finally:
             helpers.GPTQ_PRECISION = before
+        return (out[0], stacked, *out[2:])
 
     base.quantize_weight, base.prepare_batch = blocked, lean_prepare
     try:

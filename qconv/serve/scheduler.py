@@ -100,7 +100,7 @@ class Scheduler:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests already waiting (limit {self.max_queue})")
             self.waiting.append(req)
-            self.metrics.queue_depth = len(self.waiting)
+            self.metrics.queue_depth.set(len(self.waiting))
             self.cond.notify()
 
     def start(self) -> Scheduler:
@@ -170,7 +170,7 @@ class Scheduler:
                 if not self.waiting or (joining and len(self.waiting[0].prompt_ids) > budget):
                     break
                 r = self.waiting.popleft()
-                self.metrics.queue_depth = len(self.waiting)
+                self.metrics.queue_depth.set(len(self.waiting))
             if r.cancelled.is_set():
                 self._finish(r, "cancelled")
                 continue
@@ -180,7 +180,7 @@ class Scheduler:
             self._prefill(joining)
         if self.active:
             self._decode()
-        self.metrics.running = len(self.active)
+        self.metrics.running.set(len(self.active))
 
     def _prefill(self, reqs: list[GenRequest]) -> None:
         """Prefill the joining requests together: rows must share T, so feed the shortest remaining prompt length
@@ -208,7 +208,7 @@ class Scheduler:
                     hidden[id(r)].append(h[i])
                 if fed[id(r)] == len(r.prompt_ids):
                     last[id(r)] = logits[i, -1]
-        self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in reqs)
+        self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in reqs))
         toks = [self._guard(r, self._first, r, last[id(r)], hidden[id(r)]) if r in self.active else None
                 for r in reqs]
         self._accept(reqs, toks)
@@ -244,8 +244,8 @@ class Scheduler:
         kept = [(r, b, t) for r, b, t in zip(batch, before, toks) if t is not None]
         if kept and T > 1:
             self.cache.rollback([r.slot for r, _, _ in kept], [b + len(t) for _, b, t in kept])
-        self.metrics.draft_tokens += sum(map(len, drafts))
-        self.metrics.accepted_tokens += sum(len(t) - 1 for t in toks if t is not None)
+        self.metrics.draft_tokens.inc(sum(map(len, drafts)))
+        self.metrics.accepted_tokens.inc(sum(len(t) - 1 for t in toks if t is not None))
         self.metrics.step(len(batch), sum(len(t) for t in toks if t is not None))
         self._accept(batch, toks)
 
@@ -273,7 +273,7 @@ class Scheduler:
             self.metrics.ttft.observe(now - r.arrival)
         for t in new:
             r.out_ids.append(int(t))
-            self.metrics.generation_tokens += 1
+            self.metrics.generation_tokens.inc()
             if t in self.eos:
                 self._finish(r, "stop")
                 return

@@ -208,13 +208,12 @@ def row_blocked_observer(block_bytes: int = GPTQ_BLOCK_BYTES):
 
 def _permute_in_place(h, perm, block_bytes: int):
     """h[b] = h[b][perm[b]][:, perm[b]] with one extra matrix at a time (gathering both axes at once holds two)."""
+    step = max(1, block_bytes // (4 * h.shape[-1]))
     for b in range(h.shape[0]):
         p = h[b].index_select(0, perm[b])
-        step = max(1, block_bytes // (4 * h.shape[-1]))
         for r0 in range(0, p.shape[0], step):
             p[r0:r0 + step] = p[r0:r0 + step].index_select(1, perm[b])
         h[b].copy_(p)
-        del p
 
 
 def _rows(t, sl: slice, rows: int):

@@ -38,7 +38,8 @@ class Metrics:
         return self.registry.get_sample_value(sample, labels) or 0.0
 
     def _ratio(self, num: str, den: str) -> float:
-        return self.value(num) / self.value(den) if self.value(den) else 0.0
+        d = self.value(den)
+        return self.value(num) / d if d else 0.0
 
     def finished(self, status: str, latency: float) -> None:
         self.requests.labels(status=status).inc()

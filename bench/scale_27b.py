@@ -122,7 +122,7 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     text = args.work / "text.txt"
-    text.write_text(CORPUS * 200)
+    text.write_text(CORPUS * max(200, -(-6 * args.samples * args.seq_len // len(CORPUS))))  # >= samples windows
     rows = []
     for depth in [int(d) for d in args.depths.split(",")]:
         tag = f"d{depth}-w{args.width_div}-v{args.vocab or 'full'}"

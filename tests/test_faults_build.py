@@ -223,26 +223,6 @@ def test_files_and_folders_are_flushed_before_the_rename(tmp_path, monkeypatch):
 
 # ---- disk full / permission denied ------------------------------------------------------------------------------
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """mount_tmpfs(name, size, ro=False) -> a fresh tmpfs folder (root needed; skipped where mount is refused)."""
-    mounted = []
-
-    def mount(name: str, size: str, ro: bool = False) -> Path:
-        d = tmp_path / name
-        d.mkdir()
-        opts = f"size={size}" + (",ro" if ro else "")
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-        mounted.append(d)
-        return d
-
-    yield mount
-    for d in mounted:
-        subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 def _fill(folder: Path, leave: int = 32 * 1024) -> None:
     """Fill the file system holding folder until only `leave` bytes are free (another process filling the disk)."""
     free = shutil.disk_usage(folder).free
@@ -267,7 +247,7 @@ def _quantize_then(monkeypatch, before=None, after=None):
 
 
 def test_full_disk_is_refused_before_any_work(src, tmp_path, calib_txt, tmpfs):
-    small = tmpfs("small", "64k")
+    small = tmpfs(64)
     work = tmp_path / "work"
     r = run(*build_args(src, small / "out", work, calib_txt))
     one_error(r, r"not enough disk space \(needs about [\d.]+ MB, [\d.]+ MB free\)")
@@ -276,7 +256,7 @@ def test_full_disk_is_refused_before_any_work(src, tmp_path, calib_txt, tmpfs):
 
 @pytest.mark.parametrize("where", ["out", "work"])
 def test_disk_full_mid_build_is_one_error_and_nothing_half_written(where, src, tmp_path, calib_txt, tmpfs, monkeypatch):
-    disk = tmpfs("disk", "16m")
+    disk = tmpfs(16 * 1024)
     out = (disk if where == "out" else tmp_path) / "out"
     work = (disk if where == "work" else tmp_path) / "work"
     if where == "out":  # the disk fills while the model is being quantized: packaging the artifact fails
@@ -291,7 +271,7 @@ def test_disk_full_mid_build_is_one_error_and_nothing_half_written(where, src, t
 
 
 def test_read_only_out_is_refused_before_any_work(src, tmp_path, calib_txt, tmpfs):
-    ro = tmpfs("ro", "1m", ro=True)
+    ro = tmpfs(1024, "ro")
     r = run(*build_args(src, ro / "out", tmp_path / "work", calib_txt))
     one_error(r, r"read-only file system")
     assert stage_results(tmp_path / "work") == []

@@ -21,28 +21,6 @@ from tests.cli_helpers import REPO, run as cli
 from tests.hub_server import BIG, BIG_PATH, NAME, SMALL, Hub, assert_same_tree
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """mount(kib, *extra_opts) -> a fresh tmpfs folder of that size; unmounted after the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounts: list[Path] = []
-
-    def mount(kib: int, *opts: str) -> Path:
-        d = tmp_path / f"disk{len(mounts)}"
-        d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={kib}k", *opts]), "tmpfs", str(d)],
-                           capture_output=True, text=True, check=False)
-        if r.returncode:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-        mounts.append(d)
-        return d
-
-    yield mount
-    for d in reversed(mounts):
-        subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 def test_fetch_stops_at_the_declared_size(hub, tmp_path):
     """Reproduced: 5,000 bytes written for a file declared as 1,000."""
     (hub.root / "five-k.bin").write_bytes(b"x" * 5000)

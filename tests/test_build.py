@@ -79,15 +79,23 @@ def test_dry_run_27b_config(config_27b):
 
 
 def test_plan_group_size_fallback_and_marlin_note(tmp_path):
-    """A layer whose in_features 128 does not divide takes the largest fallback that does, recorded per module."""
-    from qconv.convert.layout import decide
+    """A layer whose in_features 128 does not divide takes the largest fallback that does, recorded per module.
+    Marlin (vLLM 0.32) pads widths off its tiles, so only a group size outside 32/64/128 is warned about."""
+    from qconv.convert.layout import decide, marlin_refusal
     from qconv.recipes.recipe import load_recipe
 
     r = load_recipe("3090")
     d, warns = decide("model.layers.0.mlp.up_proj", "mlp_gate_up", (1536, 576), "w4a16", r.schemes["w4a16"], r)
-    assert d.group_size == 64 and "576 % 128" in d.note and "Marlin" in d.note and warns
+    assert d.group_size == 64 and "576 % 128" in d.note and "Marlin" not in d.note and not warns
     d, warns = decide("model.layers.0.mlp.down_proj", "mlp_down", (576, 1536), "w4a16", r.schemes["w4a16"], r)
     assert d.group_size == 128 and not warns
+    d, warns = decide("model.layers.0.linear_attn.in_proj_a", "gdn_ab", (48, 5120), "w4a16", r.schemes["w4a16"], r)
+    assert d.group_size == 128 and not warns  # out 48: padded to Marlin's tile
+    r.schemes["w4a16"].weights.group_size = 16
+    d, warns = decide("model.layers.0.mlp.up_proj", "mlp_gate_up", (1536, 576), "w4a16", r.schemes["w4a16"], r)
+    assert d.group_size == 16 and "no Marlin" in d.note and len(warns) == 1
+    assert marlin_refusal(576, None) == marlin_refusal(576, 64) == marlin_refusal(40, 64) == ""
+    assert marlin_refusal(576, 128) and marlin_refusal(576, 16)
 
 
 def check_artifact(src: Path, art: Path, *, int4_roles: set[str], tol_rel: float, min_top1: float):

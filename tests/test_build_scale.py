@@ -83,12 +83,14 @@ def test_units_respect_fusion_and_greedy_order(tiny_qwen3_5):
 
 
 def test_impossible_unit_is_a_clear_error(tiny_qwen3_5):
-    """in_proj_a/b are 4 wide here (48 on the 27B): vLLM's only W8A16 kernel (Marlin) cannot run them."""
+    """A W8A16 scheme in groups of 16: vLLM's only W8A16 kernel on Ampere with bf16 activations (Marlin) cannot run
+    it, so no unit can be INT8."""
     from qconv.calibrate.select import select
     from qconv.errors import QconvError
     from qconv.recipes.recipe import load_recipe
 
     r = load_recipe("3090")
+    r.schemes["w8a16"].weights.group_size = 16
     r.roles["gdn_ab"] = "w4a16"
     r.selection.candidates = ["gdn_ab"]
     r.selection.steps = []  # int4 with smaller groups would still be open to them

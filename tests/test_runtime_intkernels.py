@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,11 +117,16 @@ def test_int_kernels_flag_and_dtype(tiny_artifact, tiny_qwen3):
 
 
 def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
-    """`qconv generate ARTIFACT` runs bf16 through the int kernels; `--dequantize` the float32 dequantized path."""
+    """`qconv generate ARTIFACT` runs bf16 through the int kernels; `--dequantize` the float32 dequantized path; the
+    speculative benchmark (bench/spec_workloads.py) picks its dtype the same way."""
     from click.testing import CliRunner
 
     import qconv.runtime.loader as loader
-    from qconv.runtime.commands import bench, generate
+    from qconv.runtime.commands import generate
+    from qconv.runtime.generate import GenerationConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    from spec_workloads import run_bench
 
     assert loader.runtime_dtype(tiny_artifact) == torch.bfloat16
     assert loader.runtime_dtype(tiny_artifact, dequantize=True) == torch.float32
@@ -133,11 +139,10 @@ def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
         assert r.exit_code == 0, r.output
     data = tiny_artifact.parent / "chat.jsonl"
     data.write_text('{"turns": ["Say hello."]}\n')
-    for flags in ([], ["--dequantize"]):
-        r = CliRunner().invoke(bench, [str(tiny_artifact), "--workload", "chat", "--data", str(data), "--prompts", "1",
-                                       "--max-tokens", "4", "--json", *flags])
-        assert r.exit_code == 0, r.output
-        assert json.loads(r.output.strip().splitlines()[-1])["dtype"] == ("float32" if flags else "bfloat16")
+    for deq in (False, True):
+        rep, _, _ = run_bench(tiny_artifact, "chat", data, prompts=1, cfg=GenerationConfig(max_tokens=4),
+                              dequantize=deq)
+        assert rep["dtype"] == ("float32" if deq else "bfloat16")
     assert [m.dtype for m in loaded] == [torch.bfloat16, torch.float32] * 2
     assert [bool(_int4_modules(m)) for m in loaded] == [True, False] * 2
 

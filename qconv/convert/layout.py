@@ -20,8 +20,17 @@ from qconv.recipes.roles import FUSED, family_of, role_of, text_config, unit_of
 log = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I32": 4, "I64": 8, "F8_E4M3": 1}
-# vLLM's Marlin kernels (the fast W4A16/W8A16 path on Ampere) need these divisibilities per layer.
-MARLIN_MIN_K, MARLIN_MIN_N = 128, 64
+# vLLM's Marlin kernel (its W4A16/W8A16 path on Ampere) runs these group sizes, or per channel. Since vLLM 0.32 it
+# zero-pads a layer whose in/out widths miss its thread tiles (in % 128 / out % 64), so the group is its only limit
+# (vllm/model_executor/kernels/linear/mixed_precision/marlin.py, `can_implement`).
+MARLIN_GROUPS = (32, 64, 128)
+
+
+def marlin_refusal(k: int, group: int | None) -> str:
+    """Why vLLM's Marlin cannot run weights of in_features k in groups of `group` (None: per channel); "" if it can."""
+    if group is None or group >= k or (group in MARLIN_GROUPS and k % group == 0):
+        return ""
+    return f"Marlin runs groups of {'/'.join(map(str, MARLIN_GROUPS))} or per channel (group {group}, in {k})"
 
 
 @dataclass
@@ -169,9 +178,10 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
             return ModuleDecision(name=name, role=role, scheme=KEEP, shape=[n, k], note=note), [f"{name}: {note}"]
         if g != w.group_size:
             notes.append(f"group {g} ({k} % {w.group_size} != 0)")
-    if k % MARLIN_MIN_K or n % MARLIN_MIN_N:
-        notes.append(f"no Marlin (needs in%{MARLIN_MIN_K}==0 and out%{MARLIN_MIN_N}==0)")
-        warns.append(f"{name} [{n}x{k}]: vLLM's Marlin kernel cannot run this shape; vLLM falls back to a slower kernel")
+    if why := marlin_refusal(k, g):
+        notes.append(f"no Marlin: {why}")
+        warns.append(f"{name} [{n}x{k}]: vLLM's Marlin kernel cannot run this group size; vLLM falls back to a "
+                     f"slower kernel")
     label = scheme.label
     return ModuleDecision(name=name, role=role, scheme=label, bits=w.bits, group_size=g, shape=[n, k],
                           note="; ".join(notes)), warns
@@ -279,9 +289,9 @@ class Unit:
 
 
 def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
-    """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations the only W8A16
-    kernel is Marlin (Exllama is fp16-only, the Triton/Conch paths are 4-bit), so its shape limits are hard here;
-    W8A8 goes through cutlass scaled_mm."""
+    """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations stock vLLM's W8A16
+    kernel is Marlin (Exllama is fp16-only, Triton's is 4-bit, Conch and Humming are optional packages), so its
+    limits are hard here; W8A8 goes through cutlass scaled_mm."""
     kept = [m for m in w8 if m.scheme == KEEP]
     if kept:
         return kept[0].note or "no group size fits"
@@ -291,9 +301,8 @@ def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: st
         if k % CUTLASS_ALIGN or n % CUTLASS_ALIGN:
             return f"cutlass int8 needs in%{CUTLASS_ALIGN}==0 and out%{CUTLASS_ALIGN}==0 (in {k}, out {n})"
         return ""
-    if k % MARLIN_MIN_K or n % MARLIN_MIN_N:
-        return f"W8A16 needs Marlin: in%{MARLIN_MIN_K}==0 and out%{MARLIN_MIN_N}==0 (in {k}, out {n})"
-    return ""
+    why = marlin_refusal(k, w8[0].group_size)
+    return f"W8A16 needs Marlin: {why}" if why else ""
 
 
 def _refusal(role: str, members: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:

@@ -123,7 +123,7 @@ def test_group_warnings():
 def test_offline_found_once_and_put_back(monkeypatch):
     import huggingface_hub.constants as hc
 
-    from qconv.progress import offline_if_unreachable
+    from qconv.offline import offline_if_unreachable
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)

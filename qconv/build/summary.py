@@ -11,7 +11,7 @@ from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG
 from qconv.manifest import read_manifest
 
 QUALITY_KEYS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
-INT8_ROWS = 10
+INT8_ROWS = 5  # the summary's selection rows; all of them are in qconv.json `selection`
 
 
 def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
@@ -71,9 +71,6 @@ def print_summary(s: dict, console=None) -> None:
             t.add_row(labels[sec], f"{r['kld_mean']:.4f}", f"{r['kld_p99']:.3f}", f"{100 * r['top1']:.1f}%",
                       f"{r['ppl_ratio']:.3f}")
         con.print(t)
-        if s.get("predicted_kld") is not None and "weights" in s["quality"]:
-            con.print(f"[bold]selection[/bold] predicted KLD {s['predicted_kld']:.4f} (sensitivity proxy: the "
-                      f"selectable units' rounding, before GPTQ) vs measured {s['quality']['weights']['kld_mean']:.4f}")
     tier = f" ({escape(s['tier'].split(' (')[0])} tier)" if s["tier"] else ""
     if s["passed"] is True:
         con.print(f"[bold]verdict[/bold]   [green]PASSED[/green] the recipe's quality gates{tier}")

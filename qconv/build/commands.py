@@ -122,7 +122,7 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
           work_dir, fresh, stream, int8_budget, bpw, sensitivity, reference, as_json, verbose):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
-    from qconv.build.pipeline import BuildOptions, dry_run as run_dry
+    from qconv.build.budget import BuildOptions, dry_run as run_dry
     from qconv.errors import QconvError
 
     opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
@@ -143,11 +143,9 @@ def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, ev
     _build_with_view(opts, as_json=as_json, verbose=verbose)
 
 
-def _calibration_line(opts) -> str:
+def _calibration_line(opts, recipe) -> str:
     """Which calibration size this build uses and where it comes from (a demo passes a small one)."""
-    from qconv.recipes import load_recipe
-
-    cal = load_recipe(opts.recipe).calibration
+    cal = recipe.calibration
     samples, seq_len = opts.samples or cal.samples, opts.seq_len or cal.seq_len
     given = [f for f, v in (("--samples", opts.samples), ("--seq-len", opts.seq_len)) if v]
     origin = (f"{'/'.join(given)}; recipe default {cal.samples} x {cal.seq_len}" if given
@@ -164,12 +162,14 @@ def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
 
     from qconv import progress
     from qconv.offline import offline_if_unreachable
+    from qconv.build.options import recipe_for
     from qconv.build.pipeline import build as run_build
     from qconv.build.summary import artifact_summary, print_summary
     from qconv.errors import GateFailure
 
     failure, t0 = None, time.time()
-    calib = _calibration_line(opts)
+    recipe = recipe_for(opts)  # parsed once, for this line and the build
+    calib = _calibration_line(opts, recipe)
     with contextlib.ExitStack() as stack:
         offline = stack.enter_context(offline_if_unreachable())  # before any library reads the flag
         view = stack.enter_context(progress.JobView(verbose=verbose))
@@ -180,7 +180,7 @@ def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
         if offline:
             view.print(offline)
         try:
-            run_build(opts)
+            run_build(opts, recipe)
         except GateFailure as e:  # the artifact is written and marked failed: summarize it, then exit 1
             failure = e
     summary = {**artifact_summary(opts.out, view.log_path), "elapsed_s": round(time.time() - t0, 1)}

@@ -7,6 +7,8 @@ import contextlib
 import json
 from pathlib import Path
 
+from qconv.convert import patches
+
 
 @contextlib.contextmanager
 def _compressed_embeddings_loadable():
@@ -15,20 +17,16 @@ def _compressed_embeddings_loadable():
     "'Embedding' object has no attribute 'weight'". Skip such modules while loading (they are filled from the
     checkpoint), and restore the method afterwards."""
     from torch import nn
-    from transformers import PreTrainedModel
 
-    orig = PreTrainedModel._init_weights
+    orig = patches.current("init_weights")
 
     def guarded(self, module):
         if isinstance(module, nn.Embedding) and getattr(module, "weight", None) is None:
             return None
         return orig(self, module)
 
-    PreTrainedModel._init_weights = guarded
-    try:
+    with patches.swap(init_weights=guarded):
         yield
-    finally:
-        PreTrainedModel._init_weights = orig
 
 
 def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: bool = True, **kwargs):

@@ -19,7 +19,7 @@ ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_ab", 
          "embed", "lm_head", "mtp", "vision")
 KEEP = "bf16"  # the scheme name meaning "leave in the source dtype"
 KV_SCHEMES = ("bf16", "fp8_e4m3", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64",
-              "kvarn_k4v2_g256", "kvarn_k4v4_g256")  # runnable by a profile; kept in step with qconv.kv.schemes
+              "kvarn_k4v2_g256", "kvarn_k4v4_g256")  # runnable by a profile; qconv.kv.schemes builds them from here
 
 
 @dataclass

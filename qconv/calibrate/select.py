@@ -69,7 +69,7 @@ class Selection:
         return {r.unit: self.scheme if r.decision == "int8" else r.decision for r in self.rows if r.upgraded}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Selection":
+    def from_dict(cls, d: dict) -> Selection:
         fields = ("unit", "role", "modules", "bytes4", "bytes8", "score", "decision")
         return cls(budget=d["budget"], budget_bytes=d["budget_bytes"], scheme=d["scheme"], method=d["method"],
                    rows=[Row(**{k: r[k] for k in fields}, chosen_bytes=r.get("chosen_bytes")) for r in d["units"]],

@@ -171,7 +171,7 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
     w = scheme.weights
     notes, warns = [], []
     g = None
-    if w.strategy == "group":
+    if w.strategy == "group" and w.group_size:  # a group scheme names its size (recipes/schema validates it)
         g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
         if g is None:
             note = f"in_features {k} not divisible by any group size in {recipe.quantizer.group_size_fallback}: kept bf16"
@@ -327,11 +327,11 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
                 raise QconvError(f"INT8 candidate role {role!r} is kept bf16 by the recipe", where="selection.candidates",
                                  fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates")
             continue  # a member the plan already keeps (no group size fits): nothing to upgrade
-        w8 = [decide(m.name, m.role, tuple(m.shape), sel.scheme, s8, recipe)[0] for m in members]
+        w8 = [decide(m.name, m.role, (m.shape[0], m.shape[1]), sel.scheme, s8, recipe)[0] for m in members]
         unit = Unit(name=name, role=role, w4=members, w8=w8, refusal=int8_refusal(role, w8, recipe, sel.scheme),
                     scheme=sel.scheme)
         for step in sel.steps:
-            opt = Option(step, [decide(m.name, m.role, tuple(m.shape), step, recipe.schemes[step], recipe)[0]
+            opt = Option(step, [decide(m.name, m.role, (m.shape[0], m.shape[1]), step, recipe.schemes[step], recipe)[0]
                                 for m in members])
             opt.refusal = _refusal(role, opt.members, recipe, step)
             if opt.refusal or opt.bytes > unit.bytes4:

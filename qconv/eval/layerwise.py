@@ -20,7 +20,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -44,7 +44,7 @@ class Checkpoint:
     _prefix_map: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
+    def open(cls, path: str | Path) -> Checkpoint:
         from qconv.convert.stream import tensor_files
 
         path = Path(path)
@@ -173,7 +173,7 @@ class StreamedModel:
     row_block: int = ROW_BLOCK
 
     @classmethod
-    def open(cls, path: str | Path, device: str | torch.device = "cpu") -> "StreamedModel":
+    def open(cls, path: str | Path, device: str | torch.device = "cpu") -> StreamedModel:
         import transformers
 
         from qconv.convert.stream import pin_mmap_threshold, rebuild_meta_buffers

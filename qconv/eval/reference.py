@@ -44,11 +44,11 @@ class RefWindow:
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.contiguous() for k, v in vars(self).items() if v is not None}
 
-    def rows(self, a: int, b: int) -> "RefWindow":
+    def rows(self, a: int, b: int) -> RefWindow:
         return RefWindow(**{k: v[a:b] for k, v in vars(self).items() if v is not None})
 
     @staticmethod
-    def cat(parts: list["RefWindow"]) -> "RefWindow":
+    def cat(parts: list[RefWindow]) -> RefWindow:
         return RefWindow(**{k: torch.cat([vars(p)[k] for p in parts]) for k, v in vars(parts[0]).items()
                             if v is not None})
 
@@ -142,7 +142,7 @@ def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(source_dir)
-    vocab = getattr(cfg.get_text_config(), "vocab_size")
+    vocab = cfg.get_text_config().vocab_size
     storage, k = choose_storage(vocab, topk)
     key = reference_key(source_sha256, text_sha256, windows.window, windows.stride, storage, k)
     folder = qconv_home() / "reference" / key

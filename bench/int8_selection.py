@@ -51,7 +51,7 @@ def build_cli(src: Path, out: Path, work: Path, cal: Path, budget: str, samples:
     from qconv.build.pipeline import BuildOptions, build
 
     m = build(BuildOptions(model=str(src), recipe="3090", out=out, dataset=str(cal), samples=samples,
-                           seq_len=seq_len, force=True, fresh=True, work_dir=work, int8_budget=budget,
+                           seq_len=seq_len, force=True, fresh=True, work_dir=work, upgrade_budget=budget,
                            sensitivity=sensitivity))
     return m.to_dict()
 
@@ -71,7 +71,7 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     from qconv.convert.quantize import quantize
     from qconv.convert.sources import read_config
 
-    recipe = recipe_for(BuildOptions(model=str(src), int8_budget=budget))
+    recipe = recipe_for(BuildOptions(model=str(src), upgrade_budget=budget))
     config = read_config(src)
     plan = plan_model(src, config, recipe)
     units = candidate_units(plan, recipe)

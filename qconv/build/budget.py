@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from qconv.build.options import BuildOptions, recipe_for, work_root
 from qconv.calibrate.select import Selection, parse_budget, select
 from qconv.calibrate.sensitivity import Scores
-from qconv.convert.layout import Plan, Unit, bpw_budget, candidate_units, plan_model
+from qconv.calibrate.units import Unit
+from qconv.convert.layout import Plan, bpw_budget, candidate_units, plan_model
 from qconv.convert.sources import resolve_source
 from qconv.convert.stages import WorkDir
 from qconv.kv.plan import int8_headroom
@@ -30,19 +31,19 @@ class DryRun:
 
 
 def selection_budget(opts: BuildOptions, recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
-    """The selection budget in bytes and how it was found: a --bpw target, else the recipe's (int8_budget)."""
+    """The selection budget in bytes and how it was found: a --bpw target, else the recipe's (upgrade_budget)."""
     if opts.bpw is not None:
-        return bpw_budget(opts.bpw, plan), f"INT8 budget from --bpw {opts.bpw:g}"
-    return int8_budget(recipe, plan, config)
+        return bpw_budget(opts.bpw, plan), f"upgrade budget from --bpw {opts.bpw:g}"
+    return upgrade_budget(recipe, plan, config)
 
 
 def budget_label(opts: BuildOptions, recipe: Recipe) -> str:
     return f"{opts.bpw} bpw" if opts.bpw is not None else recipe.selection.budget
 
 
-def int8_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
-    """The selection budget in bytes, and for `auto` the fit it came from (the KV planner's, see
-    qconv.kv.plan.int8_headroom)."""
+def upgrade_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
+    """The recipe's selection budget in bytes (spent on int4 g64/g32 steps or INT8 for the most sensitive units),
+    and for `auto` the fit it came from (the KV planner's, see qconv.kv.plan.int8_headroom)."""
     spec = recipe.selection.budget
     if spec.strip() != "auto":
         return parse_budget(spec, plan.total_bytes), ""
@@ -51,7 +52,7 @@ def int8_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
                               roles.get("mtp", {}).get("bytes", 0))
     gib, card = 2**30, recipe.card
     on_card = card.memory_gib * gib * fit.profile.gpu_memory_utilization
-    note = (f"INT8 budget auto = {left / gib:.2f} GiB: {card.name} {card.memory_gib:g} GiB x "
+    note = (f"upgrade budget auto = {left / gib:.2f} GiB: {card.name} {card.memory_gib:g} GiB x "
             f"{fit.profile.gpu_memory_utilization:g} - reserve {card.reserve_gib:g} GiB - weights "
             f"{(on_card - card.reserve_gib * gib - fit.usable) / gib:.2f} GiB - profile {fit.name} "
             f"({fit.profile.kv_cache} KV at {fit.profile.context_length:,} tokens x {fit.profile.max_num_seqs} "

@@ -34,8 +34,8 @@ class BuildOptions:
     work_dir: Path | None = None  # default: QCONV_HOME/work/<hash of the source>
     fresh: bool = False  # ignore cached stages
     stream: bool | None = None  # None: stream when the model is large against free RAM
-    int8_budget: str | None = None  # overrides the recipe's selection.budget
-    bpw: float | None = None  # a bits-per-weight target: the INT8 budget is what it leaves over the uniform plan
+    upgrade_budget: str | None = None  # overrides the recipe's selection.budget (bytes for int4 g64/g32 or INT8 upgrades)
+    bpw: float | None = None  # a bits-per-weight target: the upgrade budget is what it leaves over the uniform plan
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
     reference: str | None = None  # quantized --model: the full-precision original for the quality report
 
@@ -43,11 +43,11 @@ class BuildOptions:
 def recipe_for(opts: BuildOptions) -> Recipe:
     """The recipe with the command line's budget override applied."""
     recipe = load_recipe(opts.recipe)
-    if opts.bpw is not None and opts.int8_budget is not None:
-        raise QconvError("--bpw and --int8-budget both set the selection's budget", where="--bpw",
+    if opts.bpw is not None and opts.upgrade_budget is not None:
+        raise QconvError("--bpw and --upgrade-budget both set the selection's budget", where="--bpw",
                          fix="pass one of them")
-    if opts.int8_budget is not None:
-        recipe.selection = replace(recipe.selection, budget=str(opts.int8_budget))
+    if opts.upgrade_budget is not None:
+        recipe.selection = replace(recipe.selection, budget=str(opts.upgrade_budget))
     return recipe
 
 

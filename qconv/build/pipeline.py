@@ -107,7 +107,7 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
                 tmp = offload.enter_context(owned_temp_dir(work.root, "qconv-offload"))
                 model_box["m"] = load_streamed_model(src.path, config, tmp / "offload")
             else:
-                model_box["m"] = load_causal_lm(src.path)
+                model_box["m"] = load_causal_lm(src.path, config=config)
             model_box["m"].eval()
         return model_box["m"]
 

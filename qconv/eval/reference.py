@@ -102,17 +102,6 @@ def choose_storage(vocab_size: int, topk: int | None) -> tuple[str, int | None]:
     return ("topk", topk) if topk else ("full", None)
 
 
-def load_causal_lm(path: str | Path, device: str | None = None):
-    """Any HF causal-LM folder, eval mode, CPU/GPU. A compressed-tensors artifact is decompressed once at load:
-    the same dequantized weights, without unpacking them again on every forward."""
-    from qconv.convert import hfmodel
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = hfmodel.load_causal_lm(path, dtype="bfloat16", device_map=device)
-    model.eval()
-    return model
-
-
 @torch.inference_mode()
 def window_logits(model, ids: list[int], first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of positions first..len-2 and the tokens they predict, for one window."""

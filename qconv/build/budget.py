@@ -12,7 +12,7 @@ from qconv.calibrate.sensitivity import Scores
 from qconv.calibrate.units import Unit
 from qconv.convert.layout import Plan, bpw_budget, candidate_units, plan_model
 from qconv.convert.sources import resolve_source
-from qconv.convert.stages import WorkDir
+from qconv.build.workdir import WorkDir
 from qconv.kv.plan import int8_headroom
 from qconv.recipes.recipe import Recipe
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qconv.convert.layout import Plan
-from qconv.convert.stages import default_work_dir
+from qconv.build.workdir import default_work_dir
 from qconv.errors import QconvError
 from qconv.fsutil import check_out_folder
 from qconv.manifest import MANIFEST

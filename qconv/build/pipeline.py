@@ -1,6 +1,6 @@
 """`qconv build`: source + recipe -> a compressed-tensors artifact folder with its manifest, all or nothing.
 
-The work happens in stages cached in a work dir (see convert/stages.py, build/stages.py): a rerun of a killed build
+The work happens in stages cached in a work dir (see build/workdir.py, build/stages.py): a rerun of a killed build
 picks up where it stopped, and every input that feeds the weights (source hashes, calibration hash, recipe hash,
 selection, tool versions) is in the stage keys and in the manifest.
 """
@@ -25,7 +25,7 @@ from qconv.convert.layout import apply_selection, candidate_units, plan_model
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import resolve_source
-from qconv.convert.stages import WorkDir, stage_key
+from qconv.build.workdir import WorkDir, stage_key
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir, check_writable, disk_error, owned_temp_dir, sweep_stale
 from qconv.manifest import Manifest, RecipeInfo, tool_versions

@@ -10,7 +10,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from qconv.convert.stages import WorkDir, stage_key
+from qconv.build.workdir import WorkDir, stage_key
 from qconv.errors import GateFailure
 from qconv.eval.forward import Forward
 from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG, render_md

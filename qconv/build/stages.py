@@ -1,5 +1,5 @@
 """The build's cached stages before quantization (import, calibration, sensitivity) and its packaging: each keyed
-by everything that feeds it (see qconv.convert.stages), so a rerun picks up where a killed build stopped."""
+by everything that feeds it (see qconv.build.workdir), so a rerun picks up where a killed build stopped."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from qconv.calibrate.sensitivity import Scores
 from qconv.convert.artifact import copy_mtp, copy_side_files, write_index
 from qconv.convert.layout import Plan
 from qconv.convert.sources import ResolvedSource
-from qconv.convert.stages import DONE, WorkDir, stage_key
+from qconv.build.workdir import DONE, WorkDir, stage_key
 from qconv.fsutil import check_space, owned_temp_dir, sha256_file
 from qconv.manifest import CalibrationInfo, SourceInfo
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from qconv.convert import patches
+from qconv.memory import available_ram, pin_mmap_threshold
 
 log = logging.getLogger(__name__)
 
@@ -20,22 +21,9 @@ GPTQ_BLOCK_BYTES = 64 << 20
 # Safetensors shard bound of the saved model: save_pretrained holds one shard's tensors in memory while writing it
 # (llmcompressor's default, 20 GB, is one shard = the whole compressed model).
 MAX_SHARD_SIZE = "512MB"
-# glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), so a build that allocates and
-# frees tens of MB per module serves them from the heap, which fragments and is never given back (RSS grows with
-# every module compressed). Pinned, every block above it is mmapped and returned on free.
-MMAP_THRESHOLD = 4 << 20
 # Calibration activations at least this large go to disk in a streamed build (activations_on_disk); the rest (masks,
 # position ids, rotary tables shared by every sample) stay in memory.
 SPILL_MIN_BYTES = 1 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
-
-
-def available_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def should_stream(source_bytes: int) -> bool:
@@ -45,19 +33,6 @@ def should_stream(source_bytes: int) -> bool:
                  source_bytes / 1e9, 100 * STREAM_FRACTION, ram / 1e9)
         return True
     return False
-
-
-def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold (see MMAP_THRESHOLD) for this process. False where the C library has no
-    mallopt (not glibc)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
-    except (OSError, AttributeError):
-        return False
 
 
 def tensor_files(path: Path) -> dict[str, Path]:

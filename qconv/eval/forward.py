@@ -42,7 +42,7 @@ def free_memory(device: str) -> int:
     """Bytes free now on the device: CUDA's own count, or the OS's MemAvailable for the CPU."""
     if device == "cuda":
         return torch.cuda.mem_get_info()[0]
-    from qconv.convert.stream import available_ram
+    from qconv.memory import available_ram
 
     return available_ram()
 

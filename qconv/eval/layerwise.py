@@ -176,9 +176,10 @@ class StreamedModel:
     def open(cls, path: str | Path, device: str | torch.device = "cpu") -> StreamedModel:
         import transformers
 
-        from qconv.convert.stream import pin_mmap_threshold, rebuild_meta_buffers
+        from qconv.convert.stream import rebuild_meta_buffers
+        from qconv.memory import pin_mmap_threshold
 
-        pin_mmap_threshold()  # each layer's tensors are freed before the next: give them back (see convert.stream)
+        pin_mmap_threshold()  # each layer's tensors are freed before the next: give them back (see qconv.memory)
         cfg = transformers.AutoConfig.from_pretrained(path)
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config  # the weights come dequantized: build plain bf16 modules

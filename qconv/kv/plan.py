@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconv.artifact import Artifact
-from qconv.convert.layout import module_bytes, plan_model
+from qconv.calibrate.units import module_bytes
+from qconv.convert.layout import plan_model
 from qconv.errors import QconvError
 from qconv.kv.store import EXACT_DTYPE
 from qconv.kv.schemes import GPU_RUNTIME, NO_GPU_RUNTIME, get_kv_scheme

@@ -1,4 +1,4 @@
-"""Speculative decoding for every driver (`generate`, `bench`, the batched scheduler): a `Drafter` proposes tokens,
+"""Speculative decoding for every driver (`generate`, the batched scheduler): a `Drafter` proposes tokens,
 `verify` accepts a prefix of them losslessly, `DraftLength` picks how many to draft from one acceptance EMA."""
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def _tiles(n: int, g: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def assert_records_match(rec: torch.Tensor, ref: torch.Tensor, d: int, g: int, kb: int, vb: int) -> dict:
-    """Codes equal; fp16 scales equal or 1 ulp apart on at most 1% of them. Returns the measured rates."""
+    """Codes equal but for rare one-step flips (at most 1 in 10^4), fp16 scales equal or 1 ulp apart on at most 1%
+    of them. Returns the measured rates of difference per field."""
     scheme = kvarn(kb, vb, g)
     assert rec.shape == ref.shape and rec.dtype == torch.uint8
     got, want = scheme.layout(d).split(rec), scheme.layout(d).split(ref)
@@ -50,8 +51,10 @@ def assert_records_match(rec: torch.Tensor, ref: torch.Tensor, d: int, g: int, k
     for name in want:
         if name.endswith("codes"):
             bits = kb if name[0] == "k" else vb
-            diff = unpack_bits(got[name], bits) != unpack_bits(want[name], bits)
-            assert not diff.any(), f"{name}: {int(diff.sum())} codes differ (D={d} G={g} k{kb}v{vb})"
+            diff = unpack_bits(got[name], bits).int() - unpack_bits(want[name], bits).int()
+            assert int(diff.abs().max()) <= 1, f"{name}: a code differs by more than one step (D={d} G={g})"
+            stats[name] = float((diff != 0).float().mean())
+            assert stats[name] <= 1e-4, (name, stats)
         else:
             a, b = got[name].contiguous().view(torch.int16).int(), want[name].contiguous().view(torch.int16).int()
             assert int((a - b).abs().max()) <= 1, f"{name}: a scale differs by more than 1 fp16 ulp"
@@ -172,20 +175,18 @@ def _smollm2_kv(smollm2: Path, text: str, tokens: int) -> list[tuple[torch.Tenso
 
 @pytest.mark.slow
 def test_encode_matches_qconv_records_on_smollm2_kv(smollm2, shared_data, one_thread):
-    """Real K/V: SmolLM2's layers at D=64; at D=128/256 the channels of 2/4 adjacent KV heads of the same tokens are
+    """Real K/V: SmolLM2's layers at D=64; at D=128/256 each KV head's channels of 2/4 consecutive layers are
     concatenated (real values and outlier channels, though no model has exactly that head)."""
     text = (shared_data / "wikitext-2-raw-test.txt").read_text()[100_000:120_000]
     kv = _smollm2_kv(smollm2, text, 256)
     rates = {}
-    for d, g, kb, vb in [(64, 64, 4, 2), (64, 128, 4, 4), (128, 128, 4, 2), (256, 64, 4, 4), (256, 128, 4, 4)]:
-        for layer in (0, len(kv) // 2, len(kv) - 1):
-            k, v = (x[: d // 64 * (x.shape[0] // (d // 64))] for x in kv[layer])  # whole groups of heads
-            k, v = (x.unflatten(0, (-1, d // 64)).permute(0, 2, 1, 3).flatten(2) for x in (k, v))  # [H', T, d]
-            k, v = (x[:, : x.shape[1] // g * g].unflatten(1, (-1, g)).flatten(0, 1).half() for x in (k, v))
-            rec = kt.encode_tiles(k, v, kb, vb)
-            rates[(d, g, layer)] = assert_records_match(rec, kvarn(kb, vb, g).encode(k.float(), v.float()),
-                                                        d, g, kb, vb)["bytes_equal"]
-    print("bytes equal per (D, G, layer):", rates)
+    for d, g, kb, vb, first in [(64, 64, 4, 2, 0), (64, 64, 4, 4, len(kv) - 1), (128, 128, 4, 4, 14),
+                                (256, 128, 4, 4, 4), (256, 64, 4, 2, len(kv) - 4)]:
+        k, v = (torch.cat([kv[i][j] for i in range(first, first + d // 64)], -1).half() for j in (0, 1))
+        k, v = (x.unflatten(1, (-1, g)).flatten(0, 1) for x in (k, v))  # [Hkv * T/g, g, d]
+        rec = kt.encode_tiles(k, v, kb, vb)
+        rates[(d, g, first)] = assert_records_match(rec, kvarn(kb, vb, g).encode(k.float(), v.float()), d, g, kb, vb)
+    print("SmolLM2 K/V, per (D, G, first layer):", rates)
 
 
 def test_gpu_bench_without_cuda_says_so():

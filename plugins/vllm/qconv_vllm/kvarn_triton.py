@@ -15,12 +15,16 @@ codes little-end-first, padded to 8 bytes (never to a power of two). K codes are
   exact sink (sink_len[b] tokens) and the tile being filled (cur_len[b] tokens). No host sync (CUDA-graph safe); a
   sequence of length 0 gives zeros. Splits past n_closed[b] load nothing (the out-of-bounds split-K bug elsewhere).
 
-Bit-exactness: math follows kvarn.py op by op (IEEE division/sqrt, round-half-even, libdevice exp/log on CUDA), but
-sums run in a different order than torch's BLAS, so a code can flip at a rounding tie (see tests/test_kvarn_triton.py).
+Records follow kvarn.py op by op (the rotation is the same torch matmul; IEEE division and sqrt, round-half-even,
+libdevice exp/log on CUDA), but the kernel's sums run in another order than torch's BLAS: a scale can differ by one
+fp16 ulp and, rarely, a code by one step (rates in tests/test_kvarn_triton.py). Decode attention keeps fp32 partials
+(tf32x3 dots on CUDA); the Hadamard matrix is cached per (D, device), so the first call must not be inside a CUDA-graph
+capture.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -48,6 +52,7 @@ def record_bytes(d: int, g: int, k_bits: int, v_bits: int) -> int:
     return record_fields(d, g, k_bits, v_bits)[1]
 
 
+@functools.lru_cache(maxsize=8)
 def hadamard(d: int, device=None) -> torch.Tensor:
     """H_d/sqrt(d) in float32, built exactly as qconv.kv.hadamard (float64 Sylvester recursion, then cast)."""
     h = torch.ones(1, 1, dtype=torch.float64)
@@ -69,25 +74,33 @@ def _libdevice() -> bool:
 
 # ---------------------------------------------------------------- shared device helpers
 @triton.jit
-def _exp(x, LIBDEV: tl.constexpr):
-    if LIBDEV:
+def _explog(x, LOG: tl.constexpr, LIBDEV: tl.constexpr):
+    """log(x) if LOG else exp(x): libdevice's (as accurate as torch's) on CUDA, where tl.exp/tl.log are approximate."""
+    if LOG:
+        if LIBDEV:
+            return libdevice.log(x)
+        else:
+            return tl.log(x)
+    elif LIBDEV:
         return libdevice.exp(x)
     else:
         return tl.exp(x)
 
 
 @triton.jit
-def _log(x, LIBDEV: tl.constexpr):
-    if LIBDEV:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
+def _exp(x, LIBDEV: tl.constexpr):
+    return _explog(x, False, LIBDEV)
 
 
 @triton.jit
-def _unpack(base, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
-    """Codes [R, C] (row-major, little-end-first in bytes at `base`) as float32."""
-    f = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+def _log(x, LIBDEV: tl.constexpr):
+    return _explog(x, True, LIBDEV)
+
+
+@triton.jit
+def _unpack(base, rows, cols, ROW: tl.constexpr, BITS: tl.constexpr):
+    """Codes [rows, cols] of a row-major [*, ROW] code matrix packed little-end-first at `base`, as float32."""
+    f = rows[:, None] * ROW + cols[None, :]
     byte = tl.load(base + f // (8 // BITS)).to(tl.int32)
     return ((byte >> ((f % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
 
@@ -197,7 +210,7 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
     if n:
         h = hadamard(d, k.device)
         _encode_kernel[(n,)](k.half().float() @ h, v.half().float() @ h, rec, rec.view(torch.float16), ITERS=iters,
-                             LIBDEV=_libdevice(), num_warps=8, **a)
+                             LIBDEV=_libdevice(), num_warps=8, enable_fp_fusion=False, **a)  # torch does no FMA
     return rec
 
 
@@ -209,10 +222,10 @@ def _dequant_kernel(rec_ptr, rec16_ptr, k_ptr, v_ptr, RB: tl.constexpr, D: tl.co
     n = tl.program_id(0).to(tl.int64)
     d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
-    kt = _unpack(rec + KC, D, G, KB) * tl.load(rec16 + KA // 2 + d).to(tl.float32)[:, None] \
+    kt = _unpack(rec + KC, d, g, G, KB) * tl.load(rec16 + KA // 2 + d).to(tl.float32)[:, None] \
         + tl.load(rec16 + KZ // 2 + d).to(tl.float32)[:, None]
     kt = kt * tl.load(rec16 + KR // 2 + g).to(tl.float32)[None, :]  # [D, G] rotated
-    vt = _unpack(rec + VC, G, D, VB) * tl.load(rec16 + VA // 2 + g).to(tl.float32)[:, None] \
+    vt = _unpack(rec + VC, g, d, D, VB) * tl.load(rec16 + VA // 2 + g).to(tl.float32)[:, None] \
         + tl.load(rec16 + VZ // 2 + g).to(tl.float32)[:, None]
     vt = vt * tl.load(rec16 + VCOL // 2 + d).to(tl.float32)[None, :]  # [G, D] rotated
     tl.store(k_ptr + n * G * D + g[None, :] * D + d[:, None], kt)  # transposed store: [G, D]
@@ -249,29 +262,33 @@ def _online(sc, m, l):
 
 
 @triton.jit
-def _exact_tile(q, k_ptr, v_ptr, n, m, l, acc, scale, D: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr):
-    """One fp16 tile (sink or tile being filled) with n valid tokens, natural domain, into acc."""
-    g, d = tl.arange(0, G), tl.arange(0, D)
-    valid = g < n
-    offs = g[:, None] * D + d[None, :]
-    k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-    sc = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
-    m, alpha, p, l = _online(sc, m, l)
-    v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-    return m, l, acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+def _exact_tile(q, k_ptr, v_ptr, n, m, l, acc, scale, D: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
+    """One fp16 tile (sink or tile being filled) with n valid tokens, natural domain, into acc, BG tokens a step."""
+    d = tl.arange(0, D)
+    for j in range(0, tl.cdiv(n, BG)):
+        g = j * BG + tl.arange(0, BG)
+        valid = g < n
+        offs = g[:, None] * D + d[None, :]
+        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        sc = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
+        m, alpha, p, l = _online(sc, m, l)
+        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+    return m, l, acc
 
 
 @triton.jit
 def _decode_kernel(q_ptr, qr_ptr, pool_ptr, pool16_ptr, bt_ptr, nc_ptr, sk_ptr, sv_ptr, sink_ptr, cur_ptr,
                    m_ptr, l_ptr, accn_ptr, accr_ptr, scale, max_blocks, S, TPS,
-                   HKV: tl.constexpr, GQ: tl.constexpr, BQ: tl.constexpr, PREC: tl.constexpr,
+                   HKV: tl.constexpr, GQ: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr,
                    RB: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                    KC: tl.constexpr, KA: tl.constexpr, KZ: tl.constexpr, KR: tl.constexpr, VC: tl.constexpr,
                    VCOL: tl.constexpr, VA: tl.constexpr, VZ: tl.constexpr):
     """Program (sequence b, KV head h, split s): the GQ query heads of h over split s's quantized tiles; split 0
-    also takes the exact sink and tile being filled. Writes unnormalized partials (m, l, acc natural, acc rotated)."""
+    also takes the exact sink and tile being filled. Writes unnormalized partials (m, l, acc natural, acc rotated).
+    Tiles go BG tokens a step so no dot operand outgrows shared memory (a [256, 128] fp32 one would, at D=256)."""
     b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    qi, d, g = tl.arange(0, BQ), tl.arange(0, D), tl.arange(0, G)
+    qi, d = tl.arange(0, BQ), tl.arange(0, D)
     qmask = qi < GQ
     qoffs = (b * HKV * GQ + h * GQ + qi)[:, None] * D + d[None, :]
     q = tl.load(q_ptr + qoffs, mask=qmask[:, None], other=0.0)
@@ -282,28 +299,29 @@ def _decode_kernel(q_ptr, qr_ptr, pool_ptr, pool16_ptr, bt_ptr, nc_ptr, sk_ptr, 
     acc_r = tl.zeros([BQ, D], tl.float32)
     if s == 0:
         st = ((b * 2) * HKV + h) * G * D
-        m, l, acc_n = _exact_tile(q, sk_ptr + st, sv_ptr + st, tl.load(sink_ptr + b), m, l, acc_n, scale, D, G, PREC)
+        m, l, acc_n = _exact_tile(q, sk_ptr + st, sv_ptr + st, tl.load(sink_ptr + b), m, l, acc_n, scale, D, BG, PREC)
         st += HKV * G * D
-        m, l, acc_n = _exact_tile(q, sk_ptr + st, sv_ptr + st, tl.load(cur_ptr + b), m, l, acc_n, scale, D, G, PREC)
+        m, l, acc_n = _exact_tile(q, sk_ptr + st, sv_ptr + st, tl.load(cur_ptr + b), m, l, acc_n, scale, D, BG, PREC)
     t_lo = 1 + s * TPS
     t_hi = tl.minimum(t_lo + TPS, tl.load(nc_ptr + b) + 1)  # tiles 1..n_closed only: nothing out of range is read
     for t in range(t_lo, t_hi):
         blk = tl.load(bt_ptr + b * max_blocks + t).to(tl.int64)
         rec, rec16 = pool_ptr + (blk * HKV + h) * RB, pool16_ptr + (blk * HKV + h) * (RB // 2)
         # K~[t, d] = (code a_d + z_d) r_t, rotated: score_t = r_t (sum_d code (qr_d a_d) + qr . z)
-        ka = tl.load(rec16 + KA // 2 + d).to(tl.float32)
-        kz = tl.load(rec16 + KZ // 2 + d).to(tl.float32)
-        kr = tl.load(rec16 + KR // 2 + g).to(tl.float32)
-        sc = tl.dot(qr * ka[None, :], _unpack(rec + KC, D, G, KB), input_precision=PREC)
-        sc = (sc + tl.sum(qr * kz[None, :], 1)[:, None]) * kr[None, :] * scale
-        m, alpha, p, l = _online(sc, m, l)
-        # V~[t, d] = (code a_t + z_t) c_d: sum_t p_t V~[t, d] = c_d (sum_t (p_t a_t) code + p . z)
-        va = tl.load(rec16 + VA // 2 + g).to(tl.float32)
-        vz = tl.load(rec16 + VZ // 2 + g).to(tl.float32)
+        qa = qr * tl.load(rec16 + KA // 2 + d).to(tl.float32)[None, :]
+        qz = tl.sum(qr * tl.load(rec16 + KZ // 2 + d).to(tl.float32)[None, :], 1)
         vc = tl.load(rec16 + VCOL // 2 + d).to(tl.float32)
-        pv = tl.dot(p * va[None, :], _unpack(rec + VC, G, D, VB), input_precision=PREC)
-        acc_r = acc_r * alpha[:, None] + (pv + tl.sum(p * vz[None, :], 1)[:, None]) * vc[None, :]
-        acc_n = acc_n * alpha[:, None]  # the exact tiles' sum shares the running max (acc_r was 0 before them)
+        for j in range(0, G // BG):
+            g = j * BG + tl.arange(0, BG)
+            sc = tl.dot(qa, _unpack(rec + KC, d, g, G, KB), input_precision=PREC) + qz[:, None]
+            sc = sc * tl.load(rec16 + KR // 2 + g).to(tl.float32)[None, :] * scale
+            m, alpha, p, l = _online(sc, m, l)
+            # V~[t, d] = (code a_t + z_t) c_d: sum_t p_t V~[t, d] = c_d (sum_t (p_t a_t) code + p . z)
+            pa = p * tl.load(rec16 + VA // 2 + g).to(tl.float32)[None, :]
+            pz = tl.sum(p * tl.load(rec16 + VZ // 2 + g).to(tl.float32)[None, :], 1)
+            pv = tl.dot(pa, _unpack(rec + VC, g, d, D, VB), input_precision=PREC)
+            acc_r = acc_r * alpha[:, None] + (pv + pz[:, None]) * vc[None, :]
+            acc_n = acc_n * alpha[:, None]  # the exact tiles' sum shares the running max (acc_r was 0 before them)
     row = (b * HKV * GQ + h * GQ + qi) * S + s
     tl.store(m_ptr + row, m, mask=qmask)
     tl.store(l_ptr + row, l, mask=qmask)
@@ -341,7 +359,7 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
         qf, (qf @ h).contiguous(), pool, pool.view(torch.float16), block_table.to(torch.int32).contiguous(),
         n_closed.to(torch.int32).contiguous(), stage_k.contiguous(), stage_v.contiguous(),
         sink_len.to(torch.int32).contiguous(), cur_len.to(torch.int32).contiguous(), m, l, acc_n, acc_r,
-        float(scale), width, splits, tps, HKV=hkv, GQ=gq, BQ=max(16, triton.next_power_of_2(gq)),
+        float(scale), width, splits, tps, HKV=hkv, GQ=gq, BQ=max(16, triton.next_power_of_2(gq)), BG=min(G, 8192 // d),
         PREC="ieee" if not _libdevice() else "tf32x3", num_warps=8, **a)
     w = torch.exp(m - m.amax(-1, keepdim=True))  # [B, Hq, S]; empty splits weigh 0
     total = (w * l).sum(-1, keepdim=True)

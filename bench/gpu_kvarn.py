@@ -69,15 +69,15 @@ def _parity(kb: int, vb: int, dev: str) -> dict:
     cur = torch.tensor([77, 5], device=dev, dtype=torch.int32)
     sk, sv = (x.view(2, 2, HKV, G, D) for x in _tiles(2 * 2 * HKV, dev))
     q = torch.randn(2, HQ, D, device=dev)
-    o = kt.decode_attention(q, pool, table, n_closed, sk, sv, sink, cur, kb, vb, G, D ** -0.5)
+    o = kt.decode_attention(q, pool, table, n_closed, sk, sv, sink, cur, kb, vb, G, D**-0.5)
     tk, tv = scheme.decode(pool.transpose(0, 1), D)  # [Hkv, 16, G, D]
     err = 0.0
     for b in range(2):
-        ids = table[b, 1:1 + int(n_closed[b])].long()
-        kk = torch.cat([sk[b, 0, :, :G].float(), tk[:, ids].flatten(1, 2), sk[b, 1, :, :int(cur[b])].float()], 1)
-        vv = torch.cat([sv[b, 0, :, :G].float(), tv[:, ids].flatten(1, 2), sv[b, 1, :, :int(cur[b])].float()], 1)
+        ids = table[b, 1 : 1 + int(n_closed[b])].long()
+        kk = torch.cat([sk[b, 0, :, :G].float(), tk[:, ids].flatten(1, 2), sk[b, 1, :, : int(cur[b])].float()], 1)
+        vv = torch.cat([sv[b, 0, :, :G].float(), tv[:, ids].flatten(1, 2), sv[b, 1, :, : int(cur[b])].float()], 1)
         kk, vv = kk.repeat_interleave(HQ // HKV, 0), vv.repeat_interleave(HQ // HKV, 0)
-        p = torch.softmax((q[b].unsqueeze(1) @ kk.transpose(1, 2)).squeeze(1) * D ** -0.5, -1)
+        p = torch.softmax((q[b].unsqueeze(1) @ kk.transpose(1, 2)).squeeze(1) * D**-0.5, -1)
         err = max(err, float(((p.unsqueeze(1) @ vv).squeeze(1) - o[b]).abs().max()))
     out["attention_max_abs"] = err
     return out
@@ -95,8 +95,9 @@ def _speed(ctx: int, kb: int, vb: int, dev: str) -> dict:
     one = lambda x: torch.tensor([x], device=dev, dtype=torch.int32)  # noqa: E731
     q = torch.randn(1, HQ, D, device=dev, dtype=torch.float16)
     length = G + n_closed * G + G // 2
-    kvarn_us = _timed(lambda: kt.decode_attention(q, pool, table, one(n_closed), sk, sv, one(G), one(G // 2), kb, vb,
-                                                  G, D ** -0.5))
+    kvarn_us = _timed(
+        lambda: kt.decode_attention(q, pool, table, one(n_closed), sk, sv, one(G), one(G // 2), kb, vb, G, D**-0.5)
+    )
     kf = torch.randn(1, HKV, length, D, device=dev, dtype=torch.float16)
     vf = torch.randn_like(kf)
     k8, v8 = kf.to(torch.float8_e4m3fn), vf.to(torch.float8_e4m3fn)
@@ -104,9 +105,14 @@ def _speed(ctx: int, kb: int, vb: int, dev: str) -> dict:
     qq = q.view(1, HQ, 1, D)
     fp16_us = _timed(lambda: sdpa(qq, kf, vf, enable_gqa=True))
     fp8_us = _timed(lambda: sdpa(qq, k8.to(torch.float16), v8.to(torch.float16), enable_gqa=True))
-    return {"context": length, "kvarn_us": round(kvarn_us, 1), "sdpa_fp16_us": round(fp16_us, 1),
-            "sdpa_fp8_cast_us": round(fp8_us, 1), "kvarn_bytes_per_layer": pool[:n_closed].numel(),
-            "fp8_bytes_per_layer": k8.numel() * 2}
+    return {
+        "context": length,
+        "kvarn_us": round(kvarn_us, 1),
+        "sdpa_fp16_us": round(fp16_us, 1),
+        "sdpa_fp8_cast_us": round(fp8_us, 1),
+        "kvarn_bytes_per_layer": pool[:n_closed].numel(),
+        "fp8_bytes_per_layer": k8.numel() * 2,
+    }
 
 
 def kernel_section() -> dict:
@@ -121,8 +127,15 @@ def kernel_section() -> dict:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print(json.dumps({"bench": "gpu_kvarn", "error": "no CUDA device: this benchmark needs a GPU (the kernels "
-                          "are tested on CPU by tests/test_kvarn_triton.py under TRITON_INTERPRET=1)"}))
+        print(
+            json.dumps(
+                {
+                    "bench": "gpu_kvarn",
+                    "error": "no CUDA device: this benchmark needs a GPU (the kernels "
+                    "are tested on CPU by tests/test_kvarn_triton.py under TRITON_INTERPRET=1)",
+                }
+            )
+        )
         return 2
     report = {"bench": "gpu_kvarn", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["kernels"] = kernel_section()

@@ -24,10 +24,9 @@ pytest.importorskip("triton", reason="triton is not installed in this environmen
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "plugins" / "vllm"))
-from qconv_vllm import kvarn_triton as kt  # noqa: E402  (imports neither vLLM nor qconv)
-
 from qconv.kv.kvarn import kvarn  # noqa: E402
 from qconv.kv.packing import bytes_fp16, unpack_bits  # noqa: E402
+from qconv_vllm import kvarn_triton as kt  # noqa: E402  (imports neither vLLM nor qconv)
 
 ATTN_TOL = 1e-4
 CASES = [(64, 64, 4, 2), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 2), (256, 64, 4, 2), (256, 128, 4, 4)]
@@ -96,13 +95,13 @@ def _reference_attention(q, pool, table, n_closed, stage_k, stage_v, sink, cur, 
     scheme, out = kvarn(kb, vb, g), []
     hq, d, hkv = q.shape[1], q.shape[2], pool.shape[1]
     for b in range(q.shape[0]):
-        ks, vs = [stage_k[b, 0, :, :int(sink[b])].float()], [stage_v[b, 0, :, :int(sink[b])].float()]
+        ks, vs = [stage_k[b, 0, :, : int(sink[b])].float()], [stage_v[b, 0, :, : int(sink[b])].float()]
         if n_closed[b]:
-            recs = pool[table[b, 1:1 + int(n_closed[b])].long()]  # [n, Hkv, RB]
+            recs = pool[table[b, 1 : 1 + int(n_closed[b])].long()]  # [n, Hkv, RB]
             tk, tv = scheme.decode(recs.transpose(0, 1), d)  # [Hkv, n, G, D]
             ks, vs = ks + [tk.flatten(1, 2)], vs + [tv.flatten(1, 2)]
-        ks.append(stage_k[b, 1, :, :int(cur[b])].float())
-        vs.append(stage_v[b, 1, :, :int(cur[b])].float())
+        ks.append(stage_k[b, 1, :, : int(cur[b])].float())
+        vs.append(stage_v[b, 1, :, : int(cur[b])].float())
         kk, vv = torch.cat(ks, 1).repeat_interleave(hq // hkv, 0), torch.cat(vs, 1).repeat_interleave(hq // hkv, 0)
         p = torch.softmax((q[b].float().unsqueeze(1) @ kk.transpose(1, 2)).squeeze(1) * scale, -1)
         out.append((p.unsqueeze(1) @ vv).squeeze(1))
@@ -120,26 +119,36 @@ def _cache(n_closed: list[int], cur: list[int], hq: int, hkv: int, d: int, g: in
     pool[perm] = recs[:total]
     table = torch.full((bsz, max(n_closed) + 3), 10**6, dtype=torch.int32)  # unused slots point nowhere
     for b, off in enumerate(torch.tensor([0] + n_closed).cumsum(0)[:-1].tolist()):
-        table[b, 1:1 + n_closed[b]] = perm[off:off + n_closed[b]].int()
+        table[b, 1 : 1 + n_closed[b]] = perm[off : off + n_closed[b]].int()
     sk, sv = _tiles(bsz * 2 * hkv, g, d, seed + 1)
     sink = torch.tensor([g if n or c else max(c, 1) for n, c in zip(n_closed, cur)], dtype=torch.int32)
     q = torch.randn(bsz, hq, d, generator=gen).half()
-    return (q, pool, table, torch.tensor(n_closed, dtype=torch.int32), sk.view(bsz, 2, hkv, g, d),
-            sv.view(bsz, 2, hkv, g, d), sink, torch.tensor(cur, dtype=torch.int32))
+    return (
+        q,
+        pool,
+        table,
+        torch.tensor(n_closed, dtype=torch.int32),
+        sk.view(bsz, 2, hkv, g, d),
+        sv.view(bsz, 2, hkv, g, d),
+        sink,
+        torch.tensor(cur, dtype=torch.int32),
+    )
 
 
-@pytest.mark.parametrize("d,g,kb,vb,hq,hkv,splits", [(64, 64, 4, 2, 4, 2, 2), (128, 64, 4, 4, 2, 1, None),
-                                                     (256, 128, 4, 2, 3, 1, 3), (64, 128, 4, 4, 6, 2, 1)])
+@pytest.mark.parametrize(
+    "d,g,kb,vb,hq,hkv,splits",
+    [(64, 64, 4, 2, 4, 2, 2), (128, 64, 4, 4, 2, 1, None), (256, 128, 4, 2, 3, 1, 3), (64, 128, 4, 4, 6, 2, 1)],
+)
 def test_decode_attention_matches_reference(d, g, kb, vb, hq, hkv, splits):
     # sequences: n_closed 0 with a short sink, partial current tiles at 0, mid and G-1 tokens
     args = _cache([0, 3, 1, 2], [0, g // 2, g - 1, 5], hq, hkv, d, g, kb, vb, seed=d + g)
     args[6][0] = 7  # sequence 0: only 7 sink tokens
-    out = kt.decode_attention(*args, kb, vb, g, d ** -0.5, num_splits=splits)
-    ref = _reference_attention(*args, kb, vb, g, d ** -0.5)
+    out = kt.decode_attention(*args, kb, vb, g, d**-0.5, num_splits=splits)
+    ref = _reference_attention(*args, kb, vb, g, d**-0.5)
     assert out.shape == ref.shape and out.dtype == torch.float16
     err = float((out.float() - ref).abs().max())
     assert err < ATTN_TOL + 1e-3 * float(ref.abs().max()), err  # fp16 output: half an ulp at |out| ~ 1 is 5e-4
-    out32 = kt.decode_attention(args[0].float(), *args[1:], kb, vb, g, d ** -0.5, num_splits=splits)
+    out32 = kt.decode_attention(args[0].float(), *args[1:], kb, vb, g, d**-0.5, num_splits=splits)
     assert float((out32 - ref).abs().max()) < ATTN_TOL
 
 
@@ -147,9 +156,9 @@ def test_decode_attention_long_context_many_splits():
     """64 closed tiles over 8 splits (and 24 splits, most of them past the sequence's end): no NaN, same result."""
     d, g = 64, 64
     args = _cache([64, 0], [17, 0], 2, 1, d, g, 4, 2, seed=3)
-    ref = _reference_attention(*args, 4, 2, g, d ** -0.5)
+    ref = _reference_attention(*args, 4, 2, g, d**-0.5)
     for splits in (8, 24):
-        out = kt.decode_attention(args[0].float(), *args[1:], 4, 2, g, d ** -0.5, num_splits=splits)
+        out = kt.decode_attention(args[0].float(), *args[1:], 4, 2, g, d**-0.5, num_splits=splits)
         assert torch.isfinite(out).all()
         assert float((out - ref).abs().max()) < ATTN_TOL
 
@@ -180,8 +189,13 @@ def test_encode_matches_qconv_records_on_smollm2_kv(smollm2, shared_data, one_th
     text = (shared_data / "wikitext-2-raw-test.txt").read_text()[100_000:120_000]
     kv = _smollm2_kv(smollm2, text, 256)
     rates = {}
-    for d, g, kb, vb, first in [(64, 64, 4, 2, 0), (64, 64, 4, 4, len(kv) - 1), (128, 128, 4, 4, 14),
-                                (256, 128, 4, 4, 4), (256, 64, 4, 2, len(kv) - 4)]:
+    for d, g, kb, vb, first in [
+        (64, 64, 4, 2, 0),
+        (64, 64, 4, 4, len(kv) - 1),
+        (128, 128, 4, 4, 14),
+        (256, 128, 4, 4, 4),
+        (256, 64, 4, 2, len(kv) - 4),
+    ]:
         k, v = (torch.cat([kv[i][j] for i in range(first, first + d // 64)], -1).half() for j in (0, 1))
         k, v = (x.unflatten(1, (-1, g)).flatten(0, 1) for x in (k, v))  # [Hkv * T/g, g, d]
         rec = kt.encode_tiles(k, v, kb, vb)
@@ -192,8 +206,9 @@ def test_encode_matches_qconv_records_on_smollm2_kv(smollm2, shared_data, one_th
 def test_gpu_bench_without_cuda_says_so():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
     env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_kvarn.py")], capture_output=True, text=True,
-                       env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_kvarn.py")], capture_output=True, text=True, env=env, timeout=120
+    )
     assert r.returncode == 2, r.stderr
     line = json.loads(r.stdout.strip().splitlines()[-1])
     assert line["bench"] == "gpu_kvarn" and "no CUDA" in line["error"]

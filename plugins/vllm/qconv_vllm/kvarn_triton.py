@@ -1,5 +1,5 @@
 """Triton kernels for the KVarN KV cache: encode full tiles into records, dequantize records, and decode attention
-over sink + quantized tiles + the tile being filled. Pure functions over tensors (no vLLM, no qconv import), so the
+over sink + quantized tiles + the tile being filled. Pure functions over tensors (no vLLM, no qconv import; constants and layout from kvarn_codec, the torch path), so the
 vLLM backend calls them on CUDA and the tests run them on CPU under TRITON_INTERPRET=1 against qconv.kv.kvarn.
 
 Record of one (tile of G tokens, KV head): the byte layout of qconv.kv.kvarn.TileScheme.layout(D) -- fields k_codes
@@ -32,39 +32,38 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# kvarn.py's clamps (constexpr so jit code may read them)
-STD_MIN, STD_MAX = tl.constexpr(1e-3), tl.constexpr(1e3)
-LOG_MIN, LOG_MAX, FP16_MAX = tl.constexpr(-0.3), tl.constexpr(10.0), tl.constexpr(65504.0)
-MIN_GAIN = tl.constexpr(1 - 1e-4)  # kvarn.MIN_GAIN: an iterate must beat the best by 0.01%
+from qconv_vllm import kvarn_codec as ref
+
+# The torch codec's constants, as constexpr so jit code may read them
+STD_MIN, STD_MAX = tl.constexpr(ref.STD_CLAMP[0]), tl.constexpr(ref.STD_CLAMP[1])
+LOG_MIN, LOG_MAX = tl.constexpr(ref.LOG_CLAMP[0]), tl.constexpr(ref.LOG_CLAMP[1])
+FP16_MAX, MIN_GAIN = tl.constexpr(ref.FP16_MAX), tl.constexpr(ref.MIN_GAIN)
 
 
 def record_fields(d: int, g: int, k_bits: int, v_bits: int) -> tuple[dict[str, int], int]:
-    """Byte offset of each record field and the record size (TileScheme.layout: sum of fields, padded to 8)."""
-    sizes = [("k_codes", d * g * k_bits // 8), ("k_a", 2 * d), ("k_z", 2 * d), ("k_r", 2 * g),
-             ("v_codes", g * d * v_bits // 8), ("v_c", 2 * d), ("v_a", 2 * g), ("v_z", 2 * g)]
-    offs, o = {}, 0
-    for name, n in sizes:
+    """Byte offset of each record field (kvarn_codec.Codec's layout) and the record size."""
+    codec, offs, o = ref.Codec(k_bits, v_bits, g, d), {}, 0
+    for name, n in codec.fields:
         offs[name], o = o, o + n
-    return offs, -(-o // 8) * 8
+    return offs, codec.record_bytes
 
 
 def record_bytes(d: int, g: int, k_bits: int, v_bits: int) -> int:
-    return record_fields(d, g, k_bits, v_bits)[1]
+    return ref.Codec(k_bits, v_bits, g, d).record_bytes
 
 
 @functools.lru_cache(maxsize=8)
-def hadamard(d: int, device=None) -> torch.Tensor:
-    """H_d/sqrt(d) in float32, built exactly as qconv.kv.hadamard (float64 Sylvester recursion, then cast)."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / d ** 0.5).to(dtype=torch.float32, device=device)
+def hadamard(d: int, device: torch.device) -> torch.Tensor:
+    """H/sqrt(d) float32 on `device`, made once per device (no copy per call, nothing to copy in a CUDA graph)."""
+    return ref.hadamard(d, device)
 
 
 def _check(d: int, g: int, k_bits: int, v_bits: int) -> None:
     if d not in (64, 128, 256) or g not in (64, 128, 256) or k_bits not in (2, 4, 8) or v_bits not in (2, 4, 8):
-        raise ValueError(f"KVarN kernels take head_dim and tile in 64/128/256 and 2/4/8-bit codes, "
-                         f"got D={d} G={g} k{k_bits}v{v_bits}")
+        raise ValueError(
+            f"KVarN kernels take head_dim and tile in 64/128/256 and 2/4/8-bit codes, "
+            f"got D={d} G={g} k{k_bits}v{v_bits}"
+        )
 
 
 def _libdevice() -> bool:
@@ -158,8 +157,20 @@ def _or(a, b):
 
 
 @triton.jit
-def _side(x, rec, rec16, CODES: tl.constexpr, A: tl.constexpr, Z: tl.constexpr, COL: tl.constexpr,
-          R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, LIBDEV: tl.constexpr):
+def _side(
+    x,
+    rec,
+    rec16,
+    CODES: tl.constexpr,
+    A: tl.constexpr,
+    Z: tl.constexpr,
+    COL: tl.constexpr,
+    R: tl.constexpr,
+    C: tl.constexpr,
+    BITS: tl.constexpr,
+    ITERS: tl.constexpr,
+    LIBDEV: tl.constexpr,
+):
     """kvarn.TileScheme._side: balance, RTN per row, fold scales into fp16, pack; write the fields of one record."""
     u, v = _balance(x, R, C, ITERS, LIBDEV)
     y = x * _exp(-v, LIBDEV)[:, None] * _exp(-u, LIBDEV)[None, :]
@@ -178,27 +189,57 @@ def _side(x, rec, rec16, CODES: tl.constexpr, A: tl.constexpr, Z: tl.constexpr, 
 
 
 @triton.jit
-def _encode_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, RB: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                   KB: tl.constexpr, VB: tl.constexpr, KC: tl.constexpr, KA: tl.constexpr, KZ: tl.constexpr,
-                   KR: tl.constexpr, VC: tl.constexpr, VCOL: tl.constexpr, VA: tl.constexpr, VZ: tl.constexpr,
-                   ITERS: tl.constexpr, LIBDEV: tl.constexpr):
+def _encode_kernel(
+    k_ptr,
+    v_ptr,
+    rec_ptr,
+    rec16_ptr,
+    RB: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    KC: tl.constexpr,
+    KA: tl.constexpr,
+    KZ: tl.constexpr,
+    KR: tl.constexpr,
+    VC: tl.constexpr,
+    VCOL: tl.constexpr,
+    VA: tl.constexpr,
+    VZ: tl.constexpr,
+    ITERS: tl.constexpr,
+    LIBDEV: tl.constexpr,
+):
     """One tile per program; k, v come rotated (float32 [N, G, D]); K is read transposed (rows = channels)."""
     n = tl.program_id(0).to(tl.int64)
     d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
-    _side(tl.load(k_ptr + n * G * D + g[None, :] * D + d[:, None]), rec, rec16, KC, KA, KZ, KR, D, G, KB, ITERS,
-          LIBDEV)
-    _side(tl.load(v_ptr + n * G * D + g[:, None] * D + d[None, :]), rec, rec16, VC, VA, VZ, VCOL, G, D, VB, ITERS,
-          LIBDEV)
+    _side(tl.load(k_ptr + n * G * D + g[None, :] * D + d[:, None]), rec, rec16, KC, KA, KZ, KR, D, G, KB, ITERS, LIBDEV)
+    _side(
+        tl.load(v_ptr + n * G * D + g[:, None] * D + d[None, :]), rec, rec16, VC, VA, VZ, VCOL, G, D, VB, ITERS, LIBDEV
+    )
 
 
 def _field_args(d: int, g: int, k_bits: int, v_bits: int) -> dict:
     o, rb = record_fields(d, g, k_bits, v_bits)
-    return dict(RB=rb, D=d, G=g, KB=k_bits, VB=v_bits, KC=o["k_codes"], KA=o["k_a"], KZ=o["k_z"], KR=o["k_r"],
-                VC=o["v_codes"], VCOL=o["v_c"], VA=o["v_a"], VZ=o["v_z"])
+    return dict(
+        RB=rb,
+        D=d,
+        G=g,
+        KB=k_bits,
+        VB=v_bits,
+        KC=o["k_codes"],
+        KA=o["k_a"],
+        KZ=o["k_z"],
+        KR=o["k_r"],
+        VC=o["v_codes"],
+        VCOL=o["v_c"],
+        VA=o["v_a"],
+        VZ=o["v_z"],
+    )
 
 
-def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, iters: int = 8) -> torch.Tensor:
+def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, iters: int = ref.ITERS) -> torch.Tensor:
     """Full tiles k, v fp16 [N, G, D] (natural domain) -> KVarN records uint8 [N, record_bytes]. The rotation is a
     torch matmul, the reference's own op (a [D, D] operand would not fit a Triton program's shared memory at D=256)."""
     n, g, d = k.shape
@@ -209,39 +250,70 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
     rec = torch.empty(n, a["RB"], dtype=torch.uint8, device=k.device)
     if n:
         h = hadamard(d, k.device)
-        _encode_kernel[(n,)](k.half().float() @ h, v.half().float() @ h, rec, rec.view(torch.float16), ITERS=iters,
-                             LIBDEV=_libdevice(), num_warps=8, enable_fp_fusion=False, **a)  # torch does no FMA
+        _encode_kernel[(n,)](
+            k.half().float() @ h,
+            v.half().float() @ h,
+            rec,
+            rec.view(torch.float16),
+            ITERS=iters,
+            LIBDEV=_libdevice(),
+            num_warps=8,
+            enable_fp_fusion=False,
+            **a,
+        )  # torch does no FMA
     return rec
 
 
 # ---------------------------------------------------------------- dequantize
 @triton.jit
-def _dequant_kernel(rec_ptr, rec16_ptr, k_ptr, v_ptr, RB: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                    KB: tl.constexpr, VB: tl.constexpr, KC: tl.constexpr, KA: tl.constexpr, KZ: tl.constexpr,
-                    KR: tl.constexpr, VC: tl.constexpr, VCOL: tl.constexpr, VA: tl.constexpr, VZ: tl.constexpr):
+def _dequant_kernel(
+    rec_ptr,
+    rec16_ptr,
+    k_ptr,
+    v_ptr,
+    RB: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    KC: tl.constexpr,
+    KA: tl.constexpr,
+    KZ: tl.constexpr,
+    KR: tl.constexpr,
+    VC: tl.constexpr,
+    VCOL: tl.constexpr,
+    VA: tl.constexpr,
+    VZ: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
-    kt = _unpack(rec + KC, d, g, G, KB) * tl.load(rec16 + KA // 2 + d).to(tl.float32)[:, None] \
+    kt = (
+        _unpack(rec + KC, d, g, G, KB) * tl.load(rec16 + KA // 2 + d).to(tl.float32)[:, None]
         + tl.load(rec16 + KZ // 2 + d).to(tl.float32)[:, None]
+    )
     kt = kt * tl.load(rec16 + KR // 2 + g).to(tl.float32)[None, :]  # [D, G] rotated
-    vt = _unpack(rec + VC, g, d, D, VB) * tl.load(rec16 + VA // 2 + g).to(tl.float32)[:, None] \
+    vt = (
+        _unpack(rec + VC, g, d, D, VB) * tl.load(rec16 + VA // 2 + g).to(tl.float32)[:, None]
         + tl.load(rec16 + VZ // 2 + g).to(tl.float32)[:, None]
+    )
     vt = vt * tl.load(rec16 + VCOL // 2 + d).to(tl.float32)[None, :]  # [G, D] rotated
     tl.store(k_ptr + n * G * D + g[None, :] * D + d[:, None], kt)  # transposed store: [G, D]
     tl.store(v_ptr + n * G * D + g[:, None] * D + d[None, :], vt)
 
 
-def dequant_tiles(records: torch.Tensor, D: int, G: int, k_bits: int, v_bits: int,
-                  out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def dequant_tiles(
+    records: torch.Tensor, D: int, G: int, k_bits: int, v_bits: int, out_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Records uint8 [N, record_bytes] -> (k, v) [N, G, D] in the natural (un-rotated) domain, like TileScheme.decode;
     natural so the prefill path can concatenate them with the exact fp16 sink and current tile."""
     _check(D, G, k_bits, v_bits)
     a = _field_args(D, G, k_bits, v_bits)
     n = records.shape[0]
     if records.shape != (n, a["RB"]) or records.dtype != torch.uint8:
-        raise ValueError(f"dequant_tiles: records must be uint8 [N, {a['RB']}], got {records.dtype} "
-                         f"{tuple(records.shape)}")
+        raise ValueError(
+            f"dequant_tiles: records must be uint8 [N, {a['RB']}], got {records.dtype} {tuple(records.shape)}"
+        )
     k = torch.empty(n, G, D, dtype=torch.float32, device=records.device)
     v = torch.empty_like(k)
     if n:
@@ -253,16 +325,16 @@ def dequant_tiles(records: torch.Tensor, D: int, G: int, k_bits: int, v_bits: in
 
 # ---------------------------------------------------------------- decode attention
 @triton.jit
-def _online(sc, m, l):
-    """Online-softmax step for scores sc [BQ, T]: (new max, rescale of the old sums, probabilities, new l)."""
+def _online(sc, m, den):
+    """Online-softmax step for scores sc [BQ, T]: (new max, rescale of the old sums, probabilities, new den)."""
     m_new = tl.maximum(m, tl.max(sc, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(sc - m_new[:, None])
-    return m_new, alpha, p, l * alpha + tl.sum(p, 1)
+    return m_new, alpha, p, den * alpha + tl.sum(p, 1)
 
 
 @triton.jit
-def _exact_tile(q, k_ptr, v_ptr, n, m, l, acc, scale, D: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
+def _exact_tile(q, k_ptr, v_ptr, n, m, den, acc, scale, D: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
     """One fp16 tile (sink or tile being filled) with n valid tokens, natural domain, into acc, BG tokens a step."""
     d = tl.arange(0, D)
     for j in range(0, tl.cdiv(n, BG)):
@@ -271,21 +343,53 @@ def _exact_tile(q, k_ptr, v_ptr, n, m, l, acc, scale, D: tl.constexpr, BG: tl.co
         offs = g[:, None] * D + d[None, :]
         k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
         sc = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
-        m, alpha, p, l = _online(sc, m, l)
+        m, alpha, p, den = _online(sc, m, den)
         v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
-    return m, l, acc
+    return m, den, acc
 
 
 @triton.jit
-def _decode_kernel(q_ptr, qr_ptr, pool_ptr, pool16_ptr, bt_ptr, nc_ptr, sk_ptr, sv_ptr, sink_ptr, cur_ptr,
-                   m_ptr, l_ptr, accn_ptr, accr_ptr, scale, max_blocks, S, TPS,
-                   HKV: tl.constexpr, GQ: tl.constexpr, BQ: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr,
-                   RB: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-                   KC: tl.constexpr, KA: tl.constexpr, KZ: tl.constexpr, KR: tl.constexpr, VC: tl.constexpr,
-                   VCOL: tl.constexpr, VA: tl.constexpr, VZ: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    qr_ptr,
+    pooden_ptr,
+    pool16_ptr,
+    bt_ptr,
+    nc_ptr,
+    sk_ptr,
+    sv_ptr,
+    sink_ptr,
+    cur_ptr,
+    m_ptr,
+    den_ptr,
+    accn_ptr,
+    accr_ptr,
+    scale,
+    max_blocks,
+    S,
+    TPS,
+    HKV: tl.constexpr,
+    GQ: tl.constexpr,
+    BQ: tl.constexpr,
+    BG: tl.constexpr,
+    PREC: tl.constexpr,
+    RB: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    KC: tl.constexpr,
+    KA: tl.constexpr,
+    KZ: tl.constexpr,
+    KR: tl.constexpr,
+    VC: tl.constexpr,
+    VCOL: tl.constexpr,
+    VA: tl.constexpr,
+    VZ: tl.constexpr,
+):
     """Program (sequence b, KV head h, split s): the GQ query heads of h over split s's quantized tiles; split 0
-    also takes the exact sink and tile being filled. Writes unnormalized partials (m, l, acc natural, acc rotated).
+    also takes the exact sink and tile being filled. Writes unnormalized partials (m, den, acc natural, acc rotated).
     Tiles go BG tokens a step so no dot operand outgrows shared memory (a [256, 128] fp32 one would, at D=256)."""
     b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
     qi, d = tl.arange(0, BQ), tl.arange(0, D)
@@ -294,19 +398,23 @@ def _decode_kernel(q_ptr, qr_ptr, pool_ptr, pool16_ptr, bt_ptr, nc_ptr, sk_ptr, 
     q = tl.load(q_ptr + qoffs, mask=qmask[:, None], other=0.0)
     qr = tl.load(qr_ptr + qoffs, mask=qmask[:, None], other=0.0)
     m = tl.full([BQ], -1e30, tl.float32)  # finite: a split with no token leaves weight exp(-1e30 - M) = 0
-    l = tl.zeros([BQ], tl.float32)
+    den = tl.zeros([BQ], tl.float32)
     acc_n = tl.zeros([BQ, D], tl.float32)
     acc_r = tl.zeros([BQ, D], tl.float32)
     if s == 0:
         st = ((b * 2) * HKV + h) * G * D
-        m, l, acc_n = _exact_tile(q, sk_ptr + st, sv_ptr + st, tl.load(sink_ptr + b), m, l, acc_n, scale, D, BG, PREC)
+        m, den, acc_n = _exact_tile(
+            q, sk_ptr + st, sv_ptr + st, tl.load(sink_ptr + b), m, den, acc_n, scale, D, BG, PREC
+        )
         st += HKV * G * D
-        m, l, acc_n = _exact_tile(q, sk_ptr + st, sv_ptr + st, tl.load(cur_ptr + b), m, l, acc_n, scale, D, BG, PREC)
+        m, den, acc_n = _exact_tile(
+            q, sk_ptr + st, sv_ptr + st, tl.load(cur_ptr + b), m, den, acc_n, scale, D, BG, PREC
+        )
     t_lo = 1 + s * TPS
     t_hi = tl.minimum(t_lo + TPS, tl.load(nc_ptr + b) + 1)  # tiles 1..n_closed only: nothing out of range is read
     for t in range(t_lo, t_hi):
         blk = tl.load(bt_ptr + b * max_blocks + t).to(tl.int64)
-        rec, rec16 = pool_ptr + (blk * HKV + h) * RB, pool16_ptr + (blk * HKV + h) * (RB // 2)
+        rec, rec16 = pooden_ptr + (blk * HKV + h) * RB, pool16_ptr + (blk * HKV + h) * (RB // 2)
         # K~[t, d] = (code a_d + z_d) r_t, rotated: score_t = r_t (sum_d code (qr_d a_d) + qr . z)
         qa = qr * tl.load(rec16 + KA // 2 + d).to(tl.float32)[None, :]
         qz = tl.sum(qr * tl.load(rec16 + KZ // 2 + d).to(tl.float32)[None, :], 1)
@@ -315,7 +423,7 @@ def _decode_kernel(q_ptr, qr_ptr, pool_ptr, pool16_ptr, bt_ptr, nc_ptr, sk_ptr, 
             g = j * BG + tl.arange(0, BG)
             sc = tl.dot(qa, _unpack(rec + KC, d, g, G, KB), input_precision=PREC) + qz[:, None]
             sc = sc * tl.load(rec16 + KR // 2 + g).to(tl.float32)[None, :] * scale
-            m, alpha, p, l = _online(sc, m, l)
+            m, alpha, p, den = _online(sc, m, den)
             # V~[t, d] = (code a_t + z_t) c_d: sum_t p_t V~[t, d] = c_d (sum_t (p_t a_t) code + p . z)
             pa = p * tl.load(rec16 + VA // 2 + g).to(tl.float32)[None, :]
             pz = tl.sum(p * tl.load(rec16 + VZ // 2 + g).to(tl.float32)[None, :], 1)
@@ -324,14 +432,26 @@ def _decode_kernel(q_ptr, qr_ptr, pool_ptr, pool16_ptr, bt_ptr, nc_ptr, sk_ptr, 
             acc_n = acc_n * alpha[:, None]  # the exact tiles' sum shares the running max (acc_r was 0 before them)
     row = (b * HKV * GQ + h * GQ + qi) * S + s
     tl.store(m_ptr + row, m, mask=qmask)
-    tl.store(l_ptr + row, l, mask=qmask)
+    tl.store(den_ptr + row, den, mask=qmask)
     tl.store(accn_ptr + row[:, None] * D + d[None, :], acc_n, mask=qmask[:, None])
     tl.store(accr_ptr + row[:, None] * D + d[None, :], acc_r, mask=qmask[:, None])
 
 
-def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, n_closed: torch.Tensor,
-                     stage_k: torch.Tensor, stage_v: torch.Tensor, sink_len: torch.Tensor, cur_len: torch.Tensor,
-                     k_bits: int, v_bits: int, G: int, scale: float, num_splits: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    n_closed: torch.Tensor,
+    stage_k: torch.Tensor,
+    stage_v: torch.Tensor,
+    sink_len: torch.Tensor,
+    cur_len: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    G: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Attention of one query per sequence over its whole KVarN cache (contract in the module docstring).
 
     Splits come from block_table's width (a static shape, so no host sync): each takes ceil(width / splits) tiles;
@@ -341,11 +461,15 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     hkv = pool.shape[1]
     a = _field_args(d, G, k_bits, v_bits)
     if hq % hkv or pool.shape[2] != a["RB"] or pool.dtype != torch.uint8:
-        raise ValueError(f"decode_attention: pool must be uint8 [blocks, Hkv, {a['RB']}] with Hq={hq} a multiple of "
-                         f"Hkv, got {pool.dtype} {tuple(pool.shape)}")
+        raise ValueError(
+            f"decode_attention: pool must be uint8 [blocks, Hkv, {a['RB']}] with Hq={hq} a multiple of "
+            f"Hkv, got {pool.dtype} {tuple(pool.shape)}"
+        )
     if stage_k.shape != (bsz, 2, hkv, G, d) or stage_v.shape != stage_k.shape:
-        raise ValueError(f"decode_attention: stage_k/v must be [{bsz}, 2, {hkv}, {G}, {d}], got "
-                         f"{tuple(stage_k.shape)} / {tuple(stage_v.shape)}")
+        raise ValueError(
+            f"decode_attention: stage_k/v must be [{bsz}, 2, {hkv}, {G}, {d}], got "
+            f"{tuple(stage_k.shape)} / {tuple(stage_v.shape)}"
+        )
     width = block_table.shape[1]
     splits = num_splits or min(64, max(1, -(-width // 8)))
     tps = max(1, -(-width // splits))
@@ -353,15 +477,36 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Ten
     qf = q.float().contiguous()
     gq = hq // hkv
     m = torch.empty(bsz, hq, splits, dtype=torch.float32, device=q.device)
-    l, acc_n, acc_r = torch.empty_like(m), m.new_empty(bsz, hq, splits, d), m.new_empty(bsz, hq, splits, d)
+    den, acc_n, acc_r = torch.empty_like(m), m.new_empty(bsz, hq, splits, d), m.new_empty(bsz, hq, splits, d)
     pool = pool.contiguous()
     _decode_kernel[(bsz, hkv, splits)](
-        qf, (qf @ h).contiguous(), pool, pool.view(torch.float16), block_table.to(torch.int32).contiguous(),
-        n_closed.to(torch.int32).contiguous(), stage_k.contiguous(), stage_v.contiguous(),
-        sink_len.to(torch.int32).contiguous(), cur_len.to(torch.int32).contiguous(), m, l, acc_n, acc_r,
-        float(scale), width, splits, tps, HKV=hkv, GQ=gq, BQ=max(16, triton.next_power_of_2(gq)), BG=min(G, 8192 // d),
-        PREC="ieee" if not _libdevice() else "tf32x3", num_warps=8, **a)
+        qf,
+        (qf @ h).contiguous(),
+        pool,
+        pool.view(torch.float16),
+        block_table.to(torch.int32).contiguous(),
+        n_closed.to(torch.int32).contiguous(),
+        stage_k.contiguous(),
+        stage_v.contiguous(),
+        sink_len.to(torch.int32).contiguous(),
+        cur_len.to(torch.int32).contiguous(),
+        m,
+        den,
+        acc_n,
+        acc_r,
+        float(scale),
+        width,
+        splits,
+        tps,
+        HKV=hkv,
+        GQ=gq,
+        BQ=max(16, triton.next_power_of_2(gq)),
+        BG=min(G, 8192 // d),
+        PREC="ieee" if not _libdevice() else "tf32x3",
+        num_warps=8,
+        **a,
+    )
     w = torch.exp(m - m.amax(-1, keepdim=True))  # [B, Hq, S]; empty splits weigh 0
-    total = (w * l).sum(-1, keepdim=True)
+    total = (w * den).sum(-1, keepdim=True)
     acc = (w.unsqueeze(-1) * acc_n).sum(-2) + (w.unsqueeze(-1) * acc_r).sum(-2) @ h
     return (acc / total.clamp_min(1e-30)).to(q.dtype)

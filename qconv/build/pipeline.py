@@ -16,10 +16,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qconv import progress
+from qconv.build.memplan import plan_for
 from qconv.build.quantized import build_from_quantized
 from qconv.calibrate.select import format_table, parse_budget, select
 from qconv.calibrate.sensitivity import Scores
 from qconv.convert.artifact import copy_mtp, copy_side_files, finalize, write_index
+from qconv.convert.device import key_part, on_device, resolve_device
 from qconv.convert.layout import Plan, apply_selection, bpw_budget, candidate_units, plan_model
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
@@ -60,6 +62,8 @@ class BuildOptions:
     bpw: float | None = None  # a bits-per-weight target: the INT8 budget is what it leaves over the uniform plan
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
     reference: str | None = None  # quantized --model: the full-precision original for the quality report
+    device: str = "auto"  # where layers are calibrated and quantized, and the quality report runs (convert.device)
+    card: str | None = None  # --dry-run's device-memory plan: the card to plan for (default: the recipe's)
 
 
 @dataclass
@@ -71,6 +75,7 @@ class DryRun:
     budget_bytes: int = 0
     budget_note: str = ""  # how an `auto` budget was found
     units: list = None  # convert.layout.Unit candidates (for the by-role preview without scores)
+    device_plan: object = None  # build.memplan.DevicePlan
 
 
 def _recipe(opts: BuildOptions) -> Recipe:
@@ -139,7 +144,8 @@ def dry_run(opts: BuildOptions) -> DryRun:
     if cached and set(cached["values"]) >= {u.name for u in units}:
         selection = select(units, Scores(**cached), budget,
                            budget=_budget_label(opts, recipe), scheme=recipe.selection.scheme)
-    return DryRun(plan, recipe, config, selection, budget, note, units)
+    return DryRun(plan, recipe, config, selection, budget, note, units,
+                  plan_for(opts, recipe, plan, config, planning=True))
 
 
 def _source_info(src: ResolvedSource, work: WorkDir) -> SourceInfo:
@@ -182,9 +188,10 @@ def _sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, strea
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
 
     ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
+    device = resolve_device(opts.device)
     key = stage_key("sensitivity", src_sha, calib.info.sha256, opts.sensitivity, sens_samples,
                     [(u.name, [asdict(m) for m in u.w4], [(o.scheme, [asdict(m) for m in o.members]) for o in u.options])
-                     for u in units])
+                     for u in units], *key_part(device))
     cached = work.load_json("sensitivity", key)
     if cached:
         return Scores(**cached)
@@ -192,7 +199,7 @@ def _sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, strea
         from qconv.build.streamed_sensitivity import streamed_proxy_scores
 
         with owned_temp_dir(work.root, "qconv-sensitivity") as spill:
-            scores = streamed_proxy_scores(streamed_from, units, ids, spill)
+            scores = streamed_proxy_scores(streamed_from, units, ids, spill, device=device)
     else:
         fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
         scores = fn(model_loader(), units, ids)
@@ -251,9 +258,10 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
 
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
-    from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq, row_blocked_observer
+    from qconv.convert.stream import MAX_SHARD_SIZE
 
     t0 = time.time()
+    device = resolve_device(opts.device)  # --device cuda without a GPU: refused before anything is written
     recipe = _recipe(opts)
     out = check_out(opts)
     sweep_stale(out.parent, out.name)  # temp and parked folders a killed build left beside --out
@@ -269,6 +277,11 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     budget, _ = _budget(opts, recipe, plan, config)
     units = candidate_units(plan, recipe)
     stream = use_streaming(opts, plan)
+    if device != "cpu":  # a card too small is refused now, not hours in (a CPU build bounds its own memory)
+        dplan = plan_for(opts, recipe, plan, config)
+        for line in dplan.lines():
+            log.info("%s", line)
+        dplan.check()
     if budget > 0 and stream and opts.sensitivity == "kld" and any(not u.refusal for u in units):
         raise QconvError("--sensitivity kld runs the whole model once per unit: a streamed build cannot",
                          where="--sensitivity", fix="use --sensitivity proxy (the default) or build in memory")
@@ -330,17 +343,18 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
         build={"seed": seed, "family": plan.family, "untied_embeddings": plan.untie_embeddings,
                "tied_embeddings": plan.tied_embeddings, "untie_bytes": plan.untie_bytes,
                "estimated_bytes": final_plan.total_bytes, "source_bytes": plan.source_bytes,
-               "warnings": plan.warnings, "streamed": stream, "work_dir": str(work.root)},
+               "warnings": plan.warnings, "streamed": stream, "work_dir": str(work.root), "device": device},
     )
     qkey = stage_key("quantization", source_info.sha256, calib.info.sha256, [asdict(m) for m in modules],
                      asdict(recipe.quantizer), {k: asdict(v) for k, v in recipe.schemes.items()}, seed,
-                     plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE)
+                     plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE,
+                     *key_part(device))
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), row_blocked_observer(), \
+        with work.new_dir("quantization", qkey) as tmp, on_device(device), \
                 tokenizer_as_processor(tok), _calibration_activations(stream, work.root):
             quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
-                     tied=plan.tied_embeddings)
+                     tied=plan.tied_embeddings, device=device)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
     offload.close()
@@ -441,7 +455,7 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
         with work.new_dir("quality", key) as tmp:
             quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
                            num_parameters=manifest.source.num_parameters,
-                           fwd=Forward(streamed=True if streamed else None))
+                           fwd=Forward(streamed=True if streamed else None, device=opts.device))
             _copy_files(artifact, tmp, reports)
     else:
         _copy_files(qdir, artifact, reports)

@@ -14,6 +14,7 @@ from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import read_config
 from qconv.errors import QconvError
+from qconv.eval.forward import Forward
 from qconv.eval.reference import is_cache
 from qconv.eval.report import REPORT_JSON, REPORT_MD, render_md
 from qconv.eval.run import gate_failure, quality_report
@@ -68,7 +69,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
             ref, kind = Path(tmpd) / "source", "source checkpoint"
             write_imported(src, fmt, ref, True, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
         summary = quality_report(ref, artifact, recipe, text=text, num_parameters=manifest.source.num_parameters
-                                 or None)
+                                 or None, fwd=Forward(device=opts.device))
     path = artifact / REPORT_JSON
     report = json.loads(path.read_text())
     note = (f"against cached reference log-probs of the true original (source sha256 "

@@ -94,7 +94,8 @@ def test_dry_run_plans_the_27b_on_a_3090(config_27b):
     FLOP model's projected time."""
     r = run("build", "--recipe", "3090", "--model", config_27b, "--dry-run", "--device", "cuda", "--card", "3090")
     assert r.exit_code == 0, r.output
-    lines = [x for x in r.output.splitlines() if "GiB  ok" in x or "DOES NOT FIT" in x]
+    plan = r.output[r.output.index("device memory plan:"):]
+    lines = [x for x in plan.splitlines() if "GiB  ok" in x or "DOES NOT FIT" in x]
     assert len(lines) == 5 and all("GiB  ok" in x for x in lines), r.output
     assert "device memory plan: cuda on RTX 3090, 23.00 GiB" in r.output and "128 x 2048" in r.output
     assert "projected wall time" in r.output and "64 layers x" in r.output

@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from qconv.convert.stream import GPTQ_BLOCK_BYTES, available_ram
+from qconv.convert.stream import GPTQ_BLOCK_BYTES
 from qconv.errors import QconvError
+from qconv.memory import available_ram
 
 log = logging.getLogger(__name__)
 
@@ -60,48 +61,28 @@ def gptq_block_bytes(device: str, free: int | None = None) -> int:
     return max(GPTQ_BLOCK_BYTES, free // GPU_BLOCK_SHARE)
 
 
-def _pipeline_modules():
-    from llmcompressor.pipelines.data_free import pipeline as data_free
-    from llmcompressor.pipelines.sequential import pipeline as sequential
-
-    return sequential, data_free
-
-
-def check_onload_target() -> None:
-    """The patch below replaces a module-level name in llmcompressor's pipelines: refuse loudly when a version
-    no longer has it."""
-    import llmcompressor
-
-    for mod in _pipeline_modules():
-        if not callable(getattr(mod, "get_main_device", None)):
-            raise QconvError(f"llmcompressor {llmcompressor.__version__}: {mod.__name__} has no get_main_device "
-                             "(qconv sets the build's onload device through it)", where="--device",
-                             fix="install the llmcompressor version pinned in pyproject.toml (0.14)")
-
-
 @contextlib.contextmanager
 def onload_device(device: str):
     """Make llmcompressor onload each layer to `device`.
 
     llmcompressor 0.14's sequential and data-free pipelines take their onload device from get_main_device() (the
     first accelerator, else the CPU) and hand it to compressed-tensors' set_onload_device; oneshot has no argument
-    for it. Here those two pipelines' reference is pointed at the device the build was given, so `--device cpu`
-    stays on the CPU beside a GPU and `--device cuda` is deliberate. Calibration activations between layers stay
-    where llmcompressor offloads them (`sequential_offload_device`, the CPU; on disk in a streamed build)."""
+    for it. Here those two pipelines' reference (convert/patches.py) is pointed at the device the build was given,
+    so `--device cpu` stays on the CPU beside a GPU and `--device cuda` is deliberate. Calibration activations
+    between layers stay where llmcompressor offloads them (`sequential_offload_device`, the CPU; on disk in a
+    streamed build)."""
     import torch
 
-    check_onload_target()
+    from qconv.convert import patches
+
     target = torch.device(device)
-    mods = _pipeline_modules()
-    before = [m.get_main_device for m in mods]
-    for m in mods:
-        m.get_main_device = lambda: target
-    log.info("build device: %s", device)
-    try:
+
+    def main_device() -> torch.device:
+        return target
+
+    with patches.swap(sequential_main_device=main_device, data_free_main_device=main_device):
+        log.info("build device: %s", device)
         yield target
-    finally:
-        for m, f in zip(mods, before):
-            m.get_main_device = f
 
 
 def reset_peak(device: str) -> None:

@@ -65,7 +65,7 @@ def qconv(args: list, log: Path) -> dict:
 
 def layer_lines(build_log: Path) -> list[dict]:
     """The build's per-layer lines (qconv.convert.device.LayerClock): seconds and peak device memory."""
-    pat = re.compile(r"(layer \d+/\d+|lm_head): ([\d.]+) s .*? peak (?:allocated|RSS) ([\d.]+) GiB")
+    pat = re.compile(r"(layer \d+/\d+|lm_head): ([\d.]+) s\b.*? peak (?:allocated|RSS) ([\d.]+) GiB")
     return [{"phase": m[1], "s": float(m[2]), "peak_gib": float(m[3])}
             for m in pat.finditer(build_log.read_text(errors="replace"))]
 

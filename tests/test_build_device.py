@@ -82,6 +82,11 @@ def test_device_cpu_build_is_todays_build(tiny_qwen3_5, tmp_path, calib_txt, tex
     n = json.loads((tiny_qwen3_5 / "config.json").read_text())
     n = n.get("text_config", n)["num_hidden_layers"]
     assert f"layer 1/{n}: " in log and f"layer {n}/{n}: " in log and "eta" in log and "cpu peak RSS" in log
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_build import layer_lines  # the GPU bench reads its per-phase numbers from these lines
+
+    phases = layer_lines(tmp_path / "w1" / "build.log")
+    assert [p["phase"] for p in phases] == [f"layer {i}/{n}" for i in range(1, n + 1)] + ["lm_head"]
 
     monkeypatch.setattr(device, "onload_device", lambda dev: contextlib.nullcontext())  # llmcompressor's own pick
     r = run("build", *args, "--out", tmp_path / "today", "--work-dir", tmp_path / "w2")
@@ -111,7 +116,8 @@ def test_device_plan_numbers(config_27b):
     """The phases from the shapes: the 27B's widest layer holds 383 M bf16 weights and the Hessians of its
     quantized Linears (in_features^2 float32 each); the lm_head 248,320 x 5,120 bf16."""
     from qconv.build.memplan import build_plan
-    from qconv.build.pipeline import BuildOptions, dry_run
+    from qconv.build.budget import dry_run
+    from qconv.build.options import BuildOptions
 
     dr = dry_run(BuildOptions(model=str(config_27b)))
     dp = build_plan(dr.plan, dr.config, dr.recipe, device="cuda", samples=128, seq_len=2048, card="3090")

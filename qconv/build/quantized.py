@@ -14,6 +14,7 @@ from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config
 from qconv.errors import QconvError
+from qconv.eval.forward import Forward
 from qconv.eval.reference import is_cache
 from qconv.eval.run import quality_report
 from qconv.manifest import Manifest, RecipeInfo
@@ -75,7 +76,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
             ref, model["kind"] = Path(tmpd) / "source", "source checkpoint"
             write_imported(src, fmt, ref, True, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
         summary = quality_report(ref, artifact, recipe, text=text, num_parameters=manifest.source.num_parameters
-                                 or None, final=final, annotate=annotate)
+                                 or None, final=final, annotate=annotate, fwd=Forward(device=opts.device))
     summary["reference"] = model["kind"]
     manifest.build["quality_reference"] = {k: model[k] for k in ("kind", "cached", "note")}
     return record(manifest, summary, opts.gates)

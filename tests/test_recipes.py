@@ -37,3 +37,13 @@ def test_every_kvarn_preset_is_a_profile_choice():
     from qconv.recipes.recipe import KV_SCHEMES
 
     assert {n for n in KV_SCHEME_NAMES if n.startswith("kvarn_")} <= set(KV_SCHEMES)
+
+
+def test_speculative_lookup_keys_are_validated(tmp_path):
+    assert load_recipe("3090").speculative.lookup.after_saturated == 2
+    for bad, key in (("after_saturated: -1", "after_saturated"), ("max_block: 16", "max_block"),
+                     ("ngram_min: 5", "ngram_min")):
+        p = tmp_path / "r.yaml"
+        p.write_text(f"extends: \"3090\"\nname: r\nspeculative:\n  lookup:\n    {bad}\n")
+        with pytest.raises(QconvError, match=f"speculative.lookup.{key}"):
+            load_recipe(str(p))

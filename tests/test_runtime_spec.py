@@ -173,6 +173,40 @@ def test_draft_length_follows_acceptance():
     assert DraftLength(most=6, adaptive=False)() == 6
 
 
+class FixedHead:
+    """A model drafter that always proposes the same k tokens."""
+
+    needs_hidden = True
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def begin(self, prompt, cache, slot=0):
+        pass
+
+    def observe(self, hidden, next_tokens):
+        pass
+
+    def propose(self, seq, k):
+        return Draft(self.tokens[:k], [None] * min(k, len(self.tokens)))
+
+
+def test_hybrid_stretches_only_after_the_drafter_saturates():
+    from qconv.runtime.spec import HybridDrafter
+
+    hd = HybridDrafter(FixedHead([7, 8]), PromptLookup(1, 2), after_saturated=2)
+    seq = [1, 7, 8, 5, 6, 1]  # after "1, 7, 8" lookup continues "5, 6, 1, ..."
+    hd.begin(seq, None)
+    assert hd.propose(seq, 6).tokens == [7, 8]  # not saturated yet: the drafter's own tokens
+    hd.observe(None, [7, 8, 5])  # accepted whole
+    assert hd.propose(seq, 6).tokens == [7, 8]
+    hd.observe(None, [7, 8, 5])
+    assert hd.propose(seq, 6).tokens == [7, 8, 5, 6, 1, 7]  # two full acceptances: lookup stretches the block
+    hd.observe(None, [7, 3])  # the drafter's second token was rejected: back to its own block
+    assert hd.propose(seq, 6).tokens == [7, 8]
+    assert HybridDrafter(FixedHead([7, 8]), PromptLookup(1, 2)).propose(seq, 6).tokens == [7, 8, 5, 6, 1, 7]
+
+
 def test_speculator_probes_when_it_drafts_nothing():
     sp = Speculator(PromptLookup(1, 2), DraftLength(most=8, rate=0.0))
     sp.begin([3, 4, 3], None, 0, None, 4)
@@ -188,6 +222,8 @@ def test_spec_config_from_the_artifact_block():
     block = Speculative("hybrid", 4, Lookup(max_block=15, ngram_max=4, ngram_min=2))
     sc = SpecConfig.from_manifest(block)
     assert (sc.method, sc.k, sc.max_block, sc.ngram_min, sc.ngram_max) == ("hybrid", 4, 15, 2, 4)
+    stretched = Speculative("hybrid", 4, Lookup(max_block=15, after_saturated=2))
+    assert SpecConfig.from_manifest(stretched).after_saturated == 2
     assert SpecConfig.from_manifest(block, tokens=0).method == "none"
     lk = SpecConfig.from_manifest(Speculative("lookup", 4, Lookup(max_block=8)), 6)
     assert (lk.method, lk.max_block) == ("lookup", 6)
@@ -250,8 +286,8 @@ TOY_PROMPTS = [[(3 * i + j * j) % 10 + 2 for j in range(6 + i % 5)] * (1 + i % 3
 @pytest.mark.parametrize("method", ["lookup", "mtp", "hybrid"])
 def test_toy_greedy_speculative_equals_plain(method):
     model = ToyModel()
-    for adaptive in (True, False):
-        cfg = GenerationConfig(max_tokens=40, spec=SpecConfig(method, adaptive=adaptive))
+    for adaptive, after in ((True, 0), (False, 0), (False, 2)):
+        cfg = GenerationConfig(max_tokens=40, spec=SpecConfig(method, adaptive=adaptive, after_saturated=after))
         for prompt in TOY_PROMPTS:
             stats = GenerationStats()
             out = list(generate_tokens(model, prompt, cfg, stats))

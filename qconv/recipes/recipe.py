@@ -157,9 +157,22 @@ class Profile:
 
 @dataclass
 class Lookup:
+    """Prompt lookup: alone (method lookup) it drafts up to `max_block` tokens; with a model drafter (hybrid) it
+    stretches the drafter's k tokens to `max_block` once the drafter's whole proposal was accepted
+    `after_saturated` steps running (0: every step)."""
+
     max_block: int = 15
     ngram_max: int = 4
     ngram_min: int = 2
+    after_saturated: int = 0
+
+    def validate(self):
+        if not 0 <= self.max_block <= 15:
+            yield "max_block", f"must be in 0..15, got {self.max_block}"
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            yield "ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}..{self.ngram_max}"
+        if self.after_saturated < 0:
+            yield "after_saturated", f"must be >= 0, got {self.after_saturated}"
 
 
 @dataclass

@@ -47,8 +47,9 @@ class Drafter(Protocol):
 @dataclass(frozen=True)
 class SpecConfig:
     """`method` (none | lookup | mtp | hybrid), the MTP head's chained drafts `k`, the most draft tokens verified
-    per step `max_block` (hybrid: lookup fills it past the MTP drafts), prompt lookup's n-gram range, and whether
-    the draft length follows the acceptance EMA (`adaptive`)."""
+    per step `max_block` (hybrid: lookup fills it past the MTP drafts once they were fully accepted
+    `after_saturated` steps running), prompt lookup's n-gram range, and whether the draft length follows the
+    acceptance EMA (`adaptive`)."""
 
     method: str = "lookup"
     k: int = 4
@@ -56,6 +57,7 @@ class SpecConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True
+    after_saturated: int = 0
 
     def __post_init__(self):
         if self.method not in SPEC_MODES:
@@ -63,9 +65,9 @@ class SpecConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise QconvError(f"bad lookup n-gram range {self.ngram_min}..{self.ngram_max}",
                              fix="need 1 <= ngram_min <= ngram_max")
-        if not 0 <= self.max_block <= 15 or self.k < 0:
+        if not 0 <= self.max_block <= 15 or self.k < 0 or self.after_saturated < 0:
             raise QconvError(f"bad draft sizes k={self.k}, max_block={self.max_block}",
-                             fix="need k >= 0 and 0 <= max_block <= 15")
+                             fix="need k >= 0, 0 <= max_block <= 15 and after_saturated >= 0")
 
     @property
     def on(self) -> bool:
@@ -82,7 +84,8 @@ class SpecConfig:
         k = spec.num_speculative_tokens if tokens is None else int(tokens)
         block = k if tokens is not None and method == "lookup" else spec.lookup.max_block
         return cls(method="none" if k == 0 else method, k=k, max_block=min(max(block, k), 15),
-                   ngram_min=spec.lookup.ngram_min, ngram_max=spec.lookup.ngram_max)
+                   ngram_min=spec.lookup.ngram_min, ngram_max=spec.lookup.ngram_max,
+                   after_saturated=spec.lookup.after_saturated)
 
     @classmethod
     def of_artifact(cls, path: Path, tokens: int | None = None) -> SpecConfig:
@@ -225,23 +228,37 @@ class MTPDrafter:
 
 
 class HybridDrafter:
-    """A model drafter's own k tokens, then prompt lookup (matched over sequence + those drafts) fills the block."""
+    """A model drafter's own k tokens, then prompt lookup (matched over sequence + those drafts) stretches the block
+    once the drafter's proposals were accepted whole `after_saturated` steps running (0: every step); a step the
+    drafter proposes nothing, lookup drafts alone."""
 
     needs_hidden = True
 
-    def __init__(self, model: MTPDrafter, lookup: PromptLookup):
-        self.model, self.lookup = model, lookup
+    def __init__(self, model: MTPDrafter, lookup: PromptLookup, after_saturated: int = 0):
+        self.model, self.lookup, self.after_saturated = model, lookup, after_saturated
+        self._head: list[int] = []
+        self.streak = 0  # steps running whose drafter proposal was accepted whole
 
     def begin(self, prompt: list[int], cache, slot: int = 0) -> None:
         self.model.begin(prompt, cache, slot)
         self.lookup.begin(prompt, cache, slot)
+        self._head, self.streak = [], 0
 
     def observe(self, hidden, next_tokens) -> None:
+        """After a verify, next_tokens = the accepted drafts + the target's token: did the drafter's part survive?"""
+        if self._head:
+            self.streak = self.streak + 1 if next_tokens[:len(self._head)] == self._head else 0
+            self._head = []
         self.model.observe(hidden, next_tokens)
 
     def propose(self, seq: list[int], k: int) -> Draft:
         head = self.model.propose(seq, k)
-        return head + self.lookup.propose(seq + head.tokens, k - len(head)) if head else self.lookup.propose(seq, k)
+        self._head = head.tokens
+        if not head:
+            return self.lookup.propose(seq, k)
+        if self.streak < self.after_saturated:
+            return head
+        return head + self.lookup.propose(seq + head.tokens, k - len(head))
 
 
 @dataclass
@@ -289,7 +306,7 @@ def make_speculator(spec: SpecConfig, model, params: SamplingParams = SamplingPa
         drafter = lookup
     else:
         mtp = MTPDrafter(model, spec.k, params, generator)
-        drafter = mtp if spec.method == "mtp" else HybridDrafter(mtp, lookup)
+        drafter = mtp if spec.method == "mtp" else HybridDrafter(mtp, lookup, spec.after_saturated)
     return Speculator(drafter, DraftLength(spec.max_block, spec.adaptive))
 
 

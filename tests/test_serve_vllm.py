@@ -90,6 +90,12 @@ def test_speculative_mapping(tmp_path):
     mtp_cfg = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
     assert vllm.speculative_config(_source(tmp_path, mtp_cfg, hybrid)) == {"method": "mtp", "num_speculative_tokens": 5}
     assert vllm.speculative_config(_source(tmp_path, dense, {"method": "none"})) is None
+    # the stretch: n-gram's k tokens, the lookup block after 2 fully accepted steps, by the plugin's proposer
+    stretched = {"method": "hybrid", "num_speculative_tokens": 4, "lookup": {"max_block": 15, "after_saturated": 2}}
+    assert vllm.speculative_config(_source(tmp_path, dense, stretched)) == {
+        "method": "custom_class", "model": "qconv_vllm.stretch.StretchedLookup_k4_s2_n2_4",
+        "num_speculative_tokens": 15}
+    assert vllm.speculative_config(_source(tmp_path, mtp_cfg, stretched))["method"] == "mtp"
     with pytest.raises(QconvError, match="no MTP head"):
         vllm.speculative_config(_source(tmp_path, dense, {"method": "mtp", "num_speculative_tokens": 2}))
     argv = vllm.build_command(_source(tmp_path, dense, lookup), None, vllm.LaunchOptions())

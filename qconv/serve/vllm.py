@@ -94,8 +94,10 @@ def kvarn_block_size(kv: str) -> int:
 
 def speculative_config(src: ServeSource, platform: str | None = None, tokens: int | None = None) -> dict | None:
     """vLLM's --speculative-config. vLLM runs one method per server: `hybrid` (MTP + prompt lookup in qconv's
-    runtime) becomes MTP when the checkpoint has an MTP head, else n-gram lookup; `dflash` passes its drafter model
-    through. vLLM's CPU backend cannot run speculation on hybrid (Gated-DeltaNet) models, so none is set there."""
+    runtime) becomes MTP when the checkpoint has an MTP head (vLLM's MTP proposer cannot be stretched), else n-gram
+    lookup, stretched to the lookup block after `after_saturated` fully accepted steps by the plugin's custom_class
+    proposer (qconv_vllm/stretch.py); `dflash` passes its drafter model through. vLLM's CPU backend cannot run
+    speculation on hybrid (Gated-DeltaNet) models, so none is set there."""
     spec = src.speculative
     method = spec.method if spec is not None else "none"
     n = (spec.num_speculative_tokens if spec is not None else 0) if tokens is None else tokens
@@ -110,8 +112,13 @@ def speculative_config(src: ServeSource, platform: str | None = None, tokens: in
     if method == "mtp":
         raise QconvError(f"speculative method mtp, but {src.name} has no MTP head (mtp_num_hidden_layers = 0)",
                          fix="use a recipe with speculative.method lookup or none")
+    lk = spec.lookup
+    if method == "hybrid" and lk.after_saturated and lk.max_block > n:  # the stretch: the plugin's proposer
+        name = f"StretchedLookup_k{n}_s{lk.after_saturated}_n{lk.ngram_min}_{lk.ngram_max}"
+        return {"method": "custom_class", "model": f"qconv_vllm.stretch.{name}",
+                "num_speculative_tokens": lk.max_block}
     return {"method": "ngram", "num_speculative_tokens": n,
-            "prompt_lookup_max": spec.lookup.ngram_max, "prompt_lookup_min": spec.lookup.ngram_min}
+            "prompt_lookup_max": lk.ngram_max, "prompt_lookup_min": lk.ngram_min}
 
 
 @dataclass

@@ -108,3 +108,15 @@ def test_qconv_serve_names_a_class_the_plugin_has(tmp_path):
     module, name = spec["model"].rsplit(".", 1)
     assert module == "qconv_vllm.stretch" and issubclass(stretch.__getattr__(name), stretch.StretchedLookup)
     assert (stretch.__getattr__(name).k, spec["num_speculative_tokens"]) == (4, 15)
+
+
+def test_gpu_spec_says_clearly_when_there_is_no_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: bench/gpu_spec.py would run for real")
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_spec.py")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "gpu_spec" and "no CUDA device" in out["error"]

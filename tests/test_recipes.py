@@ -47,3 +47,11 @@ def test_speculative_lookup_keys_are_validated(tmp_path):
         p.write_text(f"extends: \"3090\"\nname: r\nspeculative:\n  lookup:\n    {bad}\n")
         with pytest.raises(QconvError, match=f"speculative.lookup.{key}"):
             load_recipe(str(p))
+
+
+def test_batch_profile_names_w4a8_roles(tmp_path):
+    assert load_recipe("3090").profiles["batch"].w4a8 == ["mlp_gate_up", "mlp_down"]
+    p = tmp_path / "r.yaml"
+    p.write_text('extends: "3090"\nname: r\nprofiles:\n  batch: {w4a8: [lm_head]}\n')
+    with pytest.raises(QconvError, match="profiles.batch.w4a8"):
+        load_recipe(str(p))

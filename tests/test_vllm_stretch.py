@@ -1,6 +1,7 @@
-"""The plugin's stretched prompt lookup (qconv_vllm/stretch.py), vLLM's `custom_class` proposer: its per-row
-saturation streak (fast, with a stand-in for vLLM's n-gram matcher), and in real vLLM 0.32 on this CPU (slow): its
-targets are where it was written against, and greedy output with it is vLLM's plain greedy output."""
+"""The plugin's stretched prompt lookup (qconv_vllm/stretch.py, vLLM's `custom_class` proposer) and its W4A8
+restriction (w4a8.py): the per-row saturation streak (fast, with a stand-in for vLLM's n-gram matcher), and in real
+vLLM 0.32 on this CPU (slow): the targets are where they were written against, and greedy output with the stretch
+is vLLM's plain greedy output. bench/gpu_spec.py's no-GPU answer."""
 
 from __future__ import annotations
 
@@ -120,3 +121,21 @@ def test_gpu_spec_says_clearly_when_there_is_no_gpu():
     assert r.returncode == 2
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["bench"] == "gpu_spec" and "no CUDA device" in out["error"]
+
+
+def test_w4a8_restriction_keeps_int8_input_to_the_named_modules():
+    from qconv_vllm import w4a8
+
+    pick = w4a8.restricted(lambda prefix=None: "int8", r"\.mlp\.(gate_up|down)_proj$")
+    assert pick("model.layers.0.mlp.down_proj") == "int8" and pick("model.layers.0.mlp.gate_up_proj") == "int8"
+    assert pick("model.layers.0.self_attn.qkv_proj") is None and pick(None) is None
+
+
+@pytest.mark.slow
+def test_w4a8_patch_target_in_vllm(vllm_python):
+    """Fails when vLLM's WNA16 scheme stops choosing Marlin's input dtype through get_marlin_input_dtype."""
+    code = ("import json, os; os.environ['QCONV_VLLM_W4A8'] = 'mlp'; from qconv_vllm import w4a8; "
+            "names = w4a8.apply(); f = w4a8._module().get_marlin_input_dtype; "
+            "print(json.dumps({'names': names, 'attn': repr(f('model.layers.0.self_attn.qkv_proj'))}))")
+    out = _vllm_run(vllm_python, code)
+    assert out["names"] and out["attn"] == "None"

@@ -159,6 +159,19 @@ def test_lookup_longest_most_recent_and_periodic():
     assert PromptLookup(2, 4).propose([4, 1, 2, 3, 1], 3).tokens == []  # single-token matches are below ngram_min
 
 
+def test_lookup_drafts_the_whole_block_on_a_long_verbatim_run():
+    src = list(range(10, 40))
+    seq = [1, 2] + src + [3] + src[:12]  # copying src, 12 tokens in
+    lk = PromptLookup(2, 4, sure=8)
+    assert lk.propose(seq, 2, most=10).tokens == src[12:22]  # run >= 8: the block
+    assert lk.propose(seq, 2).tokens == src[12:14]  # no room given: k
+    short = [1, 2] + src + [3, 7] + src[10:12]  # a 2-token match only
+    assert PromptLookup(2, 4, sure=8).propose(short, 2, most=10).tokens == src[12:14]
+    sp = Speculator(PromptLookup(2, 4, sure=8), DraftLength(most=10, rate=0.0))
+    sp.begin(seq, None, 0, None, seq[-1])
+    assert sp.draft(seq, 6).tokens == src[12:18]  # the EMA says 0, a sure run still drafts (up to the room)
+
+
 def test_draft_length_follows_acceptance():
     dl = DraftLength(most=15)
     for _ in range(20):
@@ -187,7 +200,7 @@ class FixedHead:
     def observe(self, hidden, next_tokens):
         pass
 
-    def propose(self, seq, k):
+    def propose(self, seq, k, most=None):
         return Draft(self.tokens[:k], [None] * min(k, len(self.tokens)))
 
 
@@ -374,7 +387,7 @@ class OracleDrafter:
     def observe(self, hidden, next_tokens):
         pass
 
-    def propose(self, seq, k):
+    def propose(self, seq, k, most=None):
         done = len(seq) - self.start
         toks = list(self.ref[done:done + min(k, 6)])
         self.calls += 1
@@ -530,3 +543,24 @@ def test_transformers_drafter_replay_reproduces_its_real_run(tiny_llama, one_thr
     replay = transformers_lookup_replay(prompts, outputs, 24, 15, eos)
     assert real["new_tokens"] == replay["new_tokens"] == sum(map(len, outputs))
     assert replay["tokens_per_forward"] == real["tokens_per_forward"] > 1.5, (real, replay)
+
+
+def test_spec_replay_on_saved_copy_output(tmp_path):
+    """bench/spec_replay.py on a copied passage: the stretch beats plain k-token lookup, fixed blocks reach long
+    runs, and the numbers are real ratios of steps."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = [(7 * i * i + 3 * i) % 97 + 3 for i in range(90)]
+    prompt = [1] + src + [2, 9]
+    rows = {"copy": [[prompt, src[:80]]]}
+    f = tmp_path / "outs.json"
+    f.write_text(json.dumps(rows))
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "spec_replay.py"), str(f), "--max-tokens", "80"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    w = json.loads(r.stdout.strip().splitlines()[-1])["workloads"]["copy"]
+    assert w["ngram_k"] <= 5 and w["stretched"] > 1.5 * w["ngram_k"] and w["lookup_fixed"] > 8

@@ -17,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import EllipsisType
 
 from qconv.artifact import Artifact, choose_profile
 from qconv.errors import QconvError
@@ -66,15 +67,18 @@ class ServeSource:
         return int(text.get("mtp_num_hidden_layers", 0) or text.get("num_nextn_predict_layers", 0) or 0) > 0
 
 
-def load_source(path: str | Path, recipe: str | None = None) -> ServeSource:
-    """An artifact (profiles from `qconv.json`) or a plain config folder with `--recipe` (no weights needed)."""
+def load_source(path: str | Path, recipe: str | None = None, art: Artifact | None | EllipsisType = ...) -> ServeSource:
+    """An artifact (profiles from `qconv.json`) or a plain config folder with `--recipe` (no weights needed).
+    `art`: the artifact the caller opened already (None: a plain folder; `...`: open it here)."""
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise QconvError(f"no config.json in {path}", where=str(path),
                          fix="pass an artifact folder (qconv build --out) or an HF config folder with --recipe")
     config = json.loads(cfg_path.read_text())
-    if recipe is None and (art := Artifact.find(path)) is not None:
+    if recipe is None and art is ...:
+        art = Artifact.find(path)
+    if recipe is None and art is not None:
         return ServeSource(path, path.name, config, art.profiles, art.default_profile, art.speculative, art.requires)
     if recipe is None:
         raise QconvError(f"{path} has no {MANIFEST}, so it carries no serving profiles", where=str(path),

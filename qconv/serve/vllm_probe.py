@@ -76,7 +76,7 @@ def _run_probe(python: str, script: str, *args: str, timeout: float, env: dict |
         r = subprocess.run([python, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise QconvError(f"cannot run the vLLM interpreter {python}: {e}", where="--vllm-python",
-                         fix="pass --vllm-python PATH to a python with vLLM installed, or use --backend native")
+                         fix="pass --vllm-python PATH to a python with vLLM installed, or use --backend native") from e
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
 

@@ -125,6 +125,9 @@ class SelectionRules:
                 yield "candidates", f"unknown role {c!r}; roles: {', '.join(ROLES)}"
 
 
+W4A8_ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_out")
+
+
 @dataclass
 class Card:
     name: str
@@ -141,9 +144,15 @@ class Profile:
     mamba_ssm_cache_dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     language_model_only: bool = True
     max_tokens: int | None = None  # completion cap of a chat request that sends none (None: the server's default)
+    # Roles whose int4 linears take int8 activations (per-token dynamic) when served: W4A8 on Marlin's int8 input
+    # path (CUDA sm80+); the checkpoint stays W4A16, eval/check simulate it on exactly these roles.
+    w4a8: list[str] = field(default_factory=list)
     description: str = ""
 
     def validate(self):
+        for role in self.w4a8:
+            if role not in W4A8_ROLES:
+                yield "w4a8", f"role {role!r} has no int4 linears to run W4A8; roles: {', '.join(W4A8_ROLES)}"
         if self.kv_cache not in KV_SCHEMES:
             yield "kv_cache", f"unknown KV scheme {self.kv_cache!r}; allowed: {', '.join(KV_SCHEMES)}"
         if self.context_length <= 0:
@@ -158,9 +167,22 @@ class Profile:
 
 @dataclass
 class Lookup:
+    """Prompt lookup: alone (method lookup) it drafts up to `max_block` tokens; with a model drafter (hybrid) it
+    stretches the drafter's k tokens to `max_block` once the drafter's whole proposal was accepted
+    `after_saturated` steps running (0: every step)."""
+
     max_block: int = 15
     ngram_max: int = 4
     ngram_min: int = 2
+    after_saturated: int = 0
+
+    def validate(self):
+        if not 0 <= self.max_block <= 15:
+            yield "max_block", f"must be in 0..15, got {self.max_block}"
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            yield "ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}..{self.ngram_max}"
+        if self.after_saturated < 0:
+            yield "after_saturated", f"must be >= 0, got {self.after_saturated}"
 
 
 @dataclass

@@ -24,6 +24,9 @@ _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I32"
 # zero-pads a layer whose in/out widths miss its thread tiles (in % 128 / out % 64), so the group is its only limit
 # (vllm/model_executor/kernels/linear/mixed_precision/marlin.py, `can_implement`).
 MARLIN_GROUPS = (32, 64, 128)
+# vLLM 0.32's CPU kernel for int4 with zero points (CPUWNA16, its only CPU kernel that takes them) needs both widths
+# to be multiples of 32 (mixed_precision/cpu.py, `can_implement`).
+CPU_ZP_ALIGN = 32
 
 
 def marlin_refusal(k: int, group: int | None) -> str:
@@ -78,7 +81,7 @@ class Plan:
             r["modules"] += 1
             r["params"] += m.shape[0] * m.shape[1]
             r["bytes"] += module_bytes(m)
-            r["schemes"].add(m.scheme + (f" g{m.group_size}" if m.group_size else ""))
+            r["schemes"].add(m.scheme + (f" g{m.group_size}" if m.group_size else "") + ("" if m.symmetric else " zp"))
         return dict(out)
 
     def units(self) -> dict[str, list[ModuleDecision]]:
@@ -89,15 +92,18 @@ class Plan:
 
 
 def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: int | None = None) -> int:
-    """Bytes a module takes in the artifact: packed codes + bf16 scales (+ shape), or bf16 when kept."""
+    """Bytes a module takes in the artifact: packed codes + bf16 scales (+ packed zero points when asymmetric)
+    (+ shape), or bf16 when kept."""
     n, k = m.shape
     bits = scheme_bits if scheme_bits is not None else m.bits
     g = group_size if scheme_bits is not None else m.group_size
     if not bits:
         return n * k * 2
     codes = n * k * bits // 8
-    scales = n * (k // g if g else 1) * 2
-    return codes + scales + (16 if bits == 4 else 0)
+    groups = k // g if g else 1
+    scales = n * groups * 2
+    zeros = 0 if m.symmetric else -(-n * bits // 32) * groups * 4  # int32 words packed along the output dim
+    return codes + scales + zeros + (16 if bits == 4 else 0)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Tensor]:
@@ -182,9 +188,13 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
         notes.append(f"no Marlin: {why}")
         warns.append(f"{name} [{n}x{k}]: vLLM's Marlin kernel cannot run this group size; vLLM falls back to a "
                      f"slower kernel")
+    if not w.symmetric and (k % CPU_ZP_ALIGN or n % CPU_ZP_ALIGN):
+        notes.append(f"no CPU kernel: zero points need in/out % {CPU_ZP_ALIGN} == 0")
+        warns.append(f"{name} [{n}x{k}]: vLLM's CPU backend runs int4 zero points only at widths that are "
+                     f"multiples of {CPU_ZP_ALIGN} (GPUs: Marlin runs it)")
     label = scheme.label
     return ModuleDecision(name=name, role=role, scheme=label, bits=w.bits, group_size=g, shape=[n, k],
-                          note="; ".join(notes)), warns
+                          note="; ".join(notes), symmetric=w.symmetric), warns
 
 
 def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:

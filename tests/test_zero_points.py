@@ -108,3 +108,31 @@ def test_zero_point_artifact_in_vllm(tmp_path, tiny_llama, calib_txt, vllm_pytho
 
     out = build_zero_point_artifact(tmp_path, tiny_llama, calib_txt)
     assert served_agrees_with_native(out, vllm_python) <= TOLERANCE
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_plugin_reference_kernel_dequantizes_zero_points(bits):
+    """The qconv-vllm reference kernel's dequantization (plain torch) equals compressed-tensors' own decompression
+    of an asymmetric pack-quantized weight: codes and zero points packed as the artifact stores them."""
+    import sys
+
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
+    from qconv_vllm.packing import dequantize_rows
+
+    torch.manual_seed(0)
+    n, k, g = 48, 128, 64
+    w = torch.randn(n, k) + torch.linspace(-1, 3, n)[:, None]  # rows off zero: the zero points matter
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=g)
+    wg = w.view(n, k // g, g)
+    scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    sd = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+    want = PackedQuantizationCompressor.decompress(dict(sd), scheme)["weight"]
+    got = dequantize_rows(sd["weight_packed"], sd["weight_scale"], bits, k, torch.float32, sd["weight_zero_point"])
+    assert zp.abs().sum() > 0 and torch.allclose(got, want.float(), atol=1e-6)
+    assert (got - w).abs().max() <= scale.max() / 2 + 1e-5

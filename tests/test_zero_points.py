@@ -40,7 +40,8 @@ def test_symmetric_validated(tmp_path, schemes, expect):
 def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
     """mlp_down asymmetric g64, every other int4 role symmetric: two config groups that differ in `symmetric`, and
     GPTQModifier resolves them as given; the plan counts the zero points' bytes."""
-    from qconv.convert.layout import module_bytes, plan_model
+    from qconv.calibrate.units import module_bytes
+    from qconv.convert.layout import plan_model
     from qconv.convert.quantize import config_groups, modifiers
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe

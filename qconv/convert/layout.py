@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qconv.calibrate.units import Option, Unit, module_bytes
 from qconv.errors import QconvError
 from qconv.fsutil import safetensors_header
 from qconv.manifest import ModuleDecision
@@ -24,9 +25,6 @@ _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I8": 1, "U8": 1, "I32"
 # zero-pads a layer whose in/out widths miss its thread tiles (in % 128 / out % 64), so the group is its only limit
 # (vllm/model_executor/kernels/linear/mixed_precision/marlin.py, `can_implement`).
 MARLIN_GROUPS = (32, 64, 128)
-# vLLM 0.32's CPU kernel for int4 with zero points (CPUWNA16, its only CPU kernel that takes them) needs both widths
-# to be multiples of 32 (mixed_precision/cpu.py, `can_implement`).
-CPU_ZP_ALIGN = 32
 
 
 def marlin_refusal(k: int, group: int | None) -> str:
@@ -89,21 +87,6 @@ class Plan:
         for m in self.modules:
             out[unit_of(m.name, m.role)].append(m)
         return dict(out)
-
-
-def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: int | None = None) -> int:
-    """Bytes a module takes in the artifact: packed codes + bf16 scales (+ packed zero points when asymmetric)
-    (+ shape), or bf16 when kept."""
-    n, k = m.shape
-    bits = scheme_bits if scheme_bits is not None else m.bits
-    g = group_size if scheme_bits is not None else m.group_size
-    if not bits:
-        return n * k * 2
-    codes = n * k * bits // 8
-    groups = k // g if g else 1
-    scales = n * groups * 2
-    zeros = 0 if m.symmetric else -(-n * bits // 32) * groups * 4  # int32 words packed along the output dim
-    return codes + scales + zeros + (16 if bits == 4 else 0)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Tensor]:
@@ -177,7 +160,7 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
     w = scheme.weights
     notes, warns = [], []
     g = None
-    if w.strategy == "group":
+    if w.strategy == "group" and w.group_size:  # a group scheme names its size (recipes/schema validates it)
         g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
         if g is None:
             note = f"in_features {k} not divisible by any group size in {recipe.quantizer.group_size_fallback}: kept bf16"
@@ -188,10 +171,6 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
         notes.append(f"no Marlin: {why}")
         warns.append(f"{name} [{n}x{k}]: vLLM's Marlin kernel cannot run this group size; vLLM falls back to a "
                      f"slower kernel")
-    if not w.symmetric and (k % CPU_ZP_ALIGN or n % CPU_ZP_ALIGN):
-        notes.append(f"no CPU kernel: zero points need in/out % {CPU_ZP_ALIGN} == 0")
-        warns.append(f"{name} [{n}x{k}]: vLLM's CPU backend runs int4 zero points only at widths that are "
-                     f"multiples of {CPU_ZP_ALIGN} (GPUs: Marlin runs it)")
     label = scheme.label
     return ModuleDecision(name=name, role=role, scheme=label, bits=w.bits, group_size=g, shape=[n, k],
                           note="; ".join(notes), symmetric=w.symmetric), warns
@@ -260,44 +239,6 @@ def check_fused(plan: Plan) -> None:
 CUTLASS_ALIGN = 16
 
 
-@dataclass
-class Option:
-    """One scheme a unit can be upgraded to: its members' decisions under it, and why vLLM could not run it."""
-    scheme: str  # the recipe's scheme name
-    members: list[ModuleDecision]
-    refusal: str = ""
-
-    @property
-    def bytes(self) -> int:
-        return sum(module_bytes(m) for m in self.members)
-
-
-@dataclass
-class Unit:
-    """One selectable unit of the plan (a fused group or one projection): its members' 4-bit (current) decisions,
-    its decisions under the selection's 8-bit `scheme` (w8) and under each cheaper step (selection.steps);
-    qconv.calibrate.select chooses among them under the byte budget."""
-    name: str
-    role: str
-    w4: list[ModuleDecision]
-    w8: list[ModuleDecision]
-    refusal: str = ""  # why this unit cannot be INT8 in vLLM ("" when it can)
-    scheme: str = "w8a16"  # the recipe's name for the w8 decisions (selection.scheme)
-    steps: list[Option] = field(default_factory=list)  # upgrades short of w8, in selection.steps order
-
-    @property
-    def bytes4(self) -> int:
-        return sum(module_bytes(m) for m in self.w4)
-
-    @property
-    def bytes8(self) -> int:
-        return sum(module_bytes(m) for m in self.w8)
-
-    @property
-    def options(self) -> list[Option]:
-        return [*self.steps, Option(self.scheme, self.w8, self.refusal)]
-
-
 def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
     """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations stock vLLM's W8A16
     kernel is Marlin (Exllama is fp16-only, Triton's is 4-bit, Conch and Humming are optional packages), so its
@@ -337,11 +278,11 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
                 raise QconvError(f"INT8 candidate role {role!r} is kept bf16 by the recipe", where="selection.candidates",
                                  fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates")
             continue  # a member the plan already keeps (no group size fits): nothing to upgrade
-        w8 = [decide(m.name, m.role, tuple(m.shape), sel.scheme, s8, recipe)[0] for m in members]
+        w8 = [decide(m.name, m.role, (m.shape[0], m.shape[1]), sel.scheme, s8, recipe)[0] for m in members]
         unit = Unit(name=name, role=role, w4=members, w8=w8, refusal=int8_refusal(role, w8, recipe, sel.scheme),
                     scheme=sel.scheme)
         for step in sel.steps:
-            opt = Option(step, [decide(m.name, m.role, tuple(m.shape), step, recipe.schemes[step], recipe)[0]
+            opt = Option(step, [decide(m.name, m.role, (m.shape[0], m.shape[1]), step, recipe.schemes[step], recipe)[0]
                                 for m in members])
             opt.refusal = _refusal(role, opt.members, recipe, step)
             if opt.refusal or opt.bytes > unit.bytes4:

@@ -95,6 +95,9 @@ def main() -> None:
     makers = {
         "rtn": ("RTN W4A16 sym g128/64", lambda: make_w4_artifact(src, w / "smollm2-rtn-w4", algorithm="rtn")
                 if not (w / "smollm2-rtn-w4" / "qconv.json").is_file() else w / "smollm2-rtn-w4", None),
+        "rtn_zp": ("RTN W4A16 zero points g128/64", lambda: make_w4_artifact(
+            src, w / "smollm2-rtn-zp-w4", algorithm="rtn", symmetric=False)
+            if not (w / "smollm2-rtn-zp-w4" / "qconv.json").is_file() else w / "smollm2-rtn-zp-w4", None),
         "gptq": ("GPTQ W4A16 sym g128/64", lambda: make_w4_artifact(
             src, w / "smollm2-gptq-w4", algorithm="gptq", calib_text=DATA / "tinyshakespeare.txt", samples=32,
             seq_len=512) if not (w / "smollm2-gptq-w4" / "qconv.json").is_file() else w / "smollm2-gptq-w4", None),

@@ -79,7 +79,7 @@ class Plan:
             r["modules"] += 1
             r["params"] += m.shape[0] * m.shape[1]
             r["bytes"] += module_bytes(m)
-            r["schemes"].add(m.scheme + (f" g{m.group_size}" if m.group_size else ""))
+            r["schemes"].add(m.scheme + (f" g{m.group_size}" if m.group_size else "") + ("" if m.symmetric else " zp"))
         return dict(out)
 
     def units(self) -> dict[str, list[ModuleDecision]]:
@@ -173,7 +173,7 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
                      f"slower kernel")
     label = scheme.label
     return ModuleDecision(name=name, role=role, scheme=label, bits=w.bits, group_size=g, shape=[n, k],
-                          note="; ".join(notes)), warns
+                          note="; ".join(notes), symmetric=w.symmetric), warns
 
 
 def head_is_tied(config: dict, names) -> bool:

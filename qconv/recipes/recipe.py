@@ -40,6 +40,12 @@ class Scheme:
     weights: QuantArgs
     activations: QuantArgs | None = None
 
+    def validate(self):
+        if not self.weights.symmetric and (self.weights.bits != 4 or self.activations is not None):
+            yield "weights.symmetric", ("zero points (symmetric: false) are for int4 weight-only schemes: vLLM 0.32 "
+                                        "runs them as uint4 (Marlin on GPUs, CPUWNA16 on CPU) and has no kernel for "
+                                        "8-bit or weight+activation zero points; use symmetric: true")
+
     @property
     def label(self) -> str:
         a = self.activations.bits if self.activations else 16
@@ -269,12 +275,13 @@ class Recipe:
             elif scheme != KEEP and scheme not in self.schemes:
                 yield f"roles.{role}", f"unknown scheme {scheme!r}; defined schemes: {', '.join([KEEP, *self.schemes])}"
         by_label: dict[str, Scheme] = {}
-        for name, sc in self.schemes.items():  # a decision records the label and group size, nothing else
+        for name, sc in self.schemes.items():  # a decision records the label, group size and symmetric, nothing else
             other = by_label.setdefault(sc.label, sc)
             if other is not sc and (other.activations != sc.activations or
-                                    (other.weights.symmetric, other.weights.strategy) != (sc.weights.symmetric, sc.weights.strategy)):
+                                    other.weights.strategy != sc.weights.strategy):
                 yield f"schemes.{name}", (f"shares the label {sc.label} with another scheme but differs in more "
-                                          "than group_size; schemes of one bit width may differ in group_size only")
+                                          "than group_size and symmetric; schemes of one bit width may differ in "
+                                          "those only")
         if self.selection.scheme not in self.schemes:
             yield "selection.scheme", f"unknown scheme {self.selection.scheme!r}; defined: {', '.join(self.schemes)}"
         for step in self.selection.steps:

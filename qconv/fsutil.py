@@ -18,7 +18,7 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from qconv.errors import QconvError
 

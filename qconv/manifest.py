@@ -38,7 +38,7 @@ class Requirement:
     platform: str | None = None  # applies to a vLLM of this platform only ("cpu" | "cuda")
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "requires") -> "Requirement":
+    def from_dict(cls, d: dict, where: str = "requires") -> Requirement:
         r = from_dict(cls, d, where, MANIFEST)
         if r.vllm_feature is None:  # manifests written before tokens existed: read the token from the wording
             needs = r.needs.lower()
@@ -114,6 +114,7 @@ class ModuleDecision:
     group_size: int | None = None
     shape: list[int] = field(default_factory=list)  # [out_features, in_features]
     note: str = ""
+    symmetric: bool = True  # False: int codes with per-group zero points (the scheme's `symmetric: false`)
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Manifest:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = MANIFEST) -> "Manifest":
+    def from_dict(cls, d: dict, where: str = MANIFEST) -> Manifest:
         try:
             if d.get("schema_version") != SCHEMA_VERSION:
                 raise QconvError(

@@ -10,9 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-import pytest
 
 from qconv.hub import cache
 from qconv.hub.download import MANIFEST_CAP, http_fetch

@@ -47,9 +47,9 @@ def test_tied_embeddings_and_scheme_labels_validated(tmp_path):
 
     with pytest.raises(SchemaError, match=r"tied_embeddings: bad value 'share'; allowed: 'keep', 'untie'"):
         load_recipe(str(variant(tmp_path, "t", tied_embeddings="share")))
-    asym = {"weights": {"bits": 4, "symmetric": False, "strategy": "group", "group_size": 32}}
+    channel = {"weights": {"bits": 4, "symmetric": True, "strategy": "channel", "group_size": None}}
     with pytest.raises(SchemaError, match=r"schemes\.w4a16_g32: shares the label w4a16"):
-        load_recipe(str(variant(tmp_path, "s", schemes={"w4a16_g32": asym})))
+        load_recipe(str(variant(tmp_path, "s", schemes={"w4a16_g32": channel})))
 
 
 def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):

@@ -117,7 +117,8 @@ def test_build_with_steps_writes_mixed_groups_and_a_prediction(tiny_llama, tmp_p
     assert any(d.group_size == 32 and d.bits == 4 for d in mods.values())
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert {(g["weights"]["num_bits"], g["weights"]["group_size"]) for g in cfg.values()} >= {(4, 32)}
-    assert "predicted KLD" not in r.output  # issue 30: 5x off on the demo, so it stays in qconv.json only
+    # the proxy ranks units; as a KLD it is off by up to 5x (docs/BENCHMARKS.md), so only qconv.json keeps it
+    assert "predicted KLD" not in r.output
     assert m.quality.data["selection"]["predicted_kld"] == pytest.approx(sel.predicted_kld)
     load_model(out)
 

@@ -35,6 +35,7 @@ def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
         "tier": (q.get("tier") or {}).get("name"),
         "failed_gates": [v["message"] for v in q.get("verdicts", []) if not v.get("passed")],
         "int8_units": m.selection.get("int8_units", 0), "step_units": sum((m.selection.get("step_units") or {}).values()),
+        "selection": m.selection,
         "predicted_kld": m.selection.get("predicted_kld"), "reports": reports,
         "log": str(log_path) if log_path else None,
         "next": [f"qconv serve {out}", f"qconv check {out}", f'qconv generate {out} --chat "Hello"'],
@@ -61,7 +62,7 @@ def print_summary(s: dict, console=None) -> None:
     if s["int8_units"] or s.get("step_units"):
         from qconv.calibrate.select import Selection, format_table
 
-        con.print(escape(format_table(Selection.from_dict(read_manifest(s["artifact"]).selection), limit=INT8_ROWS)))
+        con.print(escape(format_table(Selection.from_dict(s["selection"]), limit=INT8_ROWS)))
     if s["quality"]:
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for col in ("quality vs source", "mean KLD", "p99 KLD", "top-1", "PPL ratio"):

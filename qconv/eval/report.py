@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qconv.eval.gates import SECTIONS
 from qconv.eval.metrics import format_llamacpp
 from qconv.fsutil import write_json_atomic, write_text_atomic
 
@@ -20,7 +21,7 @@ def summary(report: dict) -> dict:
            "reference": {k: report["reference"][k] for k in ("storage", "topk")},
            "kv_scheme": report.get("kv_scheme"), "kv_form": report.get("kv_form"), "tier": report.get("tier"),
            "bits_per_weight": report.get("bits_per_weight")}
-    for section in ("weights", "weights_kv"):
+    for section in SECTIONS:
         if report.get(section):
             out[section] = {k: report[section][k] for k in SUMMARY_KEYS}
     if report.get("tasks"):
@@ -42,7 +43,9 @@ TABLE_HEAD = ("| model | mean KLD | median | p90 | p99 | p99.9 | max | same top 
 
 def render_md(report: dict) -> str:
     t, ref = report["text"], report["reference"]
-    lines = [f"# Quality report: {Path(report['artifact']).name}", "",
+    model = report.get("reference_model")  # a build from a quantized checkpoint says what it measured against
+    lines = [f"Reference: {model['note']}.", ""] if model else []
+    lines += [f"# Quality report: {Path(report['artifact']).name}", "",
              f"- source: `{report['source']['path']}` ({report['source']['num_parameters'] / 1e6:.1f}M parameters, "
              f"sha256 {report['source']['sha256'][:16]}…)",
              f"- text: `{t['label']}` — {t['tokens_scored']} tokens scored in {t['windows']} windows of {t['window']}"
@@ -57,6 +60,9 @@ def render_md(report: dict) -> str:
     lines += [TABLE_HEAD, _row("weights only", report["weights"])]
     if report.get("weights_kv"):
         lines.append(_row(f"weights + KV {report['kv_scheme']} ({_kv_form(report)})", report["weights_kv"]))
+    if report.get("weights_a8"):
+        roles = ", ".join(report["settings"].get("a8_roles") or ())
+        lines.append(_row(f"weights + int8 activations ({roles})", report["weights_a8"]))
     if report["weights"].get("kld_bound", 0) > 0:
         lines += ["", f"Top-k reference: the exact mean KLD lies in [mean, mean + {report['weights']['kld_bound']:.5f}]"
                       " (per-token bracket, see qconv/eval/metrics.py)."]

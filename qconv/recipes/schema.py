@@ -136,4 +136,4 @@ def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: 
 
 
 def to_dict(obj) -> Any:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else obj

@@ -70,8 +70,8 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
         runtime = _override_runtime(vllm_python) if backend == "auto" else None
     else:
         runtime = runtimes.find_runtime()
-    if backend == "auto":
-        art = Artifact.find(path)  # what it needs of vLLM under which profile (a plain folder: nothing)
+    art = Artifact.find(path)  # opened once (a plain folder: None), for the backend choice and the server
+    if backend == "auto":  # what it needs of vLLM under which profile (a plain folder: nothing)
         requires, pname = (art.requires, profile or art.default_profile) if art else ([], profile or "")
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
         click.echo(f"backend: {choice.backend} ({choice.reason})", err=True)
@@ -85,16 +85,17 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
 
         run_native(path, NativeOptions(host=host, port=port, api_key=api_key, max_batch=max_batch or 8,
                                        max_model_len=max_model_len, profile=profile, spec_tokens=spec_tokens,
-                                       served_model_name=served_model_name))
+                                       served_model_name=served_model_name), art)
         return
-    src = vllm.load_source(path, recipe)
+    src = vllm.load_source(path, recipe, art)
     if served_model_name:
         src.name = served_model_name
     opts = vllm.LaunchOptions(host=host, port=port, tensor_parallel_size=tensor_parallel_size,
                               max_num_seqs=max_batch, python=python, extra_args=list(vllm_args),
                               platform=runtime.device if runtime else None, spec_tokens=spec_tokens)
     if print_command:
-        click.echo(shlex.join(vllm.build_command(src, profile, opts)))
+        env, _ = vllm.profile_env(src, profile, opts.platform)
+        click.echo(shlex.join([f"{k}={v}" for k, v in env.items()] + vllm.build_command(src, profile, opts)))
         return
     info = vllm_probe.probe_vllm(python)
     opts.platform = info.platform
@@ -104,8 +105,11 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
                    err=True)
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version)
-    click.echo(f"starting: {shlex.join(argv)}", err=True)
-    rc = vllm.run_vllm(argv, host, port, api_key=api_key)
+    env, note = vllm.profile_env(src, profile, info.platform)
+    if note:
+        click.echo(note, err=True)
+    click.echo(f"starting: {shlex.join([f'{k}={v}' for k, v in env.items()] + argv)}", err=True)
+    rc = vllm.run_vllm(argv, host, port, api_key=api_key, env=env)
     if rc:
         sys.exit(rc)
 

@@ -7,6 +7,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import EllipsisType
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
@@ -40,12 +41,14 @@ class NativePlan:
     max_tokens: int = DEFAULT_MAX_TOKENS  # completion cap of a chat request that sends none
 
 
-def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
-    """Context, runtime KV scheme and speculation from the artifact's manifest when it has one."""
+def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> NativePlan:
+    """Context, runtime KV scheme and speculation from the artifact's manifest when it has one (`art`: the
+    artifact the caller opened already, None for a plain folder; `...`: open it here)."""
     cfg = json.loads((path / "config.json").read_text())
     max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
     plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
-    art = Artifact.find(path)
+    if art is ...:
+        art = Artifact.find(path)
     if art is not None and art.profiles:
         _, p = art.profile(opts.profile)
         plan.context_len = min(p.context_length, max_pos, DEFAULT_NATIVE_CONTEXT)
@@ -60,7 +63,7 @@ def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
     return plan
 
 
-def build_native(path: str | Path, opts: NativeOptions):
+def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...):
     """(FastAPI app, started Scheduler) for the model at `path`, loaded as `qconv generate` loads it (bf16 with the
     CPU int kernels for an artifact where torch has them)."""
     from qconv.runtime.loader import describe_runtime, load_for_runtime, load_tokenizer
@@ -68,7 +71,7 @@ def build_native(path: str | Path, opts: NativeOptions):
     from qconv.serve.server import ServerConfig, create_app
 
     path = model_dir(path)
-    plan = native_plan(path, opts)
+    plan = native_plan(path, opts, art)
     tok = load_tokenizer(path)
     model = load_for_runtime(path)
     log.warning("native engine: %s, %d slots x %d tokens, KV %s", describe_runtime(model), opts.max_batch,
@@ -105,13 +108,13 @@ def require_serve_extra() -> None:
                                                   "gguf,eval,serve)")
 
 
-def run_native(path: str | Path, opts: NativeOptions) -> None:
+def run_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> None:
     require_serve_extra()
     import uvicorn
 
     for w in bind_warnings(opts.host, opts.api_key):
         log.warning("%s", w)
-    app, sched = build_native(path, opts)
+    app, sched = build_native(path, opts, art)
     try:
         uvicorn.run(app, host=opts.host, port=opts.port, log_level="info", timeout_graceful_shutdown=5)
     finally:

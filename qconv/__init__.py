@@ -1,6 +1,8 @@
 """qconv: turn a full-precision LLM checkpoint into a small, fast, measured artifact and serve it."""
 
-__version__ = "0.1.0"
+from qconv.version import __version__
+
+__all__ = ["__version__", "load"]
 
 
 def load(path, dtype: str = "bfloat16", **kwargs):

@@ -65,11 +65,11 @@ def _publish_v2(hub: Hub) -> None:
     from safetensors.numpy import save_file
 
     save_file({"lm_head.weight": np.ones((64, 256), np.float16)}, str(hub.art / SMALL))
-    from qconv.manifest import hash_artifact_files
+    from qconv.manifest import hash_artifact_files, read_manifest
 
-    m = json.loads((hub.art / "qconv.json").read_text())
-    m["files"] = hash_artifact_files(hub.art)
-    (hub.art / "qconv.json").write_text(json.dumps(m))
+    m = read_manifest(hub.art)
+    m.files = hash_artifact_files(hub.art)
+    m.write(hub.art)
 
 
 def test_repull_keeps_a_held_revision_and_switches_the_pointer(hub):

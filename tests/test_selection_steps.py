@@ -4,6 +4,7 @@ by unit by gain per byte, with the proxy's predicted KLD of the result."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import yaml
@@ -109,7 +110,7 @@ def test_build_with_steps_writes_mixed_groups_and_a_prediction(tiny_llama, tmp_p
             "--no-gates")
     assert r.exit_code == 0, r.output
     m = read_manifest(out)
-    sel = Selection.from_dict(m.selection)
+    sel = Selection.from_dict(asdict(m.selection))
     assert sel.method == "proxy" and sel.predicted_kld is not None and sel.predicted_kld > 0
     g32 = {u for u, s in sel.choices.items() if s == "w4a16_g32"}
     assert g32, sel.to_dict()
@@ -118,5 +119,5 @@ def test_build_with_steps_writes_mixed_groups_and_a_prediction(tiny_llama, tmp_p
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert {(g["weights"]["num_bits"], g["weights"]["group_size"]) for g in cfg.values()} >= {(4, 32)}
     assert "predicted KLD" in r.output
-    assert m.quality.data["selection"]["predicted_kld"] == pytest.approx(sel.predicted_kld)
+    assert m.quality.selection["predicted_kld"] == pytest.approx(sel.predicted_kld)
     load_model(out)

@@ -349,11 +349,11 @@ def _build(opts: BuildOptions, held: contextlib.ExitStack, where: dict) -> Manif
     log.info("packaging %s", out, extra=progress.stage("packaging"))
     with atomic_dir(out, force=opts.force) as tmp:
         _package(src.path, qdir, tmp, GenerationConfig)
-        manifest.build["stages"] = work.record
-        manifest.build["elapsed_s"] = round(time.time() - t0, 1)
+        manifest.build.stages = work.record
+        manifest.build.elapsed_s = round(time.time() - t0, 1)
         finalize(tmp, manifest)
         gate_error = _quality(opts, recipe, src.path, tmp, manifest, work, final=out, streamed=stream)
-        manifest.build["stages"] = work.record
+        manifest.build.stages = work.record
         finalize(tmp, manifest)
     size = manifest.total_size()
     reused = [s for s, r in work.record.items() if r["reused"]]
@@ -432,7 +432,7 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
         log.warning("quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
                     "in the recipe); the artifact is marked unchecked")
         return None
-    weights = {k: v["sha256"] for k, v in manifest.files.items() if k.endswith(".safetensors")}
+    weights = {k: v.sha256 for k, v in manifest.files.items() if k.endswith(".safetensors")}
     text_id = sha256_file(Path(text)) if Path(text).is_file() else text
     key = stage_key("quality", weights, text_id, asdict(recipe.quality), manifest.source.sha256)
     reports = (REPORT_JSON, REPORT_MD, REPORT_PNG)  # part of the artifact: a reused stage puts them back
@@ -447,11 +447,11 @@ def _quality(opts: BuildOptions, recipe: Recipe, source: Path, artifact: Path, m
         _copy_files(qdir, artifact, reports)
     _name_final_path(artifact, final)
     summary = summary_of(json.loads((artifact / REPORT_JSON).read_text()))
-    predicted = manifest.selection.get("predicted_kld")
+    predicted = manifest.selection.predicted_kld if manifest.selection else None
     if predicted is not None and summary.get("weights"):
-        summary["selection"] = {"method": manifest.selection.get("method"), "predicted_kld": predicted,
+        summary["selection"] = {"method": manifest.selection.method, "predicted_kld": predicted,
                                 "measured_kld": summary["weights"]["kld_mean"]}
-    manifest.quality = QualityReport(summary)
+    manifest.quality = QualityReport.of(summary)
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
     if passed is False and opts.gates:

@@ -53,7 +53,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
     text = opts.eval_text or recipe.quality.text
     if not text:
         log.warning("quality report skipped: no held-out text (--eval-text); the artifact is marked unchecked")
-        manifest.build["quality_reference"] = None
+        manifest.build.quality_reference = None
         return None
     with tempfile.TemporaryDirectory(dir=artifact.parent, prefix=".qconv-ref-") as tmpd:
         cached = bool(reference) and is_cache(reference)
@@ -82,10 +82,10 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
     md = render_md(report)
     write_text_atomic(artifact / REPORT_MD, f"Reference: {note}.\n\n" + md)
     summary["reference"] = kind
-    manifest.quality = QualityReport(summary)
+    manifest.quality = QualityReport.of(summary)
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
-    manifest.build["quality_reference"] = {"kind": kind, "cached": cached, "note": note}
+    manifest.build.quality_reference = {"kind": kind, "cached": cached, "note": note}
     if passed is False and opts.gates:
         return gate_failure(summary)
     return None

@@ -94,7 +94,7 @@ def fetcher(loc: Location, *, progress: bool, retries: int, insecure: bool) -> C
 
 
 def expected_files(src: PullSource, manifest: Manifest) -> dict[str, Want]:
-    want = {n: Want(n, f["sha256"], f["size"]) for n, f in manifest.files.items()}
+    want = {n: Want(n, f.sha256, f.size) for n, f in manifest.files.items()}
     for n in want:
         check_file_name(n, f"{src.name}: {MANIFEST}")
     if src.entry:

@@ -74,7 +74,7 @@ def weights(folder: Path, config: dict, recipe: Recipe, art: Artifact | None = N
     config + recipe (qconv.convert.layout, tensor shapes only: no weights are loaded)."""
     if art is not None:
         m = art.manifest
-        total = sum(f["size"] for n, f in m.files.items() if n.endswith(".safetensors"))
+        total = sum(f.size for n, f in m.files.items() if n.endswith(".safetensors"))
         modules, source = m.modules, "manifest"
     else:
         p = plan_model(folder, config, recipe)

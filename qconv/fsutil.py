@@ -63,12 +63,41 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     return tensors
 
 
+def find_links(root: str | os.PathLike) -> list[Path]:
+    """Symbolic links at or below root, sorted; a linked folder is listed, never entered."""
+    root = Path(root)
+    if root.is_symlink():
+        return [root]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):  # followlinks=False
+        out += [p for n in dirnames + filenames if (p := Path(dirpath) / n).is_symlink()]
+    return sorted(out)
+
+
+def refuse_links(root: str | os.PathLike, what: str, fix: str) -> None:
+    """One QconvError naming the first symbolic link at or below root: qconv never reads or writes through one."""
+    if links := find_links(root):
+        raise QconvError(f"{what}: {links[0]} is a symbolic link (to {os.readlink(links[0])}); qconv never reads or "
+                         "writes through links here", where=str(root), fix=fix)
+
+
+def open_nofollow(path: str | os.PathLike, flags: int, what: str, fix: str) -> int:
+    """os.open that refuses a symbolic link in place of `path` (O_NOFOLLOW): a planted link is never written through."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise QconvError(f"{what}: {path} is a symbolic link; qconv never writes through links", where=str(path),
+                         fix=fix) from e
+
+
 def file_table(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
-    """{relative posix path: {sha256, size}} for every regular file below root, sorted."""
+    """{relative posix path: {sha256, size}} for every regular file below root, sorted (links are not followed)."""
     root = Path(root)
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file():
+        if p.is_file() and not p.is_symlink():
             rel = p.relative_to(root).as_posix()
             if rel in exclude:
                 continue

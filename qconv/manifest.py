@@ -8,6 +8,7 @@ summary are typed here once, so no consumer re-parses dicts with its own default
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 from dataclasses import asdict, dataclass, field
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qconv.errors import QconvError
-from qconv.fsutil import file_table, write_json_atomic
+from qconv.fsutil import file_table, find_links, write_json_atomic
 from qconv.recipes.recipe import Profile, Speculative
 from qconv.recipes.schema import SchemaError, coerce_fields, from_dict, shorten
 
@@ -296,8 +297,12 @@ def hash_artifact_files(artifact_dir: str | Path) -> dict[str, FileEntry]:
 def verify_files(artifact_dir: str | Path, manifest: Manifest) -> list[str]:
     """Problems found comparing the folder to the manifest's file table; empty means verified."""
     actual = hash_artifact_files(artifact_dir)
-    problems = []
+    links = {p.relative_to(artifact_dir).as_posix(): p for p in find_links(artifact_dir) if p != Path(artifact_dir)}
+    problems = [f"{name}: a symbolic link (to {os.readlink(p)}); an artifact's files are regular files inside it"
+                for name, p in links.items()]
     for name, want in manifest.files.items():
+        if name in links:
+            continue
         got = actual.get(name)
         if got is None:
             problems.append(f"{name}: missing")

@@ -63,6 +63,36 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     return tensors
 
 
+def read_json_object(path: str | os.PathLike, what: str, fix: str, cap: int = 64 << 20) -> dict:
+    """The JSON object in `path` (at most `cap` bytes); anything else (not JSON, not an object, too big, too deeply
+    nested) is one QconvError naming the file."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > cap:
+            raise ValueError(f"{path.stat().st_size} bytes, more than {cap >> 20} MiB")
+        data = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an over-long integer
+        raise QconvError(f"{what} is not valid JSON: {str(e)[:200]}", where=str(path), fix=fix) from e
+    if not isinstance(data, dict):
+        raise QconvError(f"{what} is not a JSON object (it holds a {type(data).__name__})", where=str(path), fix=fix)
+    return data
+
+
+def read_model_config(folder: str | os.PathLike) -> dict:
+    """A model folder's config.json as a mapping: the one reader every verb uses before handing the folder to a
+    library, so a damaged file is one clear error, not a traceback from deep inside transformers."""
+    cfg = Path(folder) / "config.json"
+    if not cfg.is_file():
+        raise QconvError(f"no config.json in {folder}", where=str(folder),
+                         fix="pass a Hugging Face model folder (config.json + *.safetensors), a hub id, or a .gguf file")
+    data = read_json_object(cfg, "config.json", "re-download or re-copy the model (or rebuild the artifact)")
+    for key in ("text_config", "quantization_config"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise QconvError(f"config.json: {key} is not a mapping", where=str(cfg),
+                             fix="re-download or re-copy the model (or rebuild the artifact)")
+    return data
+
+
 def find_links(root: str | os.PathLike) -> list[Path]:
     """Symbolic links at or below root, sorted; a linked folder is listed, never entered."""
     root = Path(root)

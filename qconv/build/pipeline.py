@@ -129,6 +129,8 @@ def dry_run(opts: BuildOptions) -> DryRun:
     work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
     recipe = _recipe(opts)
     src = resolve_source(opts.model, revision=opts.revision, weights=False)
+    if opts.out is not None:  # the build's own check: a dry run says what the build will say
+        check_out(opts, source=src.path)
     config = read_config(src.path)
     plan = plan_model(src.path, config, recipe)
     selection = None

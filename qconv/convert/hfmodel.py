@@ -7,6 +7,8 @@ import contextlib
 import json
 from pathlib import Path
 
+from qconv.fsutil import read_model_config
+
 
 @contextlib.contextmanager
 def _compressed_embeddings_loadable():
@@ -37,7 +39,7 @@ def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: boo
     import torch
     import transformers
 
-    config = json.loads((Path(path) / "config.json").read_text())
+    config = read_model_config(path)
     arch = (config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     cls = cls or transformers.AutoModelForCausalLM

@@ -6,13 +6,13 @@ one slot per draft position. Budget: card x gpu_memory_utilization - activation/
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconv.artifact import Artifact
 from qconv.convert.layout import module_bytes, plan_model
 from qconv.errors import QconvError
+from qconv.fsutil import read_model_config
 from qconv.kv.store import EXACT_DTYPE
 from qconv.kv.schemes import get_kv_scheme
 from qconv.recipes.recipe import Profile, Recipe, load_recipe
@@ -161,7 +161,7 @@ def plan_fit(model: str | Path, *, card: str = "3090", card_gib: float | None = 
     if not (folder / "config.json").is_file():
         raise QconvError(f"no config.json in {folder}", where="MODEL_OR_ARTIFACT",
                          fix="pass a model folder, an artifact folder or a config-only folder")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_model_config(folder)
     art = Artifact.find(folder)
     rec = load_recipe(recipe) if recipe else art.require_recipe() if art is not None else load_recipe("3090")
     if card_gib is None:

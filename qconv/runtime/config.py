@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from qconv.errors import QconvError
+from qconv.fsutil import read_model_config
 
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 QWEN35_FAMILY = ("qwen3_5", "qwen3_5_text")
@@ -61,6 +62,7 @@ def model_dir(path: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise QconvError("not a model folder or qconv artifact (no config.json)", where=str(path),
                          fix="pass the folder written by `qconv build` or an HF model folder")
+    read_model_config(path)  # a damaged config.json is one clear error before transformers reads it
     return path
 
 

@@ -3,13 +3,13 @@ thread and uvicorn."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
+from qconv.fsutil import read_model_config
 from qconv.recipes.recipe import Speculative
 from qconv.runtime.config import model_dir
 from qconv.runtime.spec import SpecConfig
@@ -42,7 +42,7 @@ class NativePlan:
 
 def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
     """Context, runtime KV scheme and speculation from the artifact's manifest when it has one."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_model_config(path)
     max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
     plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
     art = Artifact.find(path)

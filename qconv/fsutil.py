@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -40,57 +39,6 @@ def sha256_bytes(data: bytes) -> str:
 def sha256_json(obj) -> str:
     """Hash of a JSON-able object in canonical form (sorted keys, no spaces)."""
     return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
-
-
-def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
-    """The tensor entries ({dtype, shape, data_offsets}) of a safetensors file, read from its header only; a
-    truncated or corrupt file (header or data extent) is one clear error. The one header reader in qconv."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n <= 0 or 8 + n > size:
-                raise ValueError(f"header length {n} exceeds file size {size}")
-            header = json.loads(f.read(n))
-        tensors = {k: t for k, t in header.items() if k != "__metadata__"}
-        end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
-        if 8 + n + end > size:
-            raise ValueError(f"tensor data needs {8 + n + end} bytes, file has {size}")
-    except (ValueError, struct.error, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
-        raise QconvError(f"corrupt or truncated safetensors file: {e}", where=str(path),
-                         fix="re-download or re-copy the model files") from e
-    return tensors
-
-
-def read_json_object(path: str | os.PathLike, what: str, fix: str, cap: int = 64 << 20) -> dict:
-    """The JSON object in `path` (at most `cap` bytes); anything else (not JSON, not an object, too big, too deeply
-    nested) is one QconvError naming the file."""
-    path = Path(path)
-    try:
-        if path.stat().st_size > cap:
-            raise ValueError(f"{path.stat().st_size} bytes, more than {cap >> 20} MiB")
-        data = json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an over-long integer
-        raise QconvError(f"{what} is not valid JSON: {str(e)[:200]}", where=str(path), fix=fix) from e
-    if not isinstance(data, dict):
-        raise QconvError(f"{what} is not a JSON object (it holds a {type(data).__name__})", where=str(path), fix=fix)
-    return data
-
-
-def read_model_config(folder: str | os.PathLike) -> dict:
-    """A model folder's config.json as a mapping: the one reader every verb uses before handing the folder to a
-    library, so a damaged file is one clear error, not a traceback from deep inside transformers."""
-    cfg = Path(folder) / "config.json"
-    if not cfg.is_file():
-        raise QconvError(f"no config.json in {folder}", where=str(folder),
-                         fix="pass a Hugging Face model folder (config.json + *.safetensors), a hub id, or a .gguf file")
-    data = read_json_object(cfg, "config.json", "re-download or re-copy the model (or rebuild the artifact)")
-    for key in ("text_config", "quantization_config"):
-        if data.get(key) is not None and not isinstance(data[key], dict):
-            raise QconvError(f"config.json: {key} is not a mapping", where=str(cfg),
-                             fix="re-download or re-copy the model (or rebuild the artifact)")
-    return data
 
 
 def find_links(root: str | os.PathLike) -> list[Path]:

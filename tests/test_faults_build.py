@@ -422,3 +422,39 @@ def test_dry_run_refuses_the_out_the_build_refuses(src, tmp_path, calib_txt):
         one_error(r, r"could destroy")
         said.append([ln for ln in r.output.splitlines() if ln.startswith("error:")])
     assert said[0] == said[1]
+
+
+def rewrite_header(shard: Path, edit) -> None:
+    """Edit a safetensors file's JSON header in place, keeping its data bytes."""
+    import struct
+
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _grow_first(h: dict) -> None:
+    t = next(v for k, v in h.items() if k != "__metadata__")
+    t["shape"] = [t["shape"][0] * 100000, *t["shape"][1:]]
+
+
+@pytest.mark.parametrize("case", ["shape_vs_bytes", "truncated", "bad_dtype"])
+def test_a_corrupt_safetensors_header_is_refused_by_dry_run_and_build(case, src, tmp_path, calib_txt):
+    """The one header reader checks each tensor's bytes against its dtype and shape: the dry run no longer prints a
+    size estimate of a million GB, and both name the file."""
+    shard = sorted(src.glob("*.safetensors"))[0]
+    if case == "shape_vs_bytes":
+        rewrite_header(shard, _grow_first)
+    elif case == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:
+        rewrite_header(shard, lambda h: next(v for k, v in h.items() if k != "__metadata__").update(dtype="Q9"))
+    out, work = tmp_path / "out", tmp_path / "work"
+    for extra in (["--dry-run"], []):
+        r = run(*build_args(src, out, work, calib_txt, *extra))
+        one_error(r, r"corrupt or truncated safetensors file")
+        assert str(shard) in r.output and "GB" not in r.output and not out.exists()

@@ -7,7 +7,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from qconv.fsutil import read_model_config
+from qconv.modelfiles import read_model_config
 
 
 @contextlib.contextmanager

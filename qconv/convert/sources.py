@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qconv.errors import QconvError
-from qconv.fsutil import read_model_config, safetensors_header, sha256_file, sha256_json
+from qconv.fsutil import sha256_file, sha256_json
 from qconv.manifest import SourceInfo
+from qconv.modelfiles import read_model_config, safetensors_header
 from qconv.paths import qconv_home
 
 log = logging.getLogger(__name__)

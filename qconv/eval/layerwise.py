@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from qconv.errors import QconvError
-from qconv.fsutil import read_model_config
+from qconv.modelfiles import read_model_config
 
 log = logging.getLogger(__name__)
 

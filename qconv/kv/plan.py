@@ -12,7 +12,7 @@ from pathlib import Path
 from qconv.artifact import Artifact
 from qconv.convert.layout import module_bytes, plan_model
 from qconv.errors import QconvError
-from qconv.fsutil import read_model_config
+from qconv.modelfiles import read_model_config
 from qconv.kv.store import EXACT_DTYPE
 from qconv.kv.schemes import get_kv_scheme
 from qconv.recipes.recipe import Profile, Recipe, load_recipe

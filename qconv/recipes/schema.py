@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import reprlib
 import types
 import typing
-import reprlib
 from typing import Any, Literal, Union
 
 from qconv.errors import QconvError

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from qconv.errors import QconvError
-from qconv.fsutil import read_model_config
+from qconv.modelfiles import read_model_config
 from qconv.runtime.config import RuntimeConfig, load_config
 from qconv.runtime.cpu_pack import PackedLinear, pack_linears, packing_available
 from qconv.runtime.int_linear import IntWeight, attach_int_kernels, int_kernels_available

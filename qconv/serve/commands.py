@@ -61,6 +61,10 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
 
     ctx = click.get_current_context()
     path = ctx.with_resource(hold_artifact(target))  # held until the command ends: a re-pull cannot remove it
+    if Artifact.find(path) is not None and not print_command:  # the bytes qconv.json promises, or no serving
+        from qconv.hub.verify import verify_artifact
+
+        verify_artifact(path).raise_for_problems()
     if api_key and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
         click.echo("warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY "
                    "instead", err=True)

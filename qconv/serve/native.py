@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
-from qconv.fsutil import read_model_config
+from qconv.modelfiles import read_model_config
 from qconv.recipes.recipe import Speculative
 from qconv.runtime.config import model_dir
 from qconv.runtime.spec import SpecConfig

@@ -7,7 +7,6 @@ summary are typed here once, so no consumer re-parses dicts with its own default
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -17,6 +16,7 @@ from typing import Any
 
 from qconv.errors import QconvError
 from qconv.fsutil import file_table, find_links, write_json_atomic
+from qconv.modelfiles import read_json_object
 from qconv.recipes.recipe import Profile, Speculative
 from qconv.recipes.schema import SchemaError, coerce_fields, from_dict, shorten
 
@@ -282,11 +282,7 @@ def read_manifest(artifact_dir: str | Path) -> Manifest:
     if not path.is_file():
         raise QconvError(f"no {MANIFEST} in {artifact_dir}", where=str(path),
                          fix="this folder is not a qconv artifact; build one with `qconv build` or pass a source model instead")
-    try:
-        data = json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8 and over-long integers are ValueErrors
-        raise QconvError(f"{MANIFEST} is not valid JSON: {shorten(str(e))}", where=str(path),
-                         fix="re-pull or rebuild the artifact") from e
+    data = read_json_object(path, MANIFEST, "re-pull or rebuild the artifact")
     return Manifest.from_dict(data, where=str(path))
 
 

@@ -17,16 +17,29 @@ DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0"
               "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
               "I64": 64, "U64": 64, "F64": 64, "C64": 64}
 HEADER_CAP = 100 << 20  # safetensors' own limit on the JSON header
+# the config.json keys qconv reads itself (top level or in text_config), with their JSON types; others pass through
+_INT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "vocab_size", "max_position_embeddings", "mtp_num_hidden_layers", "linear_num_key_heads",
+             "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+CONFIG_TYPES = {"model_type": str, "architectures": list, "layer_types": list, "tie_word_embeddings": bool,
+                "attn_output_gate": bool, "text_config": dict, "quantization_config": dict,
+                **{k: int for k in _INT_KEYS}}
+CONFIG_TYPE_NAMES = {str: "a string", list: "a list of strings", bool: "true/false", dict: "a mapping",
+                     int: "a non-negative integer"}
 
 
 def read_json_object(path: str | os.PathLike, what: str, fix: str, cap: int = 64 << 20) -> dict:
     """The JSON object in `path` (at most `cap` bytes); anything else (not JSON, not an object, too big, too deeply
     nested) is one QconvError naming the file."""
     path = Path(path)
+    if not path.is_file():  # a device or a pipe (perhaps behind a link) would never end
+        raise QconvError(f"{what} is not a regular file", where=str(path), fix=fix)
     try:
-        if path.stat().st_size > cap:
-            raise ValueError(f"{path.stat().st_size} bytes, more than {cap >> 20} MiB")
-        data = json.loads(path.read_bytes())
+        with open(path, "rb") as f:
+            raw = f.read(cap + 1)
+        if len(raw) > cap:
+            raise ValueError(f"more than {cap >> 20} MiB")
+        data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an over-long integer
         raise QconvError(f"{what} is not valid JSON: {str(e)[:200]}", where=str(path), fix=fix) from e
     if not isinstance(data, dict):
@@ -41,11 +54,18 @@ def read_model_config(folder: str | os.PathLike) -> dict:
     if not cfg.is_file():
         raise QconvError(f"no config.json in {folder}", where=str(folder),
                          fix="pass a Hugging Face model folder (config.json + *.safetensors), a hub id, or a .gguf file")
-    data = read_json_object(cfg, "config.json", "re-download or re-copy the model (or rebuild the artifact)")
-    for key in ("text_config", "quantization_config"):
-        if data.get(key) is not None and not isinstance(data[key], dict):
-            raise QconvError(f"config.json: {key} is not a mapping", where=str(cfg),
-                             fix="re-download or re-copy the model (or rebuild the artifact)")
+    fix = "re-download or re-copy the model (or rebuild the artifact)"
+    data = read_json_object(cfg, "config.json", fix)
+    for path, sub in (("", data), ("text_config.", data.get("text_config"))):
+        for key, want in CONFIG_TYPES.items():
+            v = sub.get(key) if isinstance(sub, dict) else None
+            if v is None:
+                continue
+            ok = (isinstance(v, want) and not (want is int and isinstance(v, bool))
+                  and (want is not int or 0 <= v < 2**40)
+                  and (want is not list or all(isinstance(x, str) for x in v)))
+            if not ok:
+                raise QconvError(f"config.json: {path}{key} is not {CONFIG_TYPE_NAMES[want]}", where=str(cfg), fix=fix)
     return data
 
 
@@ -54,7 +74,7 @@ def _entry_problem(name: str, t) -> str | None:
     if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
         return f"tensor {name[:80]!r}: expected {{dtype, shape, data_offsets}}"
     dtype, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         return f"tensor {name[:80]!r}: unknown dtype {str(dtype)[:20]!r}"
     ints = lambda xs: isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)  # noqa: E731
     if not ints(shape) or not ints(offs) or len(offs) != 2 or offs[0] > offs[1]:
@@ -72,6 +92,8 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     exactly, and the data ends where the file does. Anything else is one QconvError naming the file."""
     path = Path(path)
     try:
+        if not path.is_file():
+            raise ValueError("not a regular file")
         size = path.stat().st_size
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))

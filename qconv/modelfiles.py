@@ -53,7 +53,8 @@ def read_model_config(folder: str | os.PathLike) -> dict:
     cfg = Path(folder) / "config.json"
     if not cfg.is_file():
         raise QconvError(f"no config.json in {folder}", where=str(folder),
-                         fix="pass a Hugging Face model folder (config.json + *.safetensors), a hub id, or a .gguf file")
+                         fix="pass a Hugging Face model folder (config.json + *.safetensors), a hub id, or a .gguf "
+                             "file")
     fix = "re-download or re-copy the model (or rebuild the artifact)"
     data = read_json_object(cfg, "config.json", fix)
     for path, sub in (("", data), ("text_config.", data.get("text_config"))):

@@ -51,7 +51,7 @@ def build_cli(src: Path, out: Path, work: Path, cal: Path, budget: str, samples:
     from qconv.build.pipeline import BuildOptions, build
 
     m = build(BuildOptions(model=str(src), recipe="3090", out=out, dataset=str(cal), samples=samples,
-                           seq_len=seq_len, force=True, fresh=True, work_dir=work, int8_budget=budget,
+                           seq_len=seq_len, force=True, fresh=True, work_dir=work, upgrade_budget=budget,
                            sensitivity=sensitivity))
     return m.to_dict()
 
@@ -65,13 +65,13 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     from qconv.calibrate.select import parse_budget, select
     from qconv.convert.layout import apply_selection, candidate_units
     from qconv.convert.artifact import copy_side_files, write_index
-    from qconv.build.pipeline import BuildOptions, _recipe
+    from qconv.build.options import BuildOptions, recipe_for
     from qconv.convert.layout import plan_model
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
     from qconv.convert.sources import read_config
 
-    recipe = _recipe(BuildOptions(model=str(src), int8_budget=budget))
+    recipe = recipe_for(BuildOptions(model=str(src), upgrade_budget=budget))
     config = read_config(src)
     plan = plan_model(src, config, recipe)
     units = candidate_units(plan, recipe)

@@ -19,12 +19,12 @@ class Artifact:
     manifest: Manifest
 
     @classmethod
-    def open(cls, path: str | Path) -> "Artifact":
+    def open(cls, path: str | Path) -> Artifact:
         """The artifact at `path`; a clear error when the folder or its qconv.json is missing or malformed."""
         return cls(Path(path), read_manifest(path))
 
     @classmethod
-    def find(cls, path: str | Path) -> "Artifact | None":
+    def find(cls, path: str | Path) -> Artifact | None:
         """The artifact at `path`, or None for a plain model folder (no qconv.json)."""
         return cls.open(path) if (Path(path) / MANIFEST).is_file() else None
 

@@ -17,7 +17,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from qconv.errors import QconvError
 

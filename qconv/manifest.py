@@ -48,7 +48,7 @@ class Requirement:
             object.__setattr__(self, "vllm_feature", token)
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "requires") -> "Requirement":
+    def from_dict(cls, d: dict, where: str = "requires") -> Requirement:
         return from_dict(cls, d, where, MANIFEST)
 
     def to_dict(self) -> dict:
@@ -108,7 +108,7 @@ class QualityReport:
     _SOMETIMES = ("weights", "weights_kv", "tasks", "selection", "note")
 
     @classmethod
-    def of(cls, d: dict, where: str = "quality") -> "QualityReport":
+    def of(cls, d: dict, where: str = "quality") -> QualityReport:
         return from_dict(cls, d, where, MANIFEST)
 
     @property
@@ -252,7 +252,7 @@ class Manifest:
         return d
 
     @classmethod
-    def from_dict(cls, d: Any, where: str = MANIFEST) -> "Manifest":
+    def from_dict(cls, d: Any, where: str = MANIFEST) -> Manifest:
         """The typed manifest; a wrong type, a missing or unknown key is one error naming its key path."""
         if not isinstance(d, dict):
             raise QconvError(f"malformed manifest: expected a JSON object, got {type(d).__name__}", where=where,

@@ -8,9 +8,9 @@ from click.testing import CliRunner
 
 REPO = Path(__file__).resolve().parents[1]
 # Calibration small enough for a tiny model. Uniform W4 unless a test asks for INT8: the 3090 recipe's budget `auto`
-# would promote every unit of a tiny model (the card has room to spare); a test's own --int8-budget comes later on
-# the command line and wins.
-FAST_CAL = ["--samples", "16", "--seq-len", "64", "--int8-budget", "0"]
+# would promote every unit of a tiny model (the card has room to spare); a test's own --upgrade-budget (or its old
+# name --int8-budget, the same option) comes later on the command line and wins.
+FAST_CAL = ["--samples", "16", "--seq-len", "64", "--upgrade-budget", "0"]
 
 
 def run(*args):

@@ -34,7 +34,7 @@ def test_recipe_accepts_auto_only_as_a_word(tmp_path):
 
 
 def test_auto_budget_is_the_default_profiles_slack_on_the_27b(config_27b):
-    from qconv.build.pipeline import BuildOptions, dry_run
+    from qconv.build.budget import BuildOptions, dry_run
     from qconv.convert.sources import read_config
     from qconv.kv.plan import build_report, int8_headroom
 
@@ -55,17 +55,17 @@ def test_dry_run_prints_budget_promotion_and_fit(config_27b, tmp_path):
     r = run("build", "--recipe", "3090", "--model", config_27b, "--dry-run", "--work-dir", tmp_path / "w")
     assert r.exit_code == 0, r.output
     out = " ".join(r.output.split())
-    assert "INT8 budget auto =" in out
+    assert "upgrade budget auto =" in out
     for role in ("mlp_down", "mlp_gate_up", "gdn_qkvz", "attn_qkv"):
         assert role in out.split("INT8 promotion candidates")[1]
-    after = [l for l in out.split("after promotion")[1:] if "profile fast" in l]
+    after = [part for part in out.split("after promotion")[1:] if "profile fast" in part]
     assert after and "-> fits" in after[0]
 
 
 def test_explicit_budget_still_wins(config_27b, tmp_path):
-    from qconv.build.pipeline import BuildOptions, dry_run
+    from qconv.build.budget import BuildOptions, dry_run
 
-    dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090", int8_budget="100MB", work_dir=tmp_path))
+    dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090", upgrade_budget="100MB", work_dir=tmp_path))
     assert dr.budget_bytes == 100_000_000 and dr.budget_note == ""
 
 
@@ -77,7 +77,7 @@ def test_auto_budget_is_capped_by_max_bpw(config_27b, smollm2, tmp_path):
 
     import yaml
 
-    from qconv.build.pipeline import int8_budget
+    from qconv.build.budget import upgrade_budget
     from qconv.convert.layout import plan_model
     from qconv.recipes.recipe import load_recipe
 
@@ -86,7 +86,7 @@ def test_auto_budget_is_capped_by_max_bpw(config_27b, smollm2, tmp_path):
     for model, capped in ((config_27b, False), (smollm2, True)):
         cfg = json.loads((model / "config.json").read_text())
         plan = plan_model(model, cfg, r)
-        budget, note = int8_budget(r, plan, cfg)
+        budget, note = upgrade_budget(r, plan, cfg)
         assert budget > 0 and ("capped" in note) == capped, note
         if capped:
             assert budget == pytest.approx(5.2 * plan.num_parameters / 8 - plan.total_bytes, abs=2)
@@ -96,7 +96,7 @@ def test_auto_budget_is_capped_by_max_bpw(config_27b, smollm2, tmp_path):
     p.write_text(yaml.safe_dump(d))
     free = load_recipe(str(p))
     cfg = json.loads((smollm2 / "config.json").read_text())
-    assert int8_budget(free, plan_model(smollm2, cfg, free), cfg)[0] > 10 * 2**30
+    assert upgrade_budget(free, plan_model(smollm2, cfg, free), cfg)[0] > 10 * 2**30
     d["selection"]["max_bpw"] = 40
     p.write_text(yaml.safe_dump(d))
     from qconv.errors import QconvError

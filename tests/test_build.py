@@ -59,7 +59,7 @@ def test_recipe_validation_names_the_key(tmp_path, patch, expect):
 
 def test_dry_run_27b_config(config_27b):
     """The real 27B config, no weights: plan and size, checkable against the published ~19-20 GB all-W4A16 build."""
-    from qconv.build.pipeline import BuildOptions, dry_run
+    from qconv.build.budget import BuildOptions, dry_run
 
     dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090"))
     p = dr.plan
@@ -214,7 +214,7 @@ def test_bad_inputs(case, pattern, tmp_path, tiny_llama):
         extra = ["--dataset", bad]
     r = run("build", "--recipe", recipe, "--model", model, "--out", out, *extra, *FAST_CAL)
     assert r.exit_code == 2, r.output
-    errors = [l for l in r.output.splitlines() if l.startswith("error:")]
+    errors = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(pattern, r.output), r.output
     if case == "out_exists":
         assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -380,7 +379,7 @@ def test_row_blocked_gptq_stacks_weights_in_their_own_dtype(modules):
 _FRAGMENT = """
 import sys
 import torch
-from qconv.convert.stream import pin_mmap_threshold
+from qconv.memory import pin_mmap_threshold
 
 def rss():
     with open("/proc/self/status") as f:

@@ -157,7 +157,7 @@ with atomic_dir(sys.argv[1], force=True) as tmp:
 """
 CRASH_IN_STAGE = """
 import os, signal, sys
-from qconv.convert.stages import WorkDir
+from qconv.build.workdir import WorkDir
 with WorkDir(sys.argv[1]).new_dir("quantization", "deadbeef") as tmp:
     (tmp / "model.safetensors").write_bytes(b"x" * 100000)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -191,7 +191,7 @@ def test_crash_leftovers_are_swept_and_a_parked_folder_comes_back(src, tmp_path,
 
 
 def test_files_and_folders_are_flushed_before_the_rename(tmp_path, monkeypatch):
-    from qconv.convert.stages import WorkDir
+    from qconv.build.workdir import WorkDir
     from qconv.fsutil import atomic_dir, write_text_atomic
 
     synced, real_fsync = [], os.fsync

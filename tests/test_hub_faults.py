@@ -186,7 +186,7 @@ BAD_TABLES = {
     "an entry is a string": (lambda d: d["files"].update({BIG: "abc"}), f"files.{BIG}"),
     "size is a word": (lambda d: d["files"][BIG].update(size="big"), f"files.{BIG}.size"),
     "sha256 is not hex": (lambda d: d["files"][BIG].update(sha256="../../x"), f"files.{BIG}.sha256"),
-    "the manifest is a list": (lambda d: (d.clear(), d.update(x=1)), "schema_version"),
+    "no schema_version": (lambda d: (d.clear(), d.update(x=1)), "schema_version"),
 }
 
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _deps() -> dict[str, str]:
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     reqs = list(meta["dependencies"]) + [r for extra in meta["optional-dependencies"].values() for r in extra]
-    return {re.split(r"[<>=!~\[ ;]", r, 1)[0].lower(): r for r in reqs}
+    return {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower(): r for r in reqs}
 
 
 def test_metadata_states_ranges_not_pins():

@@ -83,7 +83,7 @@ def test_build_keeps_vision_and_mtp_bytes_and_quantizes_text(real_layout_27b, ar
 
 
 def test_artifact_loads_in_transformers_and_our_engine(artifact):
-    from qconv.eval.reference import load_causal_lm
+    from qconv.convert.hfmodel import load_causal_lm
     from qconv.runtime import load_model
 
     hf = load_causal_lm(artifact, device="cpu")

@@ -381,7 +381,7 @@ def test_qwen35_rollback_at_every_accept_length(tiny_qwen3_5, one_thread, monkey
     for ids in _prompts(tok, 4):
         ref = list(generate_tokens(model, ids, GenerationConfig(max_tokens=24)))
         oracle = Speculator(OracleDrafter(ref, len(ids)), DraftLength(6, adaptive=False))
-        monkeypatch.setattr(gen_mod, "make_speculator", lambda *a, **k: oracle)
+        monkeypatch.setattr(gen_mod, "make_speculator", lambda *a, oracle=oracle, **k: oracle)
         stats = GenerationStats()
         out = list(generate_tokens(model, ids, GenerationConfig(max_tokens=24, spec=SpecConfig("lookup")), stats))
         assert out == ref

@@ -83,7 +83,7 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(family, len(tok)))
     with torch.no_grad():  # seeded, explicit init so every family's weights have the same spread
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, STD)
     model = model.to(torch.bfloat16)

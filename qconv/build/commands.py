@@ -17,7 +17,7 @@ def print_plan(dr) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from qconv.convert.layout import module_bytes
+    from qconv.calibrate.units import module_bytes
 
     plan, recipe = dr.plan, dr.recipe
     con = Console()
@@ -107,7 +107,10 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 @click.option("--work-dir", type=click.Path(path_type=Path), help="Stage cache (default: QCONV_HOME/work/<source hash>).")
 @click.option("--fresh", is_flag=True, help="Ignore cached stages in the work dir.")
 @click.option("--stream/--no-stream", default=None, help="Stream layers from safetensors (default: when RAM is short).")
-@click.option("--int8-budget", help="INT8 byte budget, overrides the recipe (0, 300MB, 1.5GiB, 5%).")
+@click.option("--upgrade-budget", "--int8-budget", "upgrade_budget",
+              help="Bytes the selection may spend upgrading the most sensitive 4-bit units (to int4 g64/g32 steps or "
+                   "INT8), overrides the recipe (0, 300MB, 1.5GiB, 5%). --int8-budget is its old name, kept as an "
+                   "alias.")
 @click.option("--bpw", type=float, help="Bits-per-weight target (as the quality report counts them): the most "
               "sensitive units per byte go to the selection's 8-bit scheme until it is reached.")
 @click.option("--sensitivity", type=click.Choice(["proxy", "kld"]), default="proxy", show_default=True,
@@ -120,14 +123,14 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 @click.option("-v", "--verbose", is_flag=True, help="Show library logs as they come (always kept in build.log).")
 @click.pass_context
 def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
-          work_dir, fresh, stream, int8_budget, bpw, sensitivity, reference, as_json, verbose):
+          work_dir, fresh, stream, upgrade_budget, bpw, sensitivity, reference, as_json, verbose):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
-    from qconv.build.pipeline import BuildOptions, dry_run as run_dry
+    from qconv.build.budget import BuildOptions, dry_run as run_dry
     from qconv.errors import QconvError
 
     opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
                         seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text,
-                        work_dir=work_dir, fresh=fresh, stream=stream, int8_budget=int8_budget, bpw=bpw,
+                        work_dir=work_dir, fresh=fresh, stream=stream, upgrade_budget=upgrade_budget, bpw=bpw,
                         sensitivity=sensitivity, reference=str(reference) if reference else None)
     if dry_run:
         dr = run_dry(opts)
@@ -143,11 +146,9 @@ def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, ev
     _build_with_view(opts, as_json=as_json, verbose=verbose)
 
 
-def _calibration_line(opts) -> str:
+def _calibration_line(opts, recipe) -> str:
     """Which calibration size this build uses and where it comes from (a demo passes a small one)."""
-    from qconv.recipes import load_recipe
-
-    cal = load_recipe(opts.recipe).calibration
+    cal = recipe.calibration
     samples, seq_len = opts.samples or cal.samples, opts.seq_len or cal.seq_len
     given = [f for f, v in (("--samples", opts.samples), ("--seq-len", opts.seq_len)) if v]
     origin = (f"{'/'.join(given)}; recipe default {cal.samples} x {cal.seq_len}" if given
@@ -164,12 +165,14 @@ def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
 
     from qconv import progress
     from qconv.offline import offline_if_unreachable
+    from qconv.build.options import recipe_for
     from qconv.build.pipeline import build as run_build
     from qconv.build.summary import artifact_summary, print_summary
     from qconv.errors import GateFailure
 
     failure, t0 = None, time.time()
-    calib = _calibration_line(opts)
+    recipe = recipe_for(opts)  # parsed once, for this line and the build
+    calib = _calibration_line(opts, recipe)
     with contextlib.ExitStack() as stack:
         offline = stack.enter_context(offline_if_unreachable())  # before any library reads the flag
         view = stack.enter_context(progress.JobView(verbose=verbose))
@@ -180,7 +183,7 @@ def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
         if offline:
             view.print(offline)
         try:
-            run_build(opts)
+            run_build(opts, recipe)
         except GateFailure as e:  # the artifact is written and marked failed: summarize it, then exit 1
             failure = e
     summary = {**artifact_summary(opts.out, view.log_path), "elapsed_s": round(time.time() - t0, 1)}

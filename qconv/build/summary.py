@@ -37,6 +37,7 @@ def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
         "quality": quality, "kv_scheme": q.kv_scheme, "passed": q.passed, "tier": (q.tier or {}).get("name"),
         "failed_gates": [v["message"] for v in q.verdicts if not v.get("passed")],
         "int8_units": sel.int8_units, "step_units": sum(sel.step_units.values()),
+        "selection": asdict(m.selection) if m.selection else None,
         "predicted_kld": sel.predicted_kld, "reports": reports,
         "log": str(log_path) if log_path else None,
         "next": [f"qconv serve {out}", f"qconv check {out}", f'qconv generate {out} --chat "Hello"'],
@@ -63,8 +64,7 @@ def print_summary(s: dict, console=None) -> None:
     if s["int8_units"] or s.get("step_units"):
         from qconv.calibrate.select import Selection, format_table
 
-        con.print(escape(format_table(Selection.from_dict(asdict(read_manifest(s["artifact"]).selection)),
-                                      limit=INT8_ROWS)))
+        con.print(escape(format_table(Selection.from_dict(s["selection"]), limit=INT8_ROWS)))
     if s["quality"]:
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for col in ("quality vs source", "mean KLD", "p99 KLD", "top-1", "PPL ratio"):

@@ -69,7 +69,7 @@ def _read_file(path: Path, tokenizer) -> list[str]:
         if path.suffix == ".txt":
             return [path.read_text(encoding="utf-8")]
         if path.suffix == ".jsonl":
-            return _records_to_texts([json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()],
+            return _records_to_texts([json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()],
                                      tokenizer, where)
         if path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))

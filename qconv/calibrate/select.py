@@ -12,7 +12,8 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from qconv.calibrate.sensitivity import BASE, Candidate, Scores
+from qconv.calibrate.sensitivity import BASE, Scores
+from qconv.calibrate.units import Unit
 from qconv.errors import QconvError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -69,7 +70,7 @@ class Selection:
         return {r.unit: self.scheme if r.decision == "int8" else r.decision for r in self.rows if r.upgraded}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Selection":
+    def from_dict(cls, d: dict) -> Selection:
         fields = ("unit", "role", "modules", "bytes4", "bytes8", "score", "decision")
         return cls(budget=d["budget"], budget_bytes=d["budget_bytes"], scheme=d["scheme"], method=d["method"],
                    rows=[Row(**{k: r[k] for k in fields}, chosen_bytes=r.get("chosen_bytes")) for r in d["units"]],
@@ -104,7 +105,7 @@ def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) 
     return int(value * _UNITS[unit.lower()])
 
 
-def select(units: list[Candidate], scores: Scores | None, budget_bytes: int, *, budget: str, scheme: str,
+def select(units: list[Unit], scores: Scores | None, budget_bytes: int, *, budget: str, scheme: str,
            order: list[str] | None = None) -> Selection:
     """Greedy by gain per extra byte until the budget is spent: each step takes, over all units, the upgrade (from a
     unit's current scheme to a costlier one of its options) with the best marginal gain per byte that still fits.
@@ -143,7 +144,7 @@ def select(units: list[Candidate], scores: Scores | None, budget_bytes: int, *, 
     return out
 
 
-def _greedy(units: list[Candidate], scores: Scores, budget: int, top: str) -> dict[str, tuple[str, int, float]]:
+def _greedy(units: list[Unit], scores: Scores, budget: int, top: str) -> dict[str, tuple[str, int, float]]:
     level: dict[str, tuple[str, int, float]] = {}
     left = budget
     while True:

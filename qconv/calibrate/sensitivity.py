@@ -17,42 +17,13 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from qconv.calibrate.units import Unit
 from qconv.manifest import ModuleDecision
 
 log = logging.getLogger(__name__)
-
-
-class Option(Protocol):
-    """One scheme a unit can take (qconv.convert.layout.Option)."""
-    scheme: str
-    members: list[ModuleDecision]
-    refusal: str
-
-    @property
-    def bytes(self) -> int: ...
-
-
-class Candidate(Protocol):
-    """One selectable unit (qconv.convert.layout.Unit): its members' 4-bit (current) and 8-bit decisions, and every
-    scheme it can take (`options`: the selection's steps, then its 8-bit scheme)."""
-    name: str
-    role: str
-    w4: list[ModuleDecision]
-    w8: list[ModuleDecision]
-    refusal: str  # why this unit cannot be INT8 in vLLM ("" when it can)
-
-    @property
-    def bytes4(self) -> int: ...
-
-    @property
-    def bytes8(self) -> int: ...
-
-    @property
-    def options(self) -> list[Option]: ...
 
 
 BASE = "base"  # the key of a unit's current (4-bit) decisions in Scores.errors
@@ -202,7 +173,7 @@ def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, to
     return {n: f / tokens for n, f in fs.items()}
 
 
-def row_errors(u: Candidate, weights: dict[str, torch.Tensor], h: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+def row_errors(u: Unit, weights: dict[str, torch.Tensor], h: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
     """Per scheme (BASE: the unit's current decisions) and member, diag(E H Eᵀ): each output row's rounding error
     under that scheme, measured on the unit's input statistics H. `weights` are the members' float32 weights."""
     def per_row(m: ModuleDecision) -> torch.Tensor:
@@ -214,7 +185,7 @@ def row_errors(u: Candidate, weights: dict[str, torch.Tensor], h: torch.Tensor) 
                 **{o.scheme: {m.name: per_row(m) for m in o.members} for o in u.options}}
 
 
-def proxy_from(units: list[Candidate], rows: dict[str, dict[str, dict[str, torch.Tensor]]],
+def proxy_from(units: list[Unit], rows: dict[str, dict[str, dict[str, torch.Tensor]]],
                fisher: dict[str, torch.Tensor], tokens: int) -> Scores:
     """Scores from each unit's row errors (row_errors) and each member's output Fisher (capture_fisher): a scheme's
     error is Σ_members Σ_rows F_r·diag(E H Eᵀ)_r, its gain the base's error minus its own."""
@@ -227,7 +198,7 @@ def proxy_from(units: list[Candidate], rows: dict[str, dict[str, dict[str, torch
     return Scores("proxy", values, tokens, gains, errors)
 
 
-def proxy_scores(model, units: list[Candidate], ids: list[list[int]]) -> Scores:
+def proxy_scores(model, units: list[Unit], ids: list[list[int]]) -> Scores:
     """Per unit and scheme, Σ_members Σ_rows F_r · (E H Eᵀ)_rr: each output channel's rounding error, weighted by
     how much the loss cares about that channel (capture_fisher); a scheme's gain is the base's error minus its own.
     One forward + backward per sequence, the whole model in memory (qconv.build.streamed_sensitivity: a layer at a
@@ -271,7 +242,7 @@ def _layer_inputs(model, ids: list[list[int]]) -> list[dict[int, torch.Tensor]]:
     return out
 
 
-def model_kld_scores(model, units: list[Candidate], ids: list[list[int]], symmetric: bool = True,
+def model_kld_scores(model, units: list[Unit], ids: list[list[int]], symmetric: bool = True,
                      progress: bool = True) -> Scores:
     """Model-level sensitivity (see module docstring): with every other candidate at its 8-bit scheme, each unit's
     gain under a scheme is the mean KLD at its base minus the KLD at that scheme. Restores the weights on return."""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from qconv.fsutil import sha256_file
 from qconv.manifest import MANIFEST, Manifest, hash_artifact_files
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,17 @@ def copy_side_files(source: Path, out: Path) -> None:
                 shutil.copy2(p, out / p.name)
 
 
-def finalize(out: Path, manifest: Manifest) -> Manifest:
-    manifest.files = hash_artifact_files(out)
+def finalize(out: Path, manifest: Manifest, changed: tuple[str, ...] | None = None) -> Manifest:
+    """Hash the artifact's files into the manifest and write it. `changed`: only these files were added or
+    rewritten since the last finalize (the quality reports), so only they are hashed again."""
+    if changed is None:
+        manifest.files = hash_artifact_files(out)
+    else:
+        files = dict(manifest.files)
+        for name in changed:
+            if (out / name).is_file():
+                files[name] = {"sha256": sha256_file(out / name), "size": (out / name).stat().st_size}
+        manifest.files = {k: files[k] for k in sorted(files, key=lambda k: PurePosixPath(k).parts)}
     manifest.write(out)
     return manifest
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 from pathlib import Path
 
+from qconv.convert import patches
 from qconv.modelfiles import read_model_config
 
 
@@ -17,29 +18,31 @@ def _compressed_embeddings_loadable():
     "'Embedding' object has no attribute 'weight'". Skip such modules while loading (they are filled from the
     checkpoint), and restore the method afterwards."""
     from torch import nn
-    from transformers import PreTrainedModel
 
-    orig = PreTrainedModel._init_weights
+    orig = patches.current("init_weights")
 
     def guarded(self, module):
         if isinstance(module, nn.Embedding) and getattr(module, "weight", None) is None:
             return None
         return orig(self, module)
 
-    PreTrainedModel._init_weights = guarded
-    try:
+    with patches.swap(init_weights=guarded):
         yield
-    finally:
-        PreTrainedModel._init_weights = orig
 
 
-def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: bool = True, **kwargs):
-    """The model class the config names (AutoModelForCausalLM when transformers lacks it), compressed-tensors
-    artifacts decompressed to dense weights unless `decompress=False`."""
+def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: bool = True, config: dict | None = None,
+                   device: str | None = None, **kwargs):
+    """The model class the config names (AutoModelForCausalLM when transformers lacks it), in eval mode,
+    compressed-tensors artifacts decompressed once at load to dense weights unless `decompress=False` (not unpacked
+    again on every forward). `config`: its config.json when the caller has read it already; `device`: where to load
+    it ("auto": a CUDA GPU when there is one; None: transformers' default, the CPU)."""
     import torch
     import transformers
 
-    config = read_model_config(path)
+    if device is not None:
+        kwargs.setdefault("device_map", ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if config is None:
+        config = read_model_config(path)
     arch = (config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     cls = cls or transformers.AutoModelForCausalLM
@@ -62,7 +65,7 @@ def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: boo
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
         for c in {id(model.config): model.config, id(model.config.get_text_config()): model.config.get_text_config()}.values():
             c.tie_word_embeddings = True
-    return model
+    return model.eval()
 
 
 def _tied_to_packed_embedding(path: Path, config: dict) -> bool:

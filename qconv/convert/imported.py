@@ -58,10 +58,10 @@ def _decisions(done: Converted, fmt: QuantFormat) -> list[ModuleDecision]:
 
 def write_imported(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool, recipe: RecipeInfo, requantize,
            extra_build: dict, quality=None, profiles: dict | None = None, speculative: Speculative | None = None,
-           requires=None) -> Manifest:
+           requires=None, reports: tuple[str, ...] = ()) -> Manifest:
     """Convert into a temp folder that becomes `out` only when complete. `requires(decisions)` lists what the
-    artifact needs at run time; `quality(tmp, manifest)` measures it and returns the gate failure, raised once the
-    artifact (marked failed) is in place."""
+    artifact needs at run time; `quality(tmp, manifest, out)` measures it, writing the files named in `reports`,
+    and returns the gate failure, raised once the artifact (marked failed) is in place."""
     t0 = time.time()
     check_group_order(src.path, fmt)
     info = src.info()
@@ -80,8 +80,11 @@ def write_imported(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool
                                    "requantized": sorted(done.requantized), "copied": sorted(done.copied),
                                    "elapsed_s": round(time.time() - t0, 1), **extra_build})
         finalize(tmp, manifest)
-        gate_error = quality(tmp, manifest, Path(out)) if quality is not None else None
-        finalize(tmp, manifest)
+        if quality is not None:
+            gate_error = quality(tmp, manifest, Path(out))
+            finalize(tmp, manifest, changed=reports)
+        else:
+            gate_error = None
     if gate_error is not None:
         raise gate_error
     log.info("%s: %d quantized modules kept, %d requantized, %d tensors copied", out, len(done.kept),
@@ -91,7 +94,7 @@ def write_imported(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool
 
 def quantized_source(model: str, revision: str | None = None) -> tuple[ResolvedSource, QuantFormat]:
     src = resolve_source(model, revision=revision)
-    fmt = detect_format(read_config(src.path), where=str(src.path / "config.json"))
+    fmt = detect_format(src.config, where=str(src.path / "config.json"))
     if fmt is None:
         raise QconvError(f"{model} is not a quantized checkpoint (no quantization_config)", where=str(src.path),
                          fix="use `qconv build --model` for a full-precision model")

@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qconv.calibrate.units import Option, Unit, module_bytes
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
 from qconv.modelfiles import safetensors_header
@@ -88,18 +89,6 @@ class Plan:
         return dict(out)
 
 
-def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: int | None = None) -> int:
-    """Bytes a module takes in the artifact: packed codes + bf16 scales (+ shape), or bf16 when kept."""
-    n, k = m.shape
-    bits = scheme_bits if scheme_bits is not None else m.bits
-    g = group_size if scheme_bits is not None else m.group_size
-    if not bits:
-        return n * k * 2
-    codes = n * k * bits // 8
-    scales = n * (k // g if g else 1) * 2
-    return codes + scales + (16 if bits == 4 else 0)
-
-
 def read_safetensors_header(path: Path) -> dict[str, Tensor]:
     return {k: Tensor(tuple(v["shape"]), _DTYPE_BYTES.get(v["dtype"], 2)) for k, v in safetensors_header(path).items()}
 
@@ -171,7 +160,7 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
     w = scheme.weights
     notes, warns = [], []
     g = None
-    if w.strategy == "group":
+    if w.strategy == "group" and w.group_size:  # a group scheme names its size (recipes/schema validates it)
         g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
         if g is None:
             note = f"in_features {k} not divisible by any group size in {recipe.quantizer.group_size_fallback}: kept bf16"
@@ -250,44 +239,6 @@ def check_fused(plan: Plan) -> None:
 CUTLASS_ALIGN = 16
 
 
-@dataclass
-class Option:
-    """One scheme a unit can be upgraded to: its members' decisions under it, and why vLLM could not run it."""
-    scheme: str  # the recipe's scheme name
-    members: list[ModuleDecision]
-    refusal: str = ""
-
-    @property
-    def bytes(self) -> int:
-        return sum(module_bytes(m) for m in self.members)
-
-
-@dataclass
-class Unit:
-    """One selectable unit of the plan (a fused group or one projection): its members' 4-bit (current) decisions,
-    its decisions under the selection's 8-bit `scheme` (w8) and under each cheaper step (selection.steps);
-    qconv.calibrate.select chooses among them under the byte budget."""
-    name: str
-    role: str
-    w4: list[ModuleDecision]
-    w8: list[ModuleDecision]
-    refusal: str = ""  # why this unit cannot be INT8 in vLLM ("" when it can)
-    scheme: str = "w8a16"  # the recipe's name for the w8 decisions (selection.scheme)
-    steps: list[Option] = field(default_factory=list)  # upgrades short of w8, in selection.steps order
-
-    @property
-    def bytes4(self) -> int:
-        return sum(module_bytes(m) for m in self.w4)
-
-    @property
-    def bytes8(self) -> int:
-        return sum(module_bytes(m) for m in self.w8)
-
-    @property
-    def options(self) -> list[Option]:
-        return [*self.steps, Option(self.scheme, self.w8, self.refusal)]
-
-
 def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
     """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations stock vLLM's W8A16
     kernel is Marlin (Exllama is fp16-only, Triton's is 4-bit, Conch and Humming are optional packages), so its
@@ -327,11 +278,11 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
                 raise QconvError(f"INT8 candidate role {role!r} is kept bf16 by the recipe", where="selection.candidates",
                                  fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates")
             continue  # a member the plan already keeps (no group size fits): nothing to upgrade
-        w8 = [decide(m.name, m.role, tuple(m.shape), sel.scheme, s8, recipe)[0] for m in members]
+        w8 = [decide(m.name, m.role, (m.shape[0], m.shape[1]), sel.scheme, s8, recipe)[0] for m in members]
         unit = Unit(name=name, role=role, w4=members, w8=w8, refusal=int8_refusal(role, w8, recipe, sel.scheme),
                     scheme=sel.scheme)
         for step in sel.steps:
-            opt = Option(step, [decide(m.name, m.role, tuple(m.shape), step, recipe.schemes[step], recipe)[0]
+            opt = Option(step, [decide(m.name, m.role, (m.shape[0], m.shape[1]), step, recipe.schemes[step], recipe)[0]
                                 for m in members])
             opt.refusal = _refusal(role, opt.members, recipe, step)
             if opt.refusal or opt.bytes > unit.bytes4:

@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from qconv import progress
+from qconv.convert import patches
 from qconv.convert.stream import MAX_SHARD_SIZE
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
@@ -128,9 +129,7 @@ def _untie_only_tied():
     """llmcompressor unties the embeddings (clones both tables) whenever a scheme targets one, also when they are
     separate already: for the 27B two 2.5 GB copies in memory, written again to a streamed build's offload folder,
     for the same values. Separate tables are left as they are."""
-    from llmcompressor.modifiers.quantization.quantization import mixin
-
-    untie = mixin.untie_word_embeddings
+    untie = patches.current("untie_word_embeddings")
 
     def only_tied(model):
         i, o = model.get_input_embeddings(), model.get_output_embeddings()
@@ -138,11 +137,8 @@ def _untie_only_tied():
             return untie(model)
         model.config.tie_word_embeddings = False
 
-    mixin.untie_word_embeddings = only_tied
-    try:
+    with patches.swap(untie_word_embeddings=only_tied):
         yield
-    finally:
-        mixin.untie_word_embeddings = untie
 
 
 @contextlib.contextmanager
@@ -152,10 +148,8 @@ def row_blocked_compression(block_elements: int = COMPRESS_BLOCK_ELEMENTS):
     (channel or group strategy) rows are independent, so blocks of rows are quantized and packed into one output
     instead: the same integers, the same packed words."""
     import torch
-    from compressed_tensors.compressors.naive_quantized import base as naive
-    from compressed_tensors.compressors.pack_quantized import base as packed
 
-    whole, pack = naive.quantize, packed.pack_to_int32
+    whole, pack = patches.current("naive_quantize"), patches.current("pack_to_int32")
 
     def blocked_pack(value, num_bits, packed_dim=1):  # packing runs along each row: rows are independent
         step = max(1, block_elements // max(1, value.shape[-1]))
@@ -176,13 +170,8 @@ def row_blocked_compression(block_elements: int = COMPRESS_BLOCK_ELEMENTS):
             out[sl] = q
         return out
 
-    naive.quantize = packed.quantize = blocked
-    packed.pack_to_int32 = blocked_pack
-    try:
+    with patches.swap(naive_quantize=blocked, packed_quantize=blocked, pack_to_int32=blocked_pack):
         yield
-    finally:
-        naive.quantize = packed.quantize = whole
-        packed.pack_to_int32 = pack
 
 
 def awq_mappings(model) -> list:
@@ -208,17 +197,12 @@ def _cpu_awq():
     """llmcompressor 0.14's AWQ pins its cached activations for faster host-to-device copies, which raises "Cannot
     access accelerator device" on a CPU-only torch; without an accelerator there is nothing to copy to, so skip it."""
     import torch
-    from llmcompressor.pipelines.cache import IntermediatesCache
 
     if torch.accelerator.is_available():
         yield
         return
-    orig = IntermediatesCache.pin_memory
-    IntermediatesCache.pin_memory = lambda self, *a, **k: None
-    try:
+    with patches.swap(pin_memory=lambda self, batch_index, input_names=None: None):
         yield
-    finally:
-        IntermediatesCache.pin_memory = orig
 
 
 def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
@@ -239,8 +223,11 @@ def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
 
 
 def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: list[list[int]], out: Path,
-             *, untie: bool, seed: int, tied: bool = False) -> None:
-    """Run llmcompressor on `model` in place and save it compressed into `out`."""
+             *, untie: bool, seed: int, tied: bool = False, tokenizer=None) -> None:
+    """Run llmcompressor on `model` in place and save it compressed into `out`. `tokenizer`: handed to oneshot as
+    the processor; without one llmcompressor loads the checkpoint's AutoProcessor, which for a vision-language
+    model (Qwen3_5ForConditionalGeneration) needs torchvision for its video half, although the calibration data
+    are token ids already."""
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -264,7 +251,7 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
     with _cpu_awq(), _untie_only_tied():
         oneshot(model=model, dataset=ds, recipe=modifiers(model, recipe, groups, ignore), max_seq_length=max_len,
                 num_calibration_samples=len(calib_ids), pipeline="sequential" if recipe.quantizer.gptq else "datafree",
-                sequential_targets=sequential_targets(model),
+                sequential_targets=sequential_targets(model), processor=tokenizer,
                 shuffle_calibration_samples=False)
     calibrate_embeddings(model)
     with row_blocked_compression():

@@ -303,7 +303,7 @@ def stream_convert(src: Path, fmt: QuantFormat, out: Path, requantize=None) -> C
             ctmods = _modules(names, _CT_SUFFIXES) if fmt.layout == "compressed-tensors" else {}
             handled = {n for ns in qmods.values() for n in ns}
 
-            def get(name, *default):
+            def get(name, *default, names=names, shard=shard):
                 if name not in names:
                     if default:
                         return default[0]

@@ -7,7 +7,7 @@ manifest can say exactly which bytes an artifact was made from.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconv.errors import QconvError
@@ -27,11 +27,12 @@ class ResolvedSource:
     kind: str  # "hf_dir" | "hub" | "gguf"
     id: str
     revision: str | None = None
+    config: dict = field(default_factory=dict, repr=False)  # its config.json, read once when resolved
 
     def info(self) -> SourceInfo:
         files = source_files(self.path)
         return SourceInfo(kind=self.kind, id=self.id, revision=self.revision, files=files,
-                          sha256=sha256_json(files), architecture=read_config(self.path).get("model_type", ""))
+                          sha256=sha256_json(files), architecture=(self.config or read_config(self.path)).get("model_type", ""))
 
 
 def _looks_like_path(s: str) -> bool:
@@ -88,20 +89,21 @@ def resolve_source(model: str, *, revision: str | None = None, weights: bool = T
     """Turn what the user passed to --model into a local, validated HF folder."""
     p = Path(model).expanduser()
     if p.is_dir():
-        check_model_dir(p, weights=weights)
-        return ResolvedSource(path=p.resolve(), kind="hf_dir", id=str(p.resolve()))
+        cfg = check_model_dir(p, weights=weights)
+        return ResolvedSource(path=p.resolve(), kind="hf_dir", id=str(p.resolve()), config=cfg)
     if p.suffix == ".gguf":
         if not p.is_file():
             raise QconvError(f"GGUF file not found: {p}", where="--model", fix="check the path")
-        return ResolvedSource(path=import_cached(p), kind="gguf", id=str(p.resolve()))
+        folder = import_cached(p)
+        return ResolvedSource(path=folder, kind="gguf", id=str(p.resolve()), config=read_config(folder))
     if p.exists():
         raise QconvError(f"--model {model} is a file but not a .gguf", where="--model",
                          fix="pass a model folder, a Hugging Face id, or a .gguf file")
     if _looks_like_path(model):
         raise QconvError(f"model path does not exist: {model}", where="--model", fix="check the path")
     local = _download_hub(model, revision)
-    check_model_dir(local, weights=weights)
-    return ResolvedSource(path=local, kind="hub", id=model, revision=revision or "main")
+    cfg = check_model_dir(local, weights=weights)
+    return ResolvedSource(path=local, kind="hub", id=model, revision=revision or "main", config=cfg)
 
 
 def import_cached(gguf_file: Path) -> Path:

@@ -7,6 +7,9 @@ import logging
 import shutil
 from pathlib import Path
 
+from qconv.convert import patches
+from qconv.memory import available_ram, pin_mmap_threshold
+
 log = logging.getLogger(__name__)
 
 # An in-memory build holds the bf16 model plus GPTQ's float32 work buffers and the calibration activations:
@@ -18,22 +21,9 @@ GPTQ_BLOCK_BYTES = 64 << 20
 # Safetensors shard bound of the saved model: save_pretrained holds one shard's tensors in memory while writing it
 # (llmcompressor's default, 20 GB, is one shard = the whole compressed model).
 MAX_SHARD_SIZE = "512MB"
-# glibc raises its mmap threshold to the size of each large block freed (up to 32 MB), so a build that allocates and
-# frees tens of MB per module serves them from the heap, which fragments and is never given back (RSS grows with
-# every module compressed). Pinned, every block above it is mmapped and returned on free.
-MMAP_THRESHOLD = 4 << 20
 # Calibration activations at least this large go to disk in a streamed build (activations_on_disk); the rest (masks,
 # position ids, rotary tables shared by every sample) stay in memory.
 SPILL_MIN_BYTES = 1 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
-
-
-def available_ram() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def should_stream(source_bytes: int) -> bool:
@@ -43,19 +33,6 @@ def should_stream(source_bytes: int) -> bool:
                  source_bytes / 1e9, 100 * STREAM_FRACTION, ram / 1e9)
         return True
     return False
-
-
-def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold (see MMAP_THRESHOLD) for this process. False where the C library has no
-    mallopt (not glibc)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
-    except (OSError, AttributeError):
-        return False
 
 
 def tensor_files(path: Path) -> dict[str, Path]:
@@ -155,9 +132,9 @@ def activations_on_disk(folder: Path, min_bytes: int = SPILL_MIN_BYTES):
     the sample count. Here each tensor of at least `min_bytes` goes to a file when the pipeline stores it and is
     read back when the next layer takes it, so what stays resident is the sample in flight (offload, not
     recompute: each layer's outputs are computed once, as in memory, and the weights come out the same)."""
-    from llmcompressor.pipelines.cache import IntermediatesCache, IntermediateValue
+    from llmcompressor.pipelines.cache import IntermediateValue
 
-    offload, onload = IntermediatesCache.__dict__["_offload_value"], IntermediatesCache.__dict__["_onload_value"]
+    offload, onload = patches.current("offload_value"), patches.current("onload_value")
 
     def spill(cls, value, offload_device, onload_device=None):
         import torch
@@ -173,11 +150,8 @@ def activations_on_disk(folder: Path, min_bytes: int = SPILL_MIN_BYTES):
         return onload.__func__(cls, intermediate)
 
     folder.mkdir(parents=True, exist_ok=True)
-    IntermediatesCache._offload_value, IntermediatesCache._onload_value = classmethod(spill), classmethod(unspill)
-    try:
+    with patches.swap(offload_value=classmethod(spill), onload_value=classmethod(unspill)):
         yield
-    finally:
-        IntermediatesCache._offload_value, IntermediatesCache._onload_value = offload, onload
 
 
 @contextlib.contextmanager
@@ -187,9 +161,8 @@ def row_blocked_observer(block_bytes: int = GPTQ_BLOCK_BYTES):
     output row (and group), so each candidate's error is computed a block of rows at a time and concatenated: the
     same errors, the same chosen scales, the early stop still decided over the whole matrix."""
     import torch
-    from llmcompressor.observers import mse_quant
 
-    whole = mse_quant._calculate_error
+    whole = patches.current("mse_error")
 
     def blocked(observed, args, token_args, lo, hi, norm):
         rows = observed.shape[1] if observed.dim() >= 3 and lo.dim() >= 1 and lo.shape[0] == observed.shape[1] else 0
@@ -199,11 +172,8 @@ def row_blocked_observer(block_bytes: int = GPTQ_BLOCK_BYTES):
         return torch.cat([whole(observed[:, a:a + step], args, token_args, lo[a:a + step], hi[a:a + step], norm)
                           for a in range(0, rows, step)])
 
-    mse_quant._calculate_error = blocked
-    try:
+    with patches.swap(mse_error=blocked):
         yield
-    finally:
-        mse_quant._calculate_error = whole
 
 
 def _permute_in_place(h, perm, block_bytes: int):
@@ -237,10 +207,9 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
     bits). Its Hessian stack (the accumulated sum, its normalized copy and the stack of those) becomes the sum
     normalized in place."""
     import torch
-    from llmcompressor.modifiers.gptq import base, gptq_quantize, helpers
 
-    whole, prepare = base.quantize_weight, base.prepare_batch
-    factorize, order = gptq_quantize.factorize_hessian, gptq_quantize.apply_activation_ordering
+    whole, prepare = patches.current("gptq_quantize_weight"), patches.current("gptq_prepare_batch")
+    factorize = patches.current("gptq_factorize_hessian")
 
     def blocked(weights, hessians, scale, zero_point, global_scale, quant_args, blocksize=128, percdamp=0.01):
         batch, rows, cols = weights.shape
@@ -268,16 +237,13 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
             used_rtn_fallback.copy_(memo["fallback"])
             return memo["hinv"]
 
-        gptq_quantize.factorize_hessian, gptq_quantize.apply_activation_ordering = factorize_once, order_once
-        try:
+        with patches.swap(gptq_factorize_hessian=factorize_once, gptq_activation_ordering=order_once):
             for r0 in range(0, rows, step):
                 sl = slice(r0, min(r0 + step, rows))
                 q, loss, fb = whole(weights[:, sl].float(), hessians, _rows(scale, sl, rows),
                                     _rows(zero_point, sl, rows), global_scale, quant_args, blocksize, percdamp)
                 weights[:, sl] = q.to(weights.dtype)
                 losses, fallback = losses + loss, fb if fallback is None else fallback | fb
-        finally:
-            gptq_quantize.factorize_hessian, gptq_quantize.apply_activation_ordering = factorize, order
         return weights, losses, fallback
 
     def lean_prepare(batch, batch_qparams, hessians_by_module, samples_by_module):
@@ -292,17 +258,12 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
                     stacked = torch.empty((len(batch), *h.shape), dtype=h.dtype, device=h.device)
                 stacked[i] = h
             del h
-        before = helpers.GPTQ_PRECISION  # read by prepare_batch for the stacked weights only
-        helpers.GPTQ_PRECISION = batch[0].weight.dtype
-        try:  # the Hessians are already stacked: prepare_batch gets one-element stand-ins
+        # GPTQ_PRECISION is read by prepare_batch for the stacked weights only; the Hessians are already stacked:
+        # prepare_batch gets one-element stand-ins
+        with patches.swap(gptq_precision=batch[0].weight.dtype):
             out = prepare(batch, batch_qparams, {m: torch.ones(1, 1) for m in batch},
                           {m: torch.ones(()) for m in batch})
-        finally:
-            helpers.GPTQ_PRECISION = before
         return (out[0], stacked, *out[2:])
 
-    base.quantize_weight, base.prepare_batch = blocked, lean_prepare
-    try:
+    with patches.swap(gptq_quantize_weight=blocked, gptq_prepare_batch=lean_prepare):
         yield
-    finally:
-        base.quantize_weight, base.prepare_batch = whole, prepare

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -42,7 +42,7 @@ def free_memory(device: str) -> int:
     """Bytes free now on the device: CUDA's own count, or the OS's MemAvailable for the CPU."""
     if device == "cuda":
         return torch.cuda.mem_get_info()[0]
-    from qconv.convert.stream import available_ram
+    from qconv.memory import available_ram
 
     return available_ram()
 
@@ -68,7 +68,8 @@ class LogitSource:
         """For each window i: (i, its row blocks in order), a block being (logits [n, V] float32 of positions the
         window scores, the tokens they predict). Consume a window's blocks before asking for the next window."""
         from qconv.eval.kvsim import kv_simulation
-        from qconv.eval.reference import load_causal_lm, window_logits
+        from qconv.convert.hfmodel import load_causal_lm
+        from qconv.eval.reference import window_logits
 
         if not indices:
             return
@@ -81,7 +82,7 @@ class LogitSource:
                 yield indices[j], blocks
             return
         if self._model is None:
-            self._model = load_causal_lm(self.path, device=self.device)
+            self._model = load_causal_lm(self.path, device=self.device or "auto")
         with kv_simulation(self._model, kv_scheme):
             for i in indices:
                 yield i, iter([window_logits(self._model, windows.ids[i], windows.first_scored(i))])

@@ -19,7 +19,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -44,7 +44,7 @@ class Checkpoint:
     _prefix_map: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def open(cls, path: str | Path) -> "Checkpoint":
+    def open(cls, path: str | Path) -> Checkpoint:
         from qconv.convert.stream import tensor_files
 
         path = Path(path)
@@ -173,12 +173,13 @@ class StreamedModel:
     row_block: int = ROW_BLOCK
 
     @classmethod
-    def open(cls, path: str | Path, device: str | torch.device = "cpu") -> "StreamedModel":
+    def open(cls, path: str | Path, device: str | torch.device = "cpu") -> StreamedModel:
         import transformers
 
-        from qconv.convert.stream import pin_mmap_threshold, rebuild_meta_buffers
+        from qconv.convert.stream import rebuild_meta_buffers
+        from qconv.memory import pin_mmap_threshold
 
-        pin_mmap_threshold()  # each layer's tensors are freed before the next: give them back (see convert.stream)
+        pin_mmap_threshold()  # each layer's tensors are freed before the next: give them back (see qconv.memory)
         cfg = transformers.AutoConfig.from_pretrained(path)
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config  # the weights come dequantized: build plain bf16 modules

@@ -44,11 +44,11 @@ class RefWindow:
     def to_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.contiguous() for k, v in vars(self).items() if v is not None}
 
-    def rows(self, a: int, b: int) -> "RefWindow":
+    def rows(self, a: int, b: int) -> RefWindow:
         return RefWindow(**{k: v[a:b] for k, v in vars(self).items() if v is not None})
 
     @staticmethod
-    def cat(parts: list["RefWindow"]) -> "RefWindow":
+    def cat(parts: list[RefWindow]) -> RefWindow:
         return RefWindow(**{k: torch.cat([vars(p)[k] for p in parts]) for k, v in vars(parts[0]).items()
                             if v is not None})
 
@@ -102,17 +102,6 @@ def choose_storage(vocab_size: int, topk: int | None) -> tuple[str, int | None]:
     return ("topk", topk) if topk else ("full", None)
 
 
-def load_causal_lm(path: str | Path, device: str | None = None):
-    """Any HF causal-LM folder, eval mode, CPU/GPU. A compressed-tensors artifact is decompressed once at load:
-    the same dequantized weights, without unpacking them again on every forward."""
-    from qconv.convert import hfmodel
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = hfmodel.load_causal_lm(path, dtype="bfloat16", device_map=device)
-    model.eval()
-    return model
-
-
 @torch.inference_mode()
 def window_logits(model, ids: list[int], first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of positions first..len-2 and the tokens they predict, for one window."""
@@ -142,7 +131,7 @@ def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(source_dir)
-    vocab = getattr(cfg.get_text_config(), "vocab_size")
+    vocab = cfg.get_text_config().vocab_size
     storage, k = choose_storage(vocab, topk)
     key = reference_key(source_sha256, text_sha256, windows.window, windows.stride, storage, k)
     folder = qconv_home() / "reference" / key

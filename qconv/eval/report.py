@@ -42,7 +42,9 @@ TABLE_HEAD = ("| model | mean KLD | median | p90 | p99 | p99.9 | max | same top 
 
 def render_md(report: dict) -> str:
     t, ref = report["text"], report["reference"]
-    lines = [f"# Quality report: {Path(report['artifact']).name}", "",
+    model = report.get("reference_model")  # a build from a quantized checkpoint says what it measured against
+    lines = [f"Reference: {model['note']}.", ""] if model else []
+    lines += [f"# Quality report: {Path(report['artifact']).name}", "",
              f"- source: `{report['source']['path']}` ({report['source']['num_parameters'] / 1e6:.1f}M parameters, "
              f"sha256 {report['source']['sha256'][:16]}…)",
              f"- text: `{t['label']}` — {t['tokens_scored']} tokens scored in {t['windows']} windows of {t['window']}"

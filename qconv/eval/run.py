@@ -152,10 +152,13 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
 
 def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Recipe, *, text: str | None = None,
                    kv: str | None = "auto", source_sha256: str | None = None, num_parameters: int | None = None,
-                   tasks: list[str] | None = None, limit: int | None = None, fwd: Forward | None = None) -> dict:
+                   tasks: list[str] | None = None, limit: int | None = None, fwd: Forward | None = None,
+                   final: str | Path | None = None, annotate=None) -> dict:
     """For `qconv build`: measure the fresh artifact, write report.json/report.md/kld.png into it, return the
     summary for qconv.json (`passed` False when a gate failed; the caller marks the manifest and exits 1).
-    Call it before hashing the artifact's files: the reports are part of the artifact."""
+    `final`: the folder the build's temp folder becomes, the path the reports name; `annotate(report)` adds the
+    caller's notes before the reports are written (once). Call it before hashing the artifact's files: the reports
+    are part of the artifact."""
     text = text or recipe.quality.text
     if not text:
         return {"passed": None, "note": "no held-out text (recipe quality.text or --eval-text): not measured"}
@@ -174,6 +177,10 @@ def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Rec
     _tasks_need_model(source, tasks)
     report, klds = measure(artifact_dir, source, settings, fwd)
     report = _judge(_with_tasks(report, Path(artifact_dir), source, tasks, limit, None), recipe)
+    if final is not None:
+        report["artifact"] = str(Path(final).resolve())
+    if annotate is not None:
+        annotate(report)
     write_reports(artifact_dir, report, klds)
     return summary(report)
 

@@ -70,9 +70,9 @@ def _lm(path: Path, batch_size: int):
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
-    from qconv.eval.reference import load_causal_lm
+    from qconv.convert.hfmodel import load_causal_lm
 
-    return HFLM(pretrained=load_causal_lm(path), tokenizer=AutoTokenizer.from_pretrained(path),
+    return HFLM(pretrained=load_causal_lm(path, device="auto"), tokenizer=AutoTokenizer.from_pretrained(path),
                 batch_size=batch_size), None
 
 

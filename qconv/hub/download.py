@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from collections.abc import Callable
 
 from qconv.errors import QconvError
 from qconv.fsutil import CHUNK, open_nofollow, os_error, sha256_file

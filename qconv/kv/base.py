@@ -34,7 +34,7 @@ class KVScheme:
         """uint8 records [N, record_bytes] -> float32 (k, v), each [N, tile, D]."""
         raise NotImplementedError
 
-    def calibrated(self, k: torch.Tensor, v: torch.Tensor) -> "KVScheme":
+    def calibrated(self, k: torch.Tensor, v: torch.Tensor) -> KVScheme:
         """The scheme with any per-tensor constants fixed from this data (fp8 scales); most schemes have none."""
         return self
 

@@ -20,7 +20,7 @@ ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_ab", 
 KEEP = "bf16"  # the scheme name meaning "leave in the source dtype"
 RECIPE_CAP = 1 << 20  # bytes; a recipe is a few KB
 KV_SCHEMES = ("bf16", "fp8_e4m3", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64",
-              "kvarn_k4v2_g256", "kvarn_k4v4_g256")  # runnable by a profile; kept in step with qconv.kv.schemes
+              "kvarn_k4v2_g256", "kvarn_k4v4_g256")  # runnable by a profile; qconv.kv.schemes builds them from here
 
 
 @dataclass
@@ -98,8 +98,9 @@ class Calibration:
 
 
 @dataclass
-class Selection:
-    """Selective INT8 by measured sensitivity (0 = uniform 4-bit)."""
+class SelectionRules:
+    """A recipe's `selection:` section: which units may be upgraded (int4 g64/g32 steps, INT8) by measured
+    sensitivity under what budget (0 = uniform 4-bit). Its result is qconv.calibrate.select.Selection."""
     # bytes ("0", "1500000000"), with unit ("1.5GB", "300MiB"), percent of the artifact ("5%"), or "auto": what the
     # card has left after the weights, the first profile's KV cache + recurrent state and the reserve
     budget: str = "0"
@@ -234,7 +235,7 @@ class Recipe:
     # tied quantized head), or untie so lm_head carries its own scheme (a second copy, reported in the plan).
     tied_embeddings: Literal["keep", "untie"] = "untie"
     calibration: Calibration = field(default_factory=Calibration)
-    selection: Selection = field(default_factory=Selection)
+    selection: SelectionRules = field(default_factory=SelectionRules)
     profiles: dict[str, Profile] = field(default_factory=dict)
     default_profile: str = "fast"
     speculative: Speculative = field(default_factory=Speculative)

@@ -96,7 +96,7 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
         return {convert(kt, k, path, source, strict): convert(vt, v, f"{path}.{_key(k)}", source, strict)
                 for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
-        return value if isinstance(value, tp) else from_dict(tp, value, path, source, strict)
+        return value if isinstance(tp, type) and isinstance(value, tp) else from_dict(tp, value, path, source, strict)
     if tp is bool:
         if not isinstance(value, bool):
             _fail(source, path, f"expected true/false, got {shorten(value)}")
@@ -170,4 +170,4 @@ def coerce_fields(obj, source: str, path: str = "") -> None:
 
 
 def to_dict(obj) -> Any:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else obj
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) and not isinstance(obj, type) else obj

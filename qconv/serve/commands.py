@@ -74,8 +74,8 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
         runtime = _override_runtime(vllm_python) if backend == "auto" else None
     else:
         runtime = runtimes.find_runtime()
-    if backend == "auto":
-        art = Artifact.find(path)  # what it needs of vLLM under which profile (a plain folder: nothing)
+    art = Artifact.find(path)  # opened once (a plain folder: None), for the backend choice and the server
+    if backend == "auto":  # what it needs of vLLM under which profile (a plain folder: nothing)
         requires, pname = (art.requires, profile or art.default_profile) if art else ([], profile or "")
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
         click.echo(f"backend: {choice.backend} ({choice.reason})", err=True)
@@ -89,9 +89,9 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
 
         run_native(path, NativeOptions(host=host, port=port, api_key=api_key, max_batch=max_batch or 8,
                                        max_model_len=max_model_len, profile=profile, spec_tokens=spec_tokens,
-                                       served_model_name=served_model_name))
+                                       served_model_name=served_model_name), art)
         return
-    src = vllm.load_source(path, recipe)
+    src = vllm.load_source(path, recipe, art)
     if served_model_name:
         src.name = served_model_name
     opts = vllm.LaunchOptions(host=host, port=port, tensor_parallel_size=tensor_parallel_size,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import EllipsisType
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
@@ -40,12 +41,14 @@ class NativePlan:
     max_tokens: int = DEFAULT_MAX_TOKENS  # completion cap of a chat request that sends none
 
 
-def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
-    """Context, runtime KV scheme and speculation from the artifact's manifest when it has one."""
+def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> NativePlan:
+    """Context, runtime KV scheme and speculation from the artifact's manifest when it has one (`art`: the
+    artifact the caller opened already, None for a plain folder; `...`: open it here)."""
     cfg = read_model_config(path)
     max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
     plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
-    art = Artifact.find(path)
+    if art is ...:
+        art = Artifact.find(path)
     if art is not None and art.profiles:
         _, p = art.profile(opts.profile)
         plan.context_len = min(p.context_length, max_pos, DEFAULT_NATIVE_CONTEXT)
@@ -60,14 +63,14 @@ def native_plan(path: Path, opts: NativeOptions) -> NativePlan:
     return plan
 
 
-def build_native(path: str | Path, opts: NativeOptions):
+def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...):
     """(FastAPI app, started Scheduler) for the model at `path`, loaded in float32."""
     from qconv.runtime.loader import load_model, load_tokenizer
     from qconv.serve.scheduler import Scheduler
     from qconv.serve.server import ServerConfig, create_app
 
     path = model_dir(path)
-    plan = native_plan(path, opts)
+    plan = native_plan(path, opts, art)
     tok = load_tokenizer(path)
     model = load_model(path)
     plan.spec = plan.spec.for_model(model)
@@ -88,12 +91,12 @@ def bind_warnings(host: str, api_key: str | None) -> list[str]:
     return []
 
 
-def run_native(path: str | Path, opts: NativeOptions) -> None:
+def run_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> None:
     import uvicorn
 
     for w in bind_warnings(opts.host, opts.api_key):
         log.warning("%s", w)
-    app, sched = build_native(path, opts)
+    app, sched = build_native(path, opts, art)
     try:
         uvicorn.run(app, host=opts.host, port=opts.port, log_level="info", timeout_graceful_shutdown=5)
     finally:

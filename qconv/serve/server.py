@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -182,9 +182,9 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
         try:
             sched.submit(r)
         except QueueFull as e:
-            raise APIError(429, f"server busy: {e}; retry later", "rate_limit_exceeded", code="queue_full")
+            raise APIError(429, f"server busy: {e}; retry later", "rate_limit_exceeded", code="queue_full") from e
         except SchedulerDown as e:
-            raise APIError(503, f"server unavailable: {e}", "server_error", code="scheduler_down")
+            raise APIError(503, f"server unavailable: {e}", "server_error", code="scheduler_down") from e
         return r, q
 
     async def events(r: GenRequest, q: asyncio.Queue, request: Request) -> AsyncIterator[Event]:
@@ -298,7 +298,7 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
             try:
                 text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # a template that rejects this conversation (roles order, ...)
-                raise APIError(400, f"chat template rejected the messages: {e}", param="messages")
+                raise APIError(400, f"chat template rejected the messages: {e}", param="messages") from e
             return tok(text, add_special_tokens=False).input_ids
 
         ids = await asyncio.to_thread(template)

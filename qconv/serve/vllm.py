@@ -17,6 +17,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import EllipsisType
 
 from qconv.artifact import Artifact, choose_profile
 from qconv.errors import QconvError
@@ -66,15 +67,18 @@ class ServeSource:
         return int(text.get("mtp_num_hidden_layers", 0) or text.get("num_nextn_predict_layers", 0) or 0) > 0
 
 
-def load_source(path: str | Path, recipe: str | None = None) -> ServeSource:
-    """An artifact (profiles from `qconv.json`) or a plain config folder with `--recipe` (no weights needed)."""
+def load_source(path: str | Path, recipe: str | None = None, art: Artifact | None | EllipsisType = ...) -> ServeSource:
+    """An artifact (profiles from `qconv.json`) or a plain config folder with `--recipe` (no weights needed).
+    `art`: the artifact the caller opened already (None: a plain folder; `...`: open it here)."""
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise QconvError(f"no config.json in {path}", where=str(path),
                          fix="pass an artifact folder (qconv build --out) or an HF config folder with --recipe")
     config = json.loads(cfg_path.read_text())
-    if recipe is None and (art := Artifact.find(path)) is not None:
+    if recipe is None and art is ...:
+        art = Artifact.find(path)
+    if recipe is None and art is not None:
         return ServeSource(path, path.name, config, art.profiles, art.default_profile, art.speculative, art.requires)
     if recipe is None:
         raise QconvError(f"{path} has no {MANIFEST}, so it carries no serving profiles", where=str(path),
@@ -134,8 +138,8 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
             "--served-model-name", src.name, "--host", opts.host, "--port", str(opts.port),
             "--max-model-len", str(min(p.context_length, src.max_position_embeddings or 1 << 62)),
             "--kv-cache-dtype", KV_TO_VLLM.get(kv, kv)]
-    if kv.startswith("kvarn_"):
-        argv += ["--block-size", str(kvarn_block_size(kv)), "--dtype", "float16"]  # KVarN computes in fp16
+    if kv.startswith("kvarn_"):  # the plugin's backend: one block per tile; its fp16 first tile is per sequence
+        argv += ["--block-size", str(kvarn_block_size(kv))] + ([] if src.hybrid else ["--no-enable-prefix-caching"])
     argv += ["--max-num-seqs", str(opts.max_num_seqs or p.max_num_seqs)]
     argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
     if src.hybrid:

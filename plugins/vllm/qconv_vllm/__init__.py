@@ -13,7 +13,9 @@ import os
 __version__ = "0.1.0"
 TESTED = ("0.32",)  # vLLM major.minor series whose source these patches were read against
 # What the plugin adds, by the tokens qconv writes into an artifact's qconv.json `requires` (qconv/convert/requires.py)
-FEATURES = ("quantized-embeddings", "quantized-tied-head", "wna16-8bit-cpu")
+KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")  # = kvarn_codec.PRESETS
+FEATURES = ("quantized-embeddings", "quantized-tied-head", "wna16-8bit-cpu",
+            *(f"kv-cache:{name}" for name in KVARN_PRESETS))
 UNTESTED_ENV = "QCONV_VLLM_ALLOW_UNTESTED"
 
 log = logging.getLogger("qconv_vllm")
@@ -46,11 +48,12 @@ def register() -> None:
     import vllm
 
     check_version(vllm.__version__)
-    from qconv_vllm import embedding, kernels, tied_head
+    from qconv_vllm import embedding, kernels, kvarn, tied_head
 
     _applied.extend(embedding.apply())
     _applied.extend(tied_head.apply())
     _applied.extend(kernels.apply())
+    _applied.extend(kvarn.apply())
     log.info("qconv-vllm %s active on vLLM %s: %s", __version__, vllm.__version__, ", ".join(_applied))
 
 

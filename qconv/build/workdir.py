@@ -18,7 +18,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 from qconv import progress
 from qconv.fsutil import file_table, fsync_path, fsync_tree, owned_temp_dir, sha256_json, sweep_stale, write_json_atomic

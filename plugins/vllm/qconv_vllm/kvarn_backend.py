@@ -1,0 +1,281 @@
+"""KVarN as a vLLM attention backend: the `kvarn_*` cache dtypes on full-attention layers.
+
+Cache: one vLLM block is one tile of G tokens (the backend's only kernel block size; larger manager blocks, as
+hybrid models get, are split into tiles by vLLM). Per (block, KV head) the page holds one KVarN record, K and V
+together, so a slot costs record_bytes / G per token and head (`customize_spec`), never padded to a power of two.
+The first tile of a sequence (sink), the tile being filled and a copy of the last closed tile stay fp16 in a small
+per-layer staging buffer indexed by a sequence slot (`SlotTable`), outside the paged pool: max_num_seqs x 3 tiles.
+
+Attention is the decode form: a query at position i reads token j from its quantized tile once that tile closed at
+or before i, from the fp16 copy otherwise, so a prompt's logits are what token-by-token decoding would give.
+This module is the torch path (vLLM's CPU backend has no Triton); on CUDA the same layout is read by
+`qconv_vllm.kvarn_triton`. Gated-DeltaNet layers keep their own state: only attention layers come here."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+
+from qconv_vllm.kvarn_codec import PRESETS, Codec
+
+log = logging.getLogger(__name__)
+SINK, CUR, LAST = 0, 1, 2  # staging tiles per slot
+QUERY_CHUNK = 512  # queries scored at once (bounds the [heads, queries, keys] score matrix of a long prompt)
+
+
+class SlotTable:
+    """Which staging slot each running sequence holds, keyed by its first block id (unique among live sequences;
+    prefix caching, which would share it, is refused). vLLM does not tell a backend when a request ends, so slots
+    are recycled least-recently-used among keys absent from the batch; capacity leaves room for every sequence
+    the scheduler can hold twice over, so a live sequence is never evicted in practice, and if one were, its
+    fp16 tokens are zeroed and counted in `lost` instead of being read from another sequence."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.owner: OrderedDict[int, int] = OrderedDict()
+        self.free = list(range(capacity - 1, -1, -1))
+        self.written = [0] * capacity  # tokens written to each slot up to the last step (rollback detection)
+        self.lost = 0
+
+    def assign(self, key: int, start: int, in_batch: set[int]) -> tuple[int, bool]:
+        """(slot, fresh): fresh when the slot's exact tiles must be cleared before use."""
+        if key in self.owner:
+            self.owner.move_to_end(key)
+            return self.owner[key], False
+        if not self.free:
+            old = next((k for k in self.owner if k not in in_batch), None)
+            if old is None:
+                raise RuntimeError(f"KVarN: more than {self.capacity} sequences in one batch")
+            self.free.append(self.owner.pop(old))
+        slot = self.free.pop()
+        self.owner[key] = slot
+        if start > 0:
+            self.lost += 1
+            log.warning("KVarN: a running sequence lost its fp16 tiles (slot recycled); %d so far", self.lost)
+        return slot, True
+
+
+@dataclass
+class KVarNMetadata:
+    num_actual_tokens: int
+    query_start: list[int]  # [num_reqs + 1]
+    seq_lens: list[int]  # [num_reqs]
+    block_table: torch.Tensor  # [num_reqs, max_tiles] kernel block (tile) ids
+    slots: list[int]
+    fresh: list[bool]
+    written_before: list[int]  # tokens the slot held written before this step (> start: speculative rollback)
+    capacity: int
+
+
+def _builder_cls():
+    from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
+
+    class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
+        _cudagraph_support: ClassVar = AttentionCGSupport.NEVER
+
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            if vllm_config.cache_config.enable_prefix_caching:
+                raise ValueError("KVarN KV cache: prefix caching would share a quantized first tile that KVarN "
+                                 "keeps in fp16; start vLLM with --no-enable-prefix-caching")
+            self.table = SlotTable(2 * vllm_config.scheduler_config.max_num_seqs + 8)
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> KVarNMetadata:
+            cam = common_attn_metadata
+            n = cam.num_reqs
+            qs = cam.query_start_loc_cpu[:n + 1].tolist()
+            lens = cam.seq_lens[:n].tolist()
+            table = cam.block_table_tensor[:n]
+            keys = table[:, 0].tolist()
+            slots, fresh, before = [], [], []
+            for i in range(n):
+                start = lens[i] - (qs[i + 1] - qs[i])
+                slot, new = self.table.assign(keys[i], start, set(keys))
+                slots.append(slot)
+                fresh.append(new or start == 0)
+                before.append(0 if new else self.table.written[slot])
+                self.table.written[slot] = lens[i]
+            return KVarNMetadata(cam.num_actual_tokens, qs, lens, table, slots, fresh, before, self.table.capacity)
+
+    return KVarNMetadataBuilder
+
+
+class KVarNAttentionImpl:
+    """Per attention layer: writes each step's K/V (tiles that fill are quantized at once) and attends over sink +
+    closed records + fp16 tokens. Built by vLLM through the backend; subclassed from vLLM's AttentionImpl at
+    import time of `backend_cls()` (this module imports without vLLM for the codec tests)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto", logits_soft_cap=None,
+                 attn_type: str = "decoder", kv_sharing_target_layer_name=None, **kwargs):
+        if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
+            raise ValueError("KVarN attention supports plain causal attention only (no ALiBi, sliding window or "
+                             "logit soft-capping)")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.codec = Codec.from_dtype(kv_cache_dtype, head_size)
+        self.stage: torch.Tensor | None = None  # [slots, 3 tiles, 2 (k, v), kv heads, G, D] fp16
+
+    def _staging(self, capacity: int, device) -> torch.Tensor:
+        g, d = self.codec.tile, self.head_size
+        if self.stage is None or self.stage.shape[0] < capacity or self.stage.device != torch.device(device):
+            self.stage = torch.zeros(capacity, 3, 2, self.num_kv_heads, g, d, dtype=torch.float16, device=device)
+        return self.stage
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
+                output_block_scale=None):
+        if output is None:
+            output = torch.zeros(query.shape[0], self.num_heads * self.head_size, dtype=query.dtype,
+                                 device=query.device)
+        if attn_metadata is None:  # profiling run: no cache yet
+            return output.fill_(0)
+        m: KVarNMetadata = attn_metadata
+        stage = self._staging(m.capacity, query.device)
+        pool = kv_cache.flatten(2)  # [tiles, kv heads, record bytes]
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
+        q_all = query[:m.num_actual_tokens].view(-1, h, d)
+        k_all = key[:m.num_actual_tokens].view(-1, hk, d)
+        v_all = value[:m.num_actual_tokens].view(-1, hk, d)
+        out = output[:m.num_actual_tokens].view(-1, h, d)
+        for i, slot in enumerate(m.slots):
+            q0, q1 = m.query_start[i], m.query_start[i + 1]
+            if q1 == q0:
+                continue
+            length, blocks = m.seq_lens[i], m.block_table[i]
+            start = length - (q1 - q0)
+            if m.fresh[i]:
+                stage[slot].zero_()
+            exact = self._write(stage[slot], pool, blocks, start, m.written_before[i], k_all[q0:q1], v_all[q0:q1])
+            out[q0:q1] = self._attend(stage[slot], pool, blocks, start, length, q_all[q0:q1], exact).to(out.dtype)
+        return output
+
+    def _write(self, st, pool, blocks, start, written, k, v):
+        """Stage the new tokens (positions start..), quantize every tile they close into its block; returns the
+        fp16 K/V [2, kv heads, n, D] of positions first_open_tile*G .. end (None when all are in the sink)."""
+        g = self.codec.tile
+        kv = torch.stack([k, v]).transpose(1, 2).to(torch.float16)  # [2, kv heads, T, D]
+        end = start + kv.shape[2]
+        n_sink = max(0, min(end, g) - start)
+        if n_sink:
+            st[SINK, :, :, start:start + n_sink] = kv[:, :, :n_sink]
+        p0 = start + n_sink
+        if p0 == end:
+            return None
+        t0, o0 = divmod(p0, g)
+        # The exact head of tile t0: the tile in progress, or, after a speculative rollback into the tile closed
+        # last step, its fp16 copy.
+        head = st[LAST if written >= (t0 + 1) * g else CUR, :, :, :o0]
+        exact = torch.cat([head, kv[:, :, n_sink:]], 2)
+        n_full = exact.shape[2] // g
+        if n_full:
+            tiles = exact[:, :, :n_full * g].unflatten(2, (n_full, g)).permute(0, 2, 1, 3, 4)  # [2, n, hk, G, D]
+            rec = self.codec.encode(tiles[0].flatten(0, 1), tiles[1].flatten(0, 1))
+            pool[blocks[t0:t0 + n_full].long()] = rec.view(n_full, self.num_kv_heads, -1)
+            st[LAST] = tiles[:, -1]
+        rest = exact.shape[2] - n_full * g
+        st[CUR, :, :, :rest] = exact[:, :, n_full * g:]
+        return exact
+
+    def _attend(self, st, pool, blocks, start, length, q, exact):
+        """Decode-form attention of queries at positions start..length-1 -> [T, heads, D] float32."""
+        g = self.codec.tile
+        dev = q.device
+        parts_k, parts_v, pos, kind = [st[SINK, 0, :, :min(length, g)]], [st[SINK, 1, :, :min(length, g)]], [], []
+        pos.append(torch.arange(min(length, g), device=dev))
+        kind.append(torch.zeros(min(length, g), dtype=torch.long, device=dev))  # 0 sink, 1 quantized, 2 exact
+        closed = max(0, length // g - 1)  # tiles 1..closed are records
+        if closed:
+            kq, vq = self.codec.decode(pool[blocks[1:closed + 1].long()])  # [closed, hk, G, D]
+            parts_k.append(kq.transpose(0, 1).flatten(1, 2))
+            parts_v.append(vq.transpose(0, 1).flatten(1, 2))
+            pos.append(torch.arange(g, (closed + 1) * g, device=dev))
+            kind.append(torch.ones(closed * g, dtype=torch.long, device=dev))
+        if exact is not None:
+            first = length - exact.shape[2]
+            parts_k.append(exact[0])
+            parts_v.append(exact[1])
+            pos.append(torch.arange(first, length, device=dev))
+            kind.append(torch.full((exact.shape[2],), 2, dtype=torch.long, device=dev))
+        keys = torch.cat([x.float() for x in parts_k], 1)  # [hk, S, D]
+        vals = torch.cat([x.float() for x in parts_v], 1)
+        kpos, kkind = torch.cat(pos), torch.cat(kind)
+        tile_end = (kpos // g + 1) * g - 1  # position at which each key's tile closes
+        hk, grp = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        out = torch.empty(q.shape[0], self.num_heads, self.head_size, dtype=torch.float32, device=dev)
+        for c0 in range(0, q.shape[0], QUERY_CHUNK):
+            qc = q[c0:c0 + QUERY_CHUNK].float()
+            qpos = torch.arange(start + c0, start + c0 + qc.shape[0], device=dev)[:, None]
+            closed_by_q = tile_end[None, :] <= qpos
+            seen = (kpos[None, :] <= qpos) & ((kkind[None, :] == 0) | ((kkind[None, :] == 1) & closed_by_q)
+                                             | ((kkind[None, :] == 2) & ~closed_by_q))
+            qh = qc.view(-1, hk, grp, self.head_size).permute(1, 2, 0, 3)  # [hk, grp, T, D]
+            s = torch.matmul(qh, keys.unsqueeze(1).transpose(-1, -2)) * self.scale  # [hk, grp, T, S]
+            s = s.masked_fill(~seen, float("-inf")).softmax(-1)
+            o = torch.matmul(s, vals.unsqueeze(1))  # [hk, grp, T, D]
+            out[c0:c0 + qc.shape[0]] = o.permute(2, 0, 1, 3).reshape(qc.shape[0], self.num_heads, self.head_size)
+        return out
+
+
+@functools.cache
+def backend_cls(preset: str):
+    """The backend class of one preset, built against the running vLLM on first use (only vLLM processes touch it;
+    the codec and the attention above import without vLLM). One class per preset: vLLM asks a backend class, not
+    the config, for its page size and kernel block size (`customize_spec` may run where no config is current)."""
+    from vllm.v1.attention.backend import AttentionBackend, AttentionImpl
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    tile = Codec.from_dtype(preset, 64).tile
+    builder = _builder_cls()
+    impl = type("KVarNAttentionImpl", (KVarNAttentionImpl, AttentionImpl), {})
+
+    class KVarNAttentionBackend(AttentionBackend):
+        accept_output_buffer: bool = True
+        forward_includes_kv_cache_update: bool = True
+        supported_dtypes: ClassVar = [torch.float16, torch.bfloat16, torch.float32]
+        supported_kv_cache_dtypes: ClassVar = [preset]
+
+        @staticmethod
+        def get_name() -> str:
+            return "CUSTOM"
+
+        @staticmethod
+        def get_impl_cls():
+            return impl
+
+        @staticmethod
+        def get_builder_cls():
+            return builder
+
+        @classmethod
+        def customize_spec(cls, spec):
+            if spec.state_content_bytes is not None:
+                return spec
+            return replace(spec, state_content_bytes=Codec.from_dtype(preset, spec.head_size).bytes_per_token)
+
+        @classmethod
+        def get_supported_kernel_block_sizes(cls, kv_cache_spec=None):
+            return [tile]  # one block = one tile; vLLM splits larger (hybrid) blocks into tiles
+
+        @classmethod
+        def supported_kv_cache_layouts(cls):
+            return (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)  # a record is one contiguous run of [N, C]
+
+        @classmethod
+        def supports_head_size(cls, head_size: int) -> bool:
+            return head_size in (64, 128, 256)
+
+    KVarNAttentionBackend.__qualname__ = KVarNAttentionBackend.__name__ = f"KVarNAttentionBackend_{preset}"
+    return KVarNAttentionBackend
+
+
+def __getattr__(name: str):
+    """`qconv_vllm.kvarn_backend.<preset>`: the class paths the platform hook hands to vLLM's selector."""
+    if name in PRESETS:
+        return backend_cls(name)
+    raise AttributeError(name)

@@ -1,0 +1,89 @@
+"""What one `qconv build` was asked to do (BuildOptions) and the checks made on it before any work: the recipe with
+its budget override, whether to stream, and whether --out is safe to write."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from qconv.convert.layout import Plan
+from qconv.build.workdir import default_work_dir
+from qconv.errors import QconvError
+from qconv.fsutil import check_out_folder
+from qconv.manifest import MANIFEST
+from qconv.paths import qconv_home
+from qconv.recipes.recipe import Recipe, load_recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuildOptions:
+    model: str
+    recipe: str = "3090"
+    out: Path | None = None
+    dataset: str | None = None
+    samples: int | None = None
+    seq_len: int | None = None
+    seed: int | None = None
+    revision: str | None = None
+    force: bool = False
+    gates: bool = True
+    eval_text: str | None = None
+    work_dir: Path | None = None  # default: QCONV_HOME/work/<hash of the source>
+    fresh: bool = False  # ignore cached stages
+    stream: bool | None = None  # None: stream when the model is large against free RAM
+    upgrade_budget: str | None = None  # overrides the recipe's selection.budget (bytes for int4 g64/g32 or INT8 upgrades)
+    bpw: float | None = None  # a bits-per-weight target: the upgrade budget is what it leaves over the uniform plan
+    sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
+    reference: str | None = None  # quantized --model: the full-precision original for the quality report
+
+
+def recipe_for(opts: BuildOptions) -> Recipe:
+    """The recipe with the command line's budget override applied."""
+    recipe = load_recipe(opts.recipe)
+    if opts.bpw is not None and opts.upgrade_budget is not None:
+        raise QconvError("--bpw and --upgrade-budget both set the selection's budget", where="--bpw",
+                         fix="pass one of them")
+    if opts.upgrade_budget is not None:
+        recipe.selection = replace(recipe.selection, budget=str(opts.upgrade_budget))
+    return recipe
+
+
+def work_root(opts: BuildOptions, src_id: str) -> Path:
+    return Path(opts.work_dir) if opts.work_dir else default_work_dir(src_id, opts.revision)
+
+
+def use_streaming(opts: BuildOptions, plan: Plan) -> bool:
+    from qconv.convert.stream import should_stream
+
+    stream = opts.stream if opts.stream is not None else should_stream(plan.source_bytes)
+    if stream and (plan.untie_embeddings or plan.tied_embeddings):
+        if opts.stream:
+            raise QconvError("--stream cannot build tied embeddings (the disk-offloaded lm_head shares the "
+                             "embedding's storage)", where="--stream",
+                             fix="build this model in memory (drop --stream); tied embeddings come with small models")
+        log.warning("tied embeddings: building in memory although RAM is short (streaming cannot tie them)")
+        return False
+    return stream
+
+
+def _protected(opts: BuildOptions) -> dict:
+    """What --out must neither be, sit inside, nor contain: the user's inputs and every folder a source resolves to
+    or a work dir is made in (known before the source is resolved: a Hub model lands in the Hugging Face cache, an
+    imported GGUF under QCONV_HOME/imports, a default work dir under QCONV_HOME/work)."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    local = lambda v: Path(v).expanduser() if v and Path(v).expanduser().exists() else None  # noqa: E731
+    home = qconv_home()
+    return {"source model": local(opts.model), "Hugging Face cache": HF_HUB_CACHE, "work dir": opts.work_dir,
+            "work dirs root": home / "work", "reference cache": home / "reference", "GGUF import cache": home / "imports",
+            "calibration dataset": local(opts.dataset), "evaluation text": local(opts.eval_text)}
+
+
+def check_out(opts: BuildOptions) -> Path:
+    """--out refused before any work when it is missing, unsafe to write or to --force (see check_out_folder)."""
+    if opts.out is None:
+        raise QconvError("no output folder", where="--out", fix="pass --out DIR")
+    return check_out_folder(opts.out, force=opts.force, marker=MANIFEST, protected=_protected(opts))

@@ -1,0 +1,61 @@
+"""What the selection chooses among: a unit (a fused group or one projection of the plan) and the schemes it can
+be upgraded to, with their sizes in the artifact. The plan (qconv.convert.layout) makes them; sensitivity scores
+them and select picks (this package)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qconv.manifest import ModuleDecision
+
+__all__ = ["Option", "Unit", "module_bytes"]
+
+
+def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: int | None = None) -> int:
+    """Bytes a module takes in the artifact: packed codes + bf16 scales (+ shape), or bf16 when kept."""
+    n, k = m.shape
+    bits = scheme_bits if scheme_bits is not None else m.bits
+    g = group_size if scheme_bits is not None else m.group_size
+    if not bits:
+        return n * k * 2
+    codes = n * k * bits // 8
+    scales = n * (k // g if g else 1) * 2
+    return codes + scales + (16 if bits == 4 else 0)
+
+
+@dataclass
+class Option:
+    """One scheme a unit can be upgraded to: its members' decisions under it, and why vLLM could not run it."""
+    scheme: str  # the recipe's scheme name
+    members: list[ModuleDecision]
+    refusal: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return sum(module_bytes(m) for m in self.members)
+
+
+@dataclass
+class Unit:
+    """One selectable unit of the plan (a fused group or one projection): its members' 4-bit (current) decisions,
+    its decisions under the selection's 8-bit `scheme` (w8) and under each cheaper step (selection.steps);
+    qconv.calibrate.select chooses among them under the byte budget."""
+    name: str
+    role: str
+    w4: list[ModuleDecision]
+    w8: list[ModuleDecision]
+    refusal: str = ""  # why this unit cannot be INT8 in vLLM ("" when it can)
+    scheme: str = "w8a16"  # the recipe's name for the w8 decisions (selection.scheme)
+    steps: list[Option] = field(default_factory=list)  # upgrades short of w8, in selection.steps order
+
+    @property
+    def bytes4(self) -> int:
+        return sum(module_bytes(m) for m in self.w4)
+
+    @property
+    def bytes8(self) -> int:
+        return sum(module_bytes(m) for m in self.w8)
+
+    @property
+    def options(self) -> list[Option]:
+        return [*self.steps, Option(self.scheme, self.w8, self.refusal)]

@@ -1,0 +1,150 @@
+"""The qconv-vllm KVarN backend's torch path against qconv's own KVarN (no vLLM needed): the plugin's codec writes
+the same records byte for byte, and its paged attention (sink + records + fp16 tiles, chunked prefill, decode,
+speculative rollback, slots reused by new sequences) gives what `KVScheme.decode_time` says each query reads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qconv.kv.kvarn import kvarn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
+from qconv_vllm import KVARN_PRESETS  # noqa: E402
+from qconv_vllm.kvarn_backend import KVarNAttentionImpl, KVarNMetadata, SlotTable  # noqa: E402
+from qconv_vllm.kvarn_codec import Codec  # noqa: E402
+
+# Largest |plugin - simulation| of attention outputs measured over the prefill/decode cases: 3.3e-6 (float32 sums
+# in another order)
+ATOL = 1e-5
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("preset", KVARN_PRESETS)
+def test_plugin_codec_writes_qconvs_records(preset, d):
+    codec = Codec.from_dtype(preset, d)
+    ref = kvarn(codec.k_bits, codec.v_bits, codec.tile)
+    g = torch.Generator().manual_seed(d + codec.tile)
+    # outlier channels and a few loud tokens, as real keys have
+    k = (torch.randn(5, codec.tile, d, generator=g) * (1 + 8 * (torch.rand(d, generator=g) > 0.9))).half()
+    k[:, 3] *= 20
+    v = torch.randn(5, codec.tile, d, generator=g).half()
+    rec = codec.encode(k, v)
+    assert rec.shape == (5, ref.record_bytes(d)) and codec.record_bytes == ref.record_bytes(d)
+    assert torch.equal(rec, ref.encode(k.float(), v.float()))
+    kd, vd = codec.decode(rec)
+    kr, vr = ref.decode(rec, d)
+    assert torch.equal(kd, kr) and torch.equal(vd, vr)
+
+
+def test_record_is_not_padded_to_a_power_of_two():
+    """At head_dim 256 a power-of-two slot would make k4v4 cost what fp8 costs."""
+    c = Codec.from_dtype("kvarn_k4v4_g128", 256)
+    assert c.record_bytes == 35072 and c.bytes_per_token == 274 < 512  # fp8: 2 x 256 B per token and head
+    assert Codec.from_dtype("kvarn_k4v2_g128", 256).bytes_per_token == 210  # 1/4.88 of bf16's 1,024
+
+
+class _Seq:
+    """Drives one KVarN layer the way vLLM's runner does: a block table of tile ids, a slot table, steps."""
+
+    def __init__(self, preset: str, d: int, hk: int, grp: int, n_blocks: int = 64, capacity: int = 6):
+        self.impl = KVarNAttentionImpl(hk * grp, d, d ** -0.5, hk, kv_cache_dtype=preset)
+        c = self.impl.codec
+        self.pool = torch.zeros(n_blocks, hk, c.tile, c.bytes_per_token, dtype=torch.uint8)
+        self.table = SlotTable(capacity)
+        self.hk, self.d = hk, d
+
+    def step(self, reqs: list[tuple[int, list[int], int, torch.Tensor, torch.Tensor, torch.Tensor]]):
+        """reqs: (first block id, block ids, start, q [T, H, D], k [T, hk, D], v) -> outputs per request."""
+        qs, lens, slots, fresh, before = [0], [], [], [], []
+        keys = {r[0] for r in reqs}
+        for key, _, start, q, _, _ in reqs:
+            slot, new = self.table.assign(key, start, keys)
+            qs.append(qs[-1] + q.shape[0])
+            lens.append(start + q.shape[0])
+            slots.append(slot)
+            fresh.append(new or start == 0)
+            before.append(0 if new else self.table.written[slot])
+            self.table.written[slot] = lens[-1]
+        width = max(len(r[1]) for r in reqs)
+        bt = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32)
+        m = KVarNMetadata(qs[-1], qs, lens, bt, slots, fresh, before, self.table.capacity)
+        q = torch.cat([r[3] for r in reqs]).flatten(1)
+        k = torch.cat([r[4] for r in reqs]).flatten(1)
+        v = torch.cat([r[5] for r in reqs]).flatten(1)
+        out = self.impl.forward(None, q, k, v, self.pool, m)
+        return [out[a:b].view(b - a, -1, self.d) for a, b in zip(qs, qs[1:])]
+
+
+def _reference(preset: str, q, k, v, scale):
+    """Each query's attention over what qconv's runtime store holds at its own decode step."""
+    c = Codec.from_dtype(preset, q.shape[-1])
+    scheme = kvarn(c.k_bits, c.v_bits, c.tile)
+    kk, vv, allowed = scheme.decode_time(k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, hk, 2T, D]
+    grp = q.shape[1] // k.shape[1]
+    kk, vv = kk[0].repeat_interleave(grp, 0), vv[0].repeat_interleave(grp, 0)
+    s = (q.transpose(0, 1) @ kk.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return (s @ vv).transpose(0, 1)
+
+
+@pytest.mark.parametrize("preset,d", [("kvarn_k4v2_g64", 64), ("kvarn_k4v4_g128", 128), ("kvarn_k4v2_g64", 256)])
+def test_chunked_prefill_and_decode_match_the_decode_time_simulation(preset, d):
+    torch.manual_seed(0)
+    hk, grp = 2, 3
+    seq = _Seq(preset, d, hk, grp)
+    g = seq.impl.codec.tile
+    t = 4 * g + 20
+    q, k, v = torch.randn(t, hk * grp, d), torch.randn(t, hk, d) * 2, torch.randn(t, hk, d)
+    k, v = k.half().float(), v.half().float()
+    blocks = list(range(10, 10 + -(-t // g)))
+    outs, pos = [], 0
+    for n in (g + 7, 2 * g + 1, 1, 1, t - 3 * g - 10):  # a prefill that crosses the sink, one that closes tiles
+        outs += seq.step([(blocks[0], blocks, pos, q[pos:pos + n], k[pos:pos + n], v[pos:pos + n])])
+        pos += n
+    got = torch.cat(outs)
+    want = _reference(preset, q[:pos], k[:pos], v[:pos], d ** -0.5)
+    assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())
+
+
+def test_speculative_rollback_into_a_closed_tile_reads_its_fp16_copy():
+    """A draft that closed a tile and was then rejected: the next write starts inside that tile again."""
+    torch.manual_seed(1)
+    preset, d, hk, grp = "kvarn_k4v2_g64", 64, 1, 2
+    seq = _Seq(preset, d, hk, grp)
+    t = 200
+    q, k, v = torch.randn(t, hk * grp, d), torch.randn(t, hk, d).half().float(), torch.randn(t, hk, d).half().float()
+    blocks = list(range(4))
+    seq.step([(0, blocks, 0, q[:126], k[:126], v[:126])])
+    # a verify step of 5 tokens closes tile 1 (64..127); only the first is accepted, 127..130 were rejected drafts
+    junk = torch.randn(4, hk, d)
+    seq.step([(0, blocks, 126, q[126:131], torch.cat([k[126:127], junk]), torch.cat([v[126:127], junk]))])
+    out = seq.step([(0, blocks, 127, q[127:t], k[127:t], v[127:t])])[0]
+    want = _reference(preset, q[:t], k[:t], v[:t], d ** -0.5)[127:]
+    assert torch.allclose(out, want, atol=ATOL), float((out - want).abs().max())
+
+
+def test_batched_sequences_and_reused_blocks_equal_one_by_one():
+    """Requests come and go: a finished request's blocks (and staging slot) go to a new one, which must not see
+    the old one's tokens; batched outputs equal each sequence run alone."""
+    torch.manual_seed(2)
+    preset, d, hk, grp = "kvarn_k4v2_g64", 64, 2, 2
+    data = [tuple(torch.randn(t, h, d) for h in (hk * grp, hk, hk)) for t in (150, 90, 170)]
+    alone = []
+    for q, k, v in data:
+        s = _Seq(preset, d, hk, grp)
+        outs = s.step([(0, [0, 1, 2], 0, q[:100], k[:100], v[:100])])
+        if q.shape[0] > 100:
+            outs += s.step([(0, [0, 1, 2], 100, q[100:], k[100:], v[100:])])
+        alone.append(torch.cat(outs))
+    both = _Seq(preset, d, hk, grp, capacity=2)
+    (qa, ka, va), (qb, kb, vb), (qc, kc, vc) = data
+    a0, b0 = both.step([(0, [0, 1, 2], 0, qa[:100], ka[:100], va[:100]), (3, [3, 4], 0, qb, kb, vb)])
+    a1 = both.step([(0, [0, 1, 2], 100, qa[100:], ka[100:], va[100:])])[0]  # b has finished; c takes its blocks
+    c0, = both.step([(3, [3, 4, 5], 0, qc[:100], kc[:100], vc[:100])])
+    c1, = both.step([(3, [3, 4, 5], 100, qc[100:], kc[100:], vc[100:])])
+    for got, want in ((torch.cat([a0, a1]), alone[0]), (b0, alone[1]), (torch.cat([c0, c1]), alone[2])):
+        assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())

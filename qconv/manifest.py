@@ -244,6 +244,7 @@ class Manifest:
         coerce_fields(self, MANIFEST)
 
     def to_dict(self) -> dict:
+        coerce_fields(self, MANIFEST)  # a field assigned after construction is checked like the rest
         d = asdict(self)
         d["speculative"] = d["speculative"] or {}
         d["requires"] = [r.to_dict() for r in self.requires]

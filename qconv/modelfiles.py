@@ -35,11 +35,9 @@ def read_json_object(path: str | os.PathLike, what: str, fix: str, cap: int = 64
     if not path.is_file():  # a device or a pipe (perhaps behind a link) would never end
         raise QconvError(f"{what} is not a regular file", where=str(path), fix=fix)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(cap + 1)
-        if len(raw) > cap:
-            raise ValueError(f"more than {cap >> 20} MiB")
-        data = json.loads(raw)
+        if path.stat().st_size > cap:
+            raise ValueError(f"{path.stat().st_size} bytes, more than {cap >> 20} MiB")
+        data = json.loads(path.read_text())
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an over-long integer
         raise QconvError(f"{what} is not valid JSON: {str(e)[:200]}", where=str(path), fix=fix) from e
     if not isinstance(data, dict):

@@ -122,17 +122,22 @@ class QualityReport:
         return {k: v for k, v in asdict(self).items() if v is not None or k not in self._SOMETIMES}
 
 
-@dataclass(frozen=True)
-class UnitRecord:
-    """One row of the selection table (qconv.calibrate.select.Row as recorded)."""
+@dataclass
+class SelectionRow:
+    """One unit of the selection table: qconv.calibrate.select.Row adds the arithmetic, UnitRecord what is recorded."""
     unit: str
     role: str
     modules: int
     bytes4: int
     bytes8: int
     score: float | None
-    decision: str
-    chosen_bytes: int | None = None
+    decision: str  # "int8" (the 8-bit scheme) | "w4" (unchanged) | a step's scheme name | "refused: <why>"
+    chosen_bytes: int | None = None  # the unit's bytes under its decision (None: bytes4 / bytes8 by decision)
+
+
+@dataclass
+class UnitRecord(SelectionRow):
+    """A row as qconv.json records it."""
     extra_bytes: int = 0
 
 

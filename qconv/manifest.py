@@ -169,6 +169,7 @@ class BuildInfo:
     warnings: list[str] = field(default_factory=list)
     streamed: bool | None = None
     work_dir: str | None = None
+    device: str | None = None  # where the build computed ("cpu", "cuda", ...)
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     elapsed_s: float | None = None
     source_format: dict[str, Any] | None = None

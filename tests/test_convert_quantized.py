@@ -292,7 +292,7 @@ def test_build_from_quantized_records_true_requires(tiny_models, tmp_path, famil
                            ["build", "--recipe", "3090", "--model", str(src), "--out", str(out), "--no-gates"])
     assert r.exit_code == 0, r.output
     m = read_manifest(out)
-    assert "model.embed_tokens" in m.build["requantized"]
+    assert "model.embed_tokens" in m.build.requantized
     features = {q.vllm_feature for q in m.requires}
     if family == "llama":
         assert {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD} <= features

@@ -102,4 +102,4 @@ def quality_summary(seed: int = 0, tokens: int = 256, kld: float = 0.02, passed:
                        "stride": tokens}, "settings": asdict(EvalSettings("t", window=tokens)),
               "reference": {"storage": "full", "topk": 0}, "weights": summarize(stats), "bits_per_weight": 4.5,
               "verdicts": [], "passed": passed}
-    return summary(report)
+    return json.loads(json.dumps(summary(report)))  # as read back from report.json

@@ -155,7 +155,7 @@ def test_build_tiny_llama_tied_and_reproducible(tiny_llama, tmp_path, calib_txt)
         assert r.exit_code == 0, r.output
         outs.append(out)
     _, m = check_artifact(tiny_llama, outs[0], tol_rel=0.4, min_top1=0.6, int4_roles={"self_attn", "mlp"})
-    assert m.build["tied_embeddings"] is True and m.build["untied_embeddings"] is False
+    assert m.build.tied_embeddings is True and m.build.untied_embeddings is False
     index = json.loads((outs[0] / "model.safetensors.index.json").read_text())["weight_map"]
     assert not any(k.startswith("lm_head") for k in index)
     m2 = read_manifest(outs[1])
@@ -232,7 +232,7 @@ def test_build_smollm2_from_gguf_beats_rtn(smollm2_3090, shared_data):
 
     out = smollm2_3090
     m = read_manifest(out)
-    assert m.source.kind == "gguf" and m.build["tied_embeddings"] is True  # one shared INT8 table
+    assert m.source.kind == "gguf" and m.build.tied_embeddings is True  # one shared INT8 table
     by_name = {d.name: d for d in m.modules}
     assert by_name["model.layers.0.self_attn.q_proj"].group_size == 64  # 576 % 128 != 0
     assert "576 % 128" in by_name["model.layers.0.self_attn.q_proj"].note

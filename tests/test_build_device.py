@@ -75,7 +75,7 @@ def test_device_cpu_build_is_todays_build(tiny_qwen3_5, tmp_path, calib_txt, tex
     assert r.exit_code == 0, r.output
     assert seen == [torch.device("cpu")]
     m = read_manifest(tmp_path / "dev")
-    assert m.build["device"] == "cpu"
+    assert m.build.device == "cpu"
     report = json.loads((tmp_path / "dev" / "report.json").read_text())
     assert report["forward"] == {"streamed": True, "device": "cpu"}
     log = (tmp_path / "w1" / "build.log").read_text()

@@ -107,7 +107,7 @@ def test_import_lossless_and_runs(tiny_qwen3, tmp_path, name):
     m = read_manifest(out)
     assert m.source.quantization["method"] == json.loads((src / "config.json").read_text())["quantization_config"][
         "quant_method"]
-    assert len(m.build["kept"]) == 14 and not m.build["requantized"]
+    assert len(m.build.kept) == 14 and not m.build.requantized
     assert len(_generate(out)) == 8
     if SOURCES[name][1]:
         assert len(_generate(out, torch.bfloat16)) == 8  # symmetric int4: the CPU int4 kernel path
@@ -225,10 +225,10 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
         step = built[f"{mod}.weight_scale"].float().max()  # one int8 step
         assert (w - source[f"{mod}.weight"].float()).abs().max() <= step
     m = read_manifest(out)
-    assert sorted(m.build["requantized"]) == ["lm_head", "model.embed_tokens"]
-    assert set(m.build["kept"]) == {n[: -len(".qweight")] for n in source if n.endswith(".qweight")}
+    assert sorted(m.build.requantized) == ["lm_head", "model.embed_tokens"]
+    assert set(m.build.kept) == {n[: -len(".qweight")] for n in source if n.endswith(".qweight")}
     assert m.source.quantization["method"] == "gptq"
-    assert m.build["quality_reference"]["kind"] == "source checkpoint"
+    assert m.build.quality_reference["kind"] == "source checkpoint"
     report = json.loads((out / "report.json").read_text())
     assert "started from" in report["reference_model"]["note"]
     assert len(_generate(out)) == 8 and len(_generate(out, torch.bfloat16)) == 8
@@ -239,7 +239,7 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((ref_out / "report.json").read_text())["reference_model"]["kind"] == "original"
-    assert read_manifest(ref_out).build["quality_reference"]["kind"] == "original"
+    assert read_manifest(ref_out).build.quality_reference["kind"] == "original"
 
 
 @pytest.mark.slow
@@ -268,7 +268,7 @@ def test_build_against_cached_reference(tiny_qwen3, tmp_path, shared_data):
     assert got["reference_model"]["kind"] == "original" and got["reference_model"]["cached"]
     assert got["reference_model"]["path"] == str(cache) and "cached reference log-probs" in got["reference_model"][
         "note"]
-    q = read_manifest(tmp_path / "b").build["quality_reference"]
+    q = read_manifest(tmp_path / "b").build.quality_reference
     assert q["kind"] == "original" and q["cached"]
     assert (tmp_path / "b" / "report.md").read_text().startswith("Reference: against cached reference log-probs")
 
@@ -292,7 +292,7 @@ def test_build_from_quantized_records_true_requires(tiny_models, tmp_path, famil
                            ["build", "--recipe", "3090", "--model", str(src), "--out", str(out), "--no-gates"])
     assert r.exit_code == 0, r.output
     m = read_manifest(out)
-    assert "model.embed_tokens" in m.build["requantized"]
+    assert "model.embed_tokens" in m.build.requantized
     features = {q.vllm_feature for q in m.requires}
     if family == "llama":
         assert {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD} <= features

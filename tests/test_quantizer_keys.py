@@ -139,11 +139,11 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
     emb = next(g for g in groups if any("embed_tokens" in t for t in g["targets"]))
     assert (emb["weights"]["num_bits"], emb["weights"]["group_size"]) == (4, 32)
     m = read_manifest(outs["keep"])
-    assert m.build["tied_embeddings"] is True and m.build["untie_bytes"] == 0
+    assert m.build.tied_embeddings is True and m.build.untie_bytes == 0
     assert any(q.vllm_feature == "quantized-tied-head" for q in m.requires)
     mu = read_manifest(outs["untie"])
-    assert mu.build["untie_bytes"] > 0 and any("untied" in w and "bits per weight" in w for w in mu.build["warnings"])
-    assert mu.total_size() - m.total_size() >= 0.9 * mu.build["untie_bytes"]
+    assert mu.build.untie_bytes > 0 and any("untied" in w and "bits per weight" in w for w in mu.build.warnings)
+    assert mu.total_size() - m.total_size() >= 0.9 * mu.build.untie_bytes
 
     hf = load_causal_lm(outs["keep"], dtype="float32")
     assert torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)

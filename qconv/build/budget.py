@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from qconv.build.memplan import DevicePlan, plan_for
-from qconv.build.options import BuildOptions, recipe_for, work_root
+from qconv.build.options import BuildOptions, check_out, recipe_for, work_root
 from qconv.calibrate.select import Selection, parse_budget, select
 from qconv.calibrate.sensitivity import Scores
 from qconv.calibrate.units import Unit
@@ -72,6 +72,8 @@ def dry_run(opts: BuildOptions) -> DryRun:
     """The plan without loading weights: shapes come from safetensors headers or a meta-device model. When the
     work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
     recipe = recipe_for(opts)
+    if opts.out is not None:  # the build's own check, in the build's order: a dry run says what the build will say
+        check_out(opts)
     src = resolve_source(opts.model, revision=opts.revision, weights=False)
     config = src.config
     plan = plan_model(src.path, config, recipe)

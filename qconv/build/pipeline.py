@@ -165,11 +165,11 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
     log.info("packaging %s", out, extra=progress.stage("packaging"))
     with atomic_dir(out, force=opts.force) as tmp:
         stages.package(src.path, qdir, tmp)
-        manifest.build["stages"] = work.record
-        manifest.build["elapsed_s"] = round(time.time() - t0, 1)
+        manifest.build.stages = work.record
+        manifest.build.elapsed_s = round(time.time() - t0, 1)
         finalize(tmp, manifest)
         gate_error = quality.measure(opts, recipe, src.path, tmp, manifest, work, final=out, streamed=stream)
-        manifest.build["stages"] = work.record
+        manifest.build.stages = work.record
         finalize(tmp, manifest, changed=quality.REPORTS)
     size = manifest.total_size()
     reused = [s for s, r in work.record.items() if r["reused"]]

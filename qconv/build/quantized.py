@@ -50,7 +50,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
     import, which our runtime reads), and the report says which."""
     text = eval_text(opts, recipe)
     if not text:
-        manifest.build["quality_reference"] = None
+        manifest.build.quality_reference = None
         return None
     cached = bool(reference) and is_cache(reference)
     model: dict = {}
@@ -78,5 +78,5 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
         summary = quality_report(ref, artifact, recipe, text=text, num_parameters=manifest.source.num_parameters
                                  or None, final=final, annotate=annotate, fwd=Forward(device=opts.device))
     summary["reference"] = model["kind"]
-    manifest.build["quality_reference"] = {k: model[k] for k in ("kind", "cached", "note")}
+    manifest.build.quality_reference = {k: model[k] for k in ("kind", "cached", "note")}
     return record(manifest, summary, opts.gates)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from qconv.calibrate.units import Option, Unit, module_bytes
 from qconv.errors import QconvError
-from qconv.fsutil import safetensors_header
 from qconv.manifest import ModuleDecision
+from qconv.modelfiles import safetensors_header
 from qconv.recipes.recipe import KEEP, Recipe, Scheme
 from qconv.recipes.roles import FUSED, family_of, role_of, text_config, unit_of
 

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from qconv.errors import QconvError
-from qconv.fsutil import safetensors_header
+from qconv.eval.forward import Forward, LogitSource
 from qconv.eval.kvsim import get_scheme
 from qconv.eval.metrics import TokenStats, summarize
-from qconv.eval.forward import Forward, LogitSource
 from qconv.eval.reference import Reference, build_reference, open_cached
 from qconv.eval.text import Windows, load_text, make_windows
+from qconv.modelfiles import safetensors_header
 
 log = logging.getLogger(__name__)
 

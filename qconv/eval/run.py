@@ -15,6 +15,7 @@ from qconv.eval.quality import (EvalSettings, Source, cached_source, measure, re
 from qconv.eval.report import REPORT_JSON, summary, write_reports
 from qconv.artifact import Artifact
 from qconv.manifest import verify_files
+from qconv.modelfiles import check_weight_files
 from qconv.recipes.recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | N
     """`qconv eval`: measure, judge by the recipe's tier gates (reported, not raised), write reports to `out`."""
     artifact = Path(artifact)
     art = Artifact.open(artifact)
+    check_weight_files(artifact)
     if tasks:
         from qconv.eval.tasks import resolve_tasks
 
@@ -125,6 +127,7 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
     Raises GateFailure (exit 1) naming every failed gate with its measured value."""
     artifact = Path(artifact)
     art = Artifact.open(artifact)
+    check_weight_files(artifact)
     manifest = art.manifest
     rec = load_recipe(recipe) if recipe else art.require_recipe()
     recorded_settings = art.quality.settings if art.quality else {}

@@ -4,13 +4,13 @@ ours: q/k/v, gate/up and the GDN input projections fuse into one matrix each; qw
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 
 from qconv.errors import QconvError
+from qconv.modelfiles import read_model_config
 from qconv.runtime.config import RuntimeConfig, load_config
 from qconv.runtime.cpu_pack import PackedLinear, pack_linears, packing_available
 from qconv.runtime.int_linear import Int4Linear, Int8Embedding, IntWeight, attach_int_kernels, int_kernels_available
@@ -42,7 +42,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def quantization_config(path: Path) -> dict | None:
-    return json.loads((path / "config.json").read_text()).get("quantization_config") or None
+    return read_model_config(path).get("quantization_config") or None
 
 
 def our_int_weights(path: Path, tensors: dict[str, torch.Tensor], cfg: RuntimeConfig) -> dict[str, IntWeight]:

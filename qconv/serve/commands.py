@@ -14,6 +14,7 @@ from click.core import ParameterSource
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
+from qconv.manifest import verify_files
 
 
 def _cuda_gpu() -> bool:
@@ -71,6 +72,10 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     else:
         runtime = runtimes.find_runtime()
     art = Artifact.find(path)  # opened once (a plain folder: None), for the backend choice and the server
+    if art is not None and not print_command:  # the bytes qconv.json promises, or no serving
+        from qconv.hub.verify import VerifyReport
+
+        VerifyReport(path, art.manifest, verify_files(path, art.manifest)).raise_for_problems()
     if backend == "auto":  # what it needs of vLLM under which profile (a plain folder: nothing)
         requires, pname = (art.requires, profile or art.default_profile) if art else ([], profile or "")
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))

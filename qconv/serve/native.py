@@ -3,7 +3,6 @@ thread and uvicorn."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +10,7 @@ from types import EllipsisType
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
+from qconv.modelfiles import read_model_config
 from qconv.recipes.recipe import Speculative
 from qconv.runtime.config import model_dir
 from qconv.runtime.spec import SpecConfig
@@ -44,7 +44,7 @@ class NativePlan:
 def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> NativePlan:
     """Context, runtime KV scheme and speculation from the artifact's manifest when it has one (`art`: the
     artifact the caller opened already, None for a plain folder; `...`: open it here)."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_model_config(path)
     max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
     plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
     if art is ...:

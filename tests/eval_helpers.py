@@ -81,3 +81,25 @@ def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_t
 
 def load_json(p: Path) -> dict:
     return json.loads(Path(p).read_text())
+
+
+def quality_summary(seed: int = 0, tokens: int = 256, kld: float = 0.02, passed: bool | None = True) -> dict:
+    """qconv.json's `quality` as a build writes it (qconv.eval.metrics.summarize, then qconv.eval.report.summary), from
+    seeded per-token statistics instead of a model run: for manifests in tests that measure nothing."""
+    from dataclasses import asdict
+
+    import numpy as np
+
+    from qconv.eval.metrics import TokenStats, summarize
+    from qconv.eval.quality import EvalSettings
+    from qconv.eval.report import summary
+
+    rng = np.random.default_rng(seed)
+    k = rng.exponential(kld, tokens)
+    nll = rng.exponential(2.0, tokens)
+    stats = TokenStats([k], [k], [(rng.random(tokens) > kld).astype(np.float64)], [nll], [nll + k])
+    report = {"text": {"label": "t", "sha256": "0" * 64, "tokens_scored": tokens, "windows": 1, "window": tokens,
+                       "stride": tokens}, "settings": asdict(EvalSettings("t", window=tokens)),
+              "reference": {"storage": "full", "topk": 0}, "weights": summarize(stats), "bits_per_weight": 4.5,
+              "verdicts": [], "passed": passed}
+    return json.loads(json.dumps(summary(report)))  # as read back from report.json

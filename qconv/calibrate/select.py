@@ -15,22 +15,14 @@ from dataclasses import asdict, dataclass, field
 from qconv.calibrate.sensitivity import BASE, Scores
 from qconv.calibrate.units import Unit
 from qconv.errors import QconvError
+from qconv.manifest import SelectionRow
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass
-class Row:
-    unit: str
-    role: str
-    modules: int
-    bytes4: int
-    bytes8: int
-    score: float | None
-    decision: str  # "int8" (the 8-bit scheme) | "w4" (unchanged) | a step's scheme name | "refused: <why>"
-    chosen_bytes: int | None = None  # the unit's bytes under its decision (None: bytes4 / bytes8 by decision)
-
+class Row(SelectionRow):
     @property
     def extra(self) -> int:
         return self.bytes8 - self.bytes4

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from qconv import progress
 from qconv.convert import patches
+from qconv.convert.device import LayerClock
 from qconv.convert.stream import MAX_SHARD_SIZE
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
@@ -224,11 +225,12 @@ def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
 
 
 def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: list[list[int]], out: Path,
-             *, untie: bool, seed: int, tied: bool = False, tokenizer=None) -> None:
+             *, untie: bool, seed: int, tied: bool = False, tokenizer=None, device: str = "cpu") -> None:
     """Run llmcompressor on `model` in place and save it compressed into `out`. `tokenizer`: handed to oneshot as
     the processor; without one llmcompressor loads the checkpoint's AutoProcessor, which for a vision-language
     model (Qwen3_5ForConditionalGeneration) needs torchvision for its video half, although the calibration data
-    are token ids already."""
+    are token ids already. `device`: where the caller's qconv.convert.device.on_device onloads each layer (here:
+    what the per-layer progress reports)."""
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -249,7 +251,8 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
     linear = sum(1 for m in modules if m.scheme != KEEP and m.role != "embed")  # embeddings: round-to-nearest
     log.info("quantization: %s on %d modules, layer by layer, %d calibration samples",
              recipe.quantizer.algorithm.upper(), linear, len(calib_ids), extra=progress.total(linear))
-    with _cpu_awq(), _untie_only_tied():
+    clock = LayerClock(model, device)
+    with _cpu_awq(), _untie_only_tied(), contextlib.closing(clock):
         oneshot(model=model, dataset=ds, recipe=modifiers(model, recipe, groups, ignore), max_seq_length=max_len,
                 num_calibration_samples=len(calib_ids), pipeline="sequential" if recipe.quantizer.gptq else "datafree",
                 sequential_targets=sequential_targets(model), processor=tokenizer,

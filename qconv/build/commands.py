@@ -88,15 +88,9 @@ def _promotion_preview(dr, con) -> int:
 
 
 def _profile_fits(dr, extra: int = 0) -> list[str]:
-    """Bytes left on the card per profile (weights + `extra` promoted bytes), from the KV/state planner when it
-    is installed."""
-    try:
-        from qconv.kv.plan import profile_fit_lines
-    except ImportError:
-        card = dr.recipe.card
-        left = card.memory_gib * 2**30 - card.reserve_gib * 2**30 - dr.plan.total_bytes - extra
-        return [f"on {card.name} ({card.memory_gib} GiB, {card.reserve_gib} GiB reserve): {left / 2**30:.2f} GiB left "
-                f"for KV cache and state"]
+    """Bytes left on the card per profile (weights + `extra` promoted bytes), from the KV/state planner."""
+    from qconv.kv.plan import profile_fit_lines
+
     roles = dr.plan.bytes_by_role()
     return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes + extra,
                              vision_bytes=roles.get("vision", {}).get("bytes", 0),

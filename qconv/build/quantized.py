@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qconv.build.quality import REPORTS, eval_text, record
 from qconv.convert.imported import IMPORT_RECIPE, requant_args, write_imported
-from qconv.convert.layout import Plan
+from qconv.convert.layout import kept_plan
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config
@@ -19,7 +19,6 @@ from qconv.eval.reference import is_cache
 from qconv.eval.run import quality_report
 from qconv.manifest import Manifest, RecipeInfo
 from qconv.recipes.recipe import Recipe
-from qconv.recipes.roles import family_of
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +30,12 @@ def build_from_quantized(opts, recipe: Recipe, src: ResolvedSource) -> Manifest:
     fmt = detect_format(src.config, where=str(src.path / "config.json"))
     notes: dict[str, str] = {}
     reference = getattr(opts, "reference", None)
-    family = family_of(src.config)
 
     def quality(tmp: Path, manifest: Manifest, final: Path):
         return _quality_vs(opts, recipe, src, fmt, reference, tmp, manifest, final)
 
     def requires(decisions):
-        return requirements(recipe, Plan(family=family, modules=decisions, other_bytes=0, source_bytes=0))
+        return requirements(recipe, kept_plan(src.path, src.config, decisions))
 
     m = write_imported(src, fmt, Path(opts.out), opts.force,
                RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),

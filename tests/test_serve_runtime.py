@@ -59,10 +59,22 @@ def test_auto_with_a_cuda_runtime_record_is_vllm(home):
     assert rt.name == "gpu"  # CUDA first
     c = runtimes.choose_backend(REQ_3090, "fast", rt, gpu=True)
     assert c.backend == "vllm" and "gpu" in c.reason and "qconv-vllm 0.1.0" in c.reason
-    # the KVarN profile is not something the plugin provides yet; the CPU-only entry does not apply on CUDA
+    # the CPU-only entry does not apply on CUDA
     assert runtimes.choose_backend(REQ_3090[:2], "fast", rt, gpu=True).backend == "vllm"
     no_gpu = runtimes.choose_backend(REQ_3090, "fast", rt, gpu=False)
     assert no_gpu.backend == "native" and "no NVIDIA GPU" in no_gpu.reason
+
+
+def test_auto_serves_the_kvarn_profile_with_vllm_when_the_plugin_has_the_preset(home):
+    huge = [Requirement("profile huge: kvarn_k4v2_g128 KV cache", "the qconv-vllm plugin", profile="huge",
+                        vllm_feature=KV_PREFIX + "kvarn_k4v2_g128")]
+    with_kvarn = _record(home, "new", "cpu", features=(*qconv_vllm.FEATURES,))
+    c = runtimes.choose_backend(REQ_3090[:2] + huge, "huge", with_kvarn, gpu=False)
+    assert c.backend == "vllm", c.reason
+    old = _record(home, "old", "cpu")  # a runtime recorded before the plugin had KVarN
+    c = runtimes.choose_backend(huge, "huge", old, gpu=False)
+    assert c.backend == "native" and "kvarn_k4v2_g128" in c.reason
+    assert runtimes.choose_backend(huge, "fast", old, gpu=False).backend == "vllm"  # other profiles are unaffected
 
 
 def test_auto_names_what_a_runtime_without_the_plugin_lacks(home):
@@ -117,7 +129,11 @@ def test_runtime_packages_name_the_tested_vllm_and_the_plugin():
 
 
 def test_plugin_features_are_the_tokens_qconv_writes():
-    assert set(qconv_vllm.FEATURES) == {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU}
+    from qconv.kv.schemes import KV_SCHEME_NAMES
+
+    kv = {KV_PREFIX + name for name in qconv_vllm.KVARN_PRESETS}
+    assert set(qconv_vllm.FEATURES) == {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU} | kv
+    assert set(qconv_vllm.KVARN_PRESETS) <= set(KV_SCHEME_NAMES)
 
 
 def test_auto_picks_vllm_for_a_tied_quantized_head_once_the_plugin_provides_it(home):

@@ -58,7 +58,7 @@ def test_27b_print_command_per_profile(config_27b, profile, kv, ctx, mamba):
     assert f["--host"] == "127.0.0.1"
     assert "--tensor-parallel-size" not in f
     if profile == "huge":
-        assert f["--block-size"] == "128" and f["--dtype"] == "float16"
+        assert f["--block-size"] == "128" and "--dtype" not in f  # KVarN runs at the model's own dtype
     else:
         assert "--block-size" not in f
 
@@ -106,11 +106,19 @@ def test_checks_name_the_fallback_profile(config_27b):
     vllm_probe.check_vllm(src, "long", plain)
     with pytest.raises(QconvError) as e:
         vllm_probe.check_vllm(src, "huge", plain)
-    assert "KVarN build of vLLM" in e.value.what and "--profile fast" in e.value.fix
+    assert "qconv-vllm plugin" in e.value.what and "--profile fast" in e.value.fix
     with pytest.raises(QconvError, match="does not know the architecture"):
         vllm_probe.check_vllm(src, "fast", vllm_probe.VllmInfo("0.8.0", ["LlamaForCausalLM"], None))
     kvarn = vllm_probe.VllmInfo("0.22.0+kvarn", [arch], ["auto", "fp8_e4m3", "kvarn_k4v2_g128"])
     vllm_probe.check_vllm(src, "huge", kvarn)
+    # stock vLLM 0.32 + the qconv-vllm plugin: the plugin's feature token adds the dtype
+    plugin = vllm_probe.VllmInfo("0.32.0", [arch], ["auto", "fp8_e4m3"],
+                                 plugin={"version": "0.1.0", "features": ["kv-cache:kvarn_k4v2_g128"]})
+    vllm_probe.check_vllm(src, "huge", plugin)
+    other = vllm_probe.VllmInfo("0.32.0", [arch], ["auto", "fp8_e4m3"],
+                                plugin={"version": "0.1.0", "features": ["kv-cache:kvarn_k4v4_g128"]})
+    with pytest.raises(QconvError, match="kvarn_k4v2_g128"):
+        vllm_probe.check_vllm(src, "huge", other)
 
 
 def test_missing_vllm_is_a_clear_error(tmp_path):

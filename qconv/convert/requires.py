@@ -39,16 +39,18 @@ def requirements(recipe: Recipe, plan: Plan) -> list[Requirement]:
                                       "W8A16 on GPUs)"))
     for name, p in recipe.profiles.items():
         if p.kv_cache.startswith("kvarn"):
-            req.append(Requirement(f"profile {name}: {p.kv_cache} KV cache", "qconv runtime or the KVarN build of vLLM",
-                                   profile=name, vllm_feature=KV_PREFIX + p.kv_cache,
-                                   reason="KVarN is not a stock vLLM kv-cache dtype"))
+            req.append(Requirement(f"profile {name}: {p.kv_cache} KV cache", PLUGIN, profile=name,
+                                   vllm_feature=KV_PREFIX + p.kv_cache,
+                                   reason="KVarN is not a stock vLLM kv-cache dtype; the plugin adds its attention "
+                                          "backend for the presets it names in its features"))
     return req
 
 
 def missing_for_vllm(requires: list[Requirement], profile: str, declared: set[str],
                      platform: str | None = None) -> list[Requirement]:
     """Entries a vLLM with the `declared` features on `platform` ("cuda" | "cpu"; None: any) cannot satisfy for
-    `profile` (KV entries are left to the launcher's KV dtype check, which knows what the installed vLLM accepts)."""
+    `profile`. A KV entry is met by its `kv-cache:<dtype>` token (the plugin's KVarN presets); only entries
+    written before tokens named the preset (`kv-cache:kvarn`) are left to the launcher's KV dtype check."""
     out = []
     for req in requires:
         if req.profile not in (None, profile):
@@ -59,7 +61,7 @@ def missing_for_vllm(requires: list[Requirement], profile: str, declared: set[st
             out.append(req)
             continue
         feat = req.vllm_feature
-        if feat is None or feat.startswith(KV_PREFIX):
+        if feat is None or feat == KV_PREFIX + "kvarn":
             continue
         if feat not in declared:
             out.append(req)

@@ -15,7 +15,7 @@ from qconv.calibrate.units import module_bytes
 from qconv.convert.layout import plan_model
 from qconv.errors import QconvError
 from qconv.kv.store import EXACT_DTYPE
-from qconv.kv.schemes import get_kv_scheme
+from qconv.kv.schemes import GPU_RUNTIME, NO_GPU_RUNTIME, get_kv_scheme
 from qconv.recipes.recipe import Profile, Recipe, load_recipe
 
 GIB = 1 << 30
@@ -97,6 +97,11 @@ class ProfileFit:
     usable: int  # bytes left for KV + state after weights and reserve
     max_context: dict[str, int] = field(default_factory=dict)  # single sequence, per KV scheme
 
+    @property
+    def runtime(self) -> str | None:
+        """What runs this profile's KV cache on the card (None: nothing does; our engine runs it on the CPU)."""
+        return GPU_RUNTIME.get(self.profile.kv_cache)
+
     def per_seq(self, context: int) -> int:
         kv = (self.kv_per_token + self.draft_kv_per_token) * (context + self.draft_block) + self.kv_exact_bytes
         return kv + self.state_bytes * self.state_slots
@@ -107,7 +112,8 @@ class ProfileFit:
 
     @property
     def fits(self) -> bool:
-        return self.need <= self.usable
+        """Enough memory, and a runtime that can run it on the card."""
+        return self.need <= self.usable and self.runtime is not None
 
     @property
     def max_seqs(self) -> int:
@@ -211,7 +217,7 @@ def profile_fit_lines(config: dict, recipe: Recipe, total_bytes: int, vision_byt
                      recipe.card.memory_gib)
     return [f"profile {f.name} on {r.card} ({r.card_gib:g} GiB): {f.profile.kv_cache} KV at "
             f"{f.profile.context_length:,} tokens needs {_gib(f.need)} of {_gib(f.usable)} left for KV + state -> "
-            + ("fits" if f.fits else "DOES NOT FIT")
+            + (f"fits ({f.runtime})" if f.fits else "DOES NOT FIT" if f.runtime else f"NOT SERVABLE: {NO_GPU_RUNTIME}")
             + f"; one sequence reaches {f.max_context[f.profile.kv_cache]:,} tokens" for f in r.profiles]
 
 
@@ -259,6 +265,7 @@ def render(r: FitReport) -> str:
             "",
             f"profile {f.name}: {p.kv_cache} KV, context {p.context_length:,}, max_num_seqs {p.max_num_seqs}, "
             f"gpu_memory_utilization {p.gpu_memory_utilization}, GDN state {p.mamba_ssm_cache_dtype}",
+            f"  runs on: {f.runtime or NO_GPU_RUNTIME}",
             f"  usable for KV + state: {_gib(f.usable)}",
             f"  KV {f.kv_per_token:,} B/token"
             + (f" + MTP drafter {f.draft_kv_per_token:,} B/token" if f.draft_kv_per_token else "")
@@ -267,7 +274,8 @@ def render(r: FitReport) -> str:
                if f.state_bytes else "")
             + (f"; draft block {f.draft_block} tokens" if f.draft_block else ""),
             f"  per sequence at {p.context_length:,} tokens: {_gib(f.per_seq(p.context_length))}; "
-            f"needs {_gib(f.need)} for {p.max_num_seqs} -> " + ("FITS" if f.fits else "DOES NOT FIT")
+            f"needs {_gib(f.need)} for {p.max_num_seqs} -> "
+            + ("FITS" if f.fits else "DOES NOT FIT" if f.runtime else "NOT SERVABLE on the card")
             + f" (headroom {_gib(f.usable - f.need)})",
             f"  max context for one sequence: {f.max_context[p.kv_cache]:,} tokens"
             + (f" (model limit {d.max_position:,})" if d.max_position else "")
@@ -283,6 +291,11 @@ def check_fits(r: FitReport) -> None:
     bad = [f for f in r.profiles if not f.fits]
     if not bad:
         return
+    if (none := [f for f in bad if f.runtime is None]):
+        f = none[0]
+        served = ", ".join(k for k in GPU_RUNTIME)
+        raise QconvError(f"profile {f.name}: {f.profile.kv_cache} KV cache on {r.card}: {NO_GPU_RUNTIME}",
+                         where="--profile", fix=f"use a KV cache a GPU runtime serves ({served})")
     what = "; ".join(f"{f.name} needs {_gib(f.need)} for KV + state, {_gib(max(0, f.usable))} is left" for f in bad)
     if bad[0].usable <= 0:
         fix = (f"the weights ({_gib(r.weights.resident)}) and the {r.reserve_gib:g} GiB reserve already fill the card: "

@@ -30,6 +30,12 @@ _SCHEMES: dict[str, KVScheme] = {s.name: s for s in (
     kivi(4, 4), kivi(4, 2), kivi(2, 2),
 )}
 KV_SCHEME_NAMES = tuple(_SCHEMES)
+# The KVarN presets the qconv-vllm plugin serves inside vLLM (its FEATURES name them as `kv-cache:<preset>`; the
+# g256 tiles do not split into whole bytes per token at head_dim 64, so vLLM's per-token page sizing cannot hold them).
+VLLM_PLUGIN_KVARN = ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")
+# What runs each KV cache on a GPU card; a scheme missing here runs in qconv's own engine only, on the CPU.
+GPU_RUNTIME = {"bf16": "vLLM", "fp8_e4m3": "vLLM", **{k: "vLLM + the qconv-vllm plugin" for k in VLLM_PLUGIN_KVARN}}
+NO_GPU_RUNTIME = "no GPU runtime runs it (qconv's own engine only, on the CPU)"
 
 
 def get_kv_scheme(name: str) -> KVScheme:

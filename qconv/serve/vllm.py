@@ -138,8 +138,8 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
             "--served-model-name", src.name, "--host", opts.host, "--port", str(opts.port),
             "--max-model-len", str(min(p.context_length, src.max_position_embeddings or 1 << 62)),
             "--kv-cache-dtype", KV_TO_VLLM.get(kv, kv)]
-    if kv.startswith("kvarn_"):
-        argv += ["--block-size", str(kvarn_block_size(kv)), "--dtype", "float16"]  # KVarN computes in fp16
+    if kv.startswith("kvarn_"):  # the plugin's backend: one block per tile; its fp16 first tile is per sequence
+        argv += ["--block-size", str(kvarn_block_size(kv))] + ([] if src.hybrid else ["--no-enable-prefix-caching"])
     argv += ["--max-num-seqs", str(opts.max_num_seqs or p.max_num_seqs)]
     argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
     if src.hybrid:

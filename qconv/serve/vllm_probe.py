@@ -92,7 +92,8 @@ def probe_vllm(python: str) -> VllmInfo:
 
 
 def _accepts_kv(info: VllmInfo, kv: str) -> bool:
-    return info.kv_dtypes is None or KV_TO_VLLM.get(kv, kv) in info.kv_dtypes
+    """vLLM's own dtypes (read from its source), or a `kv-cache:<dtype>` the plugin adds (KVarN)."""
+    return info.kv_dtypes is None or KV_TO_VLLM.get(kv, kv) in info.kv_dtypes or KV_PREFIX + kv in info.features
 
 
 def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo,
@@ -105,7 +106,8 @@ def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo,
     kv = p.kv_cache
     if not _accepts_kv(info, kv):
         ok = [n for n, q in src.profiles.items() if _accepts_kv(info, q.kv_cache)]
-        need = "the KVarN build of vLLM" if kv.startswith("kvarn_") else "a vLLM that accepts it"
+        need = ("the qconv-vllm plugin, which adds the KVarN presets (`qconv runtime install`)"
+                if kv.startswith("kvarn_") else "a vLLM that accepts it")
         fallback = f"use --profile {ok[0]} ({src.profiles[ok[0]].kv_cache} KV)" if ok else "no profile fits"
         raise QconvError(f"profile {pname!r} needs KV cache dtype {kv}, which vLLM {info.version} does not accept "
                          f"(needs {need})", where="--profile",

@@ -15,6 +15,10 @@ import os
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the logits hook lives in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -29,7 +33,7 @@ def windows(art: str, text: str, n_tokens: int, window: int) -> list[list[int]]:
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
-def score(art: str, kv: str, wins: list[list[int]]) -> "torch.Tensor":
+def score(art: str, kv: str, wins: list[list[int]]) -> torch.Tensor:
     """log-probs [positions, vocab] (float32) of every window position but the last, under KV cache `kv`."""
     import torch
     from vllm import LLM, SamplingParams

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 PRESET = re.compile(r"^kvarn_k(?P<k>[248])v(?P<v>[248])_g(?P<g>64|128|256)$")
-from qconv_vllm import KVARN_PRESETS as PRESETS  # noqa: E402  (one list, in the package root)
+from qconv_vllm import KVARN_PRESETS as PRESETS  # noqa: E402, F401  (one list, in the package root; re-exported)
 ITERS = 8
 STD_CLAMP, LOG_CLAMP = (1e-3, 1e3), (-0.3, 10.0)
 FP16_MAX = 65504.0

@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 from collections.abc import Iterator
@@ -42,33 +41,41 @@ def sha256_json(obj) -> str:
     return sha256_bytes(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
 
 
-def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
-    """The tensor entries ({dtype, shape, data_offsets}) of a safetensors file, read from its header only; a
-    truncated or corrupt file (header or data extent) is one clear error. The one header reader in qconv."""
-    path = Path(path)
+def find_links(root: str | os.PathLike) -> list[Path]:
+    """Symbolic links at or below root, sorted; a linked folder is listed, never entered."""
+    root = Path(root)
+    if root.is_symlink():
+        return [root]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):  # followlinks=False
+        out += [p for n in dirnames + filenames if (p := Path(dirpath) / n).is_symlink()]
+    return sorted(out)
+
+
+def refuse_links(root: str | os.PathLike, what: str, fix: str) -> None:
+    """One QconvError naming the first symbolic link at or below root: qconv never reads or writes through one."""
+    if links := find_links(root):
+        raise QconvError(f"{what}: {links[0]} is a symbolic link (to {os.readlink(links[0])}); qconv never reads or "
+                         "writes through links here", where=str(root), fix=fix)
+
+
+def open_nofollow(path: str | os.PathLike, flags: int, what: str, fix: str) -> int:
+    """os.open that refuses a symbolic link in place of `path` (O_NOFOLLOW): a planted link is never written through."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n <= 0 or 8 + n > size:
-                raise ValueError(f"header length {n} exceeds file size {size}")
-            header = json.loads(f.read(n))
-        tensors = {k: t for k, t in header.items() if k != "__metadata__"}
-        end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
-        if 8 + n + end > size:
-            raise ValueError(f"tensor data needs {8 + n + end} bytes, file has {size}")
-    except (ValueError, struct.error, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
-        raise QconvError(f"corrupt or truncated safetensors file: {e}", where=str(path),
-                         fix="re-download or re-copy the model files") from e
-    return tensors
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise QconvError(f"{what}: {path} is a symbolic link; qconv never writes through links", where=str(path),
+                         fix=fix) from e
 
 
 def file_table(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
-    """{relative posix path: {sha256, size}} for every regular file below root, sorted."""
+    """{relative posix path: {sha256, size}} for every regular file below root, sorted (links are not followed)."""
     root = Path(root)
     out = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file():
+        if p.is_file() and not p.is_symlink():
             rel = p.relative_to(root).as_posix()
             if rel in exclude:
                 continue

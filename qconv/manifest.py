@@ -7,16 +7,18 @@ summary are typed here once, so no consumer re-parses dicts with its own default
 
 from __future__ import annotations
 
-import json
+import os
 import platform
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qconv.errors import QconvError
-from qconv.fsutil import file_table, write_json_atomic
+from qconv.fsutil import file_table, find_links, write_json_atomic
+from qconv.modelfiles import read_json_object
 from qconv.recipes.recipe import Profile, Speculative
-from qconv.recipes.schema import SchemaError, from_dict
+from qconv.recipes.schema import SchemaError, coerce_fields, from_dict, shorten
 
 MANIFEST = "qconv.json"
 SCHEMA_VERSION = 1
@@ -25,6 +27,7 @@ QUANTIZED_EMBEDDINGS = "quantized-embeddings"
 WNA16_8BIT_CPU = "wna16-8bit-cpu"
 TIED_QUANTIZED_HEAD = "quantized-tied-head"
 KV_PREFIX = "kv-cache:"
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -37,42 +40,145 @@ class Requirement:
     profile: str | None = None  # applies to this serving profile only
     platform: str | None = None  # applies to a vLLM of this platform only ("cpu" | "cuda")
 
-    @classmethod
-    def from_dict(cls, d: dict, where: str = "requires") -> Requirement:
-        r = from_dict(cls, d, where, MANIFEST)
-        if r.vllm_feature is None:  # manifests written before tokens existed: read the token from the wording
-            needs = r.needs.lower()
+    def __post_init__(self):
+        if self.vllm_feature is None and isinstance(self.needs, str):  # written before tokens existed: read the
+            needs = self.needs.lower()  # token from the wording
             token = (QUANTIZED_EMBEDDINGS if "quantized embeddings" in needs
                      else KV_PREFIX + "kvarn" if "kvarn" in needs else None)
-            r = Requirement(**{**asdict(r), "vllm_feature": token})
-        return r
+            object.__setattr__(self, "vllm_feature", token)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "requires") -> Requirement:
+        return from_dict(cls, d, where, MANIFEST)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
+class FileEntry:
+    """One file of an artifact or source: its sha256 and size in bytes."""
+    sha256: str
+    size: int
+
+    def validate(self):
+        if not SHA256_RE.fullmatch(self.sha256):
+            yield "sha256", "expected 64 lowercase hex digits"
+        if self.size < 0:
+            yield "size", "expected a size in bytes (>= 0)"
+
+
+@dataclass(frozen=True)
+class KldStats:
+    """One measured section (weights only, or weights + KV) of the quality summary (qconv.eval.report.SUMMARY_KEYS)."""
+    tokens: int
+    kld_mean: float
+    kld_se: float
+    kld_median: float
+    kld_p99: float
+    kld_max: float
+    kld_bound: float
+    top1: float
+    ppl_base: float
+    ppl_q: float
+    ppl_ratio: float
+    ln_ppl_ratio: float
+
+
+@dataclass(frozen=True)
 class QualityReport:
-    """The quality summary in qconv.json (qconv.eval.report.summary): typed access over the recorded mapping,
-    which is kept whole because `check --against` regresses against it section by section."""
-    data: dict[str, Any]
+    """The quality summary in qconv.json, as qconv.eval.report.summary writes it. `check --against` regresses
+    against it section by section (`data`, the recorded mapping)."""
+    report: str | None = None  # report.json beside it
+    text: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    reference: dict[str, Any] | str | None = None  # {storage, topk}; a quantized-source build names the kind
+    kv_scheme: str | None = None
+    kv_form: str | None = None
+    tier: dict[str, Any] | None = None
+    bits_per_weight: float | None = None
+    weights: KldStats | None = None
+    weights_kv: KldStats | None = None
+    tasks: dict[str, Any] | None = None
+    verdicts: list[dict[str, Any]] = field(default_factory=list)  # the failed gates
+    passed: bool | None = None
+    selection: dict[str, Any] | None = None  # predicted vs measured KLD of the INT8 selection
+    note: str | None = None  # why nothing was measured
+
+    _SOMETIMES = ("weights", "weights_kv", "tasks", "selection", "note")
+
+    @classmethod
+    def of(cls, d: dict, where: str = "quality") -> QualityReport:
+        return from_dict(cls, d, where, MANIFEST)
 
     @property
     def measured(self) -> bool:
         """Whether weights-only numbers were recorded (a build without held-out text records only a note)."""
-        return bool(self.data.get("weights"))
+        return self.weights is not None
 
     @property
-    def passed(self) -> bool | None:
-        return self.data.get("passed")
+    def data(self) -> dict[str, Any]:
+        """The JSON form: the keys summary() writes only when there is something to say are left out when empty."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in self._SOMETIMES}
 
-    @property
-    def settings(self) -> dict[str, Any]:
-        return self.data.get("settings") or {}
 
-    @property
-    def verdicts(self) -> list[dict]:
-        return self.data.get("verdicts") or []
+@dataclass
+class SelectionRow:
+    """One unit of the selection table: qconv.calibrate.select.Row adds the arithmetic, UnitRecord what is recorded."""
+    unit: str
+    role: str
+    modules: int
+    bytes4: int
+    bytes8: int
+    score: float | None
+    decision: str  # "int8" (the 8-bit scheme) | "w4" (unchanged) | a step's scheme name | "refused: <why>"
+    chosen_bytes: int | None = None  # the unit's bytes under its decision (None: bytes4 / bytes8 by decision)
+
+
+@dataclass
+class UnitRecord(SelectionRow):
+    """A row as qconv.json records it."""
+    extra_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class SelectionRecord:
+    """The INT8 / step selection as recorded (qconv.calibrate.select.Selection.to_dict)."""
+    budget: str
+    budget_bytes: int
+    scheme: str
+    method: str
+    spent_bytes: int = 0
+    int8_units: int = 0
+    step_units: dict[str, int] = field(default_factory=dict)
+    predicted_kld: float | None = None
+    units: list[UnitRecord] = field(default_factory=list)
+
+
+@dataclass
+class BuildInfo:
+    """How the artifact was made. A build from full precision records the plan and stages; one from an
+    already-quantized checkpoint records what it kept, requantized and copied."""
+    seed: int | None = None
+    family: str | None = None
+    untied_embeddings: bool | None = None
+    tied_embeddings: bool | None = None
+    untie_bytes: int | None = None
+    estimated_bytes: int | None = None
+    source_bytes: int | None = None
+    warnings: list[str] = field(default_factory=list)
+    streamed: bool | None = None
+    work_dir: str | None = None
+    device: str | None = None  # where the build computed ("cpu", "cuda", ...)
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    elapsed_s: float | None = None
+    source_format: dict[str, Any] | None = None
+    kept: list[str] = field(default_factory=list)
+    requantized: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    reference: str | None = None
+    quality_reference: dict[str, Any] | None = None
 
 
 @dataclass
@@ -80,11 +186,14 @@ class SourceInfo:
     kind: str  # "hf_dir" | "hub" | "gguf"
     id: str  # what the user passed (path or hub id)
     revision: str | None = None
-    files: dict[str, dict] = field(default_factory=dict)  # name -> {sha256, size}
+    files: dict[str, FileEntry] = field(default_factory=dict)
     sha256: str = ""  # hash over `files` (canonical JSON)
     architecture: str = ""
     num_parameters: int = 0
     quantization: dict[str, Any] = field(default_factory=dict)  # an already-quantized source's format (gptq, awq, ...)
+
+    def __post_init__(self):
+        coerce_fields(self, MANIFEST, "source")
 
 
 @dataclass
@@ -114,6 +223,7 @@ class ModuleDecision:
     group_size: int | None = None
     shape: list[int] = field(default_factory=list)  # [out_features, in_features]
     note: str = ""
+    symmetric: bool = True  # False: int codes with per-group zero points (the scheme's `symmetric: false`)
 
 
 @dataclass
@@ -121,65 +231,56 @@ class Manifest:
     source: SourceInfo
     recipe: RecipeInfo
     modules: list[ModuleDecision]
-    files: dict[str, dict] = field(default_factory=dict)  # rel path -> {sha256, size}; excludes qconv.json
+    files: dict[str, FileEntry] = field(default_factory=dict)  # rel path -> entry; excludes qconv.json
     calibration: CalibrationInfo | None = None
     profiles: dict[str, Profile] = field(default_factory=dict)
     speculative: Speculative | None = None  # None: the artifact records no speculation ({} in the JSON)
     requires: list[Requirement] = field(default_factory=list)
-    selection: dict[str, Any] = field(default_factory=dict)  # INT8 selection table (sensitivity issue)
+    selection: SelectionRecord | None = None  # INT8 selection table (None: no selection ran)
     quality: QualityReport | None = None  # report summary + gate verdicts
     status: str = "ok"  # "ok" | "failed" (a quality gate failed) | "unchecked"
     tools: dict[str, str] = field(default_factory=dict)
-    build: dict[str, Any] = field(default_factory=dict)  # seed, elapsed, sizes, stage hashes
+    build: BuildInfo = field(default_factory=BuildInfo)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
-        """Accept the JSON forms too (what older code and the reader pass); store the typed ones."""
-        self.profiles = {k: v if isinstance(v, Profile) else from_dict(Profile, v, f"profiles.{k}", MANIFEST)
-                         for k, v in self.profiles.items()}
-        if isinstance(self.speculative, dict):
-            self.speculative = from_dict(Speculative, self.speculative, "speculative", MANIFEST) \
-                if self.speculative else None
-        self.requires = [r if isinstance(r, Requirement) else Requirement.from_dict(r, f"requires[{i}]")
-                         for i, r in enumerate(self.requires)]
-        if isinstance(self.quality, dict):
-            self.quality = QualityReport(self.quality)
+        """Writers may pass the JSON forms (dicts, lists); store the typed ones, checked like the reader checks them."""
+        for name in ("speculative", "selection"):  # `{}` in the JSON: none recorded
+            if getattr(self, name) == {}:
+                setattr(self, name, None)
+        coerce_fields(self, MANIFEST)
 
     def to_dict(self) -> dict:
+        coerce_fields(self, MANIFEST)  # a field assigned after construction is checked like the rest
         d = asdict(self)
         d["speculative"] = d["speculative"] or {}
         d["requires"] = [r.to_dict() for r in self.requires]
         d["quality"] = self.quality.data if self.quality is not None else None
+        d["build"] = {k: v for k, v in d["build"].items() if v is not None}
         return d
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = MANIFEST) -> Manifest:
+    def from_dict(cls, d: Any, where: str = MANIFEST) -> Manifest:
+        """The typed manifest; a wrong type, a missing or unknown key is one error naming its key path."""
+        if not isinstance(d, dict):
+            raise QconvError(f"malformed manifest: expected a JSON object, got {type(d).__name__}", where=where,
+                             fix="the artifact is damaged or not a qconv artifact; rebuild or re-pull it")
+        if d.get("schema_version") != SCHEMA_VERSION:
+            raise QconvError(
+                f"unsupported manifest schema_version {shorten(d.get('schema_version'))} (this qconv reads "
+                f"{SCHEMA_VERSION})", where=where, fix="rebuild or re-pull the artifact with this qconv version")
+        d = {**d, **{k: None for k in ("speculative", "selection") if d.get(k) == {}}}  # `{}`: none recorded
         try:
-            if d.get("schema_version") != SCHEMA_VERSION:
-                raise QconvError(
-                    f"unsupported manifest schema_version {d.get('schema_version')!r} (this qconv reads {SCHEMA_VERSION})",
-                    where=where, fix="rebuild or re-pull the artifact with this qconv version")
-            d = dict(d)
-            d["source"] = SourceInfo(**d["source"])
-            d["recipe"] = RecipeInfo(**d["recipe"])
-            d["modules"] = [ModuleDecision(**m) for m in d["modules"]]
-            if d.get("calibration"):
-                d["calibration"] = CalibrationInfo(**d["calibration"])
-            return cls(**d)
+            return from_dict(cls, d, "", where)
         except SchemaError as e:
             raise QconvError(f"malformed manifest: {e.what}", where=where,
                              fix="the artifact is damaged or was written by another qconv; rebuild or re-pull it") from e
-        except QconvError:
-            raise
-        except (KeyError, TypeError) as e:
-            raise QconvError(f"malformed manifest: {e}", where=where,
-                             fix="the artifact is damaged or not a qconv artifact; rebuild or re-pull it") from e
 
     def write(self, artifact_dir: str | Path) -> None:
         write_json_atomic(Path(artifact_dir) / MANIFEST, self.to_dict())
 
     def total_size(self) -> int:
-        return sum(f["size"] for f in self.files.values())
+        return sum(f.size for f in self.files.values())
 
 
 def read_manifest(artifact_dir: str | Path) -> Manifest:
@@ -189,29 +290,30 @@ def read_manifest(artifact_dir: str | Path) -> Manifest:
     if not path.is_file():
         raise QconvError(f"no {MANIFEST} in {artifact_dir}", where=str(path),
                          fix="this folder is not a qconv artifact; build one with `qconv build` or pass a source model instead")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise QconvError(f"{MANIFEST} is not valid JSON: {e}", where=str(path), fix="re-pull or rebuild the artifact") from e
+    data = read_json_object(path, MANIFEST, "re-pull or rebuild the artifact")
     return Manifest.from_dict(data, where=str(path))
 
 
-def hash_artifact_files(artifact_dir: str | Path) -> dict[str, dict]:
-    return file_table(artifact_dir, exclude=(MANIFEST,))
+def hash_artifact_files(artifact_dir: str | Path) -> dict[str, FileEntry]:
+    return {k: FileEntry(**v) for k, v in file_table(artifact_dir, exclude=(MANIFEST,)).items()}
 
 
 def verify_files(artifact_dir: str | Path, manifest: Manifest) -> list[str]:
     """Problems found comparing the folder to the manifest's file table; empty means verified."""
     actual = hash_artifact_files(artifact_dir)
-    problems = []
+    links = {p.relative_to(artifact_dir).as_posix(): p for p in find_links(artifact_dir) if p != Path(artifact_dir)}
+    problems = [f"{name}: a symbolic link (to {os.readlink(p)}); an artifact's files are regular files inside it"
+                for name, p in links.items()]
     for name, want in manifest.files.items():
+        if name in links:
+            continue
         got = actual.get(name)
         if got is None:
             problems.append(f"{name}: missing")
-        elif got["sha256"] != want["sha256"]:
-            problems.append(f"{name}: sha256 {got['sha256']} != manifest {want['sha256']}")
-        elif got["size"] != want["size"]:
-            problems.append(f"{name}: size {got['size']} != manifest {want['size']}")
+        elif got.sha256 != want.sha256:
+            problems.append(f"{name}: sha256 {got.sha256} != manifest {want.sha256}")
+        elif got.size != want.size:
+            problems.append(f"{name}: size {got.size} != manifest {want.size}")
     for name in sorted(set(actual) - set(manifest.files)):
         problems.append(f"{name}: not in manifest")
     return problems

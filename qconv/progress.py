@@ -4,8 +4,9 @@ qconv's own warnings grouped instead of repeated.
 
 The job talks to the view through log records alone, so library code stays free of display code: a record with
 `extra=stage("name")` starts a stage, `extra=total(n)` sizes the current stage's bar, `extra=SHOW` puts an INFO
-line on the console, and `extra=log_dir(path)` says where the log file belongs (the build's work dir), `extra=advance(n)` moves
-the bar (convert/stream.py's GPTQ batches do, as llmcompressor hands each batch of modules over).
+line on the console, `extra=note()` puts one beside the bar, `extra=log_dir(path)` says where the log file belongs
+(the build's work dir), and `extra=advance(n, where)` moves the bar (convert/stream.py's GPTQ batches do, as
+llmcompressor hands each batch of modules over).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _STAGE, _REUSED, _TOTAL, _SHOW, _LOG_DIR = "qconv_stage", "qconv_reused", "qconv_total", "qconv_show", "qconv_log_dir"
-_NOW, _ADVANCE, _NOTE = "qconv_now", "qconv_advance", "qconv_note"
+_NOW, _NOTE, _ADVANCE, _WHERE = "qconv_now", "qconv_note", "qconv_advance", "qconv_where"
 SHOW = {_SHOW: True}
 LOG_NAME = "build.log"
 PREPARING = "preparing"  # until the job names its first stage; not listed as one
@@ -44,11 +45,16 @@ def total(n: int) -> dict:
 
 def advance(n: int, note: str = "") -> dict:
     """`n` more units of the current stage's work done (e.g. modules GPTQ quantized), `note` where it is."""
-    return {_ADVANCE: n, _NOTE: note}
+    return {_ADVANCE: n, _WHERE: note}
 
 
 def log_dir(path: str | os.PathLike) -> dict:
     return {_LOG_DIR: str(path)}
+
+
+def note() -> dict:
+    """An INFO line (build.log) that also becomes the live bar's note: a layer's time, the ETA, device memory."""
+    return {_NOTE: True}
 
 
 def now() -> dict:
@@ -173,7 +179,7 @@ class JobView:
                                   MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                                   TextColumn("{task.fields[note]}"), console=self.console, transient=True,
                                   redirect_stdout=False, redirect_stderr=False)
-        self._task = None
+        self._task, self._note = None, ""
         self._stage: tuple[str, float, str] | None = None
         try:
             self._setup_logging()
@@ -262,7 +268,12 @@ class JobView:
         if hasattr(record, _TOTAL) and self._task is not None:
             self._progress.update(self._task, total=getattr(record, _TOTAL), completed=0)
         if hasattr(record, _ADVANCE) and self._task is not None:
-            self._progress.update(self._task, advance=getattr(record, _ADVANCE), note=getattr(record, _NOTE, ""))
+            where = getattr(record, _WHERE, "")
+            self._progress.update(self._task, advance=getattr(record, _ADVANCE),
+                                  note=f"{where} · {self._note}" if self._note else where)
+        if hasattr(record, _NOTE) and self._task is not None:
+            self._note = record.getMessage()
+            self._progress.update(self._task, note=self._note)
         if not record.name.startswith("qconv") or self.verbose:
             return
         if getattr(record, _NOW, False):
@@ -278,7 +289,7 @@ class JobView:
         if self._stage and self._stage[0] == name:
             return
         self._finish_stage()
-        self._stage = (name, time.time(), "reused from the work dir" if reused else "")
+        self._stage, self._note = (name, time.time(), "reused from the work dir" if reused else ""), ""
         self._task = self._progress.add_task(name, total=None, note="")
 
     def _finish_stage(self) -> None:

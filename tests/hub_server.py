@@ -20,11 +20,10 @@ from qconv.hub import cache
 from qconv.hub.index import Location, add_to_index_file, entry_for_artifact
 from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, SourceInfo, hash_artifact_files
 from qconv.recipes.recipe import load_recipe
+from tests.eval_helpers import quality_summary
 
 BIG = "model-00001-of-00002.safetensors"
 SMALL = "model-00002-of-00002.safetensors"
-QUALITY = {"kld": {"mean": 0.0123, "p99": 0.21}, "top1_agreement": 0.974, "ppl_ratio": 1.012,
-           "gates": {"max_mean_kld": "pass", "min_top1": "pass"}}
 
 
 def make_artifact(folder: Path) -> Path:
@@ -44,7 +43,7 @@ def make_artifact(folder: Path) -> Path:
     Manifest(source=SourceInfo(kind="hub", id="Qwen/Qwen3-Tiny", revision="0123abc", architecture="qwen3"),
              recipe=RecipeInfo(name="3090", sha256="ab" * 32, resolved=load_recipe("3090").to_dict()),
              modules=[ModuleDecision("model.layers.0.mlp.down_proj", "mlp.down", "w4a16", 4, 128, [128, 4096])],
-             files=hash_artifact_files(folder), quality=QUALITY, status="ok",
+             files=hash_artifact_files(folder), quality=quality_summary(), status="ok",
              profiles={"fast": {"kv_cache": "bf16", "context_length": 4096}}).write(folder)
     return folder
 

@@ -10,6 +10,7 @@ from qconv.artifact import Artifact
 from qconv.errors import QconvError
 from qconv.manifest import KV_PREFIX, QUANTIZED_EMBEDDINGS, Manifest, QualityReport, RecipeInfo, Requirement, SourceInfo
 from qconv.recipes.recipe import Profile, load_recipe
+from tests.eval_helpers import quality_summary
 
 
 def _manifest(**kw) -> Manifest:
@@ -20,7 +21,7 @@ def _manifest(**kw) -> Manifest:
 
 def test_open_gives_typed_views_and_writes_the_same_json(tmp_path):
     r = load_recipe("3090")
-    quality = {"weights": {"kld_mean": 0.01}, "settings": {"text": "t", "window": 64}, "passed": True}
+    quality = quality_summary(tokens=64)
     req = Requirement("int8 embed_tokens", "plugin", reason="why", vllm_feature=QUANTIZED_EMBEDDINGS)
     _manifest(profiles=dict(r.profiles), speculative=r.speculative, requires=[req], quality=quality).write(tmp_path)
     art = Artifact.open(tmp_path)

@@ -137,32 +137,32 @@ def test_budget_zero_all_and_between(tiny_qwen3_5, tmp_path, calib_txt, caplog):
     r = run(*build_args(tiny_qwen3_5, tmp_path / "zero", calib_txt, work, "--int8-budget", "0", "--recipe", only))
     assert r.exit_code == 0, r.output
     m = read_manifest(tmp_path / "zero")
-    assert m.selection["int8_units"] == 0 and "sensitivity" not in m.build["stages"]
+    assert m.selection.int8_units == 0 and "sensitivity" not in m.build.stages
     assert {d.bits for d in m.modules if d.role in ("attn_qkv", "mlp_down", "gdn_qkvz")} == {4}
     assert _int8_linear_targets(tmp_path / "zero") == []
 
     r = run(*build_args(tiny_qwen3_5, tmp_path / "all", calib_txt, work, "--int8-budget", "1TB", "--recipe", only))
     assert r.exit_code == 0, r.output
     m = read_manifest(tmp_path / "all")
-    assert m.selection["int8_units"] == len(m.selection["units"]) > 0
+    assert m.selection.int8_units == len(m.selection.units) > 0
     assert {d.bits for d in m.modules if d.role in m.recipe.resolved["selection"]["candidates"]} == {8}
     assert "INT8 selection" in r.output and "int8" in r.output
 
-    units = m.selection["units"]
-    one = min(u["extra_bytes"] for u in units)
+    units = m.selection.units
+    one = min(u.extra_bytes for u in units)
     mid_budget = one * 3
     r = run(*build_args(tiny_qwen3_5, tmp_path / "mid", calib_txt, work, "--int8-budget", mid_budget, "--recipe", only))
     assert r.exit_code == 0, r.output
     assert "stage sensitivity: reusing" in caplog.text  # same source, calibration and units as the 1TB build
     m = read_manifest(tmp_path / "mid")
     sel = m.selection
-    assert 0 < sel["spent_bytes"] <= mid_budget and 0 < sel["int8_units"] < len(units)
-    chosen = {u["unit"] for u in sel["units"] if u["decision"] == "int8"}
+    assert 0 < sel.spent_bytes <= mid_budget and 0 < sel.int8_units < len(units)
+    chosen = {u.unit for u in sel.units if u.decision == "int8"}
     want, left = set(), mid_budget  # the greedy by score per extra byte, redone by hand
-    for u in sorted(sel["units"], key=lambda u: -u["score"] / u["extra_bytes"]):
-        if u["extra_bytes"] <= left:
-            want.add(u["unit"])
-            left -= u["extra_bytes"]
+    for u in sorted(sel.units, key=lambda u: -u.score / u.extra_bytes):
+        if u.extra_bytes <= left:
+            want.add(u.unit)
+            left -= u.extra_bytes
     assert chosen == want
     targets = " ".join(_int8_linear_targets(tmp_path / "mid"))
     for d in m.modules:
@@ -210,7 +210,7 @@ def test_rebuild_reuses_stages_and_fresh_is_identical(tiny_llama, tmp_path, cali
     assert weight_shas(tmp_path / "A") == weight_shas(tmp_path / "B") == weight_shas(tmp_path / "C")
     m = read_manifest(tmp_path / "C")
     assert m.calibration.sha256 and m.recipe.sha256 and m.source.sha256 and m.tools["llmcompressor"]
-    assert set(m.build["stages"]) >= {"import", "calibration", "sensitivity", "quantization"}
+    assert set(m.build.stages) >= {"import", "calibration", "sensitivity", "quantization"}
 
 
 # The child build SIGKILLs itself the moment the quantization stage starts: right after sensitivity, with the
@@ -267,7 +267,7 @@ def test_streamed_build_equals_in_memory_build(tiny_qwen3_5, tmp_path, calib_txt
     assert r.exit_code == 0, r.output
     r = run(*build_args(tiny_qwen3_5, tmp_path / "str", calib_txt, tmp_path / "w2", "--stream"))
     assert r.exit_code == 0, r.output
-    assert "streaming build" in caplog.text and read_manifest(tmp_path / "str").build["streamed"] is True
+    assert "streaming build" in caplog.text and read_manifest(tmp_path / "str").build.streamed is True
     assert weight_shas(tmp_path / "mem") == weight_shas(tmp_path / "str")
     assert len([k for k in weight_shas(tmp_path / "str") if k.startswith("model-0")]) > 1
     assert (tmp_path / "mem" / "config.json").read_bytes() == (tmp_path / "str" / "config.json").read_bytes()
@@ -482,7 +482,7 @@ def test_streamed_build_with_int8_budget(tiny_qwen3_5, tmp_path, calib_txt, capl
     r = run(*build_args(tiny_qwen3_5, tmp_path / "str", calib_txt, tmp_path / "w2", "--stream", *extra))
     assert r.exit_code == 0, r.output
     mem, got = read_manifest(tmp_path / "mem"), read_manifest(tmp_path / "str")
-    assert got.build["streamed"] is True and mem.build["streamed"] is False
+    assert got.build.streamed is True and mem.build.streamed is False
     chosen = [m.name for m in got.modules if (m.bits or 16) == 8 and m.role != "lm_head" and m.role != "embed"]
     assert chosen and chosen == [m.name for m in mem.modules if (m.bits or 16) == 8 and m.role not in ("lm_head", "embed")]
     assert not list((tmp_path / "w2").glob("qconv-sensitivity*"))

@@ -363,3 +363,98 @@ def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path
     assert json.loads((out / "qconv.json").read_text())["files"] == json.loads((ref / "qconv.json").read_text())["files"]
     assert file_table(out, exclude=("qconv.json",)) == file_table(ref, exclude=("qconv.json",))
     assert not list(tmp_path.glob(".out.*")) and strays(work) == [] and strays(out) == []
+
+
+# ---- hostile inputs (issue 34) -------------------------------------------------------------------------------------
+
+def alias_bomb(levels: int = 9) -> str:
+    """~500 bytes of YAML whose list-valued key expands to 9**levels items once anything walks it."""
+    lines = ['extends: "3090"', "quality:", "  x0: &l0 [a, a, a, a, a, a, a, a, a]"]
+    lines += [f"  x{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines + ["selection:", f"  candidates: *l{levels - 1}", ""])
+
+
+def test_a_yaml_alias_bomb_is_refused_in_bounded_memory(tmp_path, src, calib_txt):
+    """Run in a child process under a 3 GiB address-space limit: before the fix it died with MemoryError."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(alias_bomb())
+    assert len(bomb.read_bytes()) < 700
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from qconv.cli import main; sys.exit(main())")
+    r = subprocess.run([sys.executable, "-c", code, "build", "--recipe", str(bomb), "--model", str(src), "--out",
+                        str(tmp_path / "out"), "--dataset", str(calib_txt), "--dry-run"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 2 and "YAML alias (*l0)" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr) < 2000 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["config_array", "config_text_config", "extends_a_list", "recipe_binary"])
+def test_damaged_config_or_recipe_is_one_error_naming_the_file(case, src, tmp_path, calib_txt):
+    recipe = "3090"
+    if case == "config_array":
+        (src / "config.json").write_text("[1, 2, 3]")
+    elif case == "config_text_config":
+        cfg = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**cfg, "text_config": "big"}))
+    elif case == "extends_a_list":
+        (tmp_path / "base.yaml").write_text("- a\n- b\n")
+        (tmp_path / "child.yaml").write_text("extends: base.yaml\n")
+        recipe = tmp_path / "child.yaml"
+    else:
+        recipe = tmp_path / "r.yaml"
+        recipe.write_bytes(b"\xff\xfe\x00garbage")
+    pattern = {"config_array": r"config\.json is not a JSON object", "config_text_config": "text_config is not a",
+               "extends_a_list": r"base\.yaml, which is not a recipe", "recipe_binary": "not a text file"}[case]
+    out, work = tmp_path / "out", tmp_path / "work"
+    for extra in (["--dry-run"], []):
+        r = run("build", "--recipe", recipe, "--model", src, "--out", out, "--work-dir", work, "--dataset",
+                calib_txt, *FAST_CAL, *extra)
+        one_error(r, pattern)
+        assert not out.exists() and stage_results(work) == []
+
+
+def test_dry_run_refuses_the_out_the_build_refuses(src, tmp_path, calib_txt):
+    """`--dry-run` says what the build will say: the same check of --out, the same error."""
+    work = tmp_path / "work"
+    said = []
+    for extra in (["--dry-run"], []):
+        r = run(*build_args(src, src, work, calib_txt, "--force", *extra))
+        one_error(r, r"could destroy")
+        said.append([ln for ln in r.output.splitlines() if ln.startswith("error:")])
+    assert said[0] == said[1]
+
+
+def rewrite_header(shard: Path, edit) -> None:
+    """Edit a safetensors file's JSON header in place, keeping its data bytes."""
+    import struct
+
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _grow_first(h: dict) -> None:
+    t = next(v for k, v in h.items() if k != "__metadata__")
+    t["shape"] = [t["shape"][0] * 100000, *t["shape"][1:]]
+
+
+@pytest.mark.parametrize("case", ["shape_vs_bytes", "truncated", "bad_dtype"])
+def test_a_corrupt_safetensors_header_is_refused_by_dry_run_and_build(case, src, tmp_path, calib_txt):
+    """The one header reader checks each tensor's bytes against its dtype and shape: the dry run no longer prints a
+    size estimate of a million GB, and both name the file."""
+    shard = sorted(src.glob("*.safetensors"))[0]
+    if case == "shape_vs_bytes":
+        rewrite_header(shard, _grow_first)
+    elif case == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    else:
+        rewrite_header(shard, lambda h: next(v for k, v in h.items() if k != "__metadata__").update(dtype="Q9"))
+    out, work = tmp_path / "out", tmp_path / "work"
+    for extra in (["--dry-run"], []):
+        r = run(*build_args(src, out, work, calib_txt, *extra))
+        one_error(r, r"corrupt or truncated safetensors file")
+        assert str(shard) in r.output and "GB" not in r.output and not out.exists()

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import shutil
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import httpx
 import openai
@@ -322,3 +324,52 @@ def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
         assert sorted(sched.free) == list(range(8)) and sched.thread.is_alive()
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health") as r:
             assert r.status == 200
+
+
+# ---- hostile inputs (issue 34) -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [{"99999999": 100}, {"1": -100}, {"1": 500}, "x"])
+def test_logit_bias_is_refused_not_silently_ignored(server, model, bias):
+    """The server cannot apply logit_bias: a client asking for it is told (400), never answered as if it were."""
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        code, err = _post(server, path, {"model": model, "max_tokens": 4, "logit_bias": bias, **body})
+        assert code == 400 and err["error"]["param"] == "logit_bias", err
+    code, ok = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "logit_bias": {}})
+    assert code == 200  # an empty bias asks for nothing
+
+
+def _truncate(folder: Path) -> Path:
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard
+
+
+def test_serve_eval_and_check_refuse_a_truncated_weight_file(tiny_qwen3, tmp_path):
+    """One error naming the file (exit 2) before any library reads it: serve (native), eval, check."""
+    from qconv.errors import QconvError
+    from qconv.eval.quality import EvalSettings
+    from qconv.eval.run import check, evaluate
+    from tests.cli_helpers import run as cli
+    from tests.hub_server import make_artifact
+
+    folder = shutil.copytree(tiny_qwen3, tmp_path / "plain")
+    shard = _truncate(folder)
+    r = cli("serve", folder, "--backend", "native", "--port", "18200")
+    assert r.exit_code == 2 and "corrupt or truncated safetensors" in r.stderr and str(shard) in r.stderr, r.output
+    art = make_artifact(tmp_path / "art")
+    shard = _truncate(art)
+    for verb in (lambda: evaluate(art, EvalSettings("t")), lambda: check(art)):
+        with pytest.raises(QconvError, match="corrupt or truncated safetensors") as e:
+            verb()
+        assert str(shard) in str(e.value)
+
+
+def test_serve_checks_the_artifact_hashes_before_loading(tmp_path):
+    from tests.cli_helpers import run as cli
+    from tests.hub_server import SMALL, flip_byte, make_artifact
+
+    art = make_artifact(tmp_path / "art")
+    (art / SMALL).write_bytes(flip_byte((art / SMALL).read_bytes(), at=200))
+    r = cli("serve", art, "--backend", "native", "--port", "18201")
+    assert r.exit_code == 1 and f"{SMALL}: sha256" in r.stderr and "do not match qconv.json" in r.stderr, r.output

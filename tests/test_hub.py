@@ -15,6 +15,7 @@ from qconv.fsutil import sha256_bytes, sha256_file
 from qconv.hub import cache, resolve_artifact
 from qconv.hub.index import Location, add_to_index_file, entry_for_artifact, load_index
 from qconv.hub.pull import pull
+from qconv.manifest import read_manifest
 from tests.cli_helpers import REPO, run as cli
 from tests.hub_server import BIG, BIG_PATH, NAME, SMALL, assert_same_tree, flip_byte, make_artifact
 
@@ -125,7 +126,8 @@ def test_verify_flags_one_flipped_byte(hub, tmp_path):
     art = shutil.copytree(hub.art, tmp_path / "art")
     ok = cli("verify", str(art))
     assert ok.exit_code == 0 and "verified" in ok.stdout
-    assert "kld.mean" in ok.stdout and "0.0123" in ok.stdout and "recipe:   3090" in ok.stdout
+    kld = read_manifest(art).quality.weights.kld_mean
+    assert "weights.kld_mean" in ok.stdout and f"{kld:.6g}" in ok.stdout and "recipe:   3090" in ok.stdout
     (art / SMALL).write_bytes(flip_byte((art / SMALL).read_bytes(), at=100))
     r = cli("verify", str(art))
     assert r.exit_code == 1 and SMALL in r.stderr and BIG not in r.stderr
@@ -175,7 +177,7 @@ def test_index_add_cli(hub, tmp_path):
     assert r.exit_code == 0, r.output
     e = load_index(str(idx)).get("tiny2")
     assert e.location == Location("hf", "org/tiny", "v2") and e.recipe == "3090"
-    assert e.source.id == "Qwen/Qwen3-Tiny" and e.quality["top1_agreement"] == 0.974
+    assert e.source.id == "Qwen/Qwen3-Tiny" and e.quality == read_manifest(hub.art).quality.data
     assert e.files["qconv.json"].sha256 == sha256_file(hub.art / "qconv.json") and BIG in e.files
     printed = json.loads(cli("index", "add", str(hub.art)).stdout)
     assert printed["location"] == {"kind": "path", "uri": str(hub.art.resolve()), "revision": None}
@@ -216,9 +218,9 @@ def test_push_uploads_with_model_card(hub, monkeypatch):
     assert not Path(up["folder_path"]).exists()  # staging removed
     want = {p.name: sha256_file(p) for p in hub.art.iterdir()}
     assert {k: v for k, v in seen["files"].items() if k != "README.md"} == want
-    card = seen["card"]
-    for s in ("base_model: Qwen/Qwen3-Tiny", "recipe | `3090`", "`0123abc`", "| kld.mean | 0.0123 |",
-              "| top1_agreement | 0.974 |", "| gates.max_mean_kld | pass |", "qconv pull me/tiny-w4a16",
+    card, q = seen["card"], read_manifest(hub.art).quality
+    for s in ("base_model: Qwen/Qwen3-Tiny", "recipe | `3090`", "`0123abc`", f"| weights.kld_mean | {q.weights.kld_mean:.6g} |",
+              f"| weights.top1 | {q.weights.top1:.6g} |", "| passed | True |", "qconv pull me/tiny-w4a16",
               "qconv serve me/tiny-w4a16", "vllm serve me/tiny-w4a16"):
         assert s in card, s
     assert sorted(p.name for p in hub.art.iterdir()) == before  # the artifact itself is untouched

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import pytest
 
 from qconv.hub import cache
 from qconv.hub.download import MANIFEST_CAP, http_fetch
@@ -63,11 +66,11 @@ def _publish_v2(hub: Hub) -> None:
     from safetensors.numpy import save_file
 
     save_file({"lm_head.weight": np.ones((64, 256), np.float16)}, str(hub.art / SMALL))
-    from qconv.manifest import hash_artifact_files
+    from qconv.manifest import hash_artifact_files, read_manifest
 
-    m = json.loads((hub.art / "qconv.json").read_text())
-    m["files"] = hash_artifact_files(hub.art)
-    (hub.art / "qconv.json").write_text(json.dumps(m))
+    m = read_manifest(hub.art)
+    m.files = hash_artifact_files(hub.art)
+    m.write(hub.art)
 
 
 def test_repull_keeps_a_held_revision_and_switches_the_pointer(hub):
@@ -170,3 +173,72 @@ def test_killed_pull_resumes_to_the_same_bytes_with_no_stray_folders(hub):
     assert hub.server.gets(BIG_PATH) == [None, f"bytes={half}-"]
     assert_same_tree(out, hub.art)
     assert hub.stray() == [] and not cache.incoming_dir(hub.loc).exists()
+
+
+def _edit_manifest(folder: Path, fn) -> None:
+    d = json.loads((folder / "qconv.json").read_text())
+    fn(d)
+    (folder / "qconv.json").write_text(json.dumps(d))
+
+
+BAD_TABLES = {
+    "files is a list": (lambda d: d.update(files=list(d["files"])), "files"),
+    "an entry is a string": (lambda d: d["files"].update({BIG: "abc"}), f"files.{BIG}"),
+    "size is a word": (lambda d: d["files"][BIG].update(size="big"), f"files.{BIG}.size"),
+    "sha256 is not hex": (lambda d: d["files"][BIG].update(sha256="../../x"), f"files.{BIG}.sha256"),
+    "no schema_version": (lambda d: (d.clear(), d.update(x=1)), "schema_version"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TABLES)
+def test_wrongly_typed_manifest_is_one_error_naming_the_key(hub, tmp_path, case):
+    """verify and pull read qconv.json with the typed reader: one error with the key path, exit 2, and a refused pull
+    leaves no `.incoming/*/qconv.json` behind."""
+    edit, key = BAD_TABLES[case]
+    art = shutil.copytree(hub.art, tmp_path / "art")
+    _edit_manifest(art, edit)
+    r = cli("verify", art)
+    assert r.exit_code == 2 and key in r.stderr and "fix:" in r.stderr, r.output
+    _edit_manifest(hub.art, edit)
+    r = cli("pull", hub.art_url, "-q", "--insecure")
+    assert r.exit_code == 2 and key in r.stderr, r.output
+    assert not list((hub.home / "artifacts").rglob("qconv.json*"))
+
+
+def test_pull_never_writes_through_a_link_planted_in_the_cache(hub, tmp_path):
+    """A `.part` in the download folder that links elsewhere: the pull refuses it, the other file is untouched and
+    nothing of the artifact becomes visible."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    staging = cache.incoming_dir(cache.target_location(str(hub.art)))
+    staging.mkdir(parents=True)
+    (staging / "tokenizer.json.part").symlink_to(victim)
+    r = cli("pull", hub.art, "-q")
+    assert r.exit_code == 2 and "symbolic link" in r.stderr and "tokenizer.json.part" in r.stderr, r.output
+    assert victim.read_text() == "precious"
+    assert cache.current(cache.target_location(str(hub.art))) is None
+    assert not list(staging.glob("qconv.json*"))
+    (staging / "tokenizer.json.part").unlink()  # the fix the error names: remove the link, pull again
+    assert cli("pull", hub.art, "-q").exit_code == 0 and victim.read_text() == "precious"
+
+
+def test_verify_and_pull_refuse_links_out_of_the_artifact(hub, tmp_path):
+    """An artifact's files are regular files inside it: a listed file that links outside, or a linked folder, is
+    reported by verify (exit 1) and refused by pull, whose cache never gets the outside bytes."""
+    art = shutil.copytree(hub.art, tmp_path / "art")
+    outside = tmp_path / "outside.json"
+    shutil.copy(art / "tokenizer.json", outside)
+    (art / "tokenizer.json").unlink()
+    (art / "tokenizer.json").symlink_to(outside)
+    r = cli("verify", art)
+    assert r.exit_code == 1 and "tokenizer.json: a symbolic link" in r.stderr, r.output
+    r = cli("pull", art, "-q")
+    assert r.exit_code == 2 and "symbolic link" in r.stderr and "tokenizer.json" in r.stderr, r.output
+    assert cache.current(cache.target_location(str(art))) is None
+
+    art2 = shutil.copytree(hub.art, tmp_path / "art2")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "secret.txt").write_text("x")
+    (art2 / "extra").symlink_to(tmp_path / "elsewhere")
+    r = cli("verify", art2)
+    assert r.exit_code == 1 and "extra: a symbolic link" in r.stderr, r.output

@@ -17,7 +17,7 @@ from qconv.fsutil import sha256_bytes, sha256_file
 from qconv.hub import cache, resolve_artifact
 from qconv.hub.index import Location, add_to_index_file, entry_for_artifact
 from qconv.hub.pull import pull
-from qconv.manifest import hash_artifact_files
+from qconv.manifest import hash_artifact_files, read_manifest
 from tests.cli_helpers import run as cli
 from tests.hub_server import BIG, SMALL, FakeHub, assert_same_tree, flip_byte, make_artifact
 
@@ -153,9 +153,9 @@ def test_moved_branch_is_pinned_by_commit(hub, tmp_path):
     resolved (mixing the two would fail the hash checks); the next pull takes the new commit as a new revision."""
     v2 = make_artifact(tmp_path / "v2" / "tiny-w4a16")
     (v2 / SMALL).write_bytes(flip_byte((v2 / SMALL).read_bytes(), at=200))
-    m = json.loads((v2 / "qconv.json").read_text())
-    m["files"] = hash_artifact_files(v2)
-    (v2 / "qconv.json").write_text(json.dumps(m))
+    m = read_manifest(v2)
+    m.files = hash_artifact_files(v2)
+    m.write(v2)
     moved = {}
 
     def move_main(repo, rev):

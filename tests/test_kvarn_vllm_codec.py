@@ -4,6 +4,7 @@ speculative rollback, slots reused by new sequences) gives what `KVScheme.decode
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from qconv.kv.kvarn import kvarn
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA kernels' wiring runs on CPU tensors (numpy-simulated)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
 from qconv_vllm import KVARN_PRESETS  # noqa: E402
@@ -148,3 +151,27 @@ def test_batched_sequences_and_reused_blocks_equal_one_by_one():
     c1, = both.step([(3, [3, 4, 5], 100, qc[100:], kc[100:], vc[100:])])
     for got, want in ((torch.cat([a0, a1]), alone[0]), (b0, alone[1]), (torch.cat([c0, c1]), alone[2])):
         assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())
+
+
+def test_cuda_decode_path_reads_the_same_cache_as_the_torch_path():
+    """The batch-of-decodes branch hands the backend's own pool, staging slots and block table to the Triton
+    split-K kernel (run here under TRITON_INTERPRET=1); it must attend exactly what `_attend` attends."""
+    pytest.importorskip("triton")
+    torch.manual_seed(3)
+    preset, d, hk, grp = "kvarn_k4v2_g64", 64, 1, 2
+    seq = _Seq(preset, d, hk, grp, n_blocks=16)
+    lens, reqs = (30, 3 * 64 + 5, 2 * 64), []
+    for i, n in enumerate(lens):  # three sequences: sink only, closed tiles + a tile in progress, tile just closed
+        blocks = list(range(5 * i, 5 * i + 5))
+        q, k, v = torch.randn(n, hk * grp, d), torch.randn(n, hk, d), torch.randn(n, hk, d)
+        seq.step([(blocks[0], blocks, 0, q[:n - 1], k[:n - 1], v[:n - 1])])
+        reqs.append((blocks[0], blocks, n - 1, q[n - 1:], k[n - 1:], v[n - 1:]))
+    torch_out = [o[0] for o in seq.step(reqs)]  # writes the last token and attends (torch path)
+    width = max(len(r[1]) for r in reqs)
+    m = KVarNMetadata(len(reqs), list(range(len(reqs) + 1)), list(lens),
+                      torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32),
+                      [seq.table.owner[r[0]] for r in reqs], [False] * 3, list(lens), seq.table.capacity)
+    q = torch.cat([r[3] for r in reqs])
+    got = seq.impl._decode_cuda(seq.impl.stage, seq.pool.flatten(2), m, q)
+    want = torch.stack(torch_out)
+    assert torch.allclose(got.float(), want, atol=1e-4), float((got - want).abs().max())

@@ -76,7 +76,7 @@ def test_build_keeps_vision_and_mtp_bytes_and_quantizes_text(real_layout_27b, ar
     quantized = {d.role for d in text.values() if d.bits in (4, 8)}
     assert {"attn_qkv", "attn_o", "gdn_qkvz", "gdn_out", "mlp_gate_up", "mlp_down"} <= quantized
     # a tiny model plans far above selection.max_bpw (its INT8 embeddings alone), so the card promotes nothing
-    assert m.selection["budget"] == "auto" and m.selection["budget_bytes"] == 0
+    assert m.selection.budget == "auto" and m.selection.budget_bytes == 0
     for name in ("model.language_model.embed_tokens", "lm_head"):  # INT8, pack-quantized (vLLM's WNA16 form)
         assert name + ".weight_packed" in art and by[name].bits == 8, name
     assert art["model.language_model.layers.0.linear_attn.in_proj_a.weight"].dtype == torch.bfloat16

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from qconv.build.options import BuildOptions, recipe_for, work_root
+from qconv.build.memplan import DevicePlan, plan_for
+from qconv.build.options import BuildOptions, check_out, recipe_for, work_root
 from qconv.calibrate.select import Selection, parse_budget, select
 from qconv.calibrate.sensitivity import Scores
 from qconv.calibrate.units import Unit
@@ -28,6 +29,7 @@ class DryRun:
     budget_bytes: int = 0
     budget_note: str = ""  # how an `auto` budget was found
     units: list[Unit] | None = None  # candidates (for the by-role preview without scores)
+    device_plan: DevicePlan | None = None  # the build's peak device memory per phase
 
 
 def selection_budget(opts: BuildOptions, recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
@@ -70,6 +72,8 @@ def dry_run(opts: BuildOptions) -> DryRun:
     """The plan without loading weights: shapes come from safetensors headers or a meta-device model. When the
     work dir holds sensitivity scores from an earlier build, the INT8 selection they give is shown too."""
     recipe = recipe_for(opts)
+    if opts.out is not None:  # the build's own check, in the build's order: a dry run says what the build will say
+        check_out(opts)
     src = resolve_source(opts.model, revision=opts.revision, weights=False)
     config = src.config
     plan = plan_model(src.path, config, recipe)
@@ -81,4 +85,5 @@ def dry_run(opts: BuildOptions) -> DryRun:
     if cached and set(cached["values"]) >= {u.name for u in units}:
         selection = select(units, Scores(**cached), budget, budget=budget_label(opts, recipe),
                            scheme=recipe.selection.scheme)
-    return DryRun(plan, recipe, config, selection, budget, note, units)
+    return DryRun(plan, recipe, config, selection, budget, note, units,
+                  plan_for(opts, recipe, plan, config, planning=True))

@@ -36,7 +36,7 @@ def eval_text(opts, recipe: Recipe) -> str | None:
 
 def record(manifest: Manifest, summary: dict, gates: bool) -> GateFailure | None:
     """The quality summary into the manifest (its `quality` and `status`); the gate failure to raise, if any."""
-    manifest.quality = QualityReport(summary)
+    manifest.quality = QualityReport.of(summary)
     passed = summary.get("passed")
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
     return gate_failure(summary) if passed is False and gates else None
@@ -51,7 +51,7 @@ def measure(opts, recipe: Recipe, source: Path, artifact: Path, manifest: Manife
     text = eval_text(opts, recipe)
     if not text:
         return None
-    weights = {k: v["sha256"] for k, v in manifest.files.items() if k.endswith(".safetensors")}
+    weights = {k: v.sha256 for k, v in manifest.files.items() if k.endswith(".safetensors")}
     text_id = sha256_file(Path(text)) if Path(text).is_file() else text
     key = stage_key("quality", weights, text_id, asdict(recipe.quality), manifest.source.sha256)
     qdir = work.cached_dir("quality", key)
@@ -59,14 +59,15 @@ def measure(opts, recipe: Recipe, source: Path, artifact: Path, manifest: Manife
         with work.new_dir("quality", key) as tmp:
             summary = quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
                                      num_parameters=manifest.source.num_parameters,
-                                     fwd=Forward(streamed=True if streamed else None), final=final)
+                                     fwd=Forward(streamed=True if streamed else None, device=opts.device),
+                                     final=final)
             _copy_files(artifact, tmp, REPORTS)
     else:
         _copy_files(qdir, artifact, REPORTS)
         summary = summary_of(_name_final_path(artifact, final))
-    predicted = manifest.selection.get("predicted_kld")
+    predicted = manifest.selection.predicted_kld if manifest.selection else None
     if predicted is not None and summary.get("weights"):
-        summary["selection"] = {"method": manifest.selection.get("method"), "predicted_kld": predicted,
+        summary["selection"] = {"method": manifest.selection.method, "predicted_kld": predicted,
                                 "measured_kld": summary["weights"]["kld_mean"]}
     return record(manifest, summary, opts.gates)
 

@@ -5,10 +5,11 @@ summarizes the same way as one that passed, and `--json` prints the same facts."
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG
-from qconv.manifest import read_manifest
+from qconv.manifest import QualityReport, SelectionRecord, read_manifest
 
 QUALITY_KEYS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
 INT8_ROWS = 10
@@ -18,25 +19,26 @@ def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
     """The facts of a finished build as one JSON-able dict."""
     out = Path(out).resolve()
     m = read_manifest(out)
-    q = m.quality.data if m.quality else {}
+    q = m.quality or QualityReport()
+    sel = m.selection or SelectionRecord(budget="", budget_bytes=0, scheme="", method="none")
     size = m.total_size()
-    source = m.build.get("source_bytes") or sum(f.get("size", 0) for f in m.source.files.values())
-    bpw = q.get("bits_per_weight")
+    source = m.build.source_bytes or sum(f.size for f in m.source.files.values())
+    bpw = q.bits_per_weight
     if bpw is None and m.source.num_parameters:  # not measured: weight file bytes over the source's parameters
-        bpw = 8 * sum(f["size"] for k, f in m.files.items() if k.endswith(".safetensors")) / m.source.num_parameters
-    quality = {sec: {k: q[sec][k] for k in QUALITY_KEYS} for sec in ("weights", "weights_kv") if q.get(sec)}
+        bpw = 8 * sum(f.size for k, f in m.files.items() if k.endswith(".safetensors")) / m.source.num_parameters
+    quality = {sec: {k: getattr(stats, k) for k in QUALITY_KEYS}
+               for sec, stats in (("weights", q.weights), ("weights_kv", q.weights_kv)) if stats}
     reports = {n: str(out / n) for n in (REPORT_MD, REPORT_PNG, REPORT_JSON) if (out / n).is_file()}
     return {
         "artifact": str(out), "status": m.status, "recipe": m.recipe.name,
         "size_bytes": size, "source_bytes": source, "bits_per_weight": bpw,
         "calibration": {k: getattr(m.calibration, k) for k in ("kind", "id", "samples", "seq_len", "tokens")}
         if m.calibration else None,
-        "quality": quality, "kv_scheme": q.get("kv_scheme"), "passed": q.get("passed"),
-        "tier": (q.get("tier") or {}).get("name"),
-        "failed_gates": [v["message"] for v in q.get("verdicts", []) if not v.get("passed")],
-        "int8_units": m.selection.get("int8_units", 0), "step_units": sum((m.selection.get("step_units") or {}).values()),
-        "selection": m.selection,
-        "predicted_kld": m.selection.get("predicted_kld"), "reports": reports,
+        "quality": quality, "kv_scheme": q.kv_scheme, "passed": q.passed, "tier": (q.tier or {}).get("name"),
+        "failed_gates": [v["message"] for v in q.verdicts if not v.get("passed")],
+        "int8_units": sel.int8_units, "step_units": sum(sel.step_units.values()),
+        "selection": asdict(m.selection) if m.selection else None,
+        "predicted_kld": sel.predicted_kld, "reports": reports,
         "log": str(log_path) if log_path else None,
         "next": [f"qconv serve {out}", f"qconv check {out}", f'qconv generate {out} --chat "Hello"'],
     }
@@ -72,9 +74,6 @@ def print_summary(s: dict, console=None) -> None:
             t.add_row(labels[sec], f"{r['kld_mean']:.4f}", f"{r['kld_p99']:.3f}", f"{100 * r['top1']:.1f}%",
                       f"{r['ppl_ratio']:.3f}")
         con.print(t)
-        if s.get("predicted_kld") is not None and "weights" in s["quality"]:
-            con.print(f"[bold]selection[/bold] predicted KLD {s['predicted_kld']:.4f} (sensitivity proxy: the "
-                      f"selectable units' rounding, before GPTQ) vs measured {s['quality']['weights']['kld_mean']:.4f}")
     tier = f" ({escape(s['tier'].split(' (')[0])} tier)" if s["tier"] else ""
     if s["passed"] is True:
         con.print(f"[bold]verdict[/bold]   [green]PASSED[/green] the recipe's quality gates{tier}")

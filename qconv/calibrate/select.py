@@ -15,22 +15,14 @@ from dataclasses import asdict, dataclass, field
 from qconv.calibrate.sensitivity import BASE, Scores
 from qconv.calibrate.units import Unit
 from qconv.errors import QconvError
+from qconv.manifest import SelectionRow
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass
-class Row:
-    unit: str
-    role: str
-    modules: int
-    bytes4: int
-    bytes8: int
-    score: float | None
-    decision: str  # "int8" (the 8-bit scheme) | "w4" (unchanged) | a step's scheme name | "refused: <why>"
-    chosen_bytes: int | None = None  # the unit's bytes under its decision (None: bytes4 / bytes8 by decision)
-
+class Row(SelectionRow):
     @property
     def extra(self) -> int:
         return self.bytes8 - self.bytes4
@@ -53,7 +45,9 @@ class Selection:
     scheme: str
     method: str  # how units were scored ("proxy", "kld", "random", "none")
     rows: list[Row] = field(default_factory=list)
-    predicted_kld: float | None = None  # proxy only: ½ Σ units' F-weighted rounding error under their decisions
+    # proxy only: ½ Σ units' F-weighted rounding error under their decisions; recorded in qconv.json, never printed
+    # as a KLD (it ignores GPTQ's compensation: 2.7x to 5x the measured KLD on SmolLM2)
+    predicted_kld: float | None = None
 
     @property
     def spent(self) -> int:
@@ -171,10 +165,9 @@ def format_table(selection: Selection, limit: int = 40) -> str:
     """The selection table as text: most sensitive first, refused units last."""
     rows = sorted(selection.rows, key=lambda r: (r.decision.startswith("refused"), -(r.score or 0.0), r.unit))
     steps = len(selection.choices) - len(selection.chosen)
-    predicted = f"; predicted KLD {selection.predicted_kld:.4g}" if selection.predicted_kld is not None else ""
     lines = [f"INT8 selection: budget {selection.budget} = {selection.budget_bytes / 1e6:.2f} MB, scheme "
              f"{selection.scheme}, scored by {selection.method}: {len(selection.chosen)} units"
-             + (f" + {steps} at a cheaper step" if steps else "") + f", {selection.spent / 1e6:.2f} MB spent{predicted}",
+             + (f" + {steps} at a cheaper step" if steps else "") + f", {selection.spent / 1e6:.2f} MB spent",
              f"  {'unit':40s} {'role':12s} {'score':>11s} {'w4 MB':>8s} {'+int8 MB':>9s}  decision"]
     for r in rows[:limit]:
         score = f"{r.score:.4g}" if r.score is not None else "-"

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path, PurePosixPath
 
 from qconv.fsutil import sha256_file
-from qconv.manifest import MANIFEST, Manifest, hash_artifact_files
+from qconv.manifest import MANIFEST, FileEntry, Manifest, hash_artifact_files
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +71,10 @@ def finalize(out: Path, manifest: Manifest, changed: tuple[str, ...] | None = No
         files = dict(manifest.files)
         for name in changed:
             if (out / name).is_file():
-                files[name] = {"sha256": sha256_file(out / name), "size": (out / name).stat().st_size}
+                files[name] = FileEntry(sha256_file(out / name), (out / name).stat().st_size)
         manifest.files = {k: files[k] for k in sorted(files, key=lambda k: PurePosixPath(k).parts)}
     manifest.write(out)
     return manifest
 
 
-def quantization_summary(out: Path) -> dict:
-    cfg = json.loads((out / "config.json").read_text())
-    return cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config") or {}
-
-
-__all__ = ["MANIFEST", "copy_mtp", "write_index", "copy_side_files", "finalize", "quantization_summary"]
+__all__ = ["MANIFEST", "copy_mtp", "write_index", "copy_side_files", "finalize"]

@@ -36,7 +36,7 @@ def convert_quantized(src, out, revision, force):
     from qconv.convert.imported import convert_quantized as run
 
     m = run(src, out, force=force, revision=revision)
-    click.echo(f"{out}: {len(m.build['kept'])} quantized modules from {m.source.quantization['method']} "
+    click.echo(f"{out}: {len(m.build.kept)} quantized modules from {m.source.quantization['method']} "
                f"({m.total_size() / 1e9:.3f} GB)")
 
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from qconv.convert import patches
+from qconv.modelfiles import read_model_config
 
 
 @contextlib.contextmanager
@@ -41,7 +42,7 @@ def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: boo
     if device is not None:
         kwargs.setdefault("device_map", ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if config is None:
-        config = json.loads((Path(path) / "config.json").read_text())
+        config = read_model_config(path)
     arch = (config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     cls = cls or transformers.AutoModelForCausalLM

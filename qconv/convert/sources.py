@@ -6,14 +6,14 @@ manifest can say exactly which bytes an artifact was made from.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from qconv.errors import QconvError
-from qconv.fsutil import safetensors_header, sha256_file, sha256_json
+from qconv.fsutil import sha256_file, sha256_json
 from qconv.manifest import SourceInfo
+from qconv.modelfiles import read_model_config, safetensors_header
 from qconv.paths import qconv_home
 
 log = logging.getLogger(__name__)
@@ -41,14 +41,7 @@ def _looks_like_path(s: str) -> bool:
 
 
 def read_config(folder: Path) -> dict:
-    cfg = folder / "config.json"
-    if not cfg.is_file():
-        raise QconvError(f"no config.json in {folder}", where=str(folder),
-                         fix="pass a Hugging Face model folder (config.json + *.safetensors), a hub id, or a .gguf file")
-    try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        raise QconvError(f"config.json is not valid JSON: {e}", where=str(cfg), fix="re-download the model") from e
+    return read_model_config(folder)
 
 
 def source_files(folder: Path) -> dict[str, dict]:

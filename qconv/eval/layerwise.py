@@ -16,7 +16,6 @@ position logic is rewritten here, so each window sees exactly what the whole-mod
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from qconv.errors import QconvError
+from qconv.modelfiles import read_model_config
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Checkpoint:
         if not files:
             raise QconvError(f"no safetensors in {path}", where=str(path),
                              fix="layer streaming reads safetensors shards; convert the checkpoint first")
-        qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        qcfg = read_model_config(path).get("quantization_config") or {}
         deq = None
         if qcfg.get("quant_method") == "compressed-tensors":
             from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
@@ -60,8 +60,8 @@ class Checkpoint:
             from compressed_tensors.config import CompressionFormat
 
             deq = CompressedTensorsDequantizer(str(path), dtype=torch.bfloat16)
-            # It infers each group's format as a Linear's would be (pack-quantized for any int scheme); an INT8
-            # embedding/lm_head group is stored int-quantized: use the format the artifact records.
+            # It infers each group's format as a Linear's would be (pack-quantized for any int scheme); artifacts
+            # built before INT8 groups were pack-quantized record int-quantized: use the format the artifact records.
             for name, scheme in deq.quant_config.config_groups.items():
                 recorded = (qcfg.get("config_groups", {}).get(name) or {}).get("format")
                 if recorded:

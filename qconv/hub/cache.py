@@ -31,6 +31,7 @@ from pathlib import Path
 from qconv.errors import QconvError
 from qconv.fsutil import (
     atomic_dir,
+    refuse_links,
     sha256_bytes,
     sweep_stale,
     switch_symlink,
@@ -96,6 +97,15 @@ def current(loc: Location) -> Path | None:
 
 def revision_dir(loc: Location, rev: str) -> Path:
     return slot_dir(loc) / "revs" / rev
+
+
+def have_revision(loc: Location, rev: str) -> bool:
+    """Whether revs/<rev> is complete; a link inside it is damage, refused (a pulled artifact holds regular files)."""
+    final = revision_dir(loc, rev)
+    if not (final / MANIFEST).is_file():
+        return False
+    refuse_links(final, "the cached artifact is damaged", f"remove {final} and pull again")
+    return True
 
 
 @contextlib.contextmanager

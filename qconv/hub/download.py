@@ -21,10 +21,12 @@ from pathlib import Path, PurePosixPath
 from collections.abc import Callable
 
 from qconv.errors import QconvError
-from qconv.fsutil import CHUNK, os_error, sha256_file
+from qconv.fsutil import CHUNK, open_nofollow, os_error, sha256_file
 
 log = logging.getLogger(__name__)
 
+LINK_FIX = ("remove the link (not the file it points to) and pull again; a link there is damage, or was planted by "
+            "someone who can write to the cache")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 READ_CHUNK = 1 << 16
 
@@ -149,7 +151,7 @@ def _write_body(r, part: Path, start: int, stop: int | None, bar) -> int:
     """
     pos = start
     with _local(part, stop and stop - start):
-        f = open(part, "r+b" if part.exists() else "wb")
+        f = os.fdopen(open_nofollow(part, os.O_RDWR | os.O_CREAT, "pulling", LINK_FIX), "r+b")
         f.seek(start)
         f.truncate()
     with f, bar:
@@ -179,10 +181,17 @@ def _local(part: Path, needed: int | None):
                        retry_hint="run `qconv pull` again: the finished part of the file is kept") from e
 
 
-def local_fetch(src: Path, part: Path) -> None:
+def local_fetch(root: Path, name: str, part: Path) -> None:
+    """Copy `root/name` into `part`: a regular file inside the folder (no link anywhere on its way), never linked."""
+    src = root / name
+    for p in [src, *src.relative_to(root).parents][:-1]:
+        if (root / p).is_symlink():
+            raise QconvError(f"refusing {name}: {root / p} is a symbolic link; an artifact's files are regular files "
+                             "inside it", where=str(root), fix="copy the real files into the artifact folder")
     if not src.is_file():
-        raise QconvError(f"missing file {src.name}", where=str(src), fix="the source folder is incomplete")
-    with open(src, "rb") as fi, open(part, "wb") as fo:
+        raise QconvError(f"missing file {name}", where=str(src), fix="the source folder is incomplete")
+    fd = open_nofollow(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "pulling", LINK_FIX)
+    with open(src, "rb") as fi, os.fdopen(fd, "wb") as fo:
         shutil.copyfileobj(fi, fo, CHUNK)
 
 

@@ -20,18 +20,13 @@ from typing import Any
 from qconv.errors import QconvError
 from qconv.fsutil import file_table, write_json_atomic
 from qconv.hub.download import check_scheme
+from qconv.manifest import FileEntry
 
 INDEX_SCHEMA_VERSION = 1
 INDEX_CAP = 32 << 20
 LOCATION_KINDS = ("hf", "url", "path")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 HF_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-@dataclass
-class FileEntry:
-    sha256: str
-    size: int
 
 
 @dataclass

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qconv.errors import QconvError
-from qconv.fsutil import check_space, is_disk_error, os_error, sha256_file
+from qconv.fsutil import check_space, is_disk_error, os_error, refuse_links, sha256_file
 from qconv.hub import cache, hf
 from qconv.hub.download import (
+    LINK_FIX,
     MANIFEST_CAP,
     IntegrityError,
     Want,
@@ -90,11 +91,11 @@ def fetcher(loc: Location, *, progress: bool, retries: int, insecure: bool) -> C
         return lambda w: lambda part, _refetch: http_fetch(
             join_url(loc.uri, w.name), part, w.size if w.sha256 else None, cap=None if w.sha256 else MANIFEST_CAP,
             insecure=insecure, retries=retries, progress=progress)
-    return lambda w: lambda part, _refetch: local_fetch(Path(loc.uri) / w.name, part)
+    return lambda w: lambda part, _refetch: local_fetch(Path(loc.uri), w.name, part)
 
 
 def expected_files(src: PullSource, manifest: Manifest) -> dict[str, Want]:
-    want = {n: Want(n, f["sha256"], f["size"]) for n, f in manifest.files.items()}
+    want = {n: Want(n, f.sha256, f.size) for n, f in manifest.files.items()}
     for n in want:
         check_file_name(n, f"{src.name}: {MANIFEST}")
     if src.entry:
@@ -120,7 +121,11 @@ def _fetch_manifest(src: PullSource, staging: Path, fetch_for: Callable[[Want], 
         part.unlink(missing_ok=True)
         fetch_for(Want(MANIFEST, "", 0))(part, False)
         os.replace(part, dest)
-    return read_manifest(staging)
+    try:
+        return read_manifest(staging)
+    except QconvError:
+        dest.unlink()  # refused: nothing of it stays in the cache
+        raise
 
 
 def _warn_untrusted(src: PullSource) -> None:
@@ -145,7 +150,11 @@ def _partial_size(staging: Path) -> Callable[[str], int]:
 def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool) -> Path:
     loc = src.location
     staging = cache.incoming_dir(loc)
+    for p in (staging.parent, staging):  # checked before anything is made there: a link would send writes elsewhere
+        if p.is_symlink():
+            refuse_links(p, "the download folder is damaged", LINK_FIX)
     staging.mkdir(parents=True, exist_ok=True)
+    refuse_links(staging, "the download folder is damaged", LINK_FIX)
     fetch_for = fetcher(loc, progress=progress, retries=retries, insecure=insecure)
     manifest = _fetch_manifest(src, staging, fetch_for)
     want = expected_files(src, manifest)
@@ -154,7 +163,7 @@ def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool
     if not src.entry:
         _warn_untrusted(src)
     info = {"name": src.name, "manifest_sha256": manifest_sha, "recipe": manifest.recipe.name}
-    if (cache.revision_dir(loc, rev) / MANIFEST).is_file():
+    if cache.have_revision(loc, rev):
         log.info("%s is already in the cache and up to date", src.name)
         shutil.rmtree(staging, ignore_errors=True)
         return cache.install(loc, rev, lambda tmp: None, info)
@@ -179,7 +188,7 @@ def _pull_hub(src: PullSource, *, progress: bool) -> Path:
     where = f"{loc.uri}@{loc.revision or 'main'}"
     commit, hub = hf.resolve(loc.uri, loc.revision)
     where = f"{where} (commit {commit})"
-    if (cache.revision_dir(loc, commit) / MANIFEST).is_file():
+    if cache.have_revision(loc, commit):
         log.info("%s is already in the cache at commit %s", src.name, commit)
         return cache.install(loc, commit, lambda tmp: None, {"name": src.name, "requested": loc.revision})
     if MANIFEST not in hub:

@@ -18,6 +18,10 @@ from qconv.kv.packing import Layout, bytes_fp16, fp16_bytes, pack_bits, unpack_b
 
 STD_MIN, STD_MAX = 1e-3, 1e3
 LOG_MIN, LOG_MAX = -0.3, 10.0
+# An iterate replaces the best so far only if it lowers the imbalance by 0.01%: once the tile is balanced the
+# imbalance sits at 2 within float noise, and a strict `<` would pick among near-equal iterates by summation order,
+# so this codec and its Triton port (plugins/vllm/qconv_vllm/kvarn_triton.py) or a GPU would write different scales.
+MIN_GAIN = 1 - 1e-4
 
 
 def _imbalance(col: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -39,8 +43,8 @@ def balance(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor
 
     Alternates column and row std normalization (stds clamped to [1e-3, 1e3], log-scales to [-0.3, 10]). The
     iteration need not converge under the clamps, so the (u, v) with the lowest imbalance max/min(col std) +
-    max/min(row std) seen so far is returned, starting from the unscaled tile (returning the last iterate instead
-    is a known accuracy bug). x: [..., R, C] float32."""
+    max/min(row std) seen so far (by at least 0.01%, MIN_GAIN) is returned, starting from the unscaled tile
+    (returning the last iterate instead is a known accuracy bug). x: [..., R, C] float32."""
     xt = x.transpose(-1, -2).contiguous()  # row stats as vector @ matrix too (far faster than matrix @ vector)
     x2, xt2 = x * x, xt * xt
     u = x.new_zeros(*x.shape[:-2], x.shape[-1])
@@ -55,7 +59,7 @@ def balance(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor
         row = (row_raw * torch.exp(-v)).clamp_(STD_MIN, STD_MAX)
         col = (_weighted_std(x, x2, torch.exp(-v)) * torch.exp(-u)).clamp_(STD_MIN, STD_MAX)
         imb = _imbalance(col, row)
-        better = imb < best_i
+        better = imb < best_i * MIN_GAIN
         best_i = torch.where(better, imb, best_i)
         best_u = torch.where(better.unsqueeze(-1), u, best_u)
         best_v = torch.where(better.unsqueeze(-1), v, best_v)

@@ -6,7 +6,6 @@ one slot per draft position. Budget: card x gpu_memory_utilization - activation/
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from qconv.artifact import Artifact
 from qconv.calibrate.units import module_bytes
 from qconv.convert.layout import plan_model
 from qconv.errors import QconvError
+from qconv.modelfiles import read_model_config
 from qconv.kv.store import EXACT_DTYPE
 from qconv.kv.schemes import GPU_RUNTIME, NO_GPU_RUNTIME, get_kv_scheme
 from qconv.recipes.recipe import Profile, Recipe, load_recipe
@@ -75,7 +75,7 @@ def weights(folder: Path, config: dict, recipe: Recipe, art: Artifact | None = N
     config + recipe (qconv.convert.layout, tensor shapes only: no weights are loaded)."""
     if art is not None:
         m = art.manifest
-        total = sum(f["size"] for n, f in m.files.items() if n.endswith(".safetensors"))
+        total = sum(f.size for n, f in m.files.items() if n.endswith(".safetensors"))
         modules, source = m.modules, "manifest"
     else:
         p = plan_model(folder, config, recipe)
@@ -168,7 +168,7 @@ def plan_fit(model: str | Path, *, card: str = "3090", card_gib: float | None = 
     if not (folder / "config.json").is_file():
         raise QconvError(f"no config.json in {folder}", where="MODEL_OR_ARTIFACT",
                          fix="pass a model folder, an artifact folder or a config-only folder")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_model_config(folder)
     art = Artifact.find(folder)
     rec = load_recipe(recipe) if recipe else art.require_recipe() if art is not None else load_recipe("3090")
     if card_gib is None:

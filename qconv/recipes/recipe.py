@@ -12,12 +12,13 @@ import yaml
 
 from qconv.errors import QconvError
 from qconv.fsutil import sha256_json
-from qconv.recipes.schema import from_dict, to_dict
+from qconv.recipes.schema import from_dict, shorten, to_dict
 
 # Roles a recipe assigns schemes to. Fused groups are one role: vLLM fuses them into one layer with one scheme.
 ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_ab", "gdn_out",
          "embed", "lm_head", "mtp", "vision")
 KEEP = "bf16"  # the scheme name meaning "leave in the source dtype"
+RECIPE_CAP = 1 << 20  # bytes; a recipe is a few KB
 KV_SCHEMES = ("bf16", "fp8_e4m3", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64",
               "kvarn_k4v2_g256", "kvarn_k4v4_g256")  # runnable by a profile; qconv.kv.schemes builds them from here
 
@@ -39,6 +40,12 @@ class QuantArgs:
 class Scheme:
     weights: QuantArgs
     activations: QuantArgs | None = None
+
+    def validate(self):
+        if not self.weights.symmetric and (self.weights.bits != 4 or self.activations is not None):
+            yield "weights.symmetric", ("zero points (symmetric: false) are for int4 weight-only schemes: vLLM 0.32 "
+                                        "runs them as uint4 (Marlin on GPUs, CPUWNA16 on CPU) and has no kernel for "
+                                        "8-bit or weight+activation zero points; use symmetric: true")
 
     @property
     def label(self) -> str:
@@ -125,6 +132,9 @@ class SelectionRules:
                 yield "candidates", f"unknown role {c!r}; roles: {', '.join(ROLES)}"
 
 
+W4A8_ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_out")
+
+
 @dataclass
 class Card:
     name: str
@@ -141,9 +151,15 @@ class Profile:
     mamba_ssm_cache_dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     language_model_only: bool = True
     max_tokens: int | None = None  # completion cap of a chat request that sends none (None: the server's default)
+    # Roles whose int4 linears take int8 activations (per-token dynamic) when served: W4A8 on Marlin's int8 input
+    # path (CUDA sm80+); the checkpoint stays W4A16, eval/check simulate it on exactly these roles.
+    w4a8: list[str] = field(default_factory=list)
     description: str = ""
 
     def validate(self):
+        for role in self.w4a8:
+            if role not in W4A8_ROLES:
+                yield "w4a8", f"role {role!r} has no int4 linears to run W4A8; roles: {', '.join(W4A8_ROLES)}"
         if self.kv_cache not in KV_SCHEMES:
             yield "kv_cache", f"unknown KV scheme {self.kv_cache!r}; allowed: {', '.join(KV_SCHEMES)}"
         if self.context_length <= 0:
@@ -158,9 +174,22 @@ class Profile:
 
 @dataclass
 class Lookup:
+    """Prompt lookup: alone (method lookup) it drafts up to `max_block` tokens; with a model drafter (hybrid) it
+    stretches the drafter's k tokens to `max_block` once the drafter's whole proposal was accepted
+    `after_saturated` steps running (0: every step)."""
+
     max_block: int = 15
     ngram_max: int = 4
     ngram_min: int = 2
+    after_saturated: int = 0
+
+    def validate(self):
+        if not 0 <= self.max_block <= 15:
+            yield "max_block", f"must be in 0..15, got {self.max_block}"
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            yield "ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}..{self.ngram_max}"
+        if self.after_saturated < 0:
+            yield "after_saturated", f"must be >= 0, got {self.after_saturated}"
 
 
 @dataclass
@@ -247,12 +276,13 @@ class Recipe:
             elif scheme != KEEP and scheme not in self.schemes:
                 yield f"roles.{role}", f"unknown scheme {scheme!r}; defined schemes: {', '.join([KEEP, *self.schemes])}"
         by_label: dict[str, Scheme] = {}
-        for name, sc in self.schemes.items():  # a decision records the label and group size, nothing else
+        for name, sc in self.schemes.items():  # a decision records the label, group size and symmetric, nothing else
             other = by_label.setdefault(sc.label, sc)
             if other is not sc and (other.activations != sc.activations or
-                                    (other.weights.symmetric, other.weights.strategy) != (sc.weights.symmetric, sc.weights.strategy)):
+                                    other.weights.strategy != sc.weights.strategy):
                 yield f"schemes.{name}", (f"shares the label {sc.label} with another scheme but differs in more "
-                                          "than group_size; schemes of one bit width may differ in group_size only")
+                                          "than group_size and symmetric; schemes of one bit width may differ in "
+                                          "those only")
         if self.selection.scheme not in self.schemes:
             yield "selection.scheme", f"unknown scheme {self.selection.scheme!r}; defined: {', '.join(self.schemes)}"
         for step in self.selection.steps:
@@ -297,17 +327,43 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without anchors and aliases: nine nested aliases in a 500-byte file expand to gigabytes once
+    anything walks the value, and no recipe needs them (`extends:` shares settings instead)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise QconvError(f"recipe uses a YAML alias (*{event.anchor}) at line {event.start_mark.line + 1}",
+                             where=self.name, fix="write the value out, or share settings with `extends:`")
+        return super().compose_node(parent, index)
+
+
+def _parse_recipe(text: str, source: str):
+    loader = _NoAliasLoader(text)
+    loader.name = source
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise QconvError(f"recipe is not valid YAML: {shorten(str(e), 300)}", where=source,
+                         fix="fix the YAML syntax") from e
+    except RecursionError as e:
+        raise QconvError("recipe is nested too deeply", where=source, fix="fix the YAML") from e
+    finally:
+        loader.dispose()
+
+
 def _recipe_data(name_or_path: str, chain: tuple[str, ...]) -> tuple[dict, str]:
     text, source = _recipe_text(name_or_path)
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise QconvError(f"recipe is not valid YAML: {e}", where=source, fix="fix the YAML syntax") from e
+    data = _parse_recipe(text, source)
+    if chain and not isinstance(data, dict):
+        raise QconvError(f"`extends:` names {source}, which is not a recipe (a YAML mapping); it holds a "
+                         f"{type(data).__name__}", where=f"{chain[-1]}: extends", fix="name a recipe or a recipe's YAML path")
     if not isinstance(data, dict) or "extends" not in data:
         return data, source
     base = data.pop("extends")
-    if not isinstance(base, (str, int)):
-        raise QconvError(f"bad extends: {base!r}", where=f"{source}: extends", fix="name a recipe or a YAML path")
+    if not isinstance(base, (str, int)) or isinstance(base, bool):
+        raise QconvError(f"bad extends: {shorten(base)}", where=f"{source}: extends", fix="name a recipe or a YAML path")
     base = str(base)
     if base.endswith((".yaml", ".yml")) and not Path(base).is_absolute() and Path(source).is_file():
         base = str(Path(source).parent / base)  # a user's variant names its base relative to itself
@@ -325,7 +381,13 @@ def _recipe_text(name_or_path: str) -> tuple[str, str]:
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
             raise QconvError(f"recipe file not found: {p}", where="--recipe", fix="check the path")
-        text, source = p.read_text(), str(p)
+        if p.stat().st_size > RECIPE_CAP:
+            raise QconvError(f"recipe file is {p.stat().st_size} bytes; a recipe is a few KB", where=str(p),
+                             fix="pass a recipe YAML file")
+        try:
+            text, source = p.read_text(), str(p)
+        except UnicodeDecodeError as e:
+            raise QconvError("recipe is not a text file (not UTF-8)", where=str(p), fix="pass a recipe YAML file") from e
     else:
         res = resources.files("qconv.recipes") / f"{name_or_path}.yaml"
         if not res.is_file():

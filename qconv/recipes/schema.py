@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import reprlib
 import types
 import typing
 from typing import Any, Literal, Union
@@ -13,6 +14,8 @@ from typing import Any, Literal, Union
 from qconv.errors import QconvError
 
 log = logging.getLogger(__name__)
+_REPR = reprlib.Repr()  # Python 3.11's Repr takes no keyword arguments
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
 class SchemaError(QconvError):
@@ -32,6 +35,22 @@ def _type_name(tp) -> str:
     if dataclasses.is_dataclass(tp):
         return f"mapping with keys {[f.name for f in dataclasses.fields(tp)]}"
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def shorten(value: Any, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters: an error never prints an unbounded value (a YAML alias bomb expands to
+    gigabytes)."""
+    try:
+        text = _REPR.repr(value)
+    except (RecursionError, ValueError):  # ValueError: an integer too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _key(k: Any) -> str:
+    """A mapping key as it appears in a key path, cut to 40 characters."""
+    text = str(k) if isinstance(k, str) else shorten(k, 40)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _fail(source: str, path: str, msg: str, fix: str | None = None):
@@ -57,34 +76,34 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
                 errors.append(e)
         if len(errors) == 1:
             raise errors[0]
-        _fail(source, path, f"got {value!r}, expected {_type_name(tp)}")
+        _fail(source, path, f"got {shorten(value)}, expected {_type_name(tp)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
-            _fail(source, path, f"bad value {value!r}; allowed: {', '.join(repr(a) for a in allowed)}",
+            close = difflib.get_close_matches(shorten(value), [str(a) for a in allowed], n=1)
+            _fail(source, path, f"bad value {shorten(value)}; allowed: {', '.join(repr(a) for a in allowed)}",
                   f"did you mean {close[0]!r}?" if close else None)
         return value
     if origin is list:
         if not isinstance(value, list):
-            _fail(source, path, f"expected a list, got {value!r}")
+            _fail(source, path, f"expected a list, got {shorten(value)}")
         (item,) = typing.get_args(tp)
         return [convert(item, v, f"{path}[{i}]", source, strict) for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            _fail(source, path, f"expected a mapping, got {value!r}")
+            _fail(source, path, f"expected a mapping, got {shorten(value)}")
         kt, vt = typing.get_args(tp)
-        return {convert(kt, k, path, source, strict): convert(vt, v, f"{path}.{k}", source, strict)
+        return {convert(kt, k, path, source, strict): convert(vt, v, f"{path}.{_key(k)}", source, strict)
                 for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path, source, strict)
+        return value if isinstance(tp, type) and isinstance(value, tp) else from_dict(tp, value, path, source, strict)
     if tp is bool:
         if not isinstance(value, bool):
-            _fail(source, path, f"expected true/false, got {value!r}")
+            _fail(source, path, f"expected true/false, got {shorten(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            _fail(source, path, f"expected an integer, got {value!r}")
+            _fail(source, path, f"expected an integer, got {shorten(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # PyYAML reads `7.0e9` (no sign in the exponent) as a string
@@ -93,12 +112,18 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(source, path, f"expected a number, got {value!r}")
-        return float(value)
+            _fail(source, path, f"expected a number, got {shorten(value)}")
+        try:
+            return float(value)
+        except OverflowError:
+            _fail(source, path, f"number out of range: {shorten(value)}")
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            _fail(source, path, f"expected a string, got {value!r}")
-        return str(value)
+            _fail(source, path, f"expected a string, got {shorten(value)}")
+        try:
+            return str(value)
+        except ValueError:  # an integer too long to print
+            _fail(source, path, f"expected a string, got {shorten(value)}")
     raise TypeError(f"schema: unsupported type {tp!r} at {path}")
 
 
@@ -106,7 +131,7 @@ def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: 
     """Build dataclass `cls` from a mapping, rejecting unknown keys (strict; else skipping them with a warning, for
     records written by another qconv version) and missing required ones."""
     if not isinstance(data, dict):
-        _fail(source, path, f"expected {_type_name(cls)}, got {data!r}")
+        _fail(source, path, f"expected {_type_name(cls)}, got {shorten(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
@@ -116,9 +141,9 @@ def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: 
         data = {k: v for k, v in data.items() if k in fields}
     elif unknown:
         k = unknown[0]
-        close = difflib.get_close_matches(str(k), list(fields), n=1)
-        where = f"{path}.{k}" if path else str(k)
-        _fail(source, where, f"unknown key {k!r}; allowed keys here: {', '.join(fields)}",
+        close = difflib.get_close_matches(shorten(k), list(fields), n=1)
+        where = f"{path}.{_key(k)}" if path else _key(k)
+        _fail(source, where, f"unknown key {shorten(k)}; allowed keys here: {', '.join(fields)}",
               f"did you mean {close[0]!r}?" if close else "remove it")
     kwargs = {}
     for name, f in fields.items():
@@ -133,6 +158,15 @@ def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: 
         for problem in check() or ():
             _fail(source, f"{path}.{problem[0]}" if path else problem[0], problem[1])
     return obj
+
+
+def coerce_fields(obj, source: str, path: str = "") -> None:
+    """Give each field of dataclass `obj` its declared type, in place: a writer may pass the JSON form (dicts,
+    lists), which is checked here as the reader checks it."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        sub = f"{path}.{f.name}" if path else f.name
+        object.__setattr__(obj, f.name, convert(hints[f.name], getattr(obj, f.name), sub, source))
 
 
 def to_dict(obj) -> Any:

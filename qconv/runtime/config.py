@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from qconv.errors import QconvError
+from qconv.modelfiles import check_weight_files, read_model_config
 
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 QWEN35_FAMILY = ("qwen3_5", "qwen3_5_text")
@@ -61,6 +62,8 @@ def model_dir(path: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise QconvError("not a model folder or qconv artifact (no config.json)", where=str(path),
                          fix="pass the folder written by `qconv build` or an HF model folder")
+    read_model_config(path)  # damaged files are one clear error here, not a traceback from the loader
+    check_weight_files(path)
     return path
 
 

@@ -14,6 +14,7 @@ from click.core import ParameterSource
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
+from qconv.manifest import verify_files
 
 
 def _cuda_gpu() -> bool:
@@ -71,6 +72,10 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     else:
         runtime = runtimes.find_runtime()
     art = Artifact.find(path)  # opened once (a plain folder: None), for the backend choice and the server
+    if art is not None and not print_command:  # the bytes qconv.json promises, or no serving
+        from qconv.hub.verify import VerifyReport
+
+        VerifyReport(path, art.manifest, verify_files(path, art.manifest)).raise_for_problems()
     if backend == "auto":  # what it needs of vLLM under which profile (a plain folder: nothing)
         requires, pname = (art.requires, profile or art.default_profile) if art else ([], profile or "")
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
@@ -94,7 +99,8 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
                               max_num_seqs=max_batch, python=python, extra_args=list(vllm_args),
                               platform=runtime.device if runtime else None, spec_tokens=spec_tokens)
     if print_command:
-        click.echo(shlex.join(vllm.build_command(src, profile, opts)))
+        env, _ = vllm.profile_env(src, profile, opts.platform)
+        click.echo(shlex.join([f"{k}={v}" for k, v in env.items()] + vllm.build_command(src, profile, opts)))
         return
     info = vllm_probe.probe_vllm(python)
     opts.platform = info.platform
@@ -104,8 +110,11 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
                    err=True)
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version)
-    click.echo(f"starting: {shlex.join(argv)}", err=True)
-    rc = vllm.run_vllm(argv, host, port, api_key=api_key)
+    env, note = vllm.profile_env(src, profile, info.platform)
+    if note:
+        click.echo(note, err=True)
+    click.echo(f"starting: {shlex.join([f'{k}={v}' for k, v in env.items()] + argv)}", err=True)
+    rc = vllm.run_vllm(argv, host, port, api_key=api_key, env=env)
     if rc:
         sys.exit(rc)
 

@@ -3,7 +3,6 @@ thread and uvicorn."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +10,7 @@ from types import EllipsisType
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
+from qconv.modelfiles import read_model_config
 from qconv.recipes.recipe import Speculative
 from qconv.runtime.config import model_dir
 from qconv.runtime.spec import SpecConfig
@@ -44,7 +44,7 @@ class NativePlan:
 def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> NativePlan:
     """Context, runtime KV scheme and speculation from the artifact's manifest when it has one (`art`: the
     artifact the caller opened already, None for a plain folder; `...`: open it here)."""
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_model_config(path)
     max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
     plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
     if art is ...:
@@ -64,15 +64,18 @@ def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | Ellipsis
 
 
 def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...):
-    """(FastAPI app, started Scheduler) for the model at `path`, loaded in float32."""
-    from qconv.runtime.loader import load_model, load_tokenizer
+    """(FastAPI app, started Scheduler) for the model at `path`, loaded as `qconv generate` loads it (bf16 with the
+    CPU int kernels for an artifact where torch has them)."""
+    from qconv.runtime.loader import describe_runtime, load_for_runtime, load_tokenizer
     from qconv.serve.scheduler import Scheduler
     from qconv.serve.server import ServerConfig, create_app
 
     path = model_dir(path)
     plan = native_plan(path, opts, art)
     tok = load_tokenizer(path)
-    model = load_model(path)
+    model = load_for_runtime(path)
+    log.warning("native engine: %s, %d slots x %d tokens, KV %s", describe_runtime(model), opts.max_batch,
+                plan.context_len, plan.kv_scheme)
     plan.spec = plan.spec.for_model(model)
     sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
                       max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec=plan.spec).start()

@@ -42,6 +42,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     logprobs: bool | int | None = None  # not supported: refused rather than silently ignored
+    logit_bias: dict[str, float] | None = None  # not supported: refused (a non-empty one) rather than ignored
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -163,7 +163,7 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                            param="model", code="model_not_found")
         if body.n != 1:
             raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
-        for field in ("logprobs", "echo"):
+        for field in ("logprobs", "echo", "logit_bias"):
             if getattr(body, field, None):
                 raise APIError(400, f"{field} is not supported by this server", param=field, code="unsupported_value")
         if not prompt_ids:

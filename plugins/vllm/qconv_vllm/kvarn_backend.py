@@ -8,8 +8,8 @@ per-layer staging buffer indexed by a sequence slot (`SlotTable`), outside the p
 
 Attention is the decode form: a query at position i reads token j from its quantized tile once that tile closed at
 or before i, from the fp16 copy otherwise, so a prompt's logits are what token-by-token decoding would give.
-This module is the torch path (vLLM's CPU backend has no Triton); on CUDA the same layout is read by
-`qconv_vllm.kvarn_triton`. Gated-DeltaNet layers keep their own state: only attention layers come here."""
+This module is the torch path (vLLM's CPU backend has no Triton); on CUDA, tiles are encoded and dequantized by
+`qconv_vllm.kvarn_triton` and a batch of single-token decodes is one split-K Triton kernel. Gated-DeltaNet layers keep their own state: only attention layers come here."""
 
 from __future__ import annotations
 
@@ -143,6 +143,7 @@ class KVarNAttentionImpl:
         k_all = key[:m.num_actual_tokens].view(-1, hk, d)
         v_all = value[:m.num_actual_tokens].view(-1, hk, d)
         out = output[:m.num_actual_tokens].view(-1, h, d)
+        decode_only = query.is_cuda and all(b - a == 1 for a, b in zip(m.query_start, m.query_start[1:]))
         for i, slot in enumerate(m.slots):
             q0, q1 = m.query_start[i], m.query_start[i + 1]
             if q1 == q0:
@@ -152,8 +153,31 @@ class KVarNAttentionImpl:
             if m.fresh[i]:
                 stage[slot].zero_()
             exact = self._write(stage[slot], pool, blocks, start, m.written_before[i], k_all[q0:q1], v_all[q0:q1])
-            out[q0:q1] = self._attend(stage[slot], pool, blocks, start, length, q_all[q0:q1], exact).to(out.dtype)
+            if not decode_only:
+                out[q0:q1] = self._attend(stage[slot], pool, blocks, start, length, q_all[q0:q1],
+                                          exact).to(out.dtype)
+        if decode_only and m.slots:
+            out[:len(m.slots)] = self._decode_cuda(stage, pool, m, q_all[:len(m.slots)])
         return output
+
+    def _decode_cuda(self, stage, pool, m: KVarNMetadata, q):
+        """A batch of single-token decodes on CUDA: one split-K Triton kernel over every sequence's cache."""
+        from qconv_vllm.kvarn_triton import decode_attention
+
+        g, dev = self.codec.tile, q.device
+        lens = torch.tensor(m.seq_lens, device=dev)
+        sink = lens.clamp(max=g)
+        closed = (lens // g - 1).clamp(min=0)
+        st = stage[torch.tensor(m.slots, device=dev)][:, [SINK, CUR]]  # [B, 2, 2 (k, v), hk, G, D]
+        return decode_attention(q, pool, m.block_table, closed, st[:, :, 0], st[:, :, 1], sink,
+                                lens - sink - closed * g, self.codec.k_bits, self.codec.v_bits, g, self.scale)
+
+    def _encode(self, k, v):
+        if k.is_cuda:
+            from qconv_vllm.kvarn_triton import encode_tiles
+
+            return encode_tiles(k, v, self.codec.k_bits, self.codec.v_bits)
+        return self.codec.encode(k, v)
 
     def _write(self, st, pool, blocks, start, written, k, v):
         """Stage the new tokens (positions start..), quantize every tile they close into its block; returns the
@@ -175,12 +199,21 @@ class KVarNAttentionImpl:
         n_full = exact.shape[2] // g
         if n_full:
             tiles = exact[:, :, :n_full * g].unflatten(2, (n_full, g)).permute(0, 2, 1, 3, 4)  # [2, n, hk, G, D]
-            rec = self.codec.encode(tiles[0].flatten(0, 1), tiles[1].flatten(0, 1))
+            rec = self._encode(tiles[0].flatten(0, 1), tiles[1].flatten(0, 1))
             pool[blocks[t0:t0 + n_full].long()] = rec.view(n_full, self.num_kv_heads, -1)
             st[LAST] = tiles[:, -1]
         rest = exact.shape[2] - n_full * g
         st[CUR, :, :, :rest] = exact[:, :, n_full * g:]
         return exact
+
+    def _dequant(self, rec):
+        if rec.is_cuda:
+            from qconv_vllm.kvarn_triton import dequant_tiles
+
+            k, v = dequant_tiles(rec.flatten(0, 1), self.head_size, self.codec.tile, self.codec.k_bits,
+                                 self.codec.v_bits)
+            return k.unflatten(0, rec.shape[:2]), v.unflatten(0, rec.shape[:2])
+        return self.codec.decode(rec)
 
     def _attend(self, st, pool, blocks, start, length, q, exact):
         """Decode-form attention of queries at positions start..length-1 -> [T, heads, D] float32."""
@@ -191,7 +224,7 @@ class KVarNAttentionImpl:
         kind.append(torch.zeros(min(length, g), dtype=torch.long, device=dev))  # 0 sink, 1 quantized, 2 exact
         closed = max(0, length // g - 1)  # tiles 1..closed are records
         if closed:
-            kq, vq = self.codec.decode(pool[blocks[1:closed + 1].long()])  # [closed, hk, G, D]
+            kq, vq = self._dequant(pool[blocks[1:closed + 1].long()])  # [closed, hk, G, D]
             parts_k.append(kq.transpose(0, 1).flatten(1, 2))
             parts_v.append(vq.transpose(0, 1).flatten(1, 2))
             pos.append(torch.arange(g, (closed + 1) * g, device=dev))

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from qconv_vllm import KVARN_PRESETS as PRESETS  # noqa: F401  (one list, in the package root; re-exported)
+
 PRESET = re.compile(r"^kvarn_k(?P<k>[248])v(?P<v>[248])_g(?P<g>64|128|256)$")
-from qconv_vllm import KVARN_PRESETS as PRESETS  # noqa: E402, F401  (one list, in the package root; re-exported)
 ITERS = 8
 STD_CLAMP, LOG_CLAMP = (1e-3, 1e3), (-0.3, 10.0)
 FP16_MAX = 65504.0
+MIN_GAIN = 1 - 1e-4  # qconv.kv.kvarn.MIN_GAIN: a new best iterate must lower the imbalance by 0.01%
 
 
 @functools.lru_cache(maxsize=8)
@@ -120,7 +122,8 @@ def _std_rows(x: torch.Tensor, x2: torch.Tensor, w: torch.Tensor) -> torch.Tenso
 
 def _balance(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Column (u) and row (v) log-scales evening out x [N, R, C]; the iterate of least imbalance
-    max/min(col std) + max/min(row std) wins, the unscaled tile included (the last iterate need not be best)."""
+    max/min(col std) + max/min(row std) wins by at least 0.01%, the unscaled tile included (the last iterate need
+    not be best; near-equal ones would be told apart by summation order only)."""
     lo, hi = STD_CLAMP
     xt = x.transpose(-1, -2).contiguous()
     x2, xt2 = x * x, xt * xt
@@ -137,7 +140,7 @@ def _balance(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         row = (raw * torch.exp(-v)).clamp_(lo, hi)
         col = (_std_rows(x, x2, torch.exp(-v)) * torch.exp(-u)).clamp_(lo, hi)
         now = spread(col, row)
-        win = now < keep
+        win = now < keep * MIN_GAIN
         keep = torch.where(win, now, keep)
         keep_u = torch.where(win.unsqueeze(-1), u, keep_u)
         keep_v = torch.where(win.unsqueeze(-1), v, keep_v)

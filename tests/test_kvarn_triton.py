@@ -1,0 +1,214 @@
+"""The KVarN Triton kernels of the vLLM plugin against qconv.kv's codec, on this CPU under TRITON_INTERPRET=1.
+
+Encode: the kernel follows kvarn.py op by op, but its sums run in numpy's order, not torch's BLAS order, and numpy's
+exp/log are not torch's. Measured (random and SmolLM2 tiles, D 64/128/256, G 64/128, k4v2/k4v4): every code equal;
+fp16 scales equal except a few 1-ulp differences at D=256 (about 0.1-0.3% of that tile's scales). The test asserts
+exactly that: codes equal, scales within 1 fp16 ulp, at most 1% of them differing. Decode attention: against softmax
+attention in fp32 over TileScheme.decode's K/V, max abs difference measured below 2e-6 with unit-scale values;
+asserted at 1e-4. On CUDA the same comparisons run in bench/gpu_kvarn.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
+pytest.importorskip("triton", reason="triton is not installed in this environment (pip install triton==3.9.0)")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "plugins" / "vllm"))
+from qconv.kv.kvarn import kvarn  # noqa: E402
+from qconv.kv.packing import bytes_fp16, unpack_bits  # noqa: E402
+from qconv_vllm import kvarn_triton as kt  # noqa: E402  (imports neither vLLM nor qconv)
+
+ATTN_TOL = 1e-4
+CASES = [(64, 64, 4, 2), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 2), (256, 64, 4, 2), (256, 128, 4, 4)]
+
+
+def _tiles(n: int, g: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tiles with outlier channels and a token offset (what the rotation and balancing are for)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, g, d, generator=gen) * (0.2 + 4 * torch.rand(1, 1, d, generator=gen) ** 4) + 0.5
+    v = torch.randn(n, g, d, generator=gen) * (0.5 + torch.rand(n, g, 1, generator=gen))
+    return k.half(), v.half()
+
+
+def assert_records_match(rec: torch.Tensor, ref: torch.Tensor, d: int, g: int, kb: int, vb: int) -> dict:
+    """Codes equal but for rare one-step flips (at most 1 in 10^4), fp16 scales equal or 1 ulp apart on at most 1%
+    of them. Returns the measured rates of difference per field."""
+    scheme = kvarn(kb, vb, g)
+    assert rec.shape == ref.shape and rec.dtype == torch.uint8
+    got, want = scheme.layout(d).split(rec), scheme.layout(d).split(ref)
+    stats = {"bytes_equal": float((rec == ref).float().mean())}
+    for name in want:
+        if name.endswith("codes"):
+            bits = kb if name[0] == "k" else vb
+            diff = unpack_bits(got[name], bits).int() - unpack_bits(want[name], bits).int()
+            assert int(diff.abs().max()) <= 1, f"{name}: a code differs by more than one step (D={d} G={g})"
+            stats[name] = float((diff != 0).float().mean())
+            assert stats[name] <= 1e-4, (name, stats)
+        else:
+            a, b = got[name].contiguous().view(torch.int16).int(), want[name].contiguous().view(torch.int16).int()
+            assert int((a - b).abs().max()) <= 1, f"{name}: a scale differs by more than 1 fp16 ulp"
+            stats[name] = float((a != b).float().mean())
+            assert stats[name] <= 0.01, (name, stats)
+            assert torch.isfinite(bytes_fp16(got[name])).all()
+    return stats
+
+
+@pytest.mark.parametrize("d,g,kb,vb", CASES)
+def test_encode_matches_qconv_records_random(d, g, kb, vb):
+    k, v = _tiles(2, g, d, seed=d + g + vb)
+    rec = kt.encode_tiles(k, v, kb, vb)
+    assert_records_match(rec, kvarn(kb, vb, g).encode(k.float(), v.float()), d, g, kb, vb)
+
+
+@pytest.mark.parametrize("d,g,kb,vb", [(64, 64, 4, 2), (128, 128, 4, 4), (256, 128, 4, 2)])
+def test_dequant_matches_qconv_decode(d, g, kb, vb):
+    k, v = _tiles(2, g, d, seed=7)
+    scheme = kvarn(kb, vb, g)
+    rec = scheme.encode(k.float(), v.float())
+    ref_k, ref_v = scheme.decode(rec, d)
+    got_k, got_v = kt.dequant_tiles(rec, d, g, kb, vb)
+    assert (got_k - ref_k).abs().max() < 1e-5 * ref_k.abs().max()
+    assert (got_v - ref_v).abs().max() < 1e-5 * ref_v.abs().max()
+
+
+def test_record_bytes_are_the_layout_not_a_power_of_two():
+    rb = kt.record_bytes(256, 128, 4, 4)
+    assert rb == kvarn(4, 4, 128).record_bytes(256) == 35_072  # 32,768 B of codes + 2,304 B of fp16 scales
+    assert rb & (rb - 1)  # not a power of two (the fp8-priced padding bug elsewhere)
+    assert rb < 128 * 2 * 256  # fp8 K+V bytes of one tile of one head
+    for d, g, kb, vb in CASES:
+        assert kt.record_bytes(d, g, kb, vb) == kvarn(kb, vb, g).record_bytes(d)
+
+
+def _reference_attention(q, pool, table, n_closed, stage_k, stage_v, sink, cur, kb, vb, g, scale):
+    """fp32 softmax attention over [sink | TileScheme.decode of the closed tiles | tile being filled]."""
+    scheme, out = kvarn(kb, vb, g), []
+    hq, d, hkv = q.shape[1], q.shape[2], pool.shape[1]
+    for b in range(q.shape[0]):
+        ks, vs = [stage_k[b, 0, :, : int(sink[b])].float()], [stage_v[b, 0, :, : int(sink[b])].float()]
+        if n_closed[b]:
+            recs = pool[table[b, 1 : 1 + int(n_closed[b])].long()]  # [n, Hkv, RB]
+            tk, tv = scheme.decode(recs.transpose(0, 1), d)  # [Hkv, n, G, D]
+            ks, vs = ks + [tk.flatten(1, 2)], vs + [tv.flatten(1, 2)]
+        ks.append(stage_k[b, 1, :, : int(cur[b])].float())
+        vs.append(stage_v[b, 1, :, : int(cur[b])].float())
+        kk, vv = torch.cat(ks, 1).repeat_interleave(hq // hkv, 0), torch.cat(vs, 1).repeat_interleave(hq // hkv, 0)
+        p = torch.softmax((q[b].float().unsqueeze(1) @ kk.transpose(1, 2)).squeeze(1) * scale, -1)
+        out.append((p.unsqueeze(1) @ vv).squeeze(1))
+    return torch.stack(out)
+
+
+def _cache(n_closed: list[int], cur: list[int], hq: int, hkv: int, d: int, g: int, kb: int, vb: int, seed: int):
+    """A pool with shuffled blocks (and unused ones), a block table wider than needed, sink + current stages."""
+    gen = torch.Generator().manual_seed(seed)
+    bsz, total = len(n_closed), sum(n_closed)
+    k, v = _tiles(max(total, 1) * hkv, g, d, seed)
+    recs = kvarn(kb, vb, g).encode(k.float(), v.float()).view(max(total, 1), hkv, -1)
+    pool = torch.zeros(total + 3, hkv, recs.shape[-1], dtype=torch.uint8)
+    perm = torch.randperm(total + 3, generator=gen)[:total]
+    pool[perm] = recs[:total]
+    table = torch.full((bsz, max(n_closed) + 3), 10**6, dtype=torch.int32)  # unused slots point nowhere
+    for b, off in enumerate(torch.tensor([0] + n_closed).cumsum(0)[:-1].tolist()):
+        table[b, 1 : 1 + n_closed[b]] = perm[off : off + n_closed[b]].int()
+    sk, sv = _tiles(bsz * 2 * hkv, g, d, seed + 1)
+    sink = torch.tensor([g if n or c else max(c, 1) for n, c in zip(n_closed, cur)], dtype=torch.int32)
+    q = torch.randn(bsz, hq, d, generator=gen).half()
+    return (
+        q,
+        pool,
+        table,
+        torch.tensor(n_closed, dtype=torch.int32),
+        sk.view(bsz, 2, hkv, g, d),
+        sv.view(bsz, 2, hkv, g, d),
+        sink,
+        torch.tensor(cur, dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize(
+    "d,g,kb,vb,hq,hkv,splits",
+    [(64, 64, 4, 2, 4, 2, 2), (128, 64, 4, 4, 2, 1, None), (256, 128, 4, 2, 3, 1, 3), (64, 128, 4, 4, 6, 2, 1)],
+)
+def test_decode_attention_matches_reference(d, g, kb, vb, hq, hkv, splits):
+    # sequences: n_closed 0 with a short sink, partial current tiles at 0, mid and G-1 tokens
+    args = _cache([0, 3, 1, 2], [0, g // 2, g - 1, 5], hq, hkv, d, g, kb, vb, seed=d + g)
+    args[6][0] = 7  # sequence 0: only 7 sink tokens
+    out = kt.decode_attention(*args, kb, vb, g, d**-0.5, num_splits=splits)
+    ref = _reference_attention(*args, kb, vb, g, d**-0.5)
+    assert out.shape == ref.shape and out.dtype == torch.float16
+    err = float((out.float() - ref).abs().max())
+    assert err < ATTN_TOL + 1e-3 * float(ref.abs().max()), err  # fp16 output: half an ulp at |out| ~ 1 is 5e-4
+    out32 = kt.decode_attention(args[0].float(), *args[1:], kb, vb, g, d**-0.5, num_splits=splits)
+    assert float((out32 - ref).abs().max()) < ATTN_TOL
+
+
+def test_decode_attention_long_context_many_splits():
+    """64 closed tiles over 8 splits (and 24 splits, most of them past the sequence's end): no NaN, same result."""
+    d, g = 64, 64
+    args = _cache([64, 0], [17, 0], 2, 1, d, g, 4, 2, seed=3)
+    ref = _reference_attention(*args, 4, 2, g, d**-0.5)
+    for splits in (8, 24):
+        out = kt.decode_attention(args[0].float(), *args[1:], 4, 2, g, d**-0.5, num_splits=splits)
+        assert torch.isfinite(out).all()
+        assert float((out - ref).abs().max()) < ATTN_TOL
+
+
+def test_decode_attention_rejects_a_wrong_pool():
+    args = list(_cache([1], [3], 2, 1, 64, 64, 4, 2, seed=0))
+    args[1] = args[1][..., :-8]
+    with pytest.raises(ValueError, match="pool must be uint8"):
+        kt.decode_attention(*args, 4, 2, 64, 0.125)
+
+
+def _smollm2_kv(smollm2: Path, text: str, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Post-RoPE K and V of every layer of SmolLM2 (head_dim 64) over `tokens` tokens: [Hkv, T, 64] each."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"][:tokens]])
+    with torch.inference_mode():
+        cache = model(input_ids=ids, use_cache=True).past_key_values
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+@pytest.mark.slow
+def test_encode_matches_qconv_records_on_smollm2_kv(smollm2, shared_data, one_thread):
+    """Real K/V: SmolLM2's layers at D=64; at D=128/256 each KV head's channels of 2/4 consecutive layers are
+    concatenated (real values and outlier channels, though no model has exactly that head)."""
+    text = (shared_data / "wikitext-2-raw-test.txt").read_text()[100_000:120_000]
+    kv = _smollm2_kv(smollm2, text, 256)
+    rates = {}
+    for d, g, kb, vb, first in [
+        (64, 64, 4, 2, 0),
+        (64, 64, 4, 4, len(kv) - 1),
+        (128, 128, 4, 4, 14),
+        (256, 128, 4, 4, 4),
+        (256, 64, 4, 2, len(kv) - 4),
+    ]:
+        k, v = (torch.cat([kv[i][j] for i in range(first, first + d // 64)], -1).half() for j in (0, 1))
+        k, v = (x.unflatten(1, (-1, g)).flatten(0, 1) for x in (k, v))  # [Hkv * T/g, g, d]
+        rec = kt.encode_tiles(k, v, kb, vb)
+        rates[(d, g, first)] = assert_records_match(rec, kvarn(kb, vb, g).encode(k.float(), v.float()), d, g, kb, vb)
+    print("SmolLM2 K/V, per (D, G, first layer):", rates)
+
+
+def test_gpu_bench_without_cuda_says_so():
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_kvarn.py")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert r.returncode == 2, r.stderr
+    line = json.loads(r.stdout.strip().splitlines()[-1])
+    assert line["bench"] == "gpu_kvarn" and "no CUDA" in line["error"]

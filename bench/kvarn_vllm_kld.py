@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+import torch
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the logits hook lives in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -35,7 +37,6 @@ def windows(art: str, text: str, n_tokens: int, window: int) -> list[list[int]]:
 
 def score(art: str, kv: str, wins: list[list[int]]) -> torch.Tensor:
     """log-probs [positions, vocab] (float32) of every window position but the last, under KV cache `kv`."""
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -322,9 +322,9 @@ def verify_files(artifact_dir: str | Path, manifest: Manifest) -> list[str]:
 def tool_versions() -> dict[str, str]:
     import importlib.metadata as md
 
-    import qconv
+    from qconv.version import __version__
 
-    out = {"qconv": qconv.__version__, "python": platform.python_version()}
+    out = {"qconv": __version__, "python": platform.python_version()}
     for pkg in ("torch", "transformers", "llmcompressor", "compressed-tensors", "safetensors", "gguf"):
         try:
             out[pkg] = md.version(pkg)

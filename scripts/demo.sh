@@ -3,7 +3,7 @@
 # -> GGUF import -> `qconv build --recipe 3090` -> quality report -> a short generation from the artifact.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh gguf,eval
+bash scripts/setup.sh gguf,eval,serve
 export PATH="$PWD/.venv/bin:$PATH" TOKENIZERS_PARALLELISM=false
 out="${QCONV_DEMO_OUT:-out}"
 gguf="$(python -c 'from qconv.paths import embedded_gguf; print(embedded_gguf())')"

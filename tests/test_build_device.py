@@ -139,3 +139,35 @@ def test_gpu_build_bench_without_cuda_is_one_json_error(tmp_path):
     lines = p.stdout.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in json.loads(lines[0])["error"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_layer_clock_logs_each_layer_and_the_head(caplog):
+    """Each decoder layer's time, the ETA and the device's peak memory as the next layer (or the head) starts,
+    positional or keyword hidden states alike; the lines carry the progress view's note marker."""
+    import logging
+
+    from qconv.convert.device import LayerClock
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+            self.lm_head = torch.nn.Linear(4, 8)
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+    caplog.set_level(logging.INFO, logger="qconv.convert.device")
+    m, x = Model(), torch.zeros(1, 4)
+    clock = LayerClock(m, "cpu")
+    for layer in m.model.layers:
+        x = layer(layer(x))  # two batches through one layer: one tick
+    m.model.layers[2](input=x)
+    m.lm_head(x)
+    clock.close()
+    lines = [r for r in caplog.records if r.name == "qconv.convert.device"]
+    assert [r.getMessage().split(":")[0] for r in lines] == ["layer 1/3", "layer 2/3", "layer 3/3", "lm_head"]
+    assert "eta" in lines[0].getMessage() and "cpu peak RSS" in lines[0].getMessage()
+    assert all(getattr(r, "qconv_note", False) for r in lines)
+    assert not any(mod._forward_pre_hooks for mod in m.modules())  # close() removed the hooks

@@ -20,7 +20,7 @@ from tests.tiny import CORPUS
 
 
 def _logits(folder, ids):
-    from qconv.eval.reference import load_causal_lm
+    from qconv.convert.hfmodel import load_causal_lm
 
     return window_logits(load_causal_lm(folder), ids, 0)
 
@@ -106,7 +106,7 @@ def test_text_errors(tmp_path, tiny_llama):
 
 @pytest.mark.parametrize("family,n_full", [("llama", 2), ("qwen3_5", 2)])
 def test_kv_simulation_reaches_full_attention_layers(tiny_models, family, n_full):
-    from qconv.eval.reference import load_causal_lm
+    from qconv.convert.hfmodel import load_causal_lm
 
     model = load_causal_lm(tiny_models(family))
     ids = list(range(3, 200))

@@ -12,7 +12,7 @@ from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG
 from qconv.manifest import QualityReport, SelectionRecord, read_manifest
 
 QUALITY_KEYS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
-INT8_ROWS = 10
+INT8_ROWS = 5  # the summary's selection rows; all of them are in qconv.json `selection`
 
 
 def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:

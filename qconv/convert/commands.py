@@ -17,11 +17,18 @@ def convert():
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["bfloat16", "float16", "float32"]))
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
-def convert_gguf(gguf_file, out, dtype, force):
+@click.option("-v", "--verbose", is_flag=True, help="Show the libraries' output (progress bars, logs) as it comes.")
+def convert_gguf(gguf_file, out, dtype, force, verbose):
     """Import a GGUF file into a Hugging Face safetensors folder with its tokenizer."""
+    import logging
+
+    from qconv import progress
     from qconv.convert.gguf import import_gguf
 
-    import_gguf(gguf_file, out, dtype=dtype, force=force)
+    with progress.JobView(verbose=verbose):  # one stage line; transformers' bars and warnings stay off the terminal
+        logging.getLogger(__name__).info(f"gguf import: {Path(gguf_file).name} -> {dtype}",
+                                         extra={**progress.stage("gguf import"), **progress.SHOW})
+        import_gguf(gguf_file, out, dtype=dtype, force=force)
     click.echo(str(out))
 
 

@@ -132,19 +132,20 @@ class LayerClock:
 
         self.device, self.times, self.current, self.t0 = device, [], None, 0.0
         found = [(int(m.group(2)), mod) for name, mod in model.named_modules()
-                 if (m := re.search(r"(^|\.)layers\.(\d+)$", name)) and not name.startswith(("mtp", "model.visual"))
+                 if (m := re.search(r"(^|\.)layers\.(\d+)$", name)) and not name.startswith("mtp")
                  and "visual" not in name]
         self.n = len(found)
-        self.handles = [mod.register_forward_pre_hook(self._hook(i)) for i, mod in found]
+        self.handles = [mod.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, mod in found]
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is not None:
-            self.handles.append(head.register_forward_pre_hook(self._hook(self.n)))
+            self.handles.append(head.register_forward_pre_hook(self._hook(self.n), with_kwargs=True))
 
     def _hook(self, i: int):
-        def pre(module, args):
+        def pre(module, args, kwargs):
             import torch
 
-            if args and isinstance(args[0], torch.Tensor) and type(args[0]) is torch.Tensor and i != self.current:
+            x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
+            if type(x) is torch.Tensor and i != self.current:  # a real forward, not a tracing proxy
                 self.tick(i)
         return pre
 

@@ -62,6 +62,10 @@ def import_gguf(gguf_file: str | Path, out: str | Path, *, dtype: str = "bfloat1
         if name in special and special[name] < len(vocab):
             setattr(tok, f"{name}_token", vocab[special[name]])
             setattr(model.config, f"{name}_token_id", special[name])
+    # transformers' GGUF tokenizer says clean_up_tokenization_spaces=True, which it then ignores for a BPE tokenizer
+    # with a warning on every load (the cleanup would strip spaces before punctuation): record what it does.
+    if type(getattr(getattr(tok, "backend_tokenizer", None), "model", None)).__name__ == "BPE":
+        tok.clean_up_tokenization_spaces = False
     gen = GenerationConfig.from_model_config(model.config)
     gen.eos_token_id = model.config.eos_token_id
     gen.pad_token_id = getattr(model.config, "pad_token_id", None)

@@ -94,7 +94,22 @@ def bind_warnings(host: str, api_key: str | None) -> list[str]:
     return []
 
 
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")  # pyproject's `serve` extra, by import name
+
+
+def require_serve_extra() -> None:
+    """qconv's own server needs the `serve` extra; say how to get it, once, instead of an import traceback."""
+    import importlib.util
+
+    missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
+    if missing:
+        raise QconvError(f"qconv's own server needs {', '.join(missing)}, which this environment lacks",
+                         where="qconv serve", fix="pip install 'qconv[serve]' (in a checkout: bash scripts/setup.sh "
+                                                  "gguf,eval,serve)")
+
+
 def run_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> None:
+    require_serve_extra()
     import uvicorn
 
     for w in bind_warnings(opts.host, opts.api_key):

@@ -17,7 +17,7 @@ import typing
 
 import torch
 
-from qconv_vllm.kvarn_codec import PRESETS
+from qconv_vllm import KVARN_PRESETS as PRESETS
 
 BACKEND_MODULE = "qconv_vllm.kvarn_backend"  # one class per preset, named by it
 

@@ -21,7 +21,8 @@ from typing import ClassVar
 
 import torch
 
-from qconv_vllm.kvarn_codec import PRESETS, Codec
+from qconv_vllm import KVARN_PRESETS as PRESETS
+from qconv_vllm.kvarn_codec import Codec
 
 log = logging.getLogger(__name__)
 SINK, CUR, LAST = 0, 1, 2  # staging tiles per slot

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from qconv_vllm import KVARN_PRESETS as PRESETS  # noqa: F401  (one list, in the package root; re-exported)
-
 PRESET = re.compile(r"^kvarn_k(?P<k>[248])v(?P<v>[248])_g(?P<g>64|128|256)$")
 ITERS = 8
 STD_CLAMP, LOG_CLAMP = (1e-3, 1e3), (-0.3, 10.0)

@@ -103,7 +103,7 @@ def main() -> None:
             out["workloads"].setdefault(w, {})[name] = row
             print(json.dumps({w: {name: row}}), file=sys.stderr, flush=True)
         del llm
-    for w, r in out["workloads"].items():
+    for r in out["workloads"].values():
         if r.get("ngram", {}).get("tokens_per_step"):
             r["stretch_over_ngram"] = round(r["stretched"]["tokens_per_step"] / r["ngram"]["tokens_per_step"], 3)
     print(json.dumps(out))

@@ -4,8 +4,9 @@ qconv's own warnings grouped instead of repeated.
 
 The job talks to the view through log records alone, so library code stays free of display code: a record with
 `extra=stage("name")` starts a stage, `extra=total(n)` sizes the current stage's bar, `extra=SHOW` puts an INFO
-line on the console, `extra=note()` puts one beside the bar, and `extra=log_dir(path)` says where the log file belongs (the build's work dir). llmcompressor
-announces each module GPTQ quantizes; those messages advance the bar.
+line on the console, `extra=note()` puts one beside the bar, `extra=log_dir(path)` says where the log file belongs
+(the build's work dir), and `extra=advance(n, where)` moves the bar (convert/stream.py's GPTQ batches do, as
+llmcompressor hands each batch of modules over).
 """
 
 from __future__ import annotations
@@ -24,15 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _STAGE, _REUSED, _TOTAL, _SHOW, _LOG_DIR = "qconv_stage", "qconv_reused", "qconv_total", "qconv_show", "qconv_log_dir"
-_NOW, _NOTE = "qconv_now", "qconv_note"
+_NOW, _NOTE, _ADVANCE, _WHERE = "qconv_now", "qconv_note", "qconv_advance", "qconv_where"
 SHOW = {_SHOW: True}
 LOG_NAME = "build.log"
 PREPARING = "preparing"  # until the job names its first stage; not listed as one
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
-# "Quantizing 1 module(s): ['model.layers.3.mlp.up_proj']" from llmcompressor's GPTQ / quantization modifiers.
-_QUANTIZING = re.compile(r"Quantizing (\d+) module\(s\): \[(.*)\]")
-_LAYER = re.compile(r"layers\.(\d+)\.")
 # A per-module warning: "[plan: ]NAME [OUTxIN]: what is wrong"; grouped by what is wrong.
 _PER_MODULE = re.compile(r"^(?P<prefix>\w+: )?(?P<name>\S+) \[(?P<out>\d+)x(?P<in>\d+)\]: (?P<what>.+)$", re.DOTALL)
 
@@ -43,6 +41,11 @@ def stage(name: str, reused: bool = False) -> dict:
 
 def total(n: int) -> dict:
     return {_TOTAL: n, _SHOW: True}
+
+
+def advance(n: int, note: str = "") -> dict:
+    """`n` more units of the current stage's work done (e.g. modules GPTQ quantized), `note` where it is."""
+    return {_ADVANCE: n, _WHERE: note}
 
 
 def log_dir(path: str | os.PathLike) -> dict:
@@ -254,12 +257,6 @@ class JobView:
         self._log.write(text)
         if self.verbose:
             self._term.write(text)
-        m = _QUANTIZING.search(message.record["message"])
-        if m and self._task is not None:
-            names = re.findall(r"'([^']+)'", m[2])
-            layer = _LAYER.search(names[-1]) if names else None
-            where = f"layer {layer[1]}" if layer else (names[-1] if names else "")
-            self._progress.update(self._task, advance=int(m[1]), note=f"{where} · {self._note}" if self._note else where)
 
     # ---- records -> display ---------------------------------------------------------------------------------
 
@@ -270,6 +267,10 @@ class JobView:
             self._start_stage(getattr(record, _STAGE), getattr(record, _REUSED, False))
         if hasattr(record, _TOTAL) and self._task is not None:
             self._progress.update(self._task, total=getattr(record, _TOTAL), completed=0)
+        if hasattr(record, _ADVANCE) and self._task is not None:
+            where = getattr(record, _WHERE, "")
+            self._progress.update(self._task, advance=getattr(record, _ADVANCE),
+                                  note=f"{where} · {self._note}" if self._note else where)
         if hasattr(record, _NOTE) and self._task is not None:
             self._note = record.getMessage()
             self._progress.update(self._task, note=self._note)

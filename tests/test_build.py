@@ -159,8 +159,8 @@ def test_build_tiny_llama_tied_and_reproducible(tiny_llama, tmp_path, calib_txt)
     index = json.loads((outs[0] / "model.safetensors.index.json").read_text())["weight_map"]
     assert not any(k.startswith("lm_head") for k in index)
     m2 = read_manifest(outs[1])
-    weights = {k: v["sha256"] for k, v in m.files.items() if k.endswith(".safetensors")}
-    assert weights and weights == {k: v["sha256"] for k, v in m2.files.items() if k.endswith(".safetensors")}
+    weights = {k: v.sha256 for k, v in m.files.items() if k.endswith(".safetensors")}
+    assert weights and weights == {k: v.sha256 for k, v in m2.files.items() if k.endswith(".safetensors")}
 
 
 # ---- bad inputs: one clear message, exit 2, nothing left behind -------------------------------------------

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def weight_shas(art: Path) -> dict[str, str]:
     m = read_manifest(art)
-    return {k: v["sha256"] for k, v in m.files.items() if k.endswith(".safetensors")}
+    return {k: v.sha256 for k, v in m.files.items() if k.endswith(".safetensors")}
 
 
 def build_args(model, out, calib, work, *extra):

@@ -182,4 +182,4 @@ def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
     assert 0 < sel["spent_bytes"] <= sel["budget_bytes"]
     r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", tmp_path / "x", "--bpw", "5",
             "--int8-budget", "1MB")
-    assert r.exit_code == 2 and "--bpw and --upgrade-budget" in r.output
+    assert r.exit_code == 2 and "--bpw and --upgrade-budget" in r.output  # --int8-budget: the same option

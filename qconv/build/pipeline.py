@@ -153,10 +153,13 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
                      *key_part(device))
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp, on_device(device), \
-                _calibration_activations(stream, work.root):
-            quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
-                     tied=plan.tied_embeddings, tokenizer=tok, device=device)
+        with work.new_dir("quantization", qkey) as tmp:
+            model = model_loader()
+            names = {mod: name for name, mod in model.named_modules()}  # for the progress bar's note
+            with on_device(device, names), _calibration_activations(stream, work.root):
+                quantize(model, modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
+                         tied=plan.tied_embeddings, tokenizer=tok, device=device)
+            del model, names  # freed with model_box below (a streamed model holds its offload folder until then)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
     offload.close()

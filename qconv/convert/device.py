@@ -111,12 +111,13 @@ def key_part(device: str) -> tuple:
 
 
 @contextlib.contextmanager
-def on_device(device: str):
-    """Quantization on `device`: each layer onloaded there, GPTQ and the MSE observer in row blocks sized for it."""
+def on_device(device: str, names: dict | None = None):
+    """Quantization on `device`: each layer onloaded there, GPTQ and the MSE observer in row blocks sized for it
+    (`names`: module -> its name, for the progress bar's note)."""
     from qconv.convert.stream import row_blocked_gptq, row_blocked_observer
 
     block = gptq_block_bytes(device)
-    with onload_device(device), row_blocked_gptq(block), row_blocked_observer(block):
+    with onload_device(device), row_blocked_gptq(block, names), row_blocked_observer(block):
         log.info("GPTQ row blocks of %.0f MB on %s", block / 2**20, device)
         yield
 

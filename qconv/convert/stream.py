@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import shutil
 from pathlib import Path
 
+from qconv import progress
 from qconv.convert import patches
 from qconv.memory import available_ram, pin_mmap_threshold
 
@@ -24,6 +26,7 @@ MAX_SHARD_SIZE = "512MB"
 # Calibration activations at least this large go to disk in a streamed build (activations_on_disk); the rest (masks,
 # position ids, rotary tables shared by every sample) stay in memory.
 SPILL_MIN_BYTES = 1 << 20
+_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def should_stream(source_bytes: int) -> bool:
@@ -191,7 +194,7 @@ def _rows(t, sl: slice, rows: int):
 
 
 @contextlib.contextmanager
-def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
+def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES, names: dict | None = None):
     """Run llmcompressor's GPTQ on blocks of output rows. GPTQ quantizes each row on its own against the shared
     Hessian (the error of a column is propagated along the row), so blocks of rows give the same weights while the
     float32 work buffers shrink from the whole matrix to one block. The act-order permutation and the factorization
@@ -205,7 +208,8 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
     another 2.5 GB. Here the stack stays in the weight's own dtype and each row block goes to float32 only while
     GPTQ works on it; the result is written back in that dtype, the cast llmcompressor would make anyway (the same
     bits). Its Hessian stack (the accumulated sum, its normalized copy and the stack of those) becomes the sum
-    normalized in place."""
+    normalized in place. Each batch handed over advances the build's progress bar (`names`: module -> its name in
+    the model, for the bar's note)."""
     import torch
 
     whole, prepare = patches.current("gptq_quantize_weight"), patches.current("gptq_prepare_batch")
@@ -247,6 +251,10 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES):
         return weights, losses, fallback
 
     def lean_prepare(batch, batch_qparams, hessians_by_module, samples_by_module):
+        name = (names or {}).get(batch[-1], "")
+        layer = _LAYER.search(name)
+        log.info("GPTQ: %d module(s), %s", len(batch), name or "unnamed",
+                 extra=progress.advance(len(batch), f"layer {layer[1]}" if layer else name))
         stacked = None
         for i, module in enumerate(batch):
             h = hessians_by_module.pop(module)

@@ -1,7 +1,7 @@
 """Quality table on SmolLM2-135M-Instruct: RTN W4, GPTQ W4, the 3090 recipe, llama.cpp Q4_0 and Q4_K_M, all
 measured by the same code (qconv.eval.quality.measure) against the same cached reference.
 
-    .venv/bin/python bench/quality_table.py [--max-tokens 8192] [--window 2048] [--work .cache/eval]
+    .venv/bin/python bench/quality_table.py [--max-tokens 8192] [--window 2048] [--work .cache/eval] [--text FILE]
 
 Group size: 128 where it divides a layer's in_features (down_proj, 1536), else 64 (576-wide inputs). Embeddings
 (tied with lm_head) stay bf16 in the RTN/GPTQ rows; the 3090 row has INT8 embeddings/lm_head. GPTQ and the 3090
@@ -52,11 +52,24 @@ def build_recipe(src: Path, out: Path, recipe: str = "3090", extra: tuple[str, .
     return out if r.returncode == 0 and (out / "qconv.json").is_file() else None
 
 
+def plain_text(path: Path, work: Path) -> Path:
+    """A .jsonl file of records without a `text` field as plain text (each record's strings, one per line)."""
+    if path.suffix != ".jsonl":
+        return path
+    out = work / f"{path.stem}.txt"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out.write_text("\n\n".join("\n".join(v for v in r.values() if isinstance(v, str)) for r in records))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "eval")
+    ap.add_argument("--text", type=Path, default=DATA / "wikitext-2-raw-test.txt",
+                    help="held-out text; a .jsonl file (e.g. gsm8k_test.jsonl) is scored as its records' string "
+                         "fields joined (question, then answer), one record after another")
     ap.add_argument("--rows", default="rtn,gptq,3090,q4_0,q4_k_m")
     ap.add_argument("--recipe-row", action="append", default=[], metavar="NAME=RECIPE[,BUILD_ARG...]",
                     help="an extra row: `qconv build --recipe RECIPE` (a name or YAML path) with these build args, "
@@ -76,13 +89,15 @@ def main() -> None:
     src = cached if (cached / "config.json").is_file() else import_cached(gguf)
     n_params = safetensors_stats(src)[0]
     source = Source(path=src, sha256=sha256_json(source_files(src)), num_parameters=n_params)
-    settings = EvalSettings(text=str(DATA / "wikitext-2-raw-test.txt"), window=args.window,
-                            max_tokens=args.max_tokens)
     w = args.work
     w.mkdir(parents=True, exist_ok=True)
+    settings = EvalSettings(text=str(plain_text(args.text, w)), window=args.window, max_tokens=args.max_tokens)
     makers = {
         "rtn": ("RTN W4A16 sym g128/64", lambda: make_w4_artifact(src, w / "smollm2-rtn-w4", algorithm="rtn")
                 if not (w / "smollm2-rtn-w4" / "qconv.json").is_file() else w / "smollm2-rtn-w4", None),
+        "rtn_zp": ("RTN W4A16 zero points g128/64", lambda: make_w4_artifact(
+            src, w / "smollm2-rtn-zp-w4", algorithm="rtn", symmetric=False)
+            if not (w / "smollm2-rtn-zp-w4" / "qconv.json").is_file() else w / "smollm2-rtn-zp-w4", None),
         "gptq": ("GPTQ W4A16 sym g128/64", lambda: make_w4_artifact(
             src, w / "smollm2-gptq-w4", algorithm="gptq", calib_text=DATA / "tinyshakespeare.txt", samples=32,
             seq_len=512) if not (w / "smollm2-gptq-w4" / "qconv.json").is_file() else w / "smollm2-gptq-w4", None),
@@ -128,8 +143,8 @@ def main() -> None:
     by = {r["row"]: r for r in rows if "error" not in r}
     if "rtn" in by and "gptq" in by:
         print(f"GPTQ mean KLD < RTN mean KLD: {by['gptq']['kld_mean'] < by['rtn']['kld_mean']}")
-    print(json.dumps({"bench": "quality_table", "tokens": args.max_tokens, "window": args.window,
-                      "reference": str(src), "rows": rows}))
+    print(json.dumps({"bench": "quality_table", "text": str(args.text), "tokens": args.max_tokens,
+                      "window": args.window, "reference": str(src), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -103,12 +103,15 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="run our engine on this device (e.g. cuda)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="both engines' dtype (default: the CLI's, float32 for a plain folder)")
+    ap.add_argument("--save-outputs", default=None,
+                    help="write {workload: [[prompt ids, our output ids], ...]} as JSON (bench/spec_replay.py)")
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.ngram.split(","))
     spec = SpecConfig(a.spec, max_block=a.max_block, ngram_min=lo, ngram_max=hi, adaptive=not a.fixed_blocks)
     eos = load_config(a.model).eos_token_ids
     out = {"bench": "runtime_spec", "model": a.model, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "workloads": {}}
+    saved: dict[str, list] = {}
     for w in a.workloads.split(","):
         r, ids, outputs = run_bench(a.model, w, Path(a.data) / FILES[w], prompts=a.prompts,
                                     cfg=GenerationConfig(max_tokens=a.max_tokens, spec=spec), threads=a.threads,
@@ -123,6 +126,9 @@ def main() -> None:
             r["transformers"] = t
             r["tokens_per_step_vs_transformers"] = round(r["ours"]["tokens_per_step"] / t["tokens_per_forward"], 3)
         out["workloads"][w] = r
+        saved[w] = [[p, o] for p, o in zip(ids, outputs)]
+        if a.save_outputs:
+            Path(a.save_outputs).write_text(json.dumps(saved))
         print(json.dumps({w: r}), file=sys.stderr, flush=True)
     print(json.dumps(out))
 

@@ -114,6 +114,7 @@ class ModuleDecision:
     group_size: int | None = None
     shape: list[int] = field(default_factory=list)  # [out_features, in_features]
     note: str = ""
+    symmetric: bool = True  # False: int codes with per-group zero points (the scheme's `symmetric: false`)
 
 
 @dataclass

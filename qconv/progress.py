@@ -4,7 +4,7 @@ qconv's own warnings grouped instead of repeated.
 
 The job talks to the view through log records alone, so library code stays free of display code: a record with
 `extra=stage("name")` starts a stage, `extra=total(n)` sizes the current stage's bar, `extra=SHOW` puts an INFO
-line on the console, and `extra=log_dir(path)` says where the log file belongs (the build's work dir). llmcompressor
+line on the console, `extra=note()` puts one beside the bar, and `extra=log_dir(path)` says where the log file belongs (the build's work dir). llmcompressor
 announces each module GPTQ quantizes; those messages advance the bar.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _STAGE, _REUSED, _TOTAL, _SHOW, _LOG_DIR = "qconv_stage", "qconv_reused", "qconv_total", "qconv_show", "qconv_log_dir"
-_NOW = "qconv_now"
+_NOW, _NOTE = "qconv_now", "qconv_note"
 SHOW = {_SHOW: True}
 LOG_NAME = "build.log"
 PREPARING = "preparing"  # until the job names its first stage; not listed as one
@@ -47,6 +47,11 @@ def total(n: int) -> dict:
 
 def log_dir(path: str | os.PathLike) -> dict:
     return {_LOG_DIR: str(path)}
+
+
+def note() -> dict:
+    """An INFO line (build.log) that also becomes the live bar's note: a layer's time, the ETA, device memory."""
+    return {_NOTE: True}
 
 
 def now() -> dict:
@@ -171,7 +176,7 @@ class JobView:
                                   MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                                   TextColumn("{task.fields[note]}"), console=self.console, transient=True,
                                   redirect_stdout=False, redirect_stderr=False)
-        self._task = None
+        self._task, self._note = None, ""
         self._stage: tuple[str, float, str] | None = None
         try:
             self._setup_logging()
@@ -253,8 +258,8 @@ class JobView:
         if m and self._task is not None:
             names = re.findall(r"'([^']+)'", m[2])
             layer = _LAYER.search(names[-1]) if names else None
-            self._progress.update(self._task, advance=int(m[1]),
-                                  note=f"layer {layer[1]}" if layer else (names[-1] if names else ""))
+            where = f"layer {layer[1]}" if layer else (names[-1] if names else "")
+            self._progress.update(self._task, advance=int(m[1]), note=f"{where} · {self._note}" if self._note else where)
 
     # ---- records -> display ---------------------------------------------------------------------------------
 
@@ -265,6 +270,9 @@ class JobView:
             self._start_stage(getattr(record, _STAGE), getattr(record, _REUSED, False))
         if hasattr(record, _TOTAL) and self._task is not None:
             self._progress.update(self._task, total=getattr(record, _TOTAL), completed=0)
+        if hasattr(record, _NOTE) and self._task is not None:
+            self._note = record.getMessage()
+            self._progress.update(self._task, note=self._note)
         if not record.name.startswith("qconv") or self.verbose:
             return
         if getattr(record, _NOW, False):
@@ -280,7 +288,7 @@ class JobView:
         if self._stage and self._stage[0] == name:
             return
         self._finish_stage()
-        self._stage = (name, time.time(), "reused from the work dir" if reused else "")
+        self._stage, self._note = (name, time.time(), "reused from the work dir" if reused else ""), ""
         self._task = self._progress.add_task(name, total=None, note="")
 
     def _finish_stage(self) -> None:

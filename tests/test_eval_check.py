@@ -191,3 +191,32 @@ def test_eval_against_cached_reference(artifact, evaluated, text_file, tmp_path)
             ([wrong_tok, "--text", text_file, *WINDOW], "other tokens than this text gives")):
         r = qconv("eval", *args, "--reference", cache)
         assert r.exit_code == 2 and msg in r.output, (args, r.output)
+
+
+def test_eval_profile_simulates_w4a8_on_its_roles_and_gates_it(artifact, text_file, tmp_path, tiny_llama):
+    import torch
+
+    from qconv.convert.hfmodel import load_causal_lm
+    from qconv.eval.actsim import act8_simulation, linears_of, quantize_per_token_int8
+
+    x = torch.tensor([[0.5, -1.0, 0.01], [100.0, 1.0, -3.0]])
+    q = quantize_per_token_int8(x)
+    assert torch.allclose(q[0], x[0], atol=1.0 / 127) and q[1, 0] == 100.0  # one scale per token (row)
+    model = load_causal_lm(tiny_llama)
+    names = linears_of(model, ("mlp_gate_up", "mlp_down"))
+    assert names and all(n.split(".")[-1] in ("gate_proj", "up_proj", "down_proj") for n in names)
+    ids = torch.arange(3, 19)[None]
+    with torch.no_grad():
+        plain = model(ids).logits
+        with act8_simulation(model, ("mlp_gate_up", "mlp_down")) as hooked:
+            sim = model(ids).logits
+        assert hooked == len(names) and not torch.equal(plain, sim)
+        assert torch.equal(model(ids).logits, plain)  # hooks removed
+    r = qconv("eval", artifact, "--text", text_file, *WINDOW, "--profile", "batch", "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    a8, w = rep["weights_a8"], rep["weights"]
+    assert a8["kld_mean"] != w["kld_mean"] and rep["settings"]["a8_roles"] == ["mlp_gate_up", "mlp_down"]
+    assert any(v["name"].startswith("weights_a8") for v in rep["verdicts"])
+    bad = CliRunner().invoke(main, ["eval", str(artifact), "--text", str(text_file), *WINDOW, "--profile", "nope"])
+    assert bad.exit_code == 2 and "unknown profile 'nope'" in bad.output

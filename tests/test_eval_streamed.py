@@ -96,7 +96,7 @@ def test_cli_streams_when_the_model_does_not_fit(built, text_file, tmp_path, mon
 
     src, art = built("llama")
     monkeypatch.setenv("QCONV_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(forward, "free_memory", lambda device: 1 << 10)  # 1 KiB free: nothing fits
+    monkeypatch.setattr(forward, "free_bytes", lambda device: 1 << 10)  # 1 KiB free: nothing fits
     args = ["eval", art, "--reference", src, "--text", text_file, "--window", "64", "--max-tokens", "256"]
     r = run(*args, "--out", tmp_path / "auto")
     assert r.exit_code == 0, r.output

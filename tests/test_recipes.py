@@ -37,3 +37,21 @@ def test_every_kvarn_preset_is_a_profile_choice():
     from qconv.recipes.recipe import KV_SCHEMES
 
     assert {n for n in KV_SCHEME_NAMES if n.startswith("kvarn_")} <= set(KV_SCHEMES)
+
+
+def test_speculative_lookup_keys_are_validated(tmp_path):
+    assert load_recipe("3090").speculative.lookup.after_saturated == 2
+    for bad, key in (("after_saturated: -1", "after_saturated"), ("max_block: 16", "max_block"),
+                     ("ngram_min: 5", "ngram_min")):
+        p = tmp_path / "r.yaml"
+        p.write_text(f"extends: \"3090\"\nname: r\nspeculative:\n  lookup:\n    {bad}\n")
+        with pytest.raises(QconvError, match=f"speculative.lookup.{key}"):
+            load_recipe(str(p))
+
+
+def test_batch_profile_names_w4a8_roles(tmp_path):
+    assert load_recipe("3090").profiles["batch"].w4a8 == ["mlp_gate_up", "mlp_down"]
+    p = tmp_path / "r.yaml"
+    p.write_text('extends: "3090"\nname: r\nprofiles:\n  batch: {w4a8: [lm_head]}\n')
+    with pytest.raises(QconvError, match="profiles.batch.w4a8"):
+        load_recipe(str(p))

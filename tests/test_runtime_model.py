@@ -339,3 +339,15 @@ def test_kvarn_store_plugs_into_cache(tiny_qwen3):
     scale = dense.abs().max().item()
     assert 0 < (got - dense).abs().max().item() < 0.25 * scale
     assert (again - got[:, 250:260]).abs().max().item() <= TOL
+
+
+def test_packing_only_where_onednn_runs_bf16(monkeypatch):
+    """An AVX2-only CPU has oneDNN but not its bf16 linear path (the reorder raises): no packing there."""
+    from qconv.runtime import cpu_pack
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not cpu_pack.packing_available(cpu, torch.bfloat16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert cpu_pack.packing_available(cpu, torch.bfloat16) == torch.backends.mkldnn.is_available()
+    assert not cpu_pack.packing_available(cpu, torch.float32)

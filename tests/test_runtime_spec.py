@@ -159,6 +159,19 @@ def test_lookup_longest_most_recent_and_periodic():
     assert PromptLookup(2, 4).propose([4, 1, 2, 3, 1], 3).tokens == []  # single-token matches are below ngram_min
 
 
+def test_lookup_drafts_the_whole_block_on_a_long_verbatim_run():
+    src = list(range(10, 40))
+    seq = [1, 2] + src + [3] + src[:12]  # copying src, 12 tokens in
+    lk = PromptLookup(2, 4, sure=8)
+    assert lk.propose(seq, 2, most=10).tokens == src[12:22]  # run >= 8: the block
+    assert lk.propose(seq, 2).tokens == src[12:14]  # no room given: k
+    short = [1, 2] + src + [3, 7] + src[10:12]  # a 2-token match only
+    assert PromptLookup(2, 4, sure=8).propose(short, 2, most=10).tokens == src[12:14]
+    sp = Speculator(PromptLookup(2, 4, sure=8), DraftLength(most=10, rate=0.0))
+    sp.begin(seq, None, 0, None, seq[-1])
+    assert sp.draft(seq, 6).tokens == src[12:18]  # the EMA says 0, a sure run still drafts (up to the room)
+
+
 def test_draft_length_follows_acceptance():
     dl = DraftLength(most=15)
     for _ in range(20):
@@ -171,6 +184,40 @@ def test_draft_length_follows_acceptance():
         dl.update(15, 0)
     assert 0 < dl() < 15
     assert DraftLength(most=6, adaptive=False)() == 6
+
+
+class FixedHead:
+    """A model drafter that always proposes the same k tokens."""
+
+    needs_hidden = True
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def begin(self, prompt, cache, slot=0):
+        pass
+
+    def observe(self, hidden, next_tokens):
+        pass
+
+    def propose(self, seq, k, most=None):
+        return Draft(self.tokens[:k], [None] * min(k, len(self.tokens)))
+
+
+def test_hybrid_stretches_only_after_the_drafter_saturates():
+    from qconv.runtime.spec import HybridDrafter
+
+    hd = HybridDrafter(FixedHead([7, 8]), PromptLookup(1, 2), after_saturated=2)
+    seq = [1, 7, 8, 5, 6, 1]  # after "1, 7, 8" lookup continues "5, 6, 1, ..."
+    hd.begin(seq, None)
+    assert hd.propose(seq, 6).tokens == [7, 8]  # not saturated yet: the drafter's own tokens
+    hd.observe(None, [7, 8, 5])  # accepted whole
+    assert hd.propose(seq, 6).tokens == [7, 8]
+    hd.observe(None, [7, 8, 5])
+    assert hd.propose(seq, 6).tokens == [7, 8, 5, 6, 1, 7]  # two full acceptances: lookup stretches the block
+    hd.observe(None, [7, 3])  # the drafter's second token was rejected: back to its own block
+    assert hd.propose(seq, 6).tokens == [7, 8]
+    assert HybridDrafter(FixedHead([7, 8]), PromptLookup(1, 2)).propose(seq, 6).tokens == [7, 8, 5, 6, 1, 7]
 
 
 def test_speculator_probes_when_it_drafts_nothing():
@@ -188,6 +235,8 @@ def test_spec_config_from_the_artifact_block():
     block = Speculative("hybrid", 4, Lookup(max_block=15, ngram_max=4, ngram_min=2))
     sc = SpecConfig.from_manifest(block)
     assert (sc.method, sc.k, sc.max_block, sc.ngram_min, sc.ngram_max) == ("hybrid", 4, 15, 2, 4)
+    stretched = Speculative("hybrid", 4, Lookup(max_block=15, after_saturated=2))
+    assert SpecConfig.from_manifest(stretched).after_saturated == 2
     assert SpecConfig.from_manifest(block, tokens=0).method == "none"
     lk = SpecConfig.from_manifest(Speculative("lookup", 4, Lookup(max_block=8)), 6)
     assert (lk.method, lk.max_block) == ("lookup", 6)
@@ -250,8 +299,8 @@ TOY_PROMPTS = [[(3 * i + j * j) % 10 + 2 for j in range(6 + i % 5)] * (1 + i % 3
 @pytest.mark.parametrize("method", ["lookup", "mtp", "hybrid"])
 def test_toy_greedy_speculative_equals_plain(method):
     model = ToyModel()
-    for adaptive in (True, False):
-        cfg = GenerationConfig(max_tokens=40, spec=SpecConfig(method, adaptive=adaptive))
+    for adaptive, after in ((True, 0), (False, 0), (False, 2)):
+        cfg = GenerationConfig(max_tokens=40, spec=SpecConfig(method, adaptive=adaptive, after_saturated=after))
         for prompt in TOY_PROMPTS:
             stats = GenerationStats()
             out = list(generate_tokens(model, prompt, cfg, stats))
@@ -338,7 +387,7 @@ class OracleDrafter:
     def observe(self, hidden, next_tokens):
         pass
 
-    def propose(self, seq, k):
+    def propose(self, seq, k, most=None):
         done = len(seq) - self.start
         toks = list(self.ref[done:done + min(k, 6)])
         self.calls += 1
@@ -494,3 +543,24 @@ def test_transformers_drafter_replay_reproduces_its_real_run(tiny_llama, one_thr
     replay = transformers_lookup_replay(prompts, outputs, 24, 15, eos)
     assert real["new_tokens"] == replay["new_tokens"] == sum(map(len, outputs))
     assert replay["tokens_per_forward"] == real["tokens_per_forward"] > 1.5, (real, replay)
+
+
+def test_spec_replay_on_saved_copy_output(tmp_path):
+    """bench/spec_replay.py on a copied passage: the stretch beats plain k-token lookup, fixed blocks reach long
+    runs, and the numbers are real ratios of steps."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = [(7 * i * i + 3 * i) % 97 + 3 for i in range(90)]
+    prompt = [1] + src + [2, 9]
+    rows = {"copy": [[prompt, src[:80]]]}
+    f = tmp_path / "outs.json"
+    f.write_text(json.dumps(rows))
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "spec_replay.py"), str(f), "--max-tokens", "80"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    w = json.loads(r.stdout.strip().splitlines()[-1])["workloads"]["copy"]
+    assert w["ngram_k"] <= 5 and w["stretched"] > 1.5 * w["ngram_k"] and w["lookup_fixed"] > 8

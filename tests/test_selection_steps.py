@@ -117,6 +117,30 @@ def test_build_with_steps_writes_mixed_groups_and_a_prediction(tiny_llama, tmp_p
     assert any(d.group_size == 32 and d.bits == 4 for d in mods.values())
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert {(g["weights"]["num_bits"], g["weights"]["group_size"]) for g in cfg.values()} >= {(4, 32)}
-    assert "predicted KLD" in r.output
+    # the proxy ranks units; as a KLD it is off by up to 5x (docs/BENCHMARKS.md), so only qconv.json keeps it
+    assert "predicted KLD" not in r.output
     assert m.quality.data["selection"]["predicted_kld"] == pytest.approx(sel.predicted_kld)
     load_model(out)
+
+
+@pytest.mark.slow
+def test_build_with_kld_sensitivity(tiny_llama, tiny_qwen3, tmp_path, calib_txt, monkeypatch):
+    """`--sensitivity kld` reaches the build: the model-level scorer ranks the units (not the proxy), the selection
+    records it, the budget buys steps from its gains, and a streamed build refuses it with the reason."""
+    from qconv.calibrate import sensitivity
+    from qconv.manifest import read_manifest
+
+    calls = []
+    real = sensitivity.model_kld_scores
+    monkeypatch.setattr(sensitivity, "model_kld_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(sensitivity, "proxy_scores", lambda *a, **k: pytest.fail("the proxy ran"))
+    out = tmp_path / "K"
+    common = ["--recipe", _steps_recipe(tmp_path), "--dataset", calib_txt, "--samples", "8", "--seq-len", "64",
+              "--no-gates", "--sensitivity", "kld"]
+    r = run("build", *common, "--model", tiny_llama, "--out", out, "--work-dir", tmp_path / "w")
+    assert r.exit_code == 0, r.output
+    assert calls == [1]
+    sel = Selection.from_dict(read_manifest(out).selection)
+    assert sel.method == "kld" and sel.choices, sel.to_dict()
+    r = run("build", *common, "--model", tiny_qwen3, "--out", tmp_path / "S", "--work-dir", tmp_path / "ws", "--stream")
+    assert r.exit_code != 0 and "--sensitivity kld" in r.output and not (tmp_path / "S").exists()

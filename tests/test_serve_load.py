@@ -1,6 +1,7 @@
 """Load on the native server with SmolLM2-135M (slow): 32 concurrent streaming clients all complete with the same
-greedy text as each prompt alone, and 8 concurrent clients get >= 3x one client's tokens/s (continuous batching:
-measured in the same run)."""
+greedy text as each prompt alone, and 8 concurrent clients get >= 2x one client's tokens/s, measured in the same run:
+continuous batching at work (without it the ratio is ~1x). The 3.5x in the README is bench/serve_load.py's number on a
+quiet machine (docs/BENCHMARKS.md); 2x is what a busy 2-core machine still gives, so it is the bound tested here."""
 
 from __future__ import annotations
 
@@ -36,5 +37,4 @@ def test_32_concurrent_streams_match_single_and_batching_scales(smollm2):
     mismatched = [(r.prompt, r.text, solo[r.prompt]) for r in c32.results if r.text != solo[r.prompt]]
     assert not mismatched
     assert [r.text for r in c8.results[:2]] == [r.text for r in alone.results]
-    # batching scales: 3.5x measured on a quiet machine, 2.9x with other jobs on both cores
     assert c8.tokens_per_s >= 2 * alone.tokens_per_s, (c8.tokens_per_s, alone.tokens_per_s)

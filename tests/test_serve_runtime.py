@@ -90,7 +90,7 @@ def test_serve_auto_says_which_backend_in_one_line(home, tmp_path, monkeypatch):
     from qconv.serve import native
 
     calls = []
-    monkeypatch.setattr(native, "run_native", lambda path, opts: calls.append(path))
+    monkeypatch.setattr(native, "run_native", lambda path, opts, art=None: calls.append(path))
     art = tmp_path / "plain"
     art.mkdir()
     (art / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))

@@ -90,6 +90,12 @@ def test_speculative_mapping(tmp_path):
     mtp_cfg = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
     assert vllm.speculative_config(_source(tmp_path, mtp_cfg, hybrid)) == {"method": "mtp", "num_speculative_tokens": 5}
     assert vllm.speculative_config(_source(tmp_path, dense, {"method": "none"})) is None
+    # the stretch: n-gram's k tokens, the lookup block after 2 fully accepted steps, by the plugin's proposer
+    stretched = {"method": "hybrid", "num_speculative_tokens": 4, "lookup": {"max_block": 15, "after_saturated": 2}}
+    assert vllm.speculative_config(_source(tmp_path, dense, stretched)) == {
+        "method": "custom_class", "model": "qconv_vllm.stretch.StretchedLookup_k4_s2_n2_4",
+        "num_speculative_tokens": 15}
+    assert vllm.speculative_config(_source(tmp_path, mtp_cfg, stretched))["method"] == "mtp"
     with pytest.raises(QconvError, match="no MTP head"):
         vllm.speculative_config(_source(tmp_path, dense, {"method": "mtp", "num_speculative_tokens": 2}))
     argv = vllm.build_command(_source(tmp_path, dense, lookup), None, vllm.LaunchOptions())
@@ -175,3 +181,21 @@ def test_requires_refuse_until_the_vllm_feature_is_declared(config_27b):
     src.requires = [Requirement("x", "qconv-runtime")]  # nothing a vLLM can declare satisfies this
     with pytest.raises(QconvError, match="needs qconv-runtime"):
         vllm_probe.check_vllm(src, "fast", plain, ("x", "qconv-runtime"))
+
+
+def test_batch_profile_switches_marlin_int8_input_on_its_roles_only(config_27b, tmp_path):
+    import re
+
+    argv = _print_command([str(config_27b), "--recipe", "3090", "--profile", "batch"])
+    env = dict(a.split("=", 1) for a in argv[:2])
+    assert env["VLLM_MARLIN_INPUT_DTYPE"] == "int8"
+    rx = re.compile(env[vllm.W4A8_ENV])
+    assert rx.search("model.layers.3.mlp.gate_up_proj") and rx.search("model.layers.3.mlp.down_proj")
+    assert not rx.search("model.layers.3.self_attn.qkv_proj") and not rx.search("model.layers.3.linear_attn.out_proj")
+    f = _flags(argv[2:])
+    assert f["--max-num-seqs"] == "12" and f["--kv-cache-dtype"] == "fp8_e4m3"
+    src = vllm.load_source(config_27b, "3090")
+    env, note = vllm.profile_env(src, "batch", "cpu")
+    assert env == {} and "CUDA-only" in note and "W4A16" in note  # Marlin is CUDA-only: said once, not set
+    assert vllm.profile_env(src, "fast", "cuda") == ({}, None)
+    assert vllm.vllm_env(None, {"VLLM_MARLIN_INPUT_DTYPE": "int8"})["VLLM_MARLIN_INPUT_DTYPE"] == "int8"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from qconv.build.memplan import DevicePlan, plan_for
 from qconv.build.options import BuildOptions, recipe_for, work_root
 from qconv.calibrate.select import Selection, parse_budget, select
 from qconv.calibrate.sensitivity import Scores
@@ -28,6 +29,7 @@ class DryRun:
     budget_bytes: int = 0
     budget_note: str = ""  # how an `auto` budget was found
     units: list[Unit] | None = None  # candidates (for the by-role preview without scores)
+    device_plan: DevicePlan | None = None  # the build's peak device memory per phase
 
 
 def selection_budget(opts: BuildOptions, recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
@@ -81,4 +83,5 @@ def dry_run(opts: BuildOptions) -> DryRun:
     if cached and set(cached["values"]) >= {u.name for u in units}:
         selection = select(units, Scores(**cached), budget, budget=budget_label(opts, recipe),
                            scheme=recipe.selection.scheme)
-    return DryRun(plan, recipe, config, selection, budget, note, units)
+    return DryRun(plan, recipe, config, selection, budget, note, units,
+                  plan_for(opts, recipe, plan, config, planning=True))

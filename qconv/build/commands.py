@@ -54,6 +54,18 @@ def print_plan(dr) -> None:
             con.print(f"after promotion (+{_gb(promoted)}): {line}")
 
 
+def print_device_plan(dp, requested: str) -> None:
+    """The per-phase device-memory peaks and projected time; a plan that does not fit exits 2 with the knob."""
+    from qconv.convert.device import cuda_available
+
+    for line in dp.lines():
+        click.echo(line)
+    if dp.device == "cuda" and not cuda_available():
+        click.echo(f"(a plan for {dp.target}: torch sees no CUDA device here, so `qconv build --device "
+                   f"{requested}` on this machine would {'be refused' if requested == 'cuda' else 'run on the CPU'})")
+    dp.check()
+
+
 def _promotion_preview(dr, con) -> int:
     """Without sensitivity scores (no weights loaded): per candidate role, what one unit costs to promote and how
     many such units the budget covers; returns the bytes promotion can add at most (min(budget, all units))."""
@@ -76,15 +88,9 @@ def _promotion_preview(dr, con) -> int:
 
 
 def _profile_fits(dr, extra: int = 0) -> list[str]:
-    """Bytes left on the card per profile (weights + `extra` promoted bytes), from the KV/state planner when it
-    is installed."""
-    try:
-        from qconv.kv.plan import profile_fit_lines
-    except ImportError:
-        card = dr.recipe.card
-        left = card.memory_gib * 2**30 - card.reserve_gib * 2**30 - dr.plan.total_bytes - extra
-        return [f"on {card.name} ({card.memory_gib} GiB, {card.reserve_gib} GiB reserve): {left / 2**30:.2f} GiB left "
-                f"for KV cache and state"]
+    """Bytes left on the card per profile (weights + `extra` promoted bytes), from the KV/state planner."""
+    from qconv.kv.plan import profile_fit_lines
+
     roles = dr.plan.bytes_by_role()
     return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes + extra,
                              vision_bytes=roles.get("vision", {}).get("bytes", 0),
@@ -119,11 +125,16 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
               help="For a quantized --model: the full-precision original the quality report compares against, or "
                    "a reference cache folder computed from it (QCONV_HOME/reference/KEY, named in a report.json) "
                    "(default: the quantized checkpoint itself).")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
+              help="Where each layer is calibrated and quantized and the quality report runs (auto: CUDA when "
+                   "torch sees a GPU).")
+@click.option("--card", help="--dry-run: the card the device-memory plan is for (3090, 4090, a100-80, ...; default: "
+                             "the recipe's). A build measures the GPU it runs on.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Show library logs as they come (always kept in build.log).")
 @click.pass_context
 def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
-          work_dir, fresh, stream, upgrade_budget, bpw, sensitivity, reference, as_json, verbose):
+          work_dir, fresh, stream, upgrade_budget, bpw, sensitivity, reference, device, card, as_json, verbose):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
     from qconv.build.budget import BuildOptions, dry_run as run_dry
     from qconv.errors import QconvError
@@ -131,7 +142,8 @@ def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, ev
     opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
                         seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text,
                         work_dir=work_dir, fresh=fresh, stream=stream, upgrade_budget=upgrade_budget, bpw=bpw,
-                        sensitivity=sensitivity, reference=str(reference) if reference else None)
+                        sensitivity=sensitivity, reference=str(reference) if reference else None, device=device,
+                        card=card)
     if dry_run:
         dr = run_dry(opts)
         print_plan(dr)
@@ -139,6 +151,7 @@ def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, ev
             from qconv.calibrate.select import format_table
 
             click.echo(format_table(dr.selection))
+        print_device_plan(dr.device_plan, requested=device)
         return
     if out is None:
         raise QconvError("missing --out", where="qconv build", fix="pass --out DIR (or --dry-run to only plan)")

@@ -38,6 +38,8 @@ class BuildOptions:
     bpw: float | None = None  # a bits-per-weight target: the upgrade budget is what it leaves over the uniform plan
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
     reference: str | None = None  # quantized --model: the full-precision original for the quality report
+    device: str = "auto"  # where layers are calibrated and quantized, and the quality report runs (convert.device)
+    card: str | None = None  # --dry-run's device-memory plan: the card to plan for (default: the recipe's)
 
 
 def recipe_for(opts: BuildOptions) -> Recipe:

@@ -16,11 +16,13 @@ from pathlib import Path
 from qconv import progress
 from qconv.build import quality, stages
 from qconv.build.budget import budget_label, selection_budget
+from qconv.build.memplan import plan_for
 from qconv.build.options import BuildOptions, check_out, recipe_for, use_streaming, work_root
 from qconv.build.quantized import build_from_quantized
 from qconv.calibrate.select import format_table, select
 from qconv.convert import patches
 from qconv.convert.artifact import finalize
+from qconv.convert.device import key_part, on_device, resolve_device
 from qconv.convert.layout import apply_selection, candidate_units, plan_model
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
@@ -58,9 +60,10 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
 
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import quantize
-    from qconv.convert.stream import MAX_SHARD_SIZE, row_blocked_gptq, row_blocked_observer
+    from qconv.convert.stream import MAX_SHARD_SIZE
 
     t0 = time.time()
+    device = resolve_device(opts.device)  # --device cuda without a GPU: refused before anything is written
     patches.check_all()  # a library whose private functions moved stops the build here, before any work
     out = check_out(opts)  # once, before any work: it knows every folder the source and work dir can resolve to
     sweep_stale(out.parent, out.name)  # temp and parked folders a killed build left beside --out
@@ -75,6 +78,11 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
     budget, _ = selection_budget(opts, recipe, plan, config)
     units = candidate_units(plan, recipe)
     stream = use_streaming(opts, plan)
+    if device != "cpu":  # a card too small is refused now, not hours in (a CPU build bounds its own memory)
+        dplan = plan_for(opts, recipe, plan, config)
+        for line in dplan.lines():
+            log.info("%s", line)
+        dplan.check()
     if budget > 0 and stream and opts.sensitivity == "kld" and any(not u.refusal for u in units):
         raise QconvError("--sensitivity kld runs the whole model once per unit: a streamed build cannot",
                          where="--sensitivity", fix="use --sensitivity proxy (the default) or build in memory")
@@ -136,17 +144,19 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
         build={"seed": seed, "family": plan.family, "untied_embeddings": plan.untie_embeddings,
                "tied_embeddings": plan.tied_embeddings, "untie_bytes": plan.untie_bytes,
                "estimated_bytes": final_plan.total_bytes, "source_bytes": plan.source_bytes,
-               "warnings": plan.warnings, "streamed": stream, "work_dir": str(work.root)},
+               "warnings": plan.warnings, "streamed": stream, "work_dir": str(work.root),
+               "device": device},
     )
     qkey = stage_key("quantization", source_info.sha256, calib.info.sha256, [asdict(m) for m in modules],
                      asdict(recipe.quantizer), {k: asdict(v) for k, v in recipe.schemes.items()}, seed,
-                     plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE)
+                     plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE,
+                     *key_part(device))
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
-        with work.new_dir("quantization", qkey) as tmp, row_blocked_gptq(), row_blocked_observer(), \
+        with work.new_dir("quantization", qkey) as tmp, on_device(device), \
                 _calibration_activations(stream, work.root):
             quantize(model_loader(), modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
-                     tied=plan.tied_embeddings, tokenizer=tok)
+                     tied=plan.tied_embeddings, tokenizer=tok, device=device)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
     offload.close()

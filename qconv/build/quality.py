@@ -59,7 +59,8 @@ def measure(opts, recipe: Recipe, source: Path, artifact: Path, manifest: Manife
         with work.new_dir("quality", key) as tmp:
             summary = quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
                                      num_parameters=manifest.source.num_parameters,
-                                     fwd=Forward(streamed=True if streamed else None), final=final)
+                                     fwd=Forward(streamed=True if streamed else None, device=opts.device),
+                                     final=final)
             _copy_files(artifact, tmp, REPORTS)
     else:
         _copy_files(qdir, artifact, REPORTS)

@@ -9,16 +9,16 @@ from pathlib import Path
 
 from qconv.build.quality import REPORTS, eval_text, record
 from qconv.convert.imported import IMPORT_RECIPE, requant_args, write_imported
-from qconv.convert.layout import Plan
+from qconv.convert.layout import kept_plan
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config
 from qconv.errors import QconvError
+from qconv.eval.forward import Forward
 from qconv.eval.reference import is_cache
 from qconv.eval.run import quality_report
 from qconv.manifest import Manifest, RecipeInfo
 from qconv.recipes.recipe import Recipe
-from qconv.recipes.roles import family_of
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +30,12 @@ def build_from_quantized(opts, recipe: Recipe, src: ResolvedSource) -> Manifest:
     fmt = detect_format(src.config, where=str(src.path / "config.json"))
     notes: dict[str, str] = {}
     reference = getattr(opts, "reference", None)
-    family = family_of(src.config)
 
     def quality(tmp: Path, manifest: Manifest, final: Path):
         return _quality_vs(opts, recipe, src, fmt, reference, tmp, manifest, final)
 
     def requires(decisions):
-        return requirements(recipe, Plan(family=family, modules=decisions, other_bytes=0, source_bytes=0))
+        return requirements(recipe, kept_plan(src.path, src.config, decisions))
 
     m = write_imported(src, fmt, Path(opts.out), opts.force,
                RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
@@ -77,7 +76,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
             ref, model["kind"] = Path(tmpd) / "source", "source checkpoint"
             write_imported(src, fmt, ref, True, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
         summary = quality_report(ref, artifact, recipe, text=text, num_parameters=manifest.source.num_parameters
-                                 or None, final=final, annotate=annotate)
+                                 or None, final=final, annotate=annotate, fwd=Forward(device=opts.device))
     summary["reference"] = model["kind"]
     manifest.build["quality_reference"] = {k: model[k] for k in ("kind", "cached", "note")}
     return record(manifest, summary, opts.gates)

@@ -57,11 +57,13 @@ def sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, stream
     """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions.
     A streamed build (`streamed_from`: the source folder) scores a decoder layer at a time."""
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
+    from qconv.convert.device import key_part, resolve_device
 
     ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
+    device = resolve_device(opts.device)
     key = stage_key("sensitivity", src_sha, calib.info.sha256, opts.sensitivity, sens_samples,
                     [(u.name, [asdict(m) for m in u.w4], [(o.scheme, [asdict(m) for m in o.members]) for o in u.options])
-                     for u in units])
+                     for u in units], *key_part(device))
     cached = work.load_json("sensitivity", key)
     if cached:
         return Scores(**cached)
@@ -69,7 +71,7 @@ def sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, stream
         from qconv.build.streamed_sensitivity import streamed_proxy_scores
 
         with owned_temp_dir(work.root, "qconv-sensitivity") as spill:
-            scores = streamed_proxy_scores(streamed_from, units, ids, spill)
+            scores = streamed_proxy_scores(streamed_from, units, ids, spill, device=device)
     else:
         fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
         scores = fn(model_loader(), units, ids)

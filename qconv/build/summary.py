@@ -72,9 +72,6 @@ def print_summary(s: dict, console=None) -> None:
             t.add_row(labels[sec], f"{r['kld_mean']:.4f}", f"{r['kld_p99']:.3f}", f"{100 * r['top1']:.1f}%",
                       f"{r['ppl_ratio']:.3f}")
         con.print(t)
-        if s.get("predicted_kld") is not None and "weights" in s["quality"]:
-            con.print(f"[bold]selection[/bold] predicted KLD {s['predicted_kld']:.4f} (sensitivity proxy: the "
-                      f"selectable units' rounding, before GPTQ) vs measured {s['quality']['weights']['kld_mean']:.4f}")
     tier = f" ({escape(s['tier'].split(' (')[0])} tier)" if s["tier"] else ""
     if s["passed"] is True:
         con.print(f"[bold]verdict[/bold]   [green]PASSED[/green] the recipe's quality gates{tier}")

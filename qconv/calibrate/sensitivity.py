@@ -47,8 +47,9 @@ class Scores:
         return self.values.get(unit) if scheme == top else None
 
 
-def fake_quant(w: torch.Tensor, d: ModuleDecision, symmetric: bool = True) -> torch.Tensor:
-    """Round-to-nearest quantize-dequantize of a weight under a decision (group or per-channel), in float32."""
+def fake_quant(w: torch.Tensor, d: ModuleDecision, symmetric: bool | None = None) -> torch.Tensor:
+    """Round-to-nearest quantize-dequantize of a weight under a decision (group or per-channel; zero points when the
+    decision is asymmetric, unless `symmetric` overrides it), in float32."""
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -56,7 +57,7 @@ def fake_quant(w: torch.Tensor, d: ModuleDecision, symmetric: bool = True) -> to
     w = w.detach().float()
     n, k = w.shape
     g = d.group_size or k
-    args = QuantizationArgs(num_bits=d.bits, type="int", symmetric=symmetric,
+    args = QuantizationArgs(num_bits=d.bits, type="int", symmetric=d.symmetric if symmetric is None else symmetric,
                             strategy="group" if d.group_size else "channel", group_size=d.group_size)
     wg = w.view(n, k // g, g)
     scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
@@ -242,7 +243,7 @@ def _layer_inputs(model, ids: list[list[int]]) -> list[dict[int, torch.Tensor]]:
     return out
 
 
-def model_kld_scores(model, units: list[Unit], ids: list[list[int]], symmetric: bool = True,
+def model_kld_scores(model, units: list[Unit], ids: list[list[int]], symmetric: bool | None = None,
                      progress: bool = True) -> Scores:
     """Model-level sensitivity (see module docstring): with every other candidate at its 8-bit scheme, each unit's
     gain under a scheme is the mean KLD at its base minus the KLD at that scheme. Restores the weights on return."""

@@ -12,15 +12,18 @@ __all__ = ["Option", "Unit", "module_bytes"]
 
 
 def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: int | None = None) -> int:
-    """Bytes a module takes in the artifact: packed codes + bf16 scales (+ shape), or bf16 when kept."""
+    """Bytes a module takes in the artifact: packed codes + bf16 scales (+ packed zero points when asymmetric)
+    (+ shape), or bf16 when kept."""
     n, k = m.shape
     bits = scheme_bits if scheme_bits is not None else m.bits
     g = group_size if scheme_bits is not None else m.group_size
     if not bits:
         return n * k * 2
     codes = n * k * bits // 8
-    scales = n * (k // g if g else 1) * 2
-    return codes + scales + (16 if bits == 4 else 0)
+    groups = k // g if g else 1
+    scales = n * groups * 2
+    zeros = 0 if m.symmetric else -(-n * bits // 32) * groups * 4  # int32 words packed along the output dim
+    return codes + scales + zeros + (16 if bits == 4 else 0)
 
 
 @dataclass

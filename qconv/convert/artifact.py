@@ -77,9 +77,4 @@ def finalize(out: Path, manifest: Manifest, changed: tuple[str, ...] | None = No
     return manifest
 
 
-def quantization_summary(out: Path) -> dict:
-    cfg = json.loads((out / "config.json").read_text())
-    return cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config") or {}
-
-
-__all__ = ["MANIFEST", "copy_mtp", "write_index", "copy_side_files", "finalize", "quantization_summary"]
+__all__ = ["MANIFEST", "copy_mtp", "write_index", "copy_side_files", "finalize"]

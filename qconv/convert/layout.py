@@ -79,7 +79,7 @@ class Plan:
             r["modules"] += 1
             r["params"] += m.shape[0] * m.shape[1]
             r["bytes"] += module_bytes(m)
-            r["schemes"].add(m.scheme + (f" g{m.group_size}" if m.group_size else ""))
+            r["schemes"].add(m.scheme + (f" g{m.group_size}" if m.group_size else "") + ("" if m.symmetric else " zp"))
         return dict(out)
 
     def units(self) -> dict[str, list[ModuleDecision]]:
@@ -173,19 +173,32 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
                      f"slower kernel")
     label = scheme.label
     return ModuleDecision(name=name, role=role, scheme=label, bits=w.bits, group_size=g, shape=[n, k],
-                          note="; ".join(notes)), warns
+                          note="; ".join(notes), symmetric=w.symmetric), warns
+
+
+def head_is_tied(config: dict, names) -> bool:
+    """A tied model whose checkpoint stores no lm_head tensor of its own: lm_head is embed_tokens."""
+    tc = text_config(config)
+    tied = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    return tied and not any(role_of(n.rpartition(".")[0]) == "lm_head" for n in names)
+
+
+def kept_plan(folder: Path, config: dict, modules: list[ModuleDecision]) -> Plan:
+    """The plan of a build that keeps a checkpoint's own layout (already-quantized sources): what `requires` reads,
+    the model type vLLM builds and whether lm_head is the embedding table."""
+    return Plan(family=family_of(config), modules=modules, other_bytes=0, source_bytes=0,
+                model_type=config.get("model_type", ""),
+                tied_embeddings=head_is_tied(config, tensor_table(folder, config)))
 
 
 def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     """The per-module plan for a model folder (weights or config only) under a recipe."""
     family = family_of(config)
     tensors = tensor_table(folder, config)
-    tc = text_config(config)
     modules, warnings, planned = [], [], set()
-    tied = bool(tc.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     names = list(tensors)
     untie = kept_tied = False
-    if tied and not any(role_of(n[:-7]) == "lm_head" for n in names if n.endswith(".weight")):
+    if head_is_tied(config, names):
         emb = next((n for n in names if role_of(n[:-7]) == "embed"), None)
         if emb and recipe.tied_embeddings == "keep":
             kept_tied = True

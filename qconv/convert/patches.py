@@ -75,6 +75,10 @@ TARGETS = {
     "pack_to_int32": Target(_CT, "compressed_tensors.compressors.pack_quantized.base", "pack_to_int32",
                             ("value", "num_bits", "packed_dim"),
                             "convert.quantize.row_blocked_compression: packed a block of rows at a time"),
+    "sequential_main_device": Target(_LC, "llmcompressor.pipelines.sequential.pipeline", "get_main_device", (),
+                                     "convert.device.onload_device: each layer onloaded to the build's --device"),
+    "data_free_main_device": Target(_LC, "llmcompressor.pipelines.data_free.pipeline", "get_main_device", (),
+                                    "convert.device.onload_device: the same for round-to-nearest recipes"),
     "init_weights": Target("transformers", "transformers", "PreTrainedModel._init_weights", ("self", "module"),
                            "convert.hfmodel._compressed_embeddings_loadable: a packed embed_tokens loads"),
 }

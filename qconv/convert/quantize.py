@@ -11,6 +11,7 @@ from pathlib import Path
 
 from qconv import progress
 from qconv.convert import patches
+from qconv.convert.device import LayerClock
 from qconv.convert.stream import MAX_SHARD_SIZE
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
@@ -38,7 +39,7 @@ def _exact(name: str) -> str:
 
 
 def _key(m: ModuleDecision) -> tuple:
-    return (m.scheme, m.bits, m.group_size, _format(m))
+    return (m.scheme, m.bits, m.group_size, m.symmetric, _format(m))
 
 
 def _format(m: ModuleDecision) -> str | None:
@@ -70,13 +71,14 @@ def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, 
                 targets[_key(m)].append(t)
         else:
             targets[_key(m)].append(_exact(m.name))
-    schemes = {s.label: s for s in recipe.schemes.values()}  # one label, one scheme but for group_size (validated)
+    # one label, one scheme but for group_size and symmetric (validated), which the decisions carry
+    schemes = {s.label: s for s in recipe.schemes.values()}
     groups = {}
     for i, (key, tg) in enumerate(sorted(targets.items(), key=lambda kv: str(kv[0]))):
-        label, bits, g, fmt = key
+        label, bits, g, sym, fmt = key
         s = schemes[label]
         w = s.weights
-        wargs = QuantizationArgs(num_bits=bits, type="int", symmetric=w.symmetric, strategy=w.strategy,
+        wargs = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=w.strategy,
                                  group_size=g if w.strategy == "group" else None, observer=recipe.quantizer.observer)
         aargs = None
         if s.activations:
@@ -223,11 +225,12 @@ def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
 
 
 def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: list[list[int]], out: Path,
-             *, untie: bool, seed: int, tied: bool = False, tokenizer=None) -> None:
+             *, untie: bool, seed: int, tied: bool = False, tokenizer=None, device: str = "cpu") -> None:
     """Run llmcompressor on `model` in place and save it compressed into `out`. `tokenizer`: handed to oneshot as
     the processor; without one llmcompressor loads the checkpoint's AutoProcessor, which for a vision-language
     model (Qwen3_5ForConditionalGeneration) needs torchvision for its video half, although the calibration data
-    are token ids already."""
+    are token ids already. `device`: where the caller's qconv.convert.device.on_device onloads each layer (here:
+    what the per-layer progress reports)."""
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -248,7 +251,8 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
     linear = sum(1 for m in modules if m.scheme != KEEP and m.role != "embed")  # embeddings: round-to-nearest
     log.info("quantization: %s on %d modules, layer by layer, %d calibration samples",
              recipe.quantizer.algorithm.upper(), linear, len(calib_ids), extra=progress.total(linear))
-    with _cpu_awq(), _untie_only_tied():
+    clock = LayerClock(model, device)
+    with _cpu_awq(), _untie_only_tied(), contextlib.closing(clock):
         oneshot(model=model, dataset=ds, recipe=modifiers(model, recipe, groups, ignore), max_seq_length=max_len,
                 num_calibration_samples=len(calib_ids), pipeline="sequential" if recipe.quantizer.gptq else "datafree",
                 sequential_targets=sequential_targets(model), processor=tokenizer,

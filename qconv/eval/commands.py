@@ -16,6 +16,8 @@ def _text_options(f):
         click.option("--max-tokens", type=int, help="Use at most this many tokens of the text (default 8192)."),
         click.option("--kv", help="KV-cache scheme to simulate (fp8_e4m3, kvarn_…, or 'auto' = the recipe's)."),
         click.option("--recipe", help="Judge by this recipe's gates instead of the one recorded in qconv.json."),
+        click.option("--profile", help="Also simulate this profile's int8 activations (its w4a8 roles), gated "
+                     "like the KV cache."),
         click.option("--out", type=click.Path(file_okay=False), help="Write report.json/report.md/kld.png here."),
         click.option("--streamed/--whole-model", default=None,
                      help="Layer-streamed forward (one decoder layer in memory) or whole model "
@@ -54,8 +56,8 @@ def _output(as_json: bool):
 @click.option("--kv-form", type=click.Choice(["decode", "prefill"]), default="decode", show_default=True,
               help="KV simulation: what the runtime's decode steps read (the sink and the tile being filled "
                    "exact), or every full tile quantized for every query (pessimistic).")
-def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, as_json, ref_topk,
-             tasks, limit, task_data, max_gen_toks, kv_form):
+def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, profile, out, streamed, device, as_json,
+             ref_topk, tasks, limit, task_data, max_gen_toks, kv_form):
     """Measure ARTIFACT's quality cost against its source: KLD, top-1, PPL (and KV cache, tasks)."""
     from qconv.errors import QconvError
     from qconv.eval.forward import Forward
@@ -76,7 +78,7 @@ def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, str
         emit(evaluate(artifact, settings, reference=reference, recipe=recipe,
                       tasks=[t.strip() for t in tasks.split(",") if t.strip()] if tasks else None,
                       limit=limit, task_data=data, max_gen_toks=max_gen_toks, out=out,
-                      fwd=Forward(streamed=streamed, device=device)))
+                      fwd=Forward(streamed=streamed, device=device), profile=profile))
 
 
 @click.command("check")
@@ -84,7 +86,8 @@ def eval_cmd(artifact, reference, text, window, max_tokens, kv, recipe, out, str
 @_text_options
 @click.option("--against", help="Regress against this artifact or report.json (default: the recorded report).")
 @click.option("--junit", type=click.Path(dir_okay=False), help="Write JUnit XML for CI.")
-def check(artifact, reference, text, window, max_tokens, kv, recipe, out, streamed, device, as_json, against, junit):
+def check(artifact, reference, text, window, max_tokens, kv, recipe, profile, out, streamed, device, as_json, against,
+          junit):
     """Re-measure ARTIFACT; exit 1 on a failed quality gate or a regression beyond tolerance."""
     from qconv.errors import GateFailure
     from qconv.eval.forward import Forward
@@ -94,7 +97,7 @@ def check(artifact, reference, text, window, max_tokens, kv, recipe, out, stream
         try:
             report = run_check(artifact, against=against, junit=junit, reference=reference, recipe=recipe,
                                text=text, window=window, max_tokens=max_tokens, kv=kv, out=out,
-                               fwd=Forward(streamed=streamed, device=device))
+                               fwd=Forward(streamed=streamed, device=device), profile=profile)
         except GateFailure as e:  # scripts get the measurement with the failure (exit 1 all the same)
             if as_json and e.report is not None:
                 emit(e.report)

@@ -11,45 +11,28 @@ from collections.abc import Iterator
 
 import torch
 
-from qconv.errors import QconvError
+from qconv.convert.device import free_bytes, resolve_device
 
 log = logging.getLogger(__name__)
 
 # A whole bf16 model is loaded only when it takes at most this share of the memory free on its device: the rest is
 # for one window of logits, the activations and the other model of the pair (freed before the next is loaded).
 FIT_FRACTION = 0.7
-DEVICES = ("cpu", "cuda")
 Blocks = tuple[torch.Tensor, torch.Tensor]  # (logits [n, V] float32, the n tokens they predict)
 
 
 @dataclass
 class Forward:
     streamed: bool | None = None  # None: stream when the model does not fit (see fits)
-    device: str | None = None  # None: cuda when available, else cpu
+    device: str | None = None  # None or "auto": cuda when available, else cpu
 
     def resolved_device(self) -> str:
-        if self.device is None:
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in DEVICES:
-            raise QconvError(f"unknown device {self.device!r}", where="--device", fix=f"use one of {DEVICES}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise QconvError("--device cuda but torch sees no CUDA device", where="--device",
-                             fix="pass --device cpu, or install a CUDA build of torch on a machine with a GPU")
-        return self.device
-
-
-def free_memory(device: str) -> int:
-    """Bytes free now on the device: CUDA's own count, or the OS's MemAvailable for the CPU."""
-    if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    from qconv.memory import available_ram
-
-    return available_ram()
+        return resolve_device(self.device)
 
 
 def fits(num_parameters: int, device: str) -> bool:
     """Whether a whole bf16 model of this size can be loaded on the device now."""
-    free = free_memory(device)
+    free = free_bytes(device)
     return not free or 2 * num_parameters <= FIT_FRACTION * free
 
 
@@ -61,18 +44,24 @@ class LogitSource:
         self.streamed = fwd.streamed if fwd.streamed is not None else not fits(num_parameters, self.device)
         if self.streamed and fwd.streamed is None:
             log.info("%s (%.1f GB bf16) does not fit in %.1f GB free on %s: layer-streamed forward", what,
-                     2 * num_parameters / 1e9, free_memory(self.device) / 1e9, self.device)
+                     2 * num_parameters / 1e9, free_bytes(self.device) / 1e9, self.device)
         self._model = None
 
-    def logits(self, windows, indices: list[int], kv_scheme=None) -> Iterator[tuple[int, Iterator[Blocks]]]:
+    def logits(self, windows, indices: list[int], kv_scheme=None,
+               a8_roles: tuple[str, ...] = ()) -> Iterator[tuple[int, Iterator[Blocks]]]:
         """For each window i: (i, its row blocks in order), a block being (logits [n, V] float32 of positions the
-        window scores, the tokens they predict). Consume a window's blocks before asking for the next window."""
+        window scores, the tokens they predict). Consume a window's blocks before asking for the next window.
+        `a8_roles`: those roles' linears take int8 per-token inputs (actsim.py; whole-model forward only)."""
+        from qconv.eval.actsim import act8_simulation
         from qconv.eval.kvsim import kv_simulation
         from qconv.convert.hfmodel import load_causal_lm
         from qconv.eval.reference import window_logits
 
         if not indices:
             return
+        if self.streamed and a8_roles:
+            raise QconvError("the W4A8 simulation runs on the whole-model forward only",
+                             where="--profile", fix="pass --whole-model (the model must fit in memory)")
         if self.streamed:
             from qconv.eval.layerwise import streamed_logits
 
@@ -83,7 +72,7 @@ class LogitSource:
             return
         if self._model is None:
             self._model = load_causal_lm(self.path, device=self.device or "auto")
-        with kv_simulation(self._model, kv_scheme):
+        with kv_simulation(self._model, kv_scheme), act8_simulation(self._model, a8_roles):
             for i in indices:
                 yield i, iter([window_logits(self._model, windows.ids[i], windows.first_scored(i))])
 

@@ -7,7 +7,9 @@ from pathlib import Path
 
 from qconv.recipes.recipe import Gates, GateTier, Quality, Regression
 
-SECTIONS = ("weights", "weights_kv")
+SECTIONS = ("weights", "weights_kv", "weights_a8")
+TIER_GATES = {"weights": "weights", "weights_kv": "weights_kv", "weights_a8": "weights_kv"}  # runtime quantization
+# of activations (W4A8) is gated like the KV cache's
 # gate field -> (summary metric, "max" or "min")
 GATE_METRICS = {
     "max_mean_kld": ("kld_mean", "max"),
@@ -66,7 +68,7 @@ def apply_gates(report: dict, tier: GateTier | None) -> list[Verdict]:
         summary = report.get(section)
         if not summary:
             continue
-        gates: Gates = getattr(tier, section)
+        gates: Gates = getattr(tier, TIER_GATES[section])
         for f in fields(Gates):
             limit = getattr(gates, f.name)
             metric, how = GATE_METRICS[f.name]

@@ -60,8 +60,8 @@ class Checkpoint:
             from compressed_tensors.config import CompressionFormat
 
             deq = CompressedTensorsDequantizer(str(path), dtype=torch.bfloat16)
-            # It infers each group's format as a Linear's would be (pack-quantized for any int scheme); an INT8
-            # embedding/lm_head group is stored int-quantized: use the format the artifact records.
+            # It infers each group's format as a Linear's would be (pack-quantized for any int scheme); artifacts
+            # built before INT8 groups were pack-quantized record int-quantized: use the format the artifact records.
             for name, scheme in deq.quant_config.config_groups.items():
                 recorded = (qcfg.get("config_groups", {}).get(name) or {}).get("format")
                 if recorded:

@@ -32,6 +32,7 @@ class EvalSettings:
     kv: str | None = None  # KV scheme simulated for the weights+KV section
     kv_form: str = "decode"  # decode: the runtime's decode-time tiles; prefill: every full tile quantized
     ref_topk: int | None = None  # None: auto (full for small vocabularies), 0: full, k: top-k
+    a8_roles: tuple[str, ...] = ()  # a profile's W4A8 roles, simulated for the weights+A8 section (actsim.py)
 
 
 @dataclass
@@ -88,13 +89,15 @@ def resolve_reference(reference: str | Path | None, manifest) -> Source:
     return Source(path=src.path, sha256=sha, num_parameters=nparams or safetensors_stats(src.path)[0])
 
 
-def _run(logit_source: LogitSource, ref: Reference, windows: Windows, kv_scheme=None) -> tuple[dict, np.ndarray]:
+def _run(logit_source: LogitSource, ref: Reference, windows: Windows, kv_scheme=None,
+         a8_roles: tuple[str, ...] = ()) -> tuple[dict, np.ndarray]:
     from tqdm.auto import tqdm
 
     stats = TokenStats()
     n = len(windows.ids)
-    for i, blocks in tqdm(logit_source.logits(windows, list(range(n)), kv_scheme), total=n,
-                          desc=f"eval{'+' + kv_scheme.name if kv_scheme else ''}", unit="window", leave=False):
+    desc = f"eval{'+' + kv_scheme.name if kv_scheme else ''}{'+a8' if a8_roles else ''}"
+    for i, blocks in tqdm(logit_source.logits(windows, list(range(n)), kv_scheme, a8_roles), total=n,
+                          desc=desc, unit="window", leave=False):
         ref_i, a = ref.window(i), 0
         for logits, targets in blocks:
             stats.add(ref_i.rows(a, a + len(targets)), logits, targets)
@@ -132,6 +135,8 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
     sections, klds = {"weights": weights}, {"weights": kld_w}
     if kv is not None:
         sections["weights_kv"], klds["weights_kv"] = _run(art, ref, windows, kv)
+    if settings.a8_roles:
+        sections["weights_a8"], klds["weights_a8"] = _run(art, ref, windows, None, settings.a8_roles)
     art.close()
     numel, nbytes = safetensors_stats(artifact_dir)
     report = {

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qconv.eval.gates import SECTIONS
 from qconv.eval.metrics import format_llamacpp
 from qconv.fsutil import write_json_atomic, write_text_atomic
 
@@ -20,7 +21,7 @@ def summary(report: dict) -> dict:
            "reference": {k: report["reference"][k] for k in ("storage", "topk")},
            "kv_scheme": report.get("kv_scheme"), "kv_form": report.get("kv_form"), "tier": report.get("tier"),
            "bits_per_weight": report.get("bits_per_weight")}
-    for section in ("weights", "weights_kv"):
+    for section in SECTIONS:
         if report.get(section):
             out[section] = {k: report[section][k] for k in SUMMARY_KEYS}
     if report.get("tasks"):
@@ -59,6 +60,9 @@ def render_md(report: dict) -> str:
     lines += [TABLE_HEAD, _row("weights only", report["weights"])]
     if report.get("weights_kv"):
         lines.append(_row(f"weights + KV {report['kv_scheme']} ({_kv_form(report)})", report["weights_kv"]))
+    if report.get("weights_a8"):
+        roles = ", ".join(report["settings"].get("a8_roles") or ())
+        lines.append(_row(f"weights + int8 activations ({roles})", report["weights_a8"]))
     if report["weights"].get("kld_bound", 0) > 0:
         lines += ["", f"Top-k reference: the exact mean KLD lies in [mean, mean + {report['weights']['kld_bound']:.5f}]"
                       " (per-token bracket, see qconv/eval/metrics.py)."]

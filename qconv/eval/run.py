@@ -35,6 +35,16 @@ def auto_kv(recipe: Recipe) -> str | None:
     return found
 
 
+def with_profile(settings: EvalSettings, recipe: Recipe, profile: str | None) -> EvalSettings:
+    """The settings with `profile`'s W4A8 roles simulated (its `w4a8`); unchanged for None."""
+    if profile is None:
+        return settings
+    if profile not in recipe.profiles:
+        raise QconvError(f"unknown profile {profile!r} in recipe {recipe.name}", where="--profile",
+                         fix=f"use one of {', '.join(recipe.profiles)}")
+    return replace(settings, a8_roles=tuple(recipe.profiles[profile].w4a8))
+
+
 def _judge(report: dict, recipe: Recipe, extra: list[Verdict] = ()) -> dict:
     report["tier"] = tier_info(recipe.quality, report["source"]["num_parameters"])
     tier = recipe.quality.tier_for(report["source"]["num_parameters"])
@@ -62,7 +72,7 @@ def _with_tasks(report: dict, artifact: Path, source: Source, tasks, limit, task
 def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | None = None,
              recipe: str | None = None, tasks: list[str] | None = None, limit: int | None = None,
              task_data: dict[str, str] | None = None, max_gen_toks: int | None = None,
-             out: str | Path | None = None, fwd: Forward | None = None) -> dict:
+             out: str | Path | None = None, fwd: Forward | None = None, profile: str | None = None) -> dict:
     """`qconv eval`: measure, judge by the recipe's tier gates (reported, not raised), write reports to `out`."""
     artifact = Path(artifact)
     art = Artifact.open(artifact)
@@ -75,6 +85,7 @@ def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | N
     rec = load_recipe(recipe) if recipe else art.require_recipe()
     if settings.kv == "auto":
         settings = replace(settings, kv=auto_kv(rec))
+    settings = with_profile(settings, rec, profile)
     report, klds = measure(artifact, source, settings, fwd)
     report = _judge(_with_tasks(report, artifact, source, tasks, limit, task_data, max_gen_toks), rec)
     if out:
@@ -109,7 +120,7 @@ def load_recorded(against: str | Path | None, art: Artifact) -> dict | None:
 def check(artifact: str | Path, *, against: str | None = None, junit: str | None = None,
           reference: str | None = None, recipe: str | None = None, text: str | None = None,
           window: int | None = None, max_tokens: int | None = None, kv: str | None = None,
-          out: str | Path | None = None, fwd: Forward | None = None) -> dict:
+          out: str | Path | None = None, fwd: Forward | None = None, profile: str | None = None) -> dict:
     """`qconv check`: verify files, re-measure with the recorded settings, apply gates and regression tolerances.
     Raises GateFailure (exit 1) naming every failed gate with its measured value."""
     artifact = Path(artifact)
@@ -126,6 +137,7 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
                          where="--text", fix="pass --text FILE_OR_HF_DATASET_ID")
     if settings.kv == "auto":
         settings = replace(settings, kv=auto_kv(rec))
+    settings = with_profile(settings, rec, profile)
     recorded = load_recorded(against, art)
     problems = verify_files(artifact, manifest)
     files = Verdict("files", "files match qconv.json", not problems, message="files: " + (

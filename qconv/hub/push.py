@@ -12,9 +12,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from qconv.convert.requires import NEEDS_RUNTIME
 from qconv.errors import QconvError
 from qconv.hub.verify import quality_rows, verify_artifact
-from qconv.manifest import MANIFEST, Manifest
+from qconv.manifest import MANIFEST, Manifest, Requirement
 
 
 def model_card(manifest: Manifest, repo_id: str) -> str:
@@ -47,12 +48,27 @@ def model_card(manifest: Manifest, repo_id: str) -> str:
         out.append("No quality report was recorded for this artifact.")
     if manifest.requires:
         out += ["", "## Requirements", ""] + [
-            f"- {r.feature}: needs {r.needs} — {r.reason}" for r in manifest.requires]
+            f"- {r.feature}{_scope(r)}: needs {r.needs} — {r.reason}" for r in manifest.requires]
     out += ["", "## Serving", "", "```bash",
-            f"qconv pull {repo_id}", f"qconv serve {repo_id}", "```", "",
-            "Or with vLLM (compressed-tensors is read natively):", "", "```bash", f"vllm serve {repo_id}", "```", "",
+            f"qconv pull {repo_id}", f"qconv serve {repo_id}", "```", "", *_vllm_lines(manifest, repo_id),
             f"`{MANIFEST}` lists the sha256 of every file; `qconv verify` rechecks them after download.", ""]
     return "\n".join(out)
+
+
+def _scope(r: Requirement) -> str:
+    parts = ([f"profile {r.profile} only"] if r.profile else []) + ([f"{r.platform} vLLM only"] if r.platform else [])
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _vllm_lines(manifest: Manifest, repo_id: str) -> list[str]:
+    """How (and whether) vLLM runs it, from `requires`: stock vLLM only when nothing there applies everywhere."""
+    everywhere = [r for r in manifest.requires if r.profile is None and r.platform is None]
+    if any(r.needs.lower() in NEEDS_RUNTIME for r in everywhere):
+        return ["vLLM cannot run this artifact (see Requirements): serve it with `qconv serve`.", ""]
+    if everywhere:
+        return ["Or with vLLM 0.32 and the qconv-vllm plugin (`qconv runtime install` makes that environment; "
+                "stock vLLM cannot load it, see Requirements):", "", "```bash", f"vllm serve {repo_id}", "```", ""]
+    return ["Or with vLLM (compressed-tensors is read natively):", "", "```bash", f"vllm serve {repo_id}", "```", ""]
 
 
 @contextlib.contextmanager

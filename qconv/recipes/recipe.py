@@ -40,6 +40,12 @@ class Scheme:
     weights: QuantArgs
     activations: QuantArgs | None = None
 
+    def validate(self):
+        if not self.weights.symmetric and (self.weights.bits != 4 or self.activations is not None):
+            yield "weights.symmetric", ("zero points (symmetric: false) are for int4 weight-only schemes: vLLM 0.32 "
+                                        "runs them as uint4 (Marlin on GPUs, CPUWNA16 on CPU) and has no kernel for "
+                                        "8-bit or weight+activation zero points; use symmetric: true")
+
     @property
     def label(self) -> str:
         a = self.activations.bits if self.activations else 16
@@ -125,6 +131,9 @@ class SelectionRules:
                 yield "candidates", f"unknown role {c!r}; roles: {', '.join(ROLES)}"
 
 
+W4A8_ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_out")
+
+
 @dataclass
 class Card:
     name: str
@@ -141,9 +150,15 @@ class Profile:
     mamba_ssm_cache_dtype: Literal["float32", "float16", "bfloat16", "auto"] = "float32"
     language_model_only: bool = True
     max_tokens: int | None = None  # completion cap of a chat request that sends none (None: the server's default)
+    # Roles whose int4 linears take int8 activations (per-token dynamic) when served: W4A8 on Marlin's int8 input
+    # path (CUDA sm80+); the checkpoint stays W4A16, eval/check simulate it on exactly these roles.
+    w4a8: list[str] = field(default_factory=list)
     description: str = ""
 
     def validate(self):
+        for role in self.w4a8:
+            if role not in W4A8_ROLES:
+                yield "w4a8", f"role {role!r} has no int4 linears to run W4A8; roles: {', '.join(W4A8_ROLES)}"
         if self.kv_cache not in KV_SCHEMES:
             yield "kv_cache", f"unknown KV scheme {self.kv_cache!r}; allowed: {', '.join(KV_SCHEMES)}"
         if self.context_length <= 0:
@@ -158,9 +173,22 @@ class Profile:
 
 @dataclass
 class Lookup:
+    """Prompt lookup: alone (method lookup) it drafts up to `max_block` tokens; with a model drafter (hybrid) it
+    stretches the drafter's k tokens to `max_block` once the drafter's whole proposal was accepted
+    `after_saturated` steps running (0: every step)."""
+
     max_block: int = 15
     ngram_max: int = 4
     ngram_min: int = 2
+    after_saturated: int = 0
+
+    def validate(self):
+        if not 0 <= self.max_block <= 15:
+            yield "max_block", f"must be in 0..15, got {self.max_block}"
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            yield "ngram_min", f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}..{self.ngram_max}"
+        if self.after_saturated < 0:
+            yield "after_saturated", f"must be >= 0, got {self.after_saturated}"
 
 
 @dataclass
@@ -247,12 +275,13 @@ class Recipe:
             elif scheme != KEEP and scheme not in self.schemes:
                 yield f"roles.{role}", f"unknown scheme {scheme!r}; defined schemes: {', '.join([KEEP, *self.schemes])}"
         by_label: dict[str, Scheme] = {}
-        for name, sc in self.schemes.items():  # a decision records the label and group size, nothing else
+        for name, sc in self.schemes.items():  # a decision records the label, group size and symmetric, nothing else
             other = by_label.setdefault(sc.label, sc)
             if other is not sc and (other.activations != sc.activations or
-                                    (other.weights.symmetric, other.weights.strategy) != (sc.weights.symmetric, sc.weights.strategy)):
+                                    other.weights.strategy != sc.weights.strategy):
                 yield f"schemes.{name}", (f"shares the label {sc.label} with another scheme but differs in more "
-                                          "than group_size; schemes of one bit width may differ in group_size only")
+                                          "than group_size and symmetric; schemes of one bit width may differ in "
+                                          "those only")
         if self.selection.scheme not in self.schemes:
             yield "selection.scheme", f"unknown scheme {self.selection.scheme!r}; defined: {', '.join(self.schemes)}"
         for step in self.selection.steps:

@@ -52,7 +52,7 @@ def generate(model, prompt, chat_text, stop, stats, dequantize, dtype, max_token
              spec, max_block):
     """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
     from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
-    from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
+    from qconv.runtime.loader import load_for_runtime, load_tokenizer
 
     if (prompt is None) == (chat_text is None):
         raise QconvError("give exactly one of --prompt and --chat")
@@ -60,7 +60,7 @@ def generate(model, prompt, chat_text, stop, stats, dequantize, dtype, max_token
     cfg = _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
     tok = load_tokenizer(path)
     ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
-    m = load_model(path, dtype=runtime_dtype(path, dequantize, dtype), int_kernels=False if dequantize else None)
+    m = load_for_runtime(path, dequantize, dtype)
     cfg = replace(cfg, spec=cfg.spec.for_model(m) if spec is None else cfg.spec)
     st = GenerationStats()
     for piece in stream_text(tok, generate_tokens(m, ids, cfg, st), cfg.stop):

@@ -13,7 +13,7 @@ import torch
 from qconv.errors import QconvError
 from qconv.runtime.config import RuntimeConfig, load_config
 from qconv.runtime.cpu_pack import PackedLinear, pack_linears, packing_available
-from qconv.runtime.int_linear import IntWeight, attach_int_kernels, int_kernels_available
+from qconv.runtime.int_linear import Int4Linear, Int8Embedding, IntWeight, attach_int_kernels, int_kernels_available
 from qconv.runtime.model import Transformer
 from qconv.runtime.quant import dequantize_tensors, int_weights
 from qconv.runtime.qwen35 import Qwen35Transformer
@@ -154,6 +154,21 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, pack: bool | None = 
     if int_kernels:
         attach_int_kernels(model, our_int_weights(path, raw, cfg))
     return model.eval()
+
+
+def load_for_runtime(path, dequantize: bool = False, dtype: str | None = None) -> Transformer:
+    """The model as `qconv generate` and `qconv serve` run it: `runtime_dtype`'s dtype, and the CPU int kernels
+    unless `dequantize`."""
+    return load_model(path, dtype=runtime_dtype(path, dequantize, dtype), int_kernels=False if dequantize else None)
+
+
+def describe_runtime(model: Transformer) -> str:
+    """One phrase for a startup line: the dtype and which weights run through the int kernels."""
+    dtype = str(model.norm.weight.dtype).removeprefix("torch.")
+    n4 = sum(isinstance(m, Int4Linear) for m in model.modules())
+    n8 = sum(isinstance(m, Int8Embedding) for m in model.modules())
+    kernels = [f"int4 kernels on {n4} Linears"] * bool(n4) + ["int8 embedding lookup"] * bool(n8)
+    return f"{dtype}, " + (" + ".join(kernels) if kernels else "dense weights (no int kernels)")
 
 
 def load_tokenizer(path):

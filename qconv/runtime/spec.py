@@ -1,4 +1,4 @@
-"""Speculative decoding for every driver (`generate`, `bench`, the batched scheduler): a `Drafter` proposes tokens,
+"""Speculative decoding for every driver (`generate`, the batched scheduler): a `Drafter` proposes tokens,
 `verify` accepts a prefix of them losslessly, `DraftLength` picks how many to draft from one acceptance EMA."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from qconv.recipes.recipe import Speculative
 from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
 
 SPEC_MODES = ("none", "lookup", "mtp", "hybrid")
+SURE_RUN = 8  # prompt lookup drafts the whole block on a match this long (PromptLookup)
 
 
 @dataclass
@@ -34,21 +35,23 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """`begin` once per sequence; `observe` the target's hidden states at newly accepted positions (if
-    `needs_hidden`); `propose(seq, k)`: up to k tokens to follow seq."""
+    """`begin` once per sequence; `observe` the tokens each verify accepted (with the target's hidden states at
+    those positions if `needs_hidden`, else None); `propose(seq, k, most)`: k tokens to follow seq, up to `most`
+    when the drafter is sure."""
 
     needs_hidden: bool
 
     def begin(self, prompt: list[int], cache, slot: int) -> None: ...
     def observe(self, hidden: torch.Tensor, next_tokens: list[int]) -> None: ...
-    def propose(self, seq: list[int], k: int) -> Draft: ...
+    def propose(self, seq: list[int], k: int, most: int | None = None) -> Draft: ...
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """`method` (none | lookup | mtp | hybrid), the MTP head's chained drafts `k`, the most draft tokens verified
-    per step `max_block` (hybrid: lookup fills it past the MTP drafts), prompt lookup's n-gram range, and whether
-    the draft length follows the acceptance EMA (`adaptive`)."""
+    per step `max_block` (hybrid: lookup fills it past the MTP drafts once they were fully accepted
+    `after_saturated` steps running), prompt lookup's n-gram range, and whether the draft length follows the
+    acceptance EMA (`adaptive`)."""
 
     method: str = "lookup"
     k: int = 4
@@ -56,6 +59,7 @@ class SpecConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     adaptive: bool = True
+    after_saturated: int = 0
 
     def __post_init__(self):
         if self.method not in SPEC_MODES:
@@ -63,9 +67,9 @@ class SpecConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise QconvError(f"bad lookup n-gram range {self.ngram_min}..{self.ngram_max}",
                              fix="need 1 <= ngram_min <= ngram_max")
-        if not 0 <= self.max_block <= 15 or self.k < 0:
+        if not 0 <= self.max_block <= 15 or self.k < 0 or self.after_saturated < 0:
             raise QconvError(f"bad draft sizes k={self.k}, max_block={self.max_block}",
-                             fix="need k >= 0 and 0 <= max_block <= 15")
+                             fix="need k >= 0, 0 <= max_block <= 15 and after_saturated >= 0")
 
     @property
     def on(self) -> bool:
@@ -82,7 +86,8 @@ class SpecConfig:
         k = spec.num_speculative_tokens if tokens is None else int(tokens)
         block = k if tokens is not None and method == "lookup" else spec.lookup.max_block
         return cls(method="none" if k == 0 else method, k=k, max_block=min(max(block, k), 15),
-                   ngram_min=spec.lookup.ngram_min, ngram_max=spec.lookup.ngram_max)
+                   ngram_min=spec.lookup.ngram_min, ngram_max=spec.lookup.ngram_max,
+                   after_saturated=spec.lookup.after_saturated)
 
     @classmethod
     def of_artifact(cls, path: Path, tokens: int | None = None) -> SpecConfig:
@@ -129,12 +134,16 @@ class PromptLookup:
     """Propose what followed the longest suffix (ngram_max down to ngram_min tokens) of the sequence that occurred
     earlier in it. Of several occurrences take the one nearest to where the previous match would have continued by
     now (a copy keeps its place through short, common n-grams), else the most recent. The n-gram index grows with
-    the sequence, so a proposal costs O(ngram_max) dict lookups."""
+    the sequence, so a proposal costs O(ngram_max) dict lookups plus the run check below.
+
+    A match whose occurrence agrees with the sequence's last `sure` tokens or more (a copy in progress) is drafted
+    to `most` tokens whatever the acceptance EMA asks: such runs keep going, and a short draft there costs a verify
+    forward per few tokens."""
 
     needs_hidden = False
 
-    def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
-        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4, sure: int = SURE_RUN):
+        self.ngram_min, self.ngram_max, self.sure = ngram_min, ngram_max, sure
         self.begin([])
 
     def begin(self, prompt: list[int], cache=None, slot: int = 0) -> None:
@@ -160,7 +169,14 @@ class PromptLookup:
         i = bisect_left(occ, want)
         return min(occ[max(i - 1, 0):i + 1], key=lambda e: (abs(e - want), -e))
 
-    def propose(self, seq: list[int], k: int) -> Draft:
+    def _run(self, seq: list[int], e: int, n: int) -> int:
+        """How many tokens before seq's end agree with those before e (at least n; counted up to `sure`)."""
+        run = n
+        while run < self.sure and run < e and seq[e - 1 - run] == seq[len(seq) - 1 - run]:
+            run += 1
+        return run
+
+    def propose(self, seq: list[int], k: int, most: int | None = None) -> Draft:
         self._catch_up(seq)
         if k <= 0:
             return Draft()
@@ -169,6 +185,8 @@ class PromptLookup:
             if occ:
                 e = self._nearest(occ, len(seq))
                 self._cursor = (e, len(seq))
+                if most is not None and most > k and self._run(seq, e, n) >= self.sure:
+                    k = most
                 out: list[int] = []
                 for j in range(k):  # past the end of the sequence the match repeats with period len(seq) - e
                     out.append(seq[e + j] if e + j < len(seq) else out[e + j - len(seq)])
@@ -207,7 +225,7 @@ class MTPDrafter:
         return int(torch.multinomial(q, 1, generator=self.generator)), q
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], k: int) -> Draft:
+    def propose(self, seq: list[int], k: int, most: int | None = None) -> Draft:
         k = min(k, self.k)
         if k <= 0 or self._next is None:
             return Draft()
@@ -225,23 +243,38 @@ class MTPDrafter:
 
 
 class HybridDrafter:
-    """A model drafter's own k tokens, then prompt lookup (matched over sequence + those drafts) fills the block."""
+    """A model drafter's own k tokens, then prompt lookup (matched over sequence + those drafts) stretches the block
+    once the drafter's proposals were accepted whole `after_saturated` steps running (0: every step); a step the
+    drafter proposes nothing, lookup drafts alone."""
 
     needs_hidden = True
 
-    def __init__(self, model: MTPDrafter, lookup: PromptLookup):
-        self.model, self.lookup = model, lookup
+    def __init__(self, model: MTPDrafter, lookup: PromptLookup, after_saturated: int = 0):
+        self.model, self.lookup, self.after_saturated = model, lookup, after_saturated
+        self.needs_hidden = model.needs_hidden
+        self._head: list[int] = []
+        self.streak = 0  # steps running whose drafter proposal was accepted whole
 
     def begin(self, prompt: list[int], cache, slot: int = 0) -> None:
         self.model.begin(prompt, cache, slot)
         self.lookup.begin(prompt, cache, slot)
+        self._head, self.streak = [], 0
 
     def observe(self, hidden, next_tokens) -> None:
+        """After a verify, next_tokens = the accepted drafts + the target's token: did the drafter's part survive?"""
+        if self._head:
+            self.streak = self.streak + 1 if next_tokens[:len(self._head)] == self._head else 0
+            self._head = []
         self.model.observe(hidden, next_tokens)
 
-    def propose(self, seq: list[int], k: int) -> Draft:
+    def propose(self, seq: list[int], k: int, most: int | None = None) -> Draft:
         head = self.model.propose(seq, k)
-        return head + self.lookup.propose(seq + head.tokens, k - len(head)) if head else self.lookup.propose(seq, k)
+        self._head = head.tokens
+        if not head:
+            return self.lookup.propose(seq, k, most)
+        if self.streak < self.after_saturated:
+            return head
+        return head + self.lookup.propose(seq + head.tokens, k - len(head), None if most is None else most - len(head))
 
 
 @dataclass
@@ -266,9 +299,9 @@ class Speculator:
     def draft(self, seq: list[int], room: int) -> Draft:
         """The draft to verify after seq, at most `room` tokens."""
         want = min(self.length(), room)
-        full = self.drafter.propose(seq, max(want, 1)) if room > 0 else Draft()
-        self._probe = full.tokens[:1] if want < 1 else []
-        return full if want >= 1 else Draft()
+        full = self.drafter.propose(seq, max(want, 1), min(self.length.most, room)) if room > 0 else Draft()
+        self._probe = full.tokens[:1] if want < 1 and len(full) <= 1 else []
+        return full if want >= 1 or len(full) > 1 else Draft()
 
     def verified(self, draft: Draft, new: list[int], hidden: torch.Tensor | None) -> None:
         """new = the accepted drafts + the target's token; hidden[>= len(new), H] of that forward."""
@@ -276,8 +309,7 @@ class Speculator:
             self.length.update(len(draft), len(new) - 1)
         elif self._probe:
             self.length.update(1, int(self._probe == new[:1]))
-        if self.needs_hidden:
-            self.drafter.observe(hidden[:len(new)], new)
+        self.drafter.observe(hidden[:len(new)] if self.needs_hidden else None, new)
 
 
 def make_speculator(spec: SpecConfig, model, params: SamplingParams = SamplingParams(),
@@ -289,7 +321,7 @@ def make_speculator(spec: SpecConfig, model, params: SamplingParams = SamplingPa
         drafter = lookup
     else:
         mtp = MTPDrafter(model, spec.k, params, generator)
-        drafter = mtp if spec.method == "mtp" else HybridDrafter(mtp, lookup)
+        drafter = mtp if spec.method == "mtp" else HybridDrafter(mtp, lookup, spec.after_saturated)
     return Speculator(drafter, DraftLength(spec.max_block, spec.adaptive))
 
 

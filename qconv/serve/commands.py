@@ -94,7 +94,8 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
                               max_num_seqs=max_batch, python=python, extra_args=list(vllm_args),
                               platform=runtime.device if runtime else None, spec_tokens=spec_tokens)
     if print_command:
-        click.echo(shlex.join(vllm.build_command(src, profile, opts)))
+        env, _ = vllm.profile_env(src, profile, opts.platform)
+        click.echo(shlex.join([f"{k}={v}" for k, v in env.items()] + vllm.build_command(src, profile, opts)))
         return
     info = vllm_probe.probe_vllm(python)
     opts.platform = info.platform
@@ -104,8 +105,11 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
                    err=True)
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version)
-    click.echo(f"starting: {shlex.join(argv)}", err=True)
-    rc = vllm.run_vllm(argv, host, port, api_key=api_key)
+    env, note = vllm.profile_env(src, profile, info.platform)
+    if note:
+        click.echo(note, err=True)
+    click.echo(f"starting: {shlex.join([f'{k}={v}' for k, v in env.items()] + argv)}", err=True)
+    rc = vllm.run_vllm(argv, host, port, api_key=api_key, env=env)
     if rc:
         sys.exit(rc)
 

@@ -64,15 +64,18 @@ def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | Ellipsis
 
 
 def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...):
-    """(FastAPI app, started Scheduler) for the model at `path`, loaded in float32."""
-    from qconv.runtime.loader import load_model, load_tokenizer
+    """(FastAPI app, started Scheduler) for the model at `path`, loaded as `qconv generate` loads it (bf16 with the
+    CPU int kernels for an artifact where torch has them)."""
+    from qconv.runtime.loader import describe_runtime, load_for_runtime, load_tokenizer
     from qconv.serve.scheduler import Scheduler
     from qconv.serve.server import ServerConfig, create_app
 
     path = model_dir(path)
     plan = native_plan(path, opts, art)
     tok = load_tokenizer(path)
-    model = load_model(path)
+    model = load_for_runtime(path)
+    log.warning("native engine: %s, %d slots x %d tokens, KV %s", describe_runtime(model), opts.max_batch,
+                plan.context_len, plan.kv_scheme)
     plan.spec = plan.spec.for_model(model)
     sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
                       max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec=plan.spec).start()

@@ -98,8 +98,10 @@ def kvarn_block_size(kv: str) -> int:
 
 def speculative_config(src: ServeSource, platform: str | None = None, tokens: int | None = None) -> dict | None:
     """vLLM's --speculative-config. vLLM runs one method per server: `hybrid` (MTP + prompt lookup in qconv's
-    runtime) becomes MTP when the checkpoint has an MTP head, else n-gram lookup; `dflash` passes its drafter model
-    through. vLLM's CPU backend cannot run speculation on hybrid (Gated-DeltaNet) models, so none is set there."""
+    runtime) becomes MTP when the checkpoint has an MTP head (vLLM's MTP proposer cannot be stretched), else n-gram
+    lookup, stretched to the lookup block after `after_saturated` fully accepted steps by the plugin's custom_class
+    proposer (qconv_vllm/stretch.py); `dflash` passes its drafter model through. vLLM's CPU backend cannot run
+    speculation on hybrid (Gated-DeltaNet) models, so none is set there."""
     spec = src.speculative
     method = spec.method if spec is not None else "none"
     n = (spec.num_speculative_tokens if spec is not None else 0) if tokens is None else tokens
@@ -114,8 +116,34 @@ def speculative_config(src: ServeSource, platform: str | None = None, tokens: in
     if method == "mtp":
         raise QconvError(f"speculative method mtp, but {src.name} has no MTP head (mtp_num_hidden_layers = 0)",
                          fix="use a recipe with speculative.method lookup or none")
+    lk = spec.lookup
+    if method == "hybrid" and lk.after_saturated and lk.max_block > n:  # the stretch: the plugin's proposer
+        name = f"StretchedLookup_k{n}_s{lk.after_saturated}_n{lk.ngram_min}_{lk.ngram_max}"
+        return {"method": "custom_class", "model": f"qconv_vllm.stretch.{name}",
+                "num_speculative_tokens": lk.max_block}
     return {"method": "ngram", "num_speculative_tokens": n,
-            "prompt_lookup_max": spec.lookup.ngram_max, "prompt_lookup_min": spec.lookup.ngram_min}
+            "prompt_lookup_max": lk.ngram_max, "prompt_lookup_min": lk.ngram_min}
+
+
+# A recipe role's linears as vLLM names them (fused where vLLM fuses), for the plugin's W4A8 restriction
+VLLM_ROLE_MODULES = {"attn_qkv": r"\.self_attn\.qkv_proj$", "attn_o": r"\.self_attn\.o_proj$",
+                     "mlp_gate_up": r"\.mlp\.gate_up_proj$", "mlp_down": r"\.mlp\.down_proj$",
+                     "gdn_qkvz": r"\.linear_attn\.in_proj_qkvz$", "gdn_out": r"\.linear_attn\.out_proj$"}
+W4A8_ENV = "QCONV_VLLM_W4A8"  # the plugin's: which Marlin linears take int8 input (a regex on the module name)
+
+
+def profile_env(src: ServeSource, profile: str | None, platform: str | None) -> tuple[dict[str, str], str | None]:
+    """Environment a profile needs in vLLM, and a line to tell the user when part of it cannot apply. W4A8: Marlin's
+    int8 input path (VLLM_MARLIN_INPUT_DTYPE=int8, CUDA sm80+) on the profile's roles only (the plugin reads
+    QCONV_VLLM_W4A8; vLLM's own switch covers every Marlin linear)."""
+    name, p = pick_profile(src, profile)
+    if not p.w4a8:
+        return {}, None
+    if platform == "cpu":
+        return {}, (f"profile {name}: W4A8 ({', '.join(p.w4a8)}) runs on Marlin, which is CUDA-only; vLLM's CPU "
+                    "backend serves these linears W4A16")
+    pattern = "|".join(f"(?:{VLLM_ROLE_MODULES[r]})" for r in p.w4a8)
+    return {"VLLM_MARLIN_INPUT_DTYPE": "int8", W4A8_ENV: pattern}, None
 
 
 @dataclass
@@ -153,14 +181,14 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
     return argv + list(opts.extra_args)
 
 
-def vllm_env(api_key: str | None = None) -> dict[str, str]:
+def vllm_env(api_key: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The API key goes to vLLM through its environment (VLLM_API_KEY), not argv, which `ps` shows to everyone.
     vLLM's CPU backend also needs a KV budget in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPUs."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if api_key:
         env["VLLM_API_KEY"] = api_key
-    return env
+    return {**env, **(extra or {})}
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
@@ -200,10 +228,10 @@ def _stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 
 def run_vllm(argv: list[str], host: str, port: int, *, api_key: str | None = None,
-             health_timeout: float = 1800.0) -> int:
+             health_timeout: float = 1800.0, env: dict[str, str] | None = None) -> int:
     """Start vLLM in its own session, wait for /health, then stay in the foreground forwarding SIGINT/SIGTERM to its
     process group; its exit code. Whatever way this returns, no vLLM process is left running."""
-    proc = subprocess.Popen(argv, env=vllm_env(api_key), start_new_session=True)
+    proc = subprocess.Popen(argv, env=vllm_env(api_key, env), start_new_session=True)
     stopping = []
 
     def forward(signum, _frame):

@@ -48,12 +48,13 @@ def register() -> None:
     import vllm
 
     check_version(vllm.__version__)
-    from qconv_vllm import embedding, kernels, kvarn, tied_head
+    from qconv_vllm import embedding, kernels, kvarn, tied_head, w4a8
 
     _applied.extend(embedding.apply())
     _applied.extend(tied_head.apply())
     _applied.extend(kernels.apply())
     _applied.extend(kvarn.apply())
+    _applied.extend(w4a8.apply())
     log.info("qconv-vllm %s active on vLLM %s: %s", __version__, vllm.__version__, ", ".join(_applied))
 
 

@@ -2,7 +2,10 @@
 kernel for: its CPUWNA16 kernel takes 4-bit weights with both dimensions a multiple of 32, so an 8-bit lm_head
 ("Quant type (uint8b128) not supported by CPUWNA16") or a 4-bit layer of an odd width stops the load. Registered
 last for the CPU platform through vLLM's own `register_linear_kernel`, so vLLM's kernels keep every layer they
-can run; on GPUs Marlin runs W8A16 and this kernel is never chosen."""
+can run; on GPUs Marlin runs W8A16 and this kernel is never chosen. It takes zero points (uint4/uint8 codes with
+compressed-tensors' packed `weight_zero_point`) too. vLLM 0.32's CPU wheel builds CPUWNA16's GEMM
+(`cpu_gemm_wna16`) into its AVX-512 library only: on an AVX2 CPU that kernel is chosen and then fails at the first
+forward, so there the plugin names it in vLLM's own VLLM_DISABLED_KERNELS and this kernel runs the int4 layers."""
 
 from __future__ import annotations
 
@@ -26,11 +29,9 @@ def _kernel_class():
         def can_implement(cls, c: MPLinearLayerConfig) -> tuple[bool, str | None]:
             if not current_platform.is_cpu():
                 return False, "the qconv reference kernel runs on CPU only"
-            if c.zero_points:
-                return False, "the qconv reference kernel takes symmetric weights only"
             bits = c.weight_type.size_bits
-            if bits not in (2, 4, 8) or c.weight_type.bias != 1 << (bits - 1):
-                return False, f"the qconv reference kernel takes symmetric 2/4/8-bit ints, not {c.weight_type}"
+            if bits not in (2, 4, 8) or c.weight_type.bias != (0 if c.zero_points else 1 << (bits - 1)):
+                return False, f"the qconv reference kernel takes 2/4/8-bit ints, not {c.weight_type}"
             k = c.partition_weight_shape[0]
             if c.group_size not in (-1, 0) and k % c.group_size:
                 return False, f"group size {c.group_size} does not divide the input size {k}"
@@ -40,19 +41,40 @@ def _kernel_class():
             self.in_features = self.config.partition_weight_shape[0]
             self._transform_param(layer, self.w_q_name, lambda p: p.data.contiguous())
             self._transform_param(layer, self.w_s_name, lambda p: p.data.contiguous())
+            if self.config.zero_points:
+                self._transform_param(layer, self.w_zp_name, lambda p: p.data.contiguous())
 
         def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-            w_q, w_s, _ = self._get_weight_params(layer)
-            w = dequantize_rows(w_q, w_s, self.config.weight_type.size_bits, self.in_features, x.dtype)
+            w_q, w_s, w_zp = self._get_weight_params(layer)
+            w = dequantize_rows(w_q, w_s, self.config.weight_type.size_bits, self.in_features, x.dtype,
+                                w_zp if self.config.zero_points else None)
             return torch.nn.functional.linear(x, w, bias)
 
     return QconvReferenceWNA16LinearKernel
 
 
+CPU_WNA16 = "CPUWNA16LinearKernel"
+
+
+def cpu_wna16_runs() -> bool:
+    """Whether this vLLM's CPU library has the GEMM its CPUWNA16 kernel calls (absent from the AVX2 build)."""
+    import vllm._custom_ops  # noqa: F401 - loads the platform's _C library and registers its ops
+
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
+
+
 def apply() -> list[str]:
+    import os
+
     from vllm.model_executor.kernels.linear import register_linear_kernel
-    from vllm.platforms import PlatformEnum
+    from vllm.platforms import PlatformEnum, current_platform
 
     register_linear_kernel(_kernel_class(), PlatformEnum.CPU, "mp")
-    return ["reference WNA16 kernel (CPU, 2/4/8-bit)"]
+    done = ["reference WNA16 kernel (CPU, 2/4/8-bit, zero points)"]
+    if current_platform.is_cpu() and not cpu_wna16_runs():
+        disabled = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
+        if CPU_WNA16 not in disabled:
+            os.environ["VLLM_DISABLED_KERNELS"] = ",".join([*disabled, CPU_WNA16])  # vLLM reads it per selection
+        done.append(f"{CPU_WNA16} disabled (this vLLM CPU build has no cpu_gemm_wna16)")
+    return done

@@ -1,0 +1,113 @@
+"""vLLM's own speculative-decoding metrics on the copy / code / chat workloads (bench/spec_workloads.py's prompts),
+for plain greedy, vLLM's n-gram drafter (k tokens) and the plugin's stretched prompt lookup (k tokens, the block
+after `after_saturated` fully accepted steps): tokens per verify step (1 + accepted / drafts), acceptance per
+position, and whether greedy output equals plain greedy. Runs in the vLLM runtime's Python, in process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), with this checkout's plugin first on the path. Prints one JSON line.
+
+    PYTHONPATH=$PWD:$PWD/plugins/vllm .cache/venvs/vllm-cpu/bin/python bench/vllm_spec.py \\
+        --model .cache/models/smollm2-135m-instruct --prompts 4 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "plugins" / "vllm")]
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from spec_workloads import workload_texts  # noqa: E402
+
+FILES = {"copy": "wikitext-2-raw-test.txt", "code": "humaneval.jsonl", "chat": "mt_bench_questions.jsonl"}
+
+
+def spec_metrics(llm) -> dict:
+    """Counters of vLLM's spec-decode metrics (cumulative over the engine's life)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": []}
+    for m in llm.get_metrics():
+        name = m.name.removesuffix("_total")
+        if name == "vllm:spec_decode_num_drafts":
+            out["drafts"] += int(m.value)
+        elif name == "vllm:spec_decode_num_draft_tokens":
+            out["draft_tokens"] += int(m.value)
+        elif name == "vllm:spec_decode_num_accepted_tokens":
+            out["accepted"] += int(m.value)
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["per_position"] = [int(v) for v in m.values]
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    pos = [a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
+           for i, a in enumerate(after["per_position"])]
+    d["tokens_per_step"] = round(1 + d["accepted"] / d["drafts"], 3) if d["drafts"] else 1.0
+    d["acceptance_per_position"] = [round(a / d["drafts"], 3) for a in pos if d["drafts"]]
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(REPO / ".cache" / "models" / "smollm2-135m-instruct"))
+    ap.add_argument("--workloads", default="copy,code,chat")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--block", type=int, default=15)
+    ap.add_argument("--after-saturated", type=int, default=2)
+    ap.add_argument("--ngram", default="2,4")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    a = ap.parse_args()
+    lo, hi = (int(x) for x in a.ngram.split(","))
+    from qconv_vllm.stretch import class_name
+    from vllm import LLM, SamplingParams
+
+    configs = {"plain": None,
+               "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": lo,
+                         "prompt_lookup_max": hi},
+               "stretched": {"method": "custom_class",
+                             "model": "qconv_vllm.stretch." + class_name(a.k, a.after_saturated, lo, hi),
+                             "num_speculative_tokens": a.block}}
+    params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    out = {"bench": "vllm_spec", "model": a.model, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "k": a.k, "block": a.block, "after_saturated": a.after_saturated, "ngram": [lo, hi], "workloads": {}}
+    texts = {w: workload_texts(w, Path(a.data) / FILES[w], a.prompts) for w in a.workloads.split(",")}
+    greedy: dict[str, list[list[int]]] = {}
+    for name, spec in configs.items():
+        llm = LLM(model=a.model, max_model_len=a.max_model_len, enforce_eager=True, max_num_seqs=1,
+                  speculative_config=spec, seed=0, disable_log_stats=False)
+        tok = llm.get_tokenizer()
+        for w, ts in texts.items():
+            prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": t}],
+                                                                    add_generation_prompt=True, tokenize=True,
+                                                                    return_dict=False)}
+                       for t in ts]
+            before = spec_metrics(llm)
+            t0 = time.perf_counter()
+            res = llm.generate(prompts, params, use_tqdm=False)
+            secs = time.perf_counter() - t0
+            ids = [list(r.outputs[0].token_ids) for r in res]
+            row = delta(spec_metrics(llm), before)
+            row.update(new_tokens=sum(map(len, ids)), tok_s=round(sum(map(len, ids)) / secs, 2))
+            if name == "plain":
+                greedy[w] = ids
+            else:
+                row["identical_to_plain"] = ids == greedy[w]
+            out["workloads"].setdefault(w, {})[name] = row
+            print(json.dumps({w: {name: row}}), file=sys.stderr, flush=True)
+        del llm
+    for w, r in out["workloads"].items():
+        if r.get("ngram", {}).get("tokens_per_step"):
+            r["stretch_over_ngram"] = round(r["stretched"]["tokens_per_step"] / r["ngram"]["tokens_per_step"], 3)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -189,28 +189,10 @@ def _side(
 
 
 @triton.jit
-def _encode_kernel(
-    k_ptr,
-    v_ptr,
-    rec_ptr,
-    rec16_ptr,
-    RB: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    KB: tl.constexpr,
-    VB: tl.constexpr,
-    KC: tl.constexpr,
-    KA: tl.constexpr,
-    KZ: tl.constexpr,
-    KR: tl.constexpr,
-    VC: tl.constexpr,
-    VCOL: tl.constexpr,
-    VA: tl.constexpr,
-    VZ: tl.constexpr,
-    ITERS: tl.constexpr,
-    LIBDEV: tl.constexpr,
-):
+def _encode_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, F: tl.constexpr, ITERS: tl.constexpr, LIBDEV: tl.constexpr):
     """One tile per program; k, v come rotated (float32 [N, G, D]); K is read transposed (rows = channels)."""
+    D, G, KB, VB = F[0], F[1], F[2], F[3]  # head_dim, tile, bits; record bytes and field offsets:
+    RB, KC, KA, KZ, KR, VC, VCOL, VA, VZ = F[4], F[5], F[6], F[7], F[8], F[9], F[10], F[11], F[12]
     n = tl.program_id(0).to(tl.int64)
     d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
@@ -221,22 +203,9 @@ def _encode_kernel(
 
 
 def _field_args(d: int, g: int, k_bits: int, v_bits: int) -> dict:
+    """The kernels' constexpr F: (D, G, k bits, v bits, record bytes, byte offset of each field in storage order)."""
     o, rb = record_fields(d, g, k_bits, v_bits)
-    return dict(
-        RB=rb,
-        D=d,
-        G=g,
-        KB=k_bits,
-        VB=v_bits,
-        KC=o["k_codes"],
-        KA=o["k_a"],
-        KZ=o["k_z"],
-        KR=o["k_r"],
-        VC=o["v_codes"],
-        VCOL=o["v_c"],
-        VA=o["v_a"],
-        VZ=o["v_z"],
-    )
+    return dict(F=(d, g, k_bits, v_bits, rb, *o.values()))
 
 
 def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, iters: int = ref.ITERS) -> torch.Tensor:
@@ -247,7 +216,7 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
     if v.shape != k.shape:
         raise ValueError(f"encode_tiles: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     a = _field_args(d, g, k_bits, v_bits)
-    rec = torch.empty(n, a["RB"], dtype=torch.uint8, device=k.device)
+    rec = torch.empty(n, a["F"][4], dtype=torch.uint8, device=k.device)
     if n:
         h = hadamard(d, k.device)
         _encode_kernel[(n,)](
@@ -266,25 +235,10 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
 
 # ---------------------------------------------------------------- dequantize
 @triton.jit
-def _dequant_kernel(
-    rec_ptr,
-    rec16_ptr,
-    k_ptr,
-    v_ptr,
-    RB: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    KB: tl.constexpr,
-    VB: tl.constexpr,
-    KC: tl.constexpr,
-    KA: tl.constexpr,
-    KZ: tl.constexpr,
-    KR: tl.constexpr,
-    VC: tl.constexpr,
-    VCOL: tl.constexpr,
-    VA: tl.constexpr,
-    VZ: tl.constexpr,
-):
+def _dequant_kernel(rec_ptr, rec16_ptr, k_ptr, v_ptr, F: tl.constexpr):
+    """One record per program -> k [G, D], v [G, D] float32, rotated."""
+    D, G, KB, VB = F[0], F[1], F[2], F[3]  # head_dim, tile, bits; record bytes and field offsets:
+    RB, KC, KA, KZ, KR, VC, VCOL, VA, VZ = F[4], F[5], F[6], F[7], F[8], F[9], F[10], F[11], F[12]
     n = tl.program_id(0).to(tl.int64)
     d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
@@ -310,9 +264,9 @@ def dequant_tiles(
     _check(D, G, k_bits, v_bits)
     a = _field_args(D, G, k_bits, v_bits)
     n = records.shape[0]
-    if records.shape != (n, a["RB"]) or records.dtype != torch.uint8:
+    if records.shape != (n, a["F"][4]) or records.dtype != torch.uint8:
         raise ValueError(
-            f"dequant_tiles: records must be uint8 [N, {a['RB']}], got {records.dtype} {tuple(records.shape)}"
+            f"dequant_tiles: records must be uint8 [N, {a['F'][4]}], got {records.dtype} {tuple(records.shape)}"
         )
     k = torch.empty(n, G, D, dtype=torch.float32, device=records.device)
     v = torch.empty_like(k)
@@ -353,7 +307,7 @@ def _exact_tile(q, k_ptr, v_ptr, n, m, den, acc, scale, D: tl.constexpr, BG: tl.
 def _decode_kernel(
     q_ptr,
     qr_ptr,
-    pooden_ptr,
+    pool_ptr,
     pool16_ptr,
     bt_ptr,
     nc_ptr,
@@ -374,23 +328,13 @@ def _decode_kernel(
     BQ: tl.constexpr,
     BG: tl.constexpr,
     PREC: tl.constexpr,
-    RB: tl.constexpr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    KB: tl.constexpr,
-    VB: tl.constexpr,
-    KC: tl.constexpr,
-    KA: tl.constexpr,
-    KZ: tl.constexpr,
-    KR: tl.constexpr,
-    VC: tl.constexpr,
-    VCOL: tl.constexpr,
-    VA: tl.constexpr,
-    VZ: tl.constexpr,
+    F: tl.constexpr,
 ):
     """Program (sequence b, KV head h, split s): the GQ query heads of h over split s's quantized tiles; split 0
     also takes the exact sink and tile being filled. Writes unnormalized partials (m, den, acc natural, acc rotated).
     Tiles go BG tokens a step so no dot operand outgrows shared memory (a [256, 128] fp32 one would, at D=256)."""
+    D, G, KB, VB = F[0], F[1], F[2], F[3]  # head_dim, tile, bits; record bytes and field offsets:
+    RB, KC, KA, KZ, KR, VC, VCOL, VA, VZ = F[4], F[5], F[6], F[7], F[8], F[9], F[10], F[11], F[12]
     b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
     qi, d = tl.arange(0, BQ), tl.arange(0, D)
     qmask = qi < GQ
@@ -414,7 +358,7 @@ def _decode_kernel(
     t_hi = tl.minimum(t_lo + TPS, tl.load(nc_ptr + b) + 1)  # tiles 1..n_closed only: nothing out of range is read
     for t in range(t_lo, t_hi):
         blk = tl.load(bt_ptr + b * max_blocks + t).to(tl.int64)
-        rec, rec16 = pooden_ptr + (blk * HKV + h) * RB, pool16_ptr + (blk * HKV + h) * (RB // 2)
+        rec, rec16 = pool_ptr + (blk * HKV + h) * RB, pool16_ptr + (blk * HKV + h) * (RB // 2)
         # K~[t, d] = (code a_d + z_d) r_t, rotated: score_t = r_t (sum_d code (qr_d a_d) + qr . z)
         qa = qr * tl.load(rec16 + KA // 2 + d).to(tl.float32)[None, :]
         qz = tl.sum(qr * tl.load(rec16 + KZ // 2 + d).to(tl.float32)[None, :], 1)
@@ -460,9 +404,9 @@ def decode_attention(
     _check(d, G, k_bits, v_bits)
     hkv = pool.shape[1]
     a = _field_args(d, G, k_bits, v_bits)
-    if hq % hkv or pool.shape[2] != a["RB"] or pool.dtype != torch.uint8:
+    if hq % hkv or pool.shape[2] != a["F"][4] or pool.dtype != torch.uint8:
         raise ValueError(
-            f"decode_attention: pool must be uint8 [blocks, Hkv, {a['RB']}] with Hq={hq} a multiple of "
+            f"decode_attention: pool must be uint8 [blocks, Hkv, {a['F'][4]}] with Hq={hq} a multiple of "
             f"Hkv, got {pool.dtype} {tuple(pool.shape)}"
         )
     if stage_k.shape != (bsz, 2, hkv, G, d) or stage_v.shape != stage_k.shape:

@@ -27,15 +27,32 @@ def model_config(layers: int, vocab: int):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=128, full_attention_interval=4,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, tie_word_embeddings=False, mtp_num_hidden_layers=0, max_position_embeddings=4096,
-        bos_token_id=0, eos_token_id=2, pad_token_id=0, architectures=["Qwen3_5ForCausalLM"])
+        vocab_size=vocab,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        full_attention_interval=4,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        tie_word_embeddings=False,
+        mtp_num_hidden_layers=0,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        architectures=["Qwen3_5ForCausalLM"],
+    )
 
 
-def write_model(out: Path, layers: int, vocab: int, shard_bytes: int = 1 << 29, seed: int = 0,
-                cfg=None) -> tuple[int, int]:
+def write_model(
+    out: Path, layers: int, vocab: int, shard_bytes: int = 1 << 29, seed: int = 0, cfg=None
+) -> tuple[int, int]:
     """A seeded random model (`cfg`, default model_config(layers, vocab)), one tensor at a time, in shards of
     ~shard_bytes. Returns (parameters, bytes)."""
     import torch
@@ -75,8 +92,9 @@ def write_model(out: Path, layers: int, vocab: int, shard_bytes: int = 1 << 29, 
         if size >= shard_bytes:
             flush()
     flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
-                                                                   "weight_map": weight_map}, indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     cfg.save_pretrained(out)
     make_tokenizer().save_pretrained(out)
     return params, total
@@ -98,8 +116,14 @@ def _status(pid: int) -> tuple[int, int]:
 def run_traced(cmd: list[str], trace: Path) -> tuple[int, str, str]:
     """Run the build; every second write (seconds, RSS, peak RSS, latest log line) to `trace`. Returns the exit
     code, the output's tail, and the log line that was latest when the peak grew for the last time."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     state = {"line": "", "tail": []}
 
     def read():
@@ -145,9 +169,29 @@ def main() -> None:
     from tests.tiny import CORPUS
 
     cal.write_text(CORPUS * 50)
-    cmd = [sys.executable, "-m", "qconv.cli", "build", "--recipe", "3090", "--model", str(src), "--out", str(out),
-           "--dataset", str(cal), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--stream",
-           "--force", "--fresh", "--work-dir", str(args.work / "work")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "qconv.cli",
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        str(src),
+        "--out",
+        str(out),
+        "--dataset",
+        str(cal),
+        "--samples",
+        str(args.samples),
+        "--seq-len",
+        str(args.seq_len),
+        "--stream",
+        "--force",
+        "--fresh",
+        "--work-dir",
+        str(args.work / "work"),
+    ]
     t0 = time.time()
     rc, tail, peak_step = run_traced(cmd, args.work / "rss_trace.tsv")
     elapsed = time.time() - t0
@@ -160,10 +204,24 @@ def main() -> None:
     art_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
         packed = any(k.endswith("weight_packed") for k in f.keys())
-    print(json.dumps({"bench": "build_memory", "params": params, "bf16_bytes": total, "peak_rss_bytes": peak,
-                      "rss_over_bf16": round(peak / total, 3), "pass": peak < 0.75 * total,
-                      "artifact_bytes": art_bytes, "int4_packed": packed, "elapsed_s": round(elapsed, 1),
-                      "samples": args.samples, "seq_len": args.seq_len, "peak_during": peak_step}))
+    print(
+        json.dumps(
+            {
+                "bench": "build_memory",
+                "params": params,
+                "bf16_bytes": total,
+                "peak_rss_bytes": peak,
+                "rss_over_bf16": round(peak / total, 3),
+                "pass": peak < 0.75 * total,
+                "artifact_bytes": art_bytes,
+                "int4_packed": packed,
+                "elapsed_s": round(elapsed, 1),
+                "samples": args.samples,
+                "seq_len": args.seq_len,
+                "peak_during": peak_step,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

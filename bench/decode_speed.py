@@ -43,9 +43,15 @@ def ours_generate(model, prompt: torch.Tensor, new: int, cache) -> list[int]:
 
 
 def hf_generate(model, prompt: torch.Tensor, new: int) -> list[int]:
-    ids = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, num_beams=1)
-    return ids[0, prompt.shape[1]:].tolist()
+    ids = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        num_beams=1,
+    )
+    return ids[0, prompt.shape[1] :].tolist()
 
 
 def load_hf(path: Path, dtype: torch.dtype):
@@ -61,16 +67,18 @@ def load_hf(path: Path, dtype: torch.dtype):
     else:
         from transformers.utils.quantization_config import CompressedTensorsConfig
 
-        deq = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
-                                                   quantization_config=CompressedTensorsConfig(dequantize=True))
+        deq = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True)
+        )
         dense = {k: v.detach().to(dtype) for k, v in deq.state_dict().items()}
         del cfg.quantization_config
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
         model.load_state_dict({k: dense[k] for k in model.state_dict()}, strict=True)
         model.generation_config = GenerationConfig.from_pretrained(path)
     for name, mod in model.named_modules():  # plain dense Linears: nothing of compressed-tensors left on them
-        if isinstance(mod, nn.Linear) and ("forward" in vars(mod) or type(mod) is not nn.Linear
-                                           or mod.weight.dtype != dtype):
+        if isinstance(mod, nn.Linear) and (
+            "forward" in vars(mod) or type(mod) is not nn.Linear or mod.weight.dtype != dtype
+        ):
             raise SystemExit(f"transformers' {name} is not a plain dense {dtype} Linear: {type(mod).__name__}")
     return model
 
@@ -95,8 +103,10 @@ def near_tie(path: Path, model, prompt: torch.Tensor, a: list[int], b: list[int]
     cache = model.new_cache(1, seq.shape[1])
     model(seq[:, :-1], cache)
     ours = model(seq[:, -1:], cache)[0, -1]  # a decode step, as in the run (int kernels at 1 row)
-    return {"fp32_gap_at_divergence": round(abs(float(exact[a[i]] - exact[b[i]])), 4),
-            "bf16_logit_error_there": round(float((ours - exact).abs().max()), 4)}
+    return {
+        "fp32_gap_at_divergence": round(abs(float(exact[a[i]] - exact[b[i]])), 4),
+        "bf16_logit_error_there": round(float((ours - exact).abs().max()), 4),
+    }
 
 
 def decode_bench(a) -> dict:
@@ -106,8 +116,11 @@ def decode_bench(a) -> dict:
     path = Path(a.model) if a.model else DEFAULT_MODEL
     dtype = getattr(torch, a.dtype)
     tok = load_tokenizer(path)
-    text = tok.apply_chat_template([{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     prompt = torch.tensor([tok(text)["input_ids"]])
     ours = load_model(path, dtype=dtype, int_kernels=False if a.dequantize else None)
     engines = {"ours": lambda: ours_generate(ours, prompt, a.new, cache)}
@@ -129,12 +142,21 @@ def decode_bench(a) -> dict:
                 best[name] = min(best[name], time.perf_counter() - t0)
                 cpu[name] = min(cpu[name], time.process_time() - c0)
     tps = {k: a.new / v for k, v in best.items()}
-    r = {"model": path.name, "dtype": a.dtype, "threads": torch.get_num_threads(),
-         "int4_linears": sum(isinstance(m, Int4Linear) for m in ours.modules()),
-         "embedding": type(ours.embed_tokens).__name__, "prompt_tokens": prompt.shape[1], "new_tokens": a.new,
-         "ours_tok_s": round(tps["ours"], 2), "hf_tok_s": round(tps["hf"], 2),
-         "ratio": round(tps["ours"] / tps["hf"], 3), "cpu_time_ratio": round(cpu["hf"] / cpu["ours"], 3),
-         **divergence(outs["ours"], outs["hf"]), **near_tie(path, ours, prompt, outs["ours"], outs["hf"])}
+    r = {
+        "model": path.name,
+        "dtype": a.dtype,
+        "threads": torch.get_num_threads(),
+        "int4_linears": sum(isinstance(m, Int4Linear) for m in ours.modules()),
+        "embedding": type(ours.embed_tokens).__name__,
+        "prompt_tokens": prompt.shape[1],
+        "new_tokens": a.new,
+        "ours_tok_s": round(tps["ours"], 2),
+        "hf_tok_s": round(tps["hf"], 2),
+        "ratio": round(tps["ours"] / tps["hf"], 3),
+        "cpu_time_ratio": round(cpu["hf"] / cpu["ours"], 3),
+        **divergence(outs["ours"], outs["hf"]),
+        **near_tie(path, ours, prompt, outs["ours"], outs["hf"]),
+    }
     if a.also_dequantized:
         r["ours_dequantized_tok_s"] = round(tps["ours_dequantized"], 2)
         r["dequantized_ratio"] = round(tps["ours_dequantized"] / tps["hf"], 3)
@@ -165,18 +187,22 @@ def kernel_bench(rows=(1, 2, 4, 16, 64)) -> dict:
         q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 1)
         sz = torch.stack([torch.rand(K // group, N), torch.zeros(K // group, N)], -1).to(torch.bfloat16)
         q8, s8 = torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N, K // 64).to(torch.bfloat16)
-        slices = [(q8[:, i:i + 64].contiguous(), s8[:, i // 64].contiguous()) for i in range(0, K, 64)]
+        slices = [(q8[:, i : i + 64].contiguous(), s8[:, i // 64].contiguous()) for i in range(0, K, 64)]
         for M in rows if N < 49152 else rows[:3]:
             x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-            xs = [x[:, i:i + 64].contiguous() for i in range(0, K, 64)]
-            row = {"plain_bf16": _time_us(lambda: torch.nn.functional.linear(x, w)),
-                   "packed_bf16": _time_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [],
-                                                                                      "")),
-                   "int4": _time_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4, group, sz)),
-                   "int8_per_channel": _time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8[:, 0]))}
+            xs = [x[:, i : i + 64].contiguous() for i in range(0, K, 64)]
+            row = {
+                "plain_bf16": _time_us(lambda: torch.nn.functional.linear(x, w)),
+                "packed_bf16": _time_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")),
+                "int4": _time_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4, group, sz)),
+                "int8_per_channel": _time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8[:, 0])),
+            }
             if N == 49152:
-                row["int8_group64_split"] = _time_us(lambda: sum(
-                    torch.ops.aten._weight_int8pack_mm(xi, qi, si).float() for xi, (qi, si) in zip(xs, slices)))
+                row["int8_group64_split"] = _time_us(
+                    lambda: sum(
+                        torch.ops.aten._weight_int8pack_mm(xi, qi, si).float() for xi, (qi, si) in zip(xs, slices)
+                    )
+                )
             out[f"{N}x{K} g{group} M={M}"] = row
     return out
 

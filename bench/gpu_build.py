@@ -42,10 +42,12 @@ def fail(msg: str, code: int = 1) -> None:
     raise SystemExit(code)
 
 
-PROBE = ("import resource, runpy, sys, torch\nsys.argv = ['qconv'] + sys.argv[1:]\ntry:\n"
-         "    runpy.run_module('qconv.cli', run_name='__main__')\nfinally:\n"
-         "    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0\n"
-         "    print('PEAKS', cuda, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)")
+PROBE = (
+    "import resource, runpy, sys, torch\nsys.argv = ['qconv'] + sys.argv[1:]\ntry:\n"
+    "    runpy.run_module('qconv.cli', run_name='__main__')\nfinally:\n"
+    "    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0\n"
+    "    print('PEAKS', cuda, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)"
+)
 
 
 def qconv(args: list, log: Path) -> dict:
@@ -53,21 +55,31 @@ def qconv(args: list, log: Path) -> dict:
     host RSS (both read by the process itself as it exits)."""
     t0 = time.time()
     with open(log, "w") as f:
-        rc = subprocess.call([sys.executable, "-c", PROBE, *map(str, args)], cwd=REPO, stdout=f,
-                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+        rc = subprocess.call(
+            [sys.executable, "-c", PROBE, *map(str, args)],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
     text = log.read_text(errors="replace")
     peaks = re.search(r"PEAKS (\d+) (\d+)", text)
     if rc or not peaks:
         fail(f"qconv {args[0]} exited {rc}: {text[-1500:]}")
-    return {"wall_s": round(time.time() - t0, 1), "cuda_peak_gib": round(int(peaks[1]) / 2**30, 2),
-            "host_peak_rss_gib": round(int(peaks[2]) / 2**30, 2)}
+    return {
+        "wall_s": round(time.time() - t0, 1),
+        "cuda_peak_gib": round(int(peaks[1]) / 2**30, 2),
+        "host_peak_rss_gib": round(int(peaks[2]) / 2**30, 2),
+    }
 
 
 def layer_lines(build_log: Path) -> list[dict]:
     """The build's per-layer lines (qconv.convert.device.LayerClock): seconds and peak device memory."""
     pat = re.compile(r"(layer \d+/\d+|lm_head): ([\d.]+) s\b.*? peak (?:allocated|RSS) ([\d.]+) GiB")
-    return [{"phase": m[1], "s": float(m[2]), "peak_gib": float(m[3])}
-            for m in pat.finditer(build_log.read_text(errors="replace"))]
+    return [
+        {"phase": m[1], "s": float(m[2]), "peak_gib": float(m[3])}
+        for m in pat.finditer(build_log.read_text(errors="replace"))
+    ]
 
 
 def dequantized(art: Path, prefix: str) -> dict:
@@ -100,8 +112,13 @@ def compare(gpu: Path, cpu: Path, source: Path) -> dict:
     orig = {}
     for shard in source.glob("*.safetensors"):
         with safe_open(shard, "pt") as f:
-            orig.update({k.removesuffix(".weight"): f.get_tensor(k).float() for k in f.keys()
-                         if k.startswith("model.layers.0.") and k.endswith(".weight")})
+            orig.update(
+                {
+                    k.removesuffix(".weight"): f.get_tensor(k).float()
+                    for k in f.keys()
+                    if k.startswith("model.layers.0.") and k.endswith(".weight")
+                }
+            )
     g, c = dequantized(gpu, "model.layers.0."), dequantized(cpu, "model.layers.0.")
     rows, ok = {}, True
     for name in sorted(c):
@@ -109,9 +126,12 @@ def compare(gpu: Path, cpu: Path, source: Path) -> dict:
         eg = float((g[name][1] - w).norm() / w.norm())
         ec = float((c[name][1] - w).norm() / w.norm())
         same = float((g[name][0] == c[name][0]).float().mean())
-        rows[name.removeprefix("model.layers.0.")] = {"err_gpu": round(eg, 5), "err_cpu": round(ec, 5),
-                                                      "codes_equal": round(same, 4),
-                                                      "max_code_diff": int((g[name][0] - c[name][0]).abs().max())}
+        rows[name.removeprefix("model.layers.0.")] = {
+            "err_gpu": round(eg, 5),
+            "err_cpu": round(ec, 5),
+            "codes_equal": round(same, 4),
+            "max_code_diff": int((g[name][0] - c[name][0]).abs().max()),
+        }
         ok &= abs(eg - ec) <= TOLERANCE * ec
     emb = dequantized(gpu, "model.embed_tokens")
     emb_cpu = dequantized(cpu, "model.embed_tokens")
@@ -132,8 +152,10 @@ def main() -> None:
     except ImportError as e:
         fail(f"torch is not importable: {e}")
     if not torch.cuda.is_available():
-        fail(f"no CUDA device: torch {torch.__version__} sees no GPU (this bench is for a machine with one; the CPU "
-             "path is in tests/test_build_device.py)")
+        fail(
+            f"no CUDA device: torch {torch.__version__} sees no GPU (this bench is for a machine with one; the CPU "
+            "path is in tests/test_build_device.py)"
+        )
     sys.path.insert(0, str(REPO / "bench"))
     sys.path.insert(0, str(REPO))
     from build_memory import write_model
@@ -151,26 +173,90 @@ def main() -> None:
         if not (src / "model.safetensors.index.json").is_file():
             write_model(src, depth, 0, cfg=text_config(CONFIG_27B, depth, 1, None))
     written_s = round(time.time() - t0, 1)
-    cal = ["--dataset", text, "--samples", args.samples, "--seq-len", args.seq_len, "--int8-budget", "0", "--stream",
-           "--force", "--fresh"]
+    cal = [
+        "--dataset",
+        text,
+        "--samples",
+        args.samples,
+        "--seq-len",
+        args.seq_len,
+        "--int8-budget",
+        "0",
+        "--stream",
+        "--force",
+        "--fresh",
+    ]
     gpu_art, cpu_art = w / "art-gpu", w / "art-cpu"
-    build = qconv(["build", "--recipe", "3090", "--model", src2, "--out", gpu_art, "--work-dir", w / "work-gpu",
-                   "--device", "cuda", *cal], w / "build-gpu.log")
+    build = qconv(
+        [
+            "build",
+            "--recipe",
+            "3090",
+            "--model",
+            src2,
+            "--out",
+            gpu_art,
+            "--work-dir",
+            w / "work-gpu",
+            "--device",
+            "cuda",
+            *cal,
+        ],
+        w / "build-gpu.log",
+    )
     phases = layer_lines(w / "work-gpu" / "build.log")
     ev_out = w / "eval-gpu"
-    ev = qconv(["eval", gpu_art, "--reference", src2, "--text", text, "--window", 2048, "--max-tokens",
-                args.eval_tokens, "--streamed", "--device", "cuda", "--out", ev_out], w / "eval-gpu.log")
+    ev = qconv(
+        [
+            "eval",
+            gpu_art,
+            "--reference",
+            src2,
+            "--text",
+            text,
+            "--window",
+            2048,
+            "--max-tokens",
+            args.eval_tokens,
+            "--streamed",
+            "--device",
+            "cuda",
+            "--out",
+            ev_out,
+        ],
+        w / "eval-gpu.log",
+    )
     report = json.loads((ev_out / "report.json").read_text())
-    result = {"bench": "gpu_build", "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "samples": args.samples, "seq_len": args.seq_len, "model_write_s": written_s,
-              "build": {**build, "phases": phases,
-                        "s_per_layer": [x["s"] for x in phases if x["phase"].startswith("layer")]},
-              "eval": {**ev, "kld_mean": report["weights"]["kld_mean"], "forward": report["forward"]}}
+    result = {
+        "bench": "gpu_build",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "samples": args.samples,
+        "seq_len": args.seq_len,
+        "model_write_s": written_s,
+        "build": {**build, "phases": phases, "s_per_layer": [x["s"] for x in phases if x["phase"].startswith("layer")]},
+        "eval": {**ev, "kld_mean": report["weights"]["kld_mean"], "forward": report["forward"]},
+    }
     if not args.skip_cpu:
         keep_head = w / "cpu-ref.yaml"
         keep_head.write_text('extends: "3090"\nname: 3090-cpu-ref\nroles: {lm_head: bf16}\n')
-        result["cpu_reference"] = qconv(["build", "--recipe", keep_head, "--model", src1, "--out", cpu_art,
-                                         "--work-dir", w / "work-cpu", "--device", "cpu", *cal], w / "build-cpu.log")
+        result["cpu_reference"] = qconv(
+            [
+                "build",
+                "--recipe",
+                keep_head,
+                "--model",
+                src1,
+                "--out",
+                cpu_art,
+                "--work-dir",
+                w / "work-cpu",
+                "--device",
+                "cpu",
+                *cal,
+            ],
+            w / "build-cpu.log",
+        )
         result["compare"] = compare(gpu_art, cpu_art, src2)
     result["total_s"] = round(time.time() - t0, 1)
     print(json.dumps(result))

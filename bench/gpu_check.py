@@ -66,8 +66,9 @@ def main() -> None:
     report["spec_qwen3_5"] = spec_equal(root / "qwen3_5", ("mtp", "hybrid"), dev)
     t = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    kv = subprocess.run([sys.executable, str(REPO / "bench" / "kv_speed.py"), "--device", dev], capture_output=True,
-                        text=True, env=env)
+    kv = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "kv_speed.py"), "--device", dev], capture_output=True, text=True, env=env
+    )
     report["kv_speed"] = json.loads(kv.stdout.strip().splitlines()[-1]) if kv.returncode == 0 else kv.stderr[-2000:]
     report["kv_speed_wall_s"] = round(time.perf_counter() - t, 1)
     print(json.dumps(report))

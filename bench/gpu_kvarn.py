@@ -143,7 +143,7 @@ def backend_section() -> dict:
 
     dev, out, t0 = "cuda", {}, time.perf_counter()
     for ctx in (32 * 1024, 128 * 1024):
-        impl = KVarNAttentionImpl(HQ, D, D ** -0.5, HKV, kv_cache_dtype="kvarn_k4v2_g128")
+        impl = KVarNAttentionImpl(HQ, D, D**-0.5, HKV, kv_cache_dtype="kvarn_k4v2_g128")
         tiles = ctx // G + 1
         pool = torch.zeros(tiles, HKV, G, impl.codec.bytes_per_token, dtype=torch.uint8, device=dev)
         table = torch.arange(tiles, dtype=torch.int32, device=dev)[None]
@@ -170,9 +170,12 @@ def backend_section() -> dict:
         fp8_decode = _sdpa_us_cast(q1, kf)
         fp16_prefill = _sdpa_us(qp, kf, kf) / 1e6
         out[f"{ctx // 1024}k"] = {
-            "kvarn_prefill_tok_s": round(new / prefill_s), "fp16_sdpa_prefill_tok_s": round(new / fp16_prefill),
-            "kvarn_decode_us": round(decode_us, 1), "fp16_sdpa_decode_us": round(fp16_decode, 1),
-            "fp8_cast_sdpa_decode_us": round(fp8_decode, 1)}
+            "kvarn_prefill_tok_s": round(new / prefill_s),
+            "fp16_sdpa_prefill_tok_s": round(new / fp16_prefill),
+            "kvarn_decode_us": round(decode_us, 1),
+            "fp16_sdpa_decode_us": round(fp16_decode, 1),
+            "fp8_cast_sdpa_decode_us": round(fp8_decode, 1),
+        }
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     return out
 

@@ -44,19 +44,33 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def vllm_runs(path: Path, ids: list[list[int]], a) -> dict:
-    from qconv_vllm.stretch import class_name
     from vllm import LLM, SamplingParams
     from vllm_spec import delta, spec_metrics
 
-    configs = {"plain": None, "mtp": {"method": "mtp", "num_speculative_tokens": a.k},
-               "stretched_lookup": {"method": "custom_class", "num_speculative_tokens": a.block,
-                                    "model": "qconv_vllm.stretch." + class_name(a.k, a.after_saturated, 2, 4)}}
+    from qconv_vllm.stretch import class_name
+
+    configs = {
+        "plain": None,
+        "mtp": {"method": "mtp", "num_speculative_tokens": a.k},
+        "stretched_lookup": {
+            "method": "custom_class",
+            "num_speculative_tokens": a.block,
+            "model": "qconv_vllm.stretch." + class_name(a.k, a.after_saturated, 2, 4),
+        },
+    }
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
     out, ref = {}, None
     for name, spec in configs.items():
         t0 = time.perf_counter()
-        llm = LLM(model=str(path), max_model_len=1024, enforce_eager=True, speculative_config=spec, seed=0,
-                  disable_log_stats=False, gpu_memory_utilization=0.3)
+        llm = LLM(
+            model=str(path),
+            max_model_len=1024,
+            enforce_eager=True,
+            speculative_config=spec,
+            seed=0,
+            disable_log_stats=False,
+            gpu_memory_utilization=0.3,
+        )
         before = spec_metrics(llm)
         res = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         toks = [list(r.outputs[0].token_ids) for r in res]
@@ -78,15 +92,19 @@ def engine_runs(path: Path, ids: list[list[int]], a) -> dict:
 
     model = load_model(path).to("cuda")
     model.config.eos_token_ids = []  # random weights say eos early: run every token
-    specs = {"mtp": SpecConfig("mtp", k=a.k, max_block=a.k, adaptive=False),
-             "mtp_stretched": SpecConfig("hybrid", k=a.k, max_block=a.block, adaptive=False,
-                                         after_saturated=a.after_saturated)}
+    specs = {
+        "mtp": SpecConfig("mtp", k=a.k, max_block=a.k, adaptive=False),
+        "mtp_stretched": SpecConfig(
+            "hybrid", k=a.k, max_block=a.block, adaptive=False, after_saturated=a.after_saturated
+        ),
+    }
     ref = [list(generate_tokens(model, p, GenerationConfig(max_tokens=a.max_tokens))) for p in ids]
     out = {}
     for name, spec in specs.items():
         stats = GenerationStats()
-        toks = [list(generate_tokens(model, p, GenerationConfig(max_tokens=a.max_tokens, spec=spec), stats))
-                for p in ids]
+        toks = [
+            list(generate_tokens(model, p, GenerationConfig(max_tokens=a.max_tokens, spec=spec), stats)) for p in ids
+        ]
         out[name] = {"tokens_per_step": round(stats.tokens_per_step, 3), "identical_to_plain": toks == ref}
     return out
 
@@ -115,9 +133,17 @@ def main() -> None:
     t0 = time.perf_counter()
     path = make_tiny_model("qwen3_5", Path(tempfile.mkdtemp()))
     ids = prompts(a.prompts)
-    report = {"bench": "gpu_spec", "gpu": torch.cuda.get_device_name(), "vllm": vllm.__version__, "k": a.k,
-              "block": a.block, "after_saturated": a.after_saturated, "max_tokens": a.max_tokens,
-              "engine": engine_runs(path, ids, a), "vllm_runs": vllm_runs(path, ids, a)}
+    report = {
+        "bench": "gpu_spec",
+        "gpu": torch.cuda.get_device_name(),
+        "vllm": vllm.__version__,
+        "k": a.k,
+        "block": a.block,
+        "after_saturated": a.after_saturated,
+        "max_tokens": a.max_tokens,
+        "engine": engine_runs(path, ids, a),
+        "vllm_runs": vllm_runs(path, ids, a),
+    }
     report["seconds"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report))
 

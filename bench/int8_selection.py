@@ -39,20 +39,37 @@ def smollm2() -> Path:
 def kld(art: Path, src: Path, text: Path, tokens: int) -> dict:
     from qconv.eval.quality import EvalSettings, Source, measure, safetensors_stats
 
-    report, _ = measure(art, Source(src, "bench-int8-" + src.name, safetensors_stats(src)[0]),
-                        EvalSettings(text=str(text), window=2048, max_tokens=tokens))
+    report, _ = measure(
+        art,
+        Source(src, "bench-int8-" + src.name, safetensors_stats(src)[0]),
+        EvalSettings(text=str(text), window=2048, max_tokens=tokens),
+    )
     w = report["weights"]
-    return {k: w[k] for k in ("kld_mean", "kld_se", "kld_p99", "top1", "ppl_ratio", "tokens")} | \
-        {"artifact_bytes": report["artifact_bytes"]}
+    return {k: w[k] for k in ("kld_mean", "kld_se", "kld_p99", "top1", "ppl_ratio", "tokens")} | {
+        "artifact_bytes": report["artifact_bytes"]
+    }
 
 
-def build_cli(src: Path, out: Path, work: Path, cal: Path, budget: str, samples: int, seq_len: int,
-              sensitivity: str = "proxy") -> dict:
+def build_cli(
+    src: Path, out: Path, work: Path, cal: Path, budget: str, samples: int, seq_len: int, sensitivity: str = "proxy"
+) -> dict:
     from qconv.build.pipeline import BuildOptions, build
 
-    m = build(BuildOptions(model=str(src), recipe="3090", out=out, dataset=str(cal), samples=samples,
-                           seq_len=seq_len, force=True, fresh=True, work_dir=work, upgrade_budget=budget,
-                           sensitivity=sensitivity))
+    m = build(
+        BuildOptions(
+            model=str(src),
+            recipe="3090",
+            out=out,
+            dataset=str(cal),
+            samples=samples,
+            seq_len=seq_len,
+            force=True,
+            fresh=True,
+            work_dir=work,
+            upgrade_budget=budget,
+            sensitivity=sensitivity,
+        )
+    )
     return m.to_dict()
 
 
@@ -61,13 +78,12 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     they fit the budget (units of one role weigh the same, so this matches the measured byte count; checked)."""
     from transformers import AutoTokenizer
 
+    from qconv.build.options import BuildOptions, recipe_for
     from qconv.calibrate.data import load_calibration
     from qconv.calibrate.select import parse_budget, select
-    from qconv.convert.layout import apply_selection, candidate_units
     from qconv.convert.artifact import copy_side_files, write_index
-    from qconv.build.options import BuildOptions, recipe_for
-    from qconv.convert.layout import plan_model
     from qconv.convert.hfmodel import load_causal_lm
+    from qconv.convert.layout import apply_selection, candidate_units, plan_model
     from qconv.convert.quantize import quantize
     from qconv.convert.sources import read_config
 
@@ -77,14 +93,22 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     units = candidate_units(plan, recipe)
     ok = sorted(u.name for u in units if not u.refusal)
     random.Random(seed).shuffle(ok)
-    sel = select(units, None, parse_budget(budget, plan.total_bytes), budget=budget, scheme=recipe.selection.scheme,
-                 order=ok)
+    sel = select(
+        units, None, parse_budget(budget, plan.total_bytes), budget=budget, scheme=recipe.selection.scheme, order=ok
+    )
     tok = AutoTokenizer.from_pretrained(src)
     calib = load_calibration(str(cal), tok, samples=samples, seq_len=seq_len, seed=recipe.calibration.seed)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    quantize(load_causal_lm(src).eval(), apply_selection(plan, units, sel.choices), recipe, calib.input_ids, out,
-             untie=plan.untie_embeddings, seed=recipe.calibration.seed)
+    quantize(
+        load_causal_lm(src).eval(),
+        apply_selection(plan, units, sel.choices),
+        recipe,
+        calib.input_ids,
+        out,
+        untie=plan.untie_embeddings,
+        seed=recipe.calibration.seed,
+    )
     copy_side_files(src, out)
     write_index(out)
     return {"int8_units": sorted(sel.chosen), "spent_bytes": sel.spent, "calibration_sha256": calib.info.sha256}
@@ -96,19 +120,26 @@ def run_part(part: str, args) -> dict:
     n, L = args.samples, args.seq_len
     if part == "uniform":
         reuse = args.reuse and (w / part / "qconv.json").is_file()
-        man = json.loads((w / part / "qconv.json").read_text()) if reuse else \
-            build_cli(src, w / part, w / "work_u", cal, "0", n, L)
+        man = (
+            json.loads((w / part / "qconv.json").read_text())
+            if reuse
+            else build_cli(src, w / part, w / "work_u", cal, "0", n, L)
+        )
         extra = {"int8_units": [], "spent_bytes": 0, "calibration_sha256": man["calibration"]["sha256"]}
     elif part.startswith("measured"):
         man = build_cli(src, w / part, w / f"work_{part}", cal, args.budget, n, L, args.sensitivity)
         sel = man["selection"]
-        extra = {"int8_units": sorted(r["unit"] for r in sel["units"] if r["decision"] == "int8"),
-                 "spent_bytes": sel["spent_bytes"], "calibration_sha256": man["calibration"]["sha256"],
-                 "eligible_units": sum(1 for r in sel["units"] if not r["decision"].startswith("refused")),
-                 "candidate_units": len(sel["units"]), "weights_sha256": weight_shas(man),
-                 "sensitivity_method": sel["method"]}
+        extra = {
+            "int8_units": sorted(r["unit"] for r in sel["units"] if r["decision"] == "int8"),
+            "spent_bytes": sel["spent_bytes"],
+            "calibration_sha256": man["calibration"]["sha256"],
+            "eligible_units": sum(1 for r in sel["units"] if not r["decision"].startswith("refused")),
+            "candidate_units": len(sel["units"]),
+            "weights_sha256": weight_shas(man),
+            "sensitivity_method": sel["method"],
+        }
     else:
-        extra = build_random(src, w / part, cal, args.budget, int(part[len("random"):]), n, L)
+        extra = build_random(src, w / part, cal, args.budget, int(part[len("random") :]), n, L)
     return kld(w / part, src, text, args.eval_tokens) | extra
 
 
@@ -137,9 +168,14 @@ def main() -> None:
     t0 = time.time()
     # the uniform part first: it also fills the reference-logit cache the others read
     parts = ["measured"] + [f"random{i}" for i in range(1, args.randoms + 1)] + (["measured2"] if args.repro else [])
-    res: dict = {"bench": "int8_selection", "model": "SmolLM2-135M-Instruct", "budget": args.budget,
-                 "sensitivity": args.sensitivity, "calibration": f"tinyshakespeare {args.samples}x{args.seq_len}",
-                 "eval": f"wikitext-2-raw test, first {args.eval_tokens} tokens, window 2048"}
+    res: dict = {
+        "bench": "int8_selection",
+        "model": "SmolLM2-135M-Instruct",
+        "budget": args.budget,
+        "sensitivity": args.sensitivity,
+        "calibration": f"tinyshakespeare {args.samples}x{args.seq_len}",
+        "eval": f"wikitext-2-raw test, first {args.eval_tokens} tokens, window 2048",
+    }
     res["uniform_w4"] = run_part("uniform", args)
     flags = [a for a in sys.argv[1:]]
     procs = [subprocess.Popen([sys.executable, __file__, *flags, "--part", p]) for p in parts]

@@ -54,20 +54,27 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--schemes", default=",".join(KV_SCHEME_NAMES))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--kv-form", choices=["decode", "prefill"], default="decode",
-                    help="the runtime's decode-time tiles, or every full tile quantized (pessimistic)")
+    ap.add_argument(
+        "--kv-form",
+        choices=["decode", "prefill"],
+        default="decode",
+        help="the runtime's decode-time tiles, or every full tile quantized (pessimistic)",
+    )
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    head_dim = model.config.head_dim if getattr(model.config, "head_dim", None) else \
-        model.config.hidden_size // model.config.num_attention_heads
+    head_dim = (
+        model.config.head_dim
+        if getattr(model.config, "head_dim", None)
+        else model.config.hidden_size // model.config.num_attention_heads
+    )
     ids = tok(Path(a.text).read_text(), add_special_tokens=False)["input_ids"]
     # windows spread over the whole test set, not only its first article
     n_avail = len(ids) // a.window
     picks = [round(i * (n_avail - 1) / max(1, a.windows - 1)) for i in range(a.windows)]
-    windows = [ids[p * a.window:(p + 1) * a.window] for p in picks]
+    windows = [ids[p * a.window : (p + 1) * a.window] for p in picks]
     first = a.window // 2
     names = a.schemes.split(",")
 
@@ -93,20 +100,33 @@ def main() -> None:
             acc[n]["kld"].append((lp.exp() * (lp - lq)).sum(-1))
             acc[n]["agree"].append((lp.argmax(-1) == lq.argmax(-1)).float())
             acc[n]["nll"].append(-lq.gather(-1, target[:, None])[:, 0])
-            print(f"window {wi} {n}: mean KLD {float(acc[n]['kld'][-1].mean()):.5f} ({time.time() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"window {wi} {n}: mean KLD {float(acc[n]['kld'][-1].mean()):.5f} ({time.time() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     ref_ppl = math.exp(float(torch.cat(ref_nll).mean()))
-    out = {"bench": "kv_quality", "model": Path(a.model).name, "head_dim": head_dim, "window": a.window,
-           "windows": len(windows), "scored_tokens": len(windows) * (a.window - first), "ref_ppl": round(ref_ppl, 4),
-           "schemes": {}}
+    out = {
+        "bench": "kv_quality",
+        "model": Path(a.model).name,
+        "head_dim": head_dim,
+        "window": a.window,
+        "windows": len(windows),
+        "scored_tokens": len(windows) * (a.window - first),
+        "ref_ppl": round(ref_ppl, 4),
+        "schemes": {},
+    }
     for n in names:
         s = scheme(n)
         kld = torch.cat(acc[n]["kld"]).double()
         out["schemes"][n] = {
             "bits_per_element": round(s.bits_per_element(head_dim), 4),
             "bits_at_window": round(8 * s.stored_bytes_per_head(a.window, head_dim) / (2 * head_dim * a.window), 4),
-            "mean_kld": float(kld.mean()), "se_kld": float(kld.std() / math.sqrt(len(kld))),
-            "median_kld": float(kld.median()), "p99_kld": float(kld.quantile(0.99)), "max_kld": float(kld.max()),
+            "mean_kld": float(kld.mean()),
+            "se_kld": float(kld.std() / math.sqrt(len(kld))),
+            "median_kld": float(kld.median()),
+            "p99_kld": float(kld.quantile(0.99)),
+            "max_kld": float(kld.max()),
             "top1": float(torch.cat(acc[n]["agree"]).mean()),
             "ppl_ratio": math.exp(float(torch.cat(acc[n]["nll"]).mean())) / ref_ppl,
         }

@@ -46,26 +46,46 @@ def decode_speed(a) -> dict:
     from qconv.runtime import load_model, load_tokenizer
 
     model = load_model(a.model, dtype=torch.float32)
-    ids = load_tokenizer(a.model)(open(a.text).read()[:a.prompt_tokens * 8], add_special_tokens=False)["input_ids"]
-    prompt, max_len = torch.tensor([ids[:a.prompt_tokens]]), a.prompt_tokens + a.new + 1
+    ids = load_tokenizer(a.model)(open(a.text).read()[: a.prompt_tokens * 8], add_special_tokens=False)["input_ids"]
+    prompt, max_len = torch.tensor([ids[: a.prompt_tokens]]), a.prompt_tokens + a.new + 1
     runs, tokens = {}, {}
     for mb in a.decoded_cache_mb.split(","):
         cache = model.new_cache(1, max_len, kv_scheme=a.scheme)
         st = cache.kv
         cache.kv = get_kv_scheme(a.scheme).new_store(  # the runtime builds it with the default budget (0)
-            layers=len(st.seqs), max_batch=1, max_len=max_len, heads=st.heads, head_dim=st.head_dim, dtype=st.dtype,
-            decoded_cache_bytes=1 << 50 if mb == "all" else int(float(mb) * 2 ** 20))
+            layers=len(st.seqs),
+            max_batch=1,
+            max_len=max_len,
+            heads=st.heads,
+            head_dim=st.head_dim,
+            dtype=st.dtype,
+            decoded_cache_bytes=1 << 50 if mb == "all" else int(float(mb) * 2**20),
+        )
         tokens[mb], pre, tps = _generate(model, prompt, a.new, cache)
-        runs[f"decoded_cache_mb={mb}"] = {"prefill_s": round(pre, 1), "decode_tok_s": round(tps, 3),
-                                          "kv_bytes": cache.kv.nbytes, "decoded_cache_bytes": cache.kv.decoded_nbytes}
+        runs[f"decoded_cache_mb={mb}"] = {
+            "prefill_s": round(pre, 1),
+            "decode_tok_s": round(tps, 3),
+            "kv_bytes": cache.kv.nbytes,
+            "decoded_cache_bytes": cache.kv.decoded_nbytes,
+        }
     dense = model.new_cache(1, max_len, kv_scheme="none")
     gen, pre, tps = _generate(model, prompt, a.new, dense)
-    runs["dense_fp32_cache"] = {"prefill_s": round(pre, 1), "decode_tok_s": round(tps, 3),
-                                "kv_bytes": sum(x.numel() * x.element_size() for x in dense.kv.k + dense.kv.v)}
+    runs["dense_fp32_cache"] = {
+        "prefill_s": round(pre, 1),
+        "decode_tok_s": round(tps, 3),
+        "kv_bytes": sum(x.numel() * x.element_size() for x in dense.kv.k + dense.kv.v),
+    }
     first = tokens[next(iter(tokens))]
-    return {"bench": "kv_decode_speed", "scheme": a.scheme, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new,
-            "threads": a.threads, "runs": runs, "same_tokens_across_budgets": all(t == first for t in tokens.values()),
-            "dense_same_tokens": gen == first}
+    return {
+        "bench": "kv_decode_speed",
+        "scheme": a.scheme,
+        "prompt_tokens": a.prompt_tokens,
+        "new_tokens": a.new,
+        "threads": a.threads,
+        "runs": runs,
+        "same_tokens_across_budgets": all(t == first for t in tokens.values()),
+        "dense_same_tokens": gen == first,
+    }
 
 
 def _now(device: str) -> float:
@@ -118,13 +138,29 @@ def main() -> None:
         err_v += float((vd.float() - v.float()).pow(2).mean() / v.float().pow(2).mean()) / a.layers
         del k, v, kd, vd, store
     fp16 = a.layers * a.heads * a.tokens * a.head_dim * 2 * 2
-    print(json.dumps({
-        "bench": "kv_speed", "scheme": a.scheme, "layers": a.layers, "heads": a.heads, "tokens": a.tokens,
-        "head_dim": a.head_dim, "threads": a.threads, "cpu": platform.machine(), "device": a.device,
-        "quantize_s": round(t_q, 1), "dequantize_s": round(t_dq, 1),
-        "quantize_head_tokens_per_s": round(a.layers * a.heads * a.tokens / t_q),
-        "stored_bytes": int(stored), "fp16_bytes": fp16, "ratio_vs_fp16": round(fp16 / stored, 3),
-        "rel_mse_k": round(err_k, 5), "rel_mse_v": round(err_v, 5)}))
+    print(
+        json.dumps(
+            {
+                "bench": "kv_speed",
+                "scheme": a.scheme,
+                "layers": a.layers,
+                "heads": a.heads,
+                "tokens": a.tokens,
+                "head_dim": a.head_dim,
+                "threads": a.threads,
+                "cpu": platform.machine(),
+                "device": a.device,
+                "quantize_s": round(t_q, 1),
+                "dequantize_s": round(t_dq, 1),
+                "quantize_head_tokens_per_s": round(a.layers * a.heads * a.tokens / t_q),
+                "stored_bytes": int(stored),
+                "fp16_bytes": fp16,
+                "ratio_vs_fp16": round(fp16 / stored, 3),
+                "rel_mse_k": round(err_k, 5),
+                "rel_mse_v": round(err_v, 5),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def windows(art: str, text: str, n_tokens: int, window: int) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(art)
     with open(text) as f:
         ids = tok(f.read()[: n_tokens * 10]).input_ids[:n_tokens]
-    return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
+    return [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
 def score(art: str, kv: str, wins: list[list[int]]) -> torch.Tensor:
@@ -41,16 +41,27 @@ def score(art: str, kv: str, wins: list[list[int]]) -> torch.Tensor:
     from vllm.inputs import TokensPrompt
 
     extra = {} if kv == "auto" else {"block_size": int(kv.rsplit("_g", 1)[1])}
-    llm = LLM(model=art, kv_cache_dtype=kv, enforce_eager=True, enable_prefix_caching=False, max_num_seqs=1,
-              max_model_len=len(wins[0]) + 8, **extra)
+    llm = LLM(
+        model=art,
+        kv_cache_dtype=kv,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=1,
+        max_model_len=len(wins[0]) + 8,
+        **extra,
+    )
     got: list[torch.Tensor] = []
-    llm.apply_model(lambda m: m.logits_processor.register_forward_hook(
-        lambda mod, args, out: got.append(out.float().log_softmax(-1).cpu())))
+    llm.apply_model(
+        lambda m: m.logits_processor.register_forward_hook(
+            lambda mod, args, out: got.append(out.float().log_softmax(-1).cpu())
+        )
+    )
     out = []
     for w in wins:
         got.clear()
-        llm.generate([TokensPrompt(prompt_token_ids=w)], SamplingParams(max_tokens=1, prompt_logprobs=1),
-                     use_tqdm=False)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=w)], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
+        )
         out.append(torch.cat(got)[: len(w) - 1])  # the prompt positions (the sampled step's row comes last)
     del llm
     return torch.cat(out)
@@ -69,14 +80,40 @@ def main() -> None:
     wins = windows(a.artifact, a.text, a.tokens, a.window)
     ref, kvq = score(a.artifact, "auto", wins), score(a.artifact, a.kv, wins)
     kld = (ref.exp() * (ref - kvq)).sum(-1)
-    res = {"artifact": a.artifact, "kv": a.kv, "tokens": len(wins) * a.window, "window": a.window,
-           "vllm_kld_added": round(float(kld.mean()), 5), "vllm_top1": round(float(
-               (ref.argmax(-1) == kvq.argmax(-1)).float().mean()), 4)}
+    res = {
+        "artifact": a.artifact,
+        "kv": a.kv,
+        "tokens": len(wins) * a.window,
+        "window": a.window,
+        "vllm_kld_added": round(float(kld.mean()), 5),
+        "vllm_top1": round(float((ref.argmax(-1) == kvq.argmax(-1)).float().mean()), 4),
+    }
     if a.qconv:
-        r = subprocess.run([a.qconv, "-m", "qconv.cli", "eval", a.artifact, "--reference", a.artifact, "--text",
-                            a.text, "--window", str(a.window), "--max-tokens", str(len(wins) * a.window),
-                            "--kv", a.kv, "--kv-form", "decode", "--whole-model", "--json"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                a.qconv,
+                "-m",
+                "qconv.cli",
+                "eval",
+                a.artifact,
+                "--reference",
+                a.artifact,
+                "--text",
+                a.text,
+                "--window",
+                str(a.window),
+                "--max-tokens",
+                str(len(wins) * a.window),
+                "--kv",
+                a.kv,
+                "--kv-form",
+                "decode",
+                "--whole-model",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             raise SystemExit(f"qconv eval failed: {r.stderr[-2000:]}")
         rep = json.loads(r.stdout)

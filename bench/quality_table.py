@@ -45,9 +45,27 @@ def gguf_tensor_bytes(path: Path) -> int:
 def build_recipe(src: Path, out: Path, recipe: str = "3090", extra: tuple[str, ...] = ()) -> Path | None:
     if (out / "qconv.json").is_file():
         return out
-    cmd = [sys.executable, "-c", "from qconv.cli import main; main()", "build", "--recipe", recipe, "--model",
-           str(src), "--out", str(out), "--dataset", str(DATA / "tinyshakespeare.txt"), "--samples", "32",
-           "--seq-len", "512", "--force", "--no-gates", *extra]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from qconv.cli import main; main()",
+        "build",
+        "--recipe",
+        recipe,
+        "--model",
+        str(src),
+        "--out",
+        str(out),
+        "--dataset",
+        str(DATA / "tinyshakespeare.txt"),
+        "--samples",
+        "32",
+        "--seq-len",
+        "512",
+        "--force",
+        "--no-gates",
+        *extra,
+    ]
     r = subprocess.run(cmd, cwd=REPO)
     return out if r.returncode == 0 and (out / "qconv.json").is_file() else None
 
@@ -67,13 +85,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "eval")
-    ap.add_argument("--text", type=Path, default=DATA / "wikitext-2-raw-test.txt",
-                    help="held-out text; a .jsonl file (e.g. gsm8k_test.jsonl) is scored as its records' string "
-                         "fields joined (question, then answer), one record after another")
+    ap.add_argument(
+        "--text",
+        type=Path,
+        default=DATA / "wikitext-2-raw-test.txt",
+        help="held-out text; a .jsonl file (e.g. gsm8k_test.jsonl) is scored as its records' string "
+        "fields joined (question, then answer), one record after another",
+    )
     ap.add_argument("--rows", default="rtn,gptq,3090,q4_0,q4_k_m")
-    ap.add_argument("--recipe-row", action="append", default=[], metavar="NAME=RECIPE[,BUILD_ARG...]",
-                    help="an extra row: `qconv build --recipe RECIPE` (a name or YAML path) with these build args, "
-                         "e.g. bpw617=3090,--bpw,6.17; name it in --rows")
+    ap.add_argument(
+        "--recipe-row",
+        action="append",
+        default=[],
+        metavar="NAME=RECIPE[,BUILD_ARG...]",
+        help="an extra row: `qconv build --recipe RECIPE` (a name or YAML path) with these build args, "
+        "e.g. bpw617=3090,--bpw,6.17; name it in --rows",
+    )
     args = ap.parse_args()
 
     from qconv.convert.gguf import import_gguf
@@ -93,27 +120,64 @@ def main() -> None:
     w.mkdir(parents=True, exist_ok=True)
     settings = EvalSettings(text=str(plain_text(args.text, w)), window=args.window, max_tokens=args.max_tokens)
     makers = {
-        "rtn": ("RTN W4A16 sym g128/64", lambda: make_w4_artifact(src, w / "smollm2-rtn-w4", algorithm="rtn")
-                if not (w / "smollm2-rtn-w4" / "qconv.json").is_file() else w / "smollm2-rtn-w4", None),
-        "rtn_zp": ("RTN W4A16 zero points g128/64", lambda: make_w4_artifact(
-            src, w / "smollm2-rtn-zp-w4", algorithm="rtn", symmetric=False)
-            if not (w / "smollm2-rtn-zp-w4" / "qconv.json").is_file() else w / "smollm2-rtn-zp-w4", None),
-        "gptq": ("GPTQ W4A16 sym g128/64", lambda: make_w4_artifact(
-            src, w / "smollm2-gptq-w4", algorithm="gptq", calib_text=DATA / "tinyshakespeare.txt", samples=32,
-            seq_len=512) if not (w / "smollm2-gptq-w4" / "qconv.json").is_file() else w / "smollm2-gptq-w4", None),
+        "rtn": (
+            "RTN W4A16 sym g128/64",
+            lambda: (
+                make_w4_artifact(src, w / "smollm2-rtn-w4", algorithm="rtn")
+                if not (w / "smollm2-rtn-w4" / "qconv.json").is_file()
+                else w / "smollm2-rtn-w4"
+            ),
+            None,
+        ),
+        "rtn_zp": (
+            "RTN W4A16 zero points g128/64",
+            lambda: (
+                make_w4_artifact(src, w / "smollm2-rtn-zp-w4", algorithm="rtn", symmetric=False)
+                if not (w / "smollm2-rtn-zp-w4" / "qconv.json").is_file()
+                else w / "smollm2-rtn-zp-w4"
+            ),
+            None,
+        ),
+        "gptq": (
+            "GPTQ W4A16 sym g128/64",
+            lambda: (
+                make_w4_artifact(
+                    src,
+                    w / "smollm2-gptq-w4",
+                    algorithm="gptq",
+                    calib_text=DATA / "tinyshakespeare.txt",
+                    samples=32,
+                    seq_len=512,
+                )
+                if not (w / "smollm2-gptq-w4" / "qconv.json").is_file()
+                else w / "smollm2-gptq-w4"
+            ),
+            None,
+        ),
         "3090": ("qconv 3090 recipe", lambda: build_recipe(gguf, w / "smollm2-3090"), None),
     }
     for spec in args.recipe_row:
         name, _, rest = spec.partition("=")
         recipe, *extra = rest.split(",")
-        makers[name] = (f"qconv {Path(recipe).stem} {' '.join(extra)}".strip(),
-                        lambda name=name, recipe=recipe, extra=tuple(extra): build_recipe(gguf, w / f"smollm2-{name}",
-                                                                                         recipe, extra), None)
+        makers[name] = (
+            f"qconv {Path(recipe).stem} {' '.join(extra)}".strip(),
+            lambda name=name, recipe=recipe, extra=tuple(extra): build_recipe(
+                gguf, w / f"smollm2-{name}", recipe, extra
+            ),
+            None,
+        )
     for ft in ("Q4_0", "Q4_K_M"):
         q = w / f"smollm2-{ft}.gguf"
-        makers[ft.lower()] = (f"llama.cpp {ft}", lambda ft=ft, q=q: (gguf_quantize(gguf, q, ft), import_gguf(
-            q, w / f"smollm2-{ft}-hf", force=True) if not (w / f"smollm2-{ft}-hf" / "config.json").is_file()
-            else w / f"smollm2-{ft}-hf")[1], q)
+        makers[ft.lower()] = (
+            f"llama.cpp {ft}",
+            lambda ft=ft, q=q: (
+                gguf_quantize(gguf, q, ft),
+                import_gguf(q, w / f"smollm2-{ft}-hf", force=True)
+                if not (w / f"smollm2-{ft}-hf" / "config.json").is_file()
+                else w / f"smollm2-{ft}-hf",
+            )[1],
+            q,
+        )
 
     rows = []
     for key in args.rows.split(","):
@@ -126,10 +190,22 @@ def main() -> None:
         report, _ = measure(art, source, settings)
         bpw = 8 * gguf_tensor_bytes(gguf_file) / n_params if gguf_file else report["bits_per_weight"]
         s = report["weights"]
-        rows.append({"row": key, "label": label, "bpw": round(bpw, 3), "kld_mean": s["kld_mean"],
-                     "kld_se": s["kld_se"], "kld_p99": s["kld_p99"], "top1": s["top1"], "ppl_base": s["ppl_base"],
-                     "ppl_q": s["ppl_q"], "ln_ppl_ratio": s["ln_ppl_ratio"], "tokens": s["tokens"],
-                     "seconds": round(time.time() - t0, 1)})
+        rows.append(
+            {
+                "row": key,
+                "label": label,
+                "bpw": round(bpw, 3),
+                "kld_mean": s["kld_mean"],
+                "kld_se": s["kld_se"],
+                "kld_p99": s["kld_p99"],
+                "top1": s["top1"],
+                "ppl_base": s["ppl_base"],
+                "ppl_q": s["ppl_q"],
+                "ln_ppl_ratio": s["ln_ppl_ratio"],
+                "tokens": s["tokens"],
+                "seconds": round(time.time() - t0, 1),
+            }
+        )
         print(f"\n### {label}\n{format_llamacpp(s)}", flush=True)
 
     print("\n| row | bpw | mean KLD | p99 KLD | same top | PPL base | PPL Q | ln(PPL_Q/PPL_base) |")
@@ -138,13 +214,25 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['label']} | {r['error']} |")
         else:
-            print(f"| {r['label']} | {r['bpw']:.2f} | {r['kld_mean']:.4f} ± {r['kld_se']:.4f} | {r['kld_p99']:.3f} | "
-                  f"{100 * r['top1']:.1f}% | {r['ppl_base']:.2f} | {r['ppl_q']:.2f} | {r['ln_ppl_ratio']:.4f} |")
+            print(
+                f"| {r['label']} | {r['bpw']:.2f} | {r['kld_mean']:.4f} ± {r['kld_se']:.4f} | {r['kld_p99']:.3f} | "
+                f"{100 * r['top1']:.1f}% | {r['ppl_base']:.2f} | {r['ppl_q']:.2f} | {r['ln_ppl_ratio']:.4f} |"
+            )
     by = {r["row"]: r for r in rows if "error" not in r}
     if "rtn" in by and "gptq" in by:
         print(f"GPTQ mean KLD < RTN mean KLD: {by['gptq']['kld_mean'] < by['rtn']['kld_mean']}")
-    print(json.dumps({"bench": "quality_table", "text": str(args.text), "tokens": args.max_tokens,
-                      "window": args.window, "reference": str(src), "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "quality_table",
+                "text": str(args.text),
+                "tokens": args.max_tokens,
+                "window": args.window,
+                "reference": str(src),
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,13 @@ def text_config(config_dir: Path, depth: int, width_div: int, vocab: int | None)
         fit_mrope(tc)
     if vocab:
         tc["vocab_size"] = vocab
-    tc.update(bos_token_id=0, eos_token_id=2, pad_token_id=0, max_position_embeddings=8192,
-              architectures=["Qwen3_5ForCausalLM"])
+    tc.update(
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_position_embeddings=8192,
+        architectures=["Qwen3_5ForCausalLM"],
+    )
     return Qwen3_5TextConfig(**tc)
 
 
@@ -55,8 +60,13 @@ def timed(cmd: list[str], log: Path) -> dict:
     """Run under /usr/bin/time -v; peak RSS as the OS accounts it, wall seconds, exit code."""
     t0 = time.time()
     with open(log, "w") as f:
-        rc = subprocess.call(["/usr/bin/time", "-v", *cmd], cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        rc = subprocess.call(
+            ["/usr/bin/time", "-v", *cmd],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
     wall = time.time() - t0
     text = log.read_text(errors="replace")
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
@@ -109,9 +119,12 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, help="Vocabulary size (default: the 27B's 248,320).")
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=2048)
-    ap.add_argument("--int8-budget", help="Passed to the build (the recipe's `auto` is 0 at these depths: the INT8 "
-                                          "embedding and lm_head already exceed selection.max_bpw); 0.68GiB is "
-                                          "what `auto` finds for the 27B, so the build scores its units as the 27B's does.")
+    ap.add_argument(
+        "--int8-budget",
+        help="Passed to the build (the recipe's `auto` is 0 at these depths: the INT8 "
+        "embedding and lm_head already exceed selection.max_bpw); 0.68GiB is "
+        "what `auto` finds for the 27B, so the build scores its units as the 27B's does.",
+    )
     args = ap.parse_args()
 
     sys.path.insert(0, str(REPO / "bench"))
@@ -132,31 +145,90 @@ def main() -> None:
             total = json.loads(index.read_text())["metadata"]["total_size"]
             params = total // 2
         else:
-            params, total = write_model(src, depth, 0, cfg=text_config(args.config, depth, args.width_div,
-                                                                       args.vocab))
+            params, total = write_model(src, depth, 0, cfg=text_config(args.config, depth, args.width_div, args.vocab))
         qconv = [sys.executable, "-m", "qconv.cli"]
-        build = timed(qconv + ["build", "--recipe", "3090", "--model", str(src), "--out", str(art), "--dataset",
-                               str(text), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--stream",
-                               "--force", "--fresh", "--work-dir", str(work),
-                               *(["--int8-budget", args.int8_budget] if args.int8_budget else [])],
-                      args.work / f"build-{tag}.log")
+        build = timed(
+            qconv
+            + [
+                "build",
+                "--recipe",
+                "3090",
+                "--model",
+                str(src),
+                "--out",
+                str(art),
+                "--dataset",
+                str(text),
+                "--samples",
+                str(args.samples),
+                "--seq-len",
+                str(args.seq_len),
+                "--stream",
+                "--force",
+                "--fresh",
+                "--work-dir",
+                str(work),
+                *(["--int8-budget", args.int8_budget] if args.int8_budget else []),
+            ],
+            args.work / f"build-{tag}.log",
+        )
         window = min(args.window, args.eval_tokens)
-        ev = timed(qconv + ["eval", str(art), "--reference", str(src), "--text", str(text), "--window", str(window),
-                            "--max-tokens", str(args.eval_tokens), "--streamed", "--out", str(args.work / f"eval-{tag}")],
-                   args.work / f"eval-{tag}.log")
+        ev = timed(
+            qconv
+            + [
+                "eval",
+                str(art),
+                "--reference",
+                str(src),
+                "--text",
+                str(text),
+                "--window",
+                str(window),
+                "--max-tokens",
+                str(args.eval_tokens),
+                "--streamed",
+                "--out",
+                str(args.work / f"eval-{tag}"),
+            ],
+            args.work / f"eval-{tag}.log",
+        )
         report = json.loads((args.work / f"eval-{tag}" / "report.json").read_text())
-        rows.append({"depth": depth, "params": params, "bf16_bytes": total,
-                     "build_peak_rss_bytes": build["peak_rss_bytes"], "build_wall_s": build["wall_s"],
-                     "eval_peak_rss_bytes": ev["peak_rss_bytes"], "eval_wall_s": ev["wall_s"],
-                     "build_stage_s": stage_seconds(work / "build.log"), "artifact_bytes": dir_bytes(art), "work_dir_bytes": dir_bytes(work),
-                     "kld_mean": report["weights"]["kld_mean"], "eval_streamed": report["forward"]["streamed"]})
+        rows.append(
+            {
+                "depth": depth,
+                "params": params,
+                "bf16_bytes": total,
+                "build_peak_rss_bytes": build["peak_rss_bytes"],
+                "build_wall_s": build["wall_s"],
+                "eval_peak_rss_bytes": ev["peak_rss_bytes"],
+                "eval_wall_s": ev["wall_s"],
+                "build_stage_s": stage_seconds(work / "build.log"),
+                "artifact_bytes": dir_bytes(art),
+                "work_dir_bytes": dir_bytes(work),
+                "kld_mean": report["weights"]["kld_mean"],
+                "eval_streamed": report["forward"]["streamed"],
+            }
+        )
     depths = [r["depth"] for r in rows]
-    fits = {k: linear_fit(depths, [r[k] for r in rows])
-            for k in ("build_peak_rss_bytes", "build_wall_s", "eval_peak_rss_bytes", "eval_wall_s")}
-    print(json.dumps({"bench": "scale_27b", "width_div": args.width_div, "vocab": args.vocab or "27b",
-                      "samples": args.samples, "seq_len": args.seq_len, "eval_tokens": args.eval_tokens,
-                      "int8_budget": args.int8_budget or "recipe",
-                      "rows": rows, "fit": fits}))
+    fits = {
+        k: linear_fit(depths, [r[k] for r in rows])
+        for k in ("build_peak_rss_bytes", "build_wall_s", "eval_peak_rss_bytes", "eval_wall_s")
+    }
+    print(
+        json.dumps(
+            {
+                "bench": "scale_27b",
+                "width_div": args.width_div,
+                "vocab": args.vocab or "27b",
+                "samples": args.samples,
+                "seq_len": args.seq_len,
+                "eval_tokens": args.eval_tokens,
+                "int8_budget": args.int8_budget or "recipe",
+                "rows": rows,
+                "fit": fits,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

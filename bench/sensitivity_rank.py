@@ -23,9 +23,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qconv.calibrate.data import load_calibration
-    from qconv.convert.layout import candidate_units
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores, spearman
-    from qconv.convert.layout import plan_model
+    from qconv.convert.layout import candidate_units, plan_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
@@ -54,13 +53,21 @@ def main() -> None:
     t_kld = time.time() - t
     eligible = {u.name for u in units if not u.refusal}
     sub = lambda d: {k: v for k, v in d.items() if k in eligible}  # noqa: E731
-    res = {"bench": "sensitivity_rank", "model": "SmolLM2-135M-Instruct", "units": len(units),
-           "eligible_int8_units": len(eligible), "calibration": f"tinyshakespeare {args.samples}x{args.seq_len}",
-           "kld_tokens": kld.tokens, "spearman_all": spearman(proxy.values, kld.values),
-           "spearman_eligible": spearman(sub(proxy.values), sub(kld.values)),
-           "top5_model_level": sorted(kld.values, key=lambda k: -kld.values[k])[:5],
-           "top5_proxy": sorted(proxy.values, key=lambda k: -proxy.values[k])[:5],
-           "proxy_s": round(t_proxy, 1), "model_level_s": round(t_kld, 1), "elapsed_s": round(time.time() - t0, 1)}
+    res = {
+        "bench": "sensitivity_rank",
+        "model": "SmolLM2-135M-Instruct",
+        "units": len(units),
+        "eligible_int8_units": len(eligible),
+        "calibration": f"tinyshakespeare {args.samples}x{args.seq_len}",
+        "kld_tokens": kld.tokens,
+        "spearman_all": spearman(proxy.values, kld.values),
+        "spearman_eligible": spearman(sub(proxy.values), sub(kld.values)),
+        "top5_model_level": sorted(kld.values, key=lambda k: -kld.values[k])[:5],
+        "top5_proxy": sorted(proxy.values, key=lambda k: -proxy.values[k])[:5],
+        "proxy_s": round(t_proxy, 1),
+        "model_level_s": round(t_kld, 1),
+        "elapsed_s": round(time.time() - t0, 1),
+    }
     args.out.write_text(json.dumps({"proxy": proxy.values, "kld": kld.values, "result": res}, indent=1))
     print(json.dumps(res))
 

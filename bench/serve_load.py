@@ -15,10 +15,40 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TOPICS = ["the sea", "a red bicycle", "winter mornings", "coffee", "the moon", "a lost key", "mountains", "rain",
-          "a library", "trains", "old maps", "a garden", "the desert", "bread", "a violin", "city lights", "owls",
-          "a small boat", "autumn leaves", "chess", "a lighthouse", "snow", "a market", "clocks", "the river",
-          "a kite", "honey", "thunder", "a bridge", "paper planes", "the forest", "a candle"]
+TOPICS = [
+    "the sea",
+    "a red bicycle",
+    "winter mornings",
+    "coffee",
+    "the moon",
+    "a lost key",
+    "mountains",
+    "rain",
+    "a library",
+    "trains",
+    "old maps",
+    "a garden",
+    "the desert",
+    "bread",
+    "a violin",
+    "city lights",
+    "owls",
+    "a small boat",
+    "autumn leaves",
+    "chess",
+    "a lighthouse",
+    "snow",
+    "a market",
+    "clocks",
+    "the river",
+    "a kite",
+    "honey",
+    "thunder",
+    "a bridge",
+    "paper planes",
+    "the forest",
+    "a candle",
+]
 PROMPTS = [f"Write two sentences about {t}." for t in TOPICS]
 
 
@@ -37,8 +67,17 @@ def run(model_dir: Path, max_tokens: int, max_batch: int, port: int, threads: in
 
     from tests.serve_helpers import ServerProcess, run_load
 
-    args = [str(model_dir), "--backend", "native", "--max-batch", str(max_batch), "--max-model-len", "512",
-            "--spec-tokens", str(spec)]
+    args = [
+        str(model_dir),
+        "--backend",
+        "native",
+        "--max-batch",
+        str(max_batch),
+        "--max-model-len",
+        "512",
+        "--spec-tokens",
+        str(spec),
+    ]
     env = {"OMP_NUM_THREADS": str(threads)} if threads else {}
     with ServerProcess(args, port, env=env) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
@@ -55,12 +94,19 @@ def run(model_dir: Path, max_tokens: int, max_batch: int, port: int, threads: in
     solo = {r.prompt: r.text for r in single.results}
     single_tps = (single.tokens_per_s + one.tokens_per_s) / 2
     return {
-        "bench": "serve_load", "model": model_dir.name, "max_tokens": max_tokens, "max_batch": max_batch,
-        "server_threads": threads or "default", "spec_tokens": spec,
-        "single_tok_s": round(single_tps, 2), "c8_tok_s": round(c8.tokens_per_s, 2),
-        "c32_tok_s": round(c32.tokens_per_s, 2), "c8_over_single": round(c8.tokens_per_s / single_tps, 2),
+        "bench": "serve_load",
+        "model": model_dir.name,
+        "max_tokens": max_tokens,
+        "max_batch": max_batch,
+        "server_threads": threads or "default",
+        "spec_tokens": spec,
+        "single_tok_s": round(single_tps, 2),
+        "c8_tok_s": round(c8.tokens_per_s, 2),
+        "c32_tok_s": round(c32.tokens_per_s, 2),
+        "c8_over_single": round(c8.tokens_per_s / single_tps, 2),
         "c32_over_single": round(c32.tokens_per_s / single_tps, 2),
-        "raw_single_tok_s": round(raw1.tokens_per_s, 2), "raw_c8_tok_s": round(raw8.tokens_per_s, 2),
+        "raw_single_tok_s": round(raw1.tokens_per_s, 2),
+        "raw_c8_tok_s": round(raw8.tokens_per_s, 2),
         "raw_c8_over_single": round(raw8.tokens_per_s / raw1.tokens_per_s, 2),
         "c32_completed": sum(r.finish_reason is not None for r in c32.results),
         "c32_greedy_matches_single": sum(r.text == solo[r.prompt] for r in c32.results),
@@ -82,8 +128,11 @@ def main() -> None:
     a = ap.parse_args()
     from tests.serve_helpers import free_port
 
-    print(json.dumps(run(a.model or smollm2_dir(), a.max_tokens, a.max_batch, a.port or free_port(), a.threads,
-                         a.spec_tokens)))
+    print(
+        json.dumps(
+            run(a.model or smollm2_dir(), a.max_tokens, a.max_batch, a.port or free_port(), a.threads, a.spec_tokens)
+        )
+    )
 
 
 if __name__ == "__main__":

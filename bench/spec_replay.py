@@ -17,8 +17,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from qconv.runtime.spec import Draft, DraftLength, HybridDrafter, PromptLookup, Speculator  # noqa: E402
 from spec_bench import transformers_lookup_replay  # noqa: E402
+
+from qconv.runtime.spec import Draft, DraftLength, HybridDrafter, PromptLookup, Speculator  # noqa: E402
 
 
 class Capped:
@@ -51,7 +52,7 @@ def replay(make, rows: list, max_tokens: int) -> float:
             n = 0
             while n < len(d) and pos + n < len(out) and d.tokens[n] == out[pos + n]:
                 n += 1
-            new = out[pos:pos + n + 1]
+            new = out[pos : pos + n + 1]
             sp.verified(d, new, None)
             seq, pos, steps = seq + new, pos + len(new), steps + 1
         tokens += len(out)
@@ -74,15 +75,25 @@ def main() -> None:
         "lookup": lambda: Speculator(PromptLookup(lo, hi), DraftLength(b)),
         "lookup_fixed": lambda: Speculator(PromptLookup(lo, hi), DraftLength(b, adaptive=False)),
         "ngram_k": lambda: Speculator(PromptLookup(lo, hi), DraftLength(a.k, adaptive=False)),
-        "stretched": lambda: Speculator(HybridDrafter(Capped(PromptLookup(lo, hi), a.k), PromptLookup(lo, hi),
-                                                      a.after_saturated), DraftLength(b, adaptive=False)),
+        "stretched": lambda: Speculator(
+            HybridDrafter(Capped(PromptLookup(lo, hi), a.k), PromptLookup(lo, hi), a.after_saturated),
+            DraftLength(b, adaptive=False),
+        ),
     }
-    out = {"bench": "spec_replay", "outputs": a.outputs, "block": b, "k": a.k, "after_saturated": a.after_saturated,
-           "ngram": [lo, hi], "workloads": {}}
+    out = {
+        "bench": "spec_replay",
+        "outputs": a.outputs,
+        "block": b,
+        "k": a.k,
+        "after_saturated": a.after_saturated,
+        "ngram": [lo, hi],
+        "workloads": {},
+    }
     for w, rows in json.loads(Path(a.outputs).read_text()).items():
         r = {name: replay(make, rows, a.max_tokens) for name, make in drafters.items()}
-        r["transformers"] = transformers_lookup_replay([p for p, _ in rows], [o for _, o in rows], a.max_tokens, b,
-                                                       [a.eos])["tokens_per_forward"]
+        r["transformers"] = transformers_lookup_replay(
+            [p for p, _ in rows], [o for _, o in rows], a.max_tokens, b, [a.eos]
+        )["tokens_per_forward"]
         r["stretched_over_ngram_k"] = round(r["stretched"] / r["ngram_k"], 3)
         r["lookup_over_transformers"] = round(r["lookup"] / r["transformers"], 3)
         out["workloads"][w] = r

@@ -26,8 +26,11 @@ def _jsonl(path: Path, field: str, n: int) -> list:
             row = json.loads(line)
             out.append(row[field])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise QconvError(f"line {i + 1} is not a JSON object with a {field!r} field", where=str(path),
-                             fix="pass the jsonl file this workload expects (see bench/spec_bench.py --help)") from e
+            raise QconvError(
+                f"line {i + 1} is not a JSON object with a {field!r} field",
+                where=str(path),
+                fix="pass the jsonl file this workload expects (see bench/spec_bench.py --help)",
+            ) from e
         if len(out) == n:
             break
     return out
@@ -43,8 +46,9 @@ def _paragraphs(text: str, long_line: int = 200) -> list[str]:
     if any(len(ln) > long_line for ln in lines):
         return [ln for ln in lines if ln and not _HEADING.match(ln)]
     blocks = re.split(r"\n[ \t]*\n", text)
-    return [" ".join(ln.strip() for ln in b.splitlines() if ln.strip() and not _HEADING.match(ln.strip()))
-            for b in blocks]
+    return [
+        " ".join(ln.strip() for ln in b.splitlines() if ln.strip() and not _HEADING.match(ln.strip())) for b in blocks
+    ]
 
 
 def _passages(path: Path, n: int, min_chars: int = 400, max_chars: int = 900) -> list[str]:
@@ -93,16 +97,28 @@ def _ours(model, prompts: list[list[int]], cfg: GenerationConfig) -> tuple[dict,
         identical &= a == b
         outputs.append(b)
     d = spec.to_dict()
-    d.update(plain_decode_tok_s=round(plain.decode_tok_s, 2),
-             speedup=round(plain.decode_s / spec.decode_s, 3) if spec.decode_s else None,
-             speedup_end_to_end=round((plain.prefill_s + plain.decode_s) / (spec.prefill_s + spec.decode_s), 3),
-             identical_to_plain=identical if cfg.sampling.greedy else None)
+    d.update(
+        plain_decode_tok_s=round(plain.decode_tok_s, 2),
+        speedup=round(plain.decode_s / spec.decode_s, 3) if spec.decode_s else None,
+        speedup_end_to_end=round((plain.prefill_s + plain.decode_s) / (spec.prefill_s + spec.decode_s), 3),
+        identical_to_plain=identical if cfg.sampling.greedy else None,
+    )
     return d, outputs
 
 
-def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationConfig | None = None, threads: int = 0,
-              dequantize: bool = False, dtype: str | None = None, device: str | None = None,
-              keep_spec: bool = False) -> tuple[dict, list[list[int]], list[list[int]]]:
+def run_bench(
+    path,
+    workload: str,
+    data,
+    *,
+    prompts: int = 5,
+    cfg: GenerationConfig | None = None,
+    threads: int = 0,
+    dequantize: bool = False,
+    dtype: str | None = None,
+    device: str | None = None,
+    keep_spec: bool = False,
+) -> tuple[dict, list[list[int]], list[list[int]]]:
     """One workload: our speculative vs plain decode. dtype as the CLI picks it (runtime_dtype). The MTP part of the
     config is dropped for a model without the head unless `keep_spec` (the user asked for it). Returns the report,
     the prompts' token ids and our outputs (bench/spec_bench.py replays transformers' drafter on them)."""
@@ -124,9 +140,19 @@ def run_bench(path, workload: str, data, *, prompts: int = 5, cfg: GenerationCon
     if not keep_spec:
         cfg = replace(cfg, spec=cfg.spec.for_model(model))
     sc = cfg.spec
-    report = {"workload": workload, "model": str(path), "dtype": str(dtype).removeprefix("torch."),
-              "prompts": len(ids), "max_tokens": cfg.max_tokens, "spec": sc.method, "k": sc.k,
-              "max_block": sc.max_block, "ngram": [sc.ngram_min, sc.ngram_max], "adaptive": sc.adaptive,
-              "threads": torch.get_num_threads(), "device": str(model.device)}
+    report = {
+        "workload": workload,
+        "model": str(path),
+        "dtype": str(dtype).removeprefix("torch."),
+        "prompts": len(ids),
+        "max_tokens": cfg.max_tokens,
+        "spec": sc.method,
+        "k": sc.k,
+        "max_block": sc.max_block,
+        "ngram": [sc.ngram_min, sc.ngram_max],
+        "adaptive": sc.adaptive,
+        "threads": torch.get_num_threads(),
+        "device": str(model.device),
+    }
     report["ours"], outputs = _ours(model, ids, cfg)
     return report, ids, outputs

@@ -35,8 +35,9 @@ def main() -> None:
     from qconv.eval.text import load_text, make_windows
 
     ks = [0] + [int(k) for k in args.ks.split(",")]
-    windows = make_windows(AutoTokenizer.from_pretrained(args.source), load_text(args.text), window=args.window,
-                           max_tokens=args.tokens)
+    windows = make_windows(
+        AutoTokenizer.from_pretrained(args.source), load_text(args.text), window=args.window, max_tokens=args.tokens
+    )
     src, art = load_causal_lm(args.source), load_causal_lm(args.artifact)
     stats = {k: TokenStats() for k in ks}
     exact_sum, n = 0.0, 0
@@ -52,12 +53,31 @@ def main() -> None:
     for k in ks:
         s = summarize(stats[k])
         within = s["kld_mean"] - 1e-5 <= exact <= s["kld_mean"] + s["kld_bound"] + 1e-5
-        rows.append({"k": k or "full-fp16", "kld_mean": s["kld_mean"], "bound": s["kld_bound"], "exact": exact,
-                     "error": exact - s["kld_mean"], "within_bound": within})
-        print(f"k={k or 'full':>5}: estimate {s['kld_mean']:.5f}  stated bound +{s['kld_bound']:.5f}  "
-              f"exact {exact:.5f}  error {exact - s['kld_mean']:+.5f}  within: {within}")
-    print(json.dumps({"bench": "topk_bound", "artifact": str(args.artifact), "tokens": windows.num_scored,
-                      "vocab": 49152, "rows": rows}))
+        rows.append(
+            {
+                "k": k or "full-fp16",
+                "kld_mean": s["kld_mean"],
+                "bound": s["kld_bound"],
+                "exact": exact,
+                "error": exact - s["kld_mean"],
+                "within_bound": within,
+            }
+        )
+        print(
+            f"k={k or 'full':>5}: estimate {s['kld_mean']:.5f}  stated bound +{s['kld_bound']:.5f}  "
+            f"exact {exact:.5f}  error {exact - s['kld_mean']:+.5f}  within: {within}"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "topk_bound",
+                "artifact": str(args.artifact),
+                "tokens": windows.num_scored,
+                "vocab": 49152,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -64,11 +64,20 @@ def main() -> None:
             cache.rollback([0], [n])
         return round(1e3 * sorted(times)[len(times) // 2], 1)
 
-    out = {"bench": "verify_cost", "model": a.model, "exact_verify": bool(model.exact_verify),
-           "history": a.history, "threads": torch.get_num_threads(), "decode_ms": median_ms(1, False)}
+    out = {
+        "bench": "verify_cost",
+        "model": a.model,
+        "exact_verify": bool(model.exact_verify),
+        "history": a.history,
+        "threads": torch.get_num_threads(),
+        "decode_ms": median_ms(1, False),
+    }
     for T in (int(s) for s in a.sizes.split(",")):
-        out[f"T{T}"] = {"fused_ms": median_ms(T, False), "exact_ms": median_ms(T, True),
-                        "root_exact_ms": median_ms(T, False, 1)}
+        out[f"T{T}"] = {
+            "fused_ms": median_ms(T, False),
+            "exact_ms": median_ms(T, True),
+            "root_exact_ms": median_ms(T, False, 1),
+        }
     print(json.dumps(out))
 
 

@@ -45,8 +45,10 @@ def spec_metrics(llm) -> dict:
 
 def delta(after: dict, before: dict) -> dict:
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-    pos = [a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
-           for i, a in enumerate(after["per_position"])]
+    pos = [
+        a - (before["per_position"][i] if i < len(before["per_position"]) else 0)
+        for i, a in enumerate(after["per_position"])
+    ]
     d["tokens_per_step"] = round(1 + d["accepted"] / d["drafts"], 3) if d["drafts"] else 1.0
     d["acceptance_per_position"] = [round(a / d["drafts"], 3) for a in pos if d["drafts"]]
     return d
@@ -66,29 +68,52 @@ def main() -> None:
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.ngram.split(","))
-    from qconv_vllm.stretch import class_name
     from vllm import LLM, SamplingParams
 
-    configs = {"plain": None,
-               "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": lo,
-                         "prompt_lookup_max": hi},
-               "stretched": {"method": "custom_class",
-                             "model": "qconv_vllm.stretch." + class_name(a.k, a.after_saturated, lo, hi),
-                             "num_speculative_tokens": a.block}}
+    from qconv_vllm.stretch import class_name
+
+    configs = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": a.k, "prompt_lookup_min": lo, "prompt_lookup_max": hi},
+        "stretched": {
+            "method": "custom_class",
+            "model": "qconv_vllm.stretch." + class_name(a.k, a.after_saturated, lo, hi),
+            "num_speculative_tokens": a.block,
+        },
+    }
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
-    out = {"bench": "vllm_spec", "model": a.model, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "k": a.k, "block": a.block, "after_saturated": a.after_saturated, "ngram": [lo, hi], "workloads": {}}
+    out = {
+        "bench": "vllm_spec",
+        "model": a.model,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "k": a.k,
+        "block": a.block,
+        "after_saturated": a.after_saturated,
+        "ngram": [lo, hi],
+        "workloads": {},
+    }
     texts = {w: workload_texts(w, Path(a.data) / FILES[w], a.prompts) for w in a.workloads.split(",")}
     greedy: dict[str, list[list[int]]] = {}
     for name, spec in configs.items():
-        llm = LLM(model=a.model, max_model_len=a.max_model_len, enforce_eager=True, max_num_seqs=1,
-                  speculative_config=spec, seed=0, disable_log_stats=False)
+        llm = LLM(
+            model=a.model,
+            max_model_len=a.max_model_len,
+            enforce_eager=True,
+            max_num_seqs=1,
+            speculative_config=spec,
+            seed=0,
+            disable_log_stats=False,
+        )
         tok = llm.get_tokenizer()
         for w, ts in texts.items():
-            prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": t}],
-                                                                    add_generation_prompt=True, tokenize=True,
-                                                                    return_dict=False)}
-                       for t in ts]
+            prompts = [
+                {
+                    "prompt_token_ids": tok.apply_chat_template(
+                        [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
+                }
+                for t in ts
+            ]
             before = spec_metrics(llm)
             t0 = time.perf_counter()
             res = llm.generate(prompts, params, use_tqdm=False)

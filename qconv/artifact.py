@@ -35,8 +35,9 @@ class Artifact:
         m = self.manifest
         if not m.recipe.resolved:
             return None
-        return from_dict(Recipe, m.recipe.resolved, "", f"{self.path / MANIFEST} recipe ({m.recipe.name})",
-                         strict=False)
+        return from_dict(
+            Recipe, m.recipe.resolved, "", f"{self.path / MANIFEST} recipe ({m.recipe.name})", strict=False
+        )
 
     @property
     def profiles(self) -> dict[str, Profile]:
@@ -63,8 +64,9 @@ class Artifact:
 
     def require_recipe(self) -> Recipe:
         if self.recipe is None:
-            raise QconvError(f"{self.path / MANIFEST} records no recipe", where=str(self.path),
-                             fix="pass --recipe NAME_OR_PATH")
+            raise QconvError(
+                f"{self.path / MANIFEST} records no recipe", where=str(self.path), fix="pass --recipe NAME_OR_PATH"
+            )
         return self.recipe
 
     def profile(self, name: str | None = None) -> tuple[str, Profile]:
@@ -74,6 +76,9 @@ class Artifact:
 def choose_profile(profiles: dict[str, Profile], name: str, owner: str) -> tuple[str, Profile]:
     """(name, profile); an unknown name is an error listing the profiles `owner` has."""
     if name not in profiles:
-        raise QconvError(f"unknown profile {name!r}", where="--profile",
-                         fix=f"profiles of {owner}: {', '.join(profiles) or '(none)'}")
+        raise QconvError(
+            f"unknown profile {name!r}",
+            where="--profile",
+            fix=f"profiles of {owner}: {', '.join(profiles) or '(none)'}",
+        )
     return name, profiles[name]

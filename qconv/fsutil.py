@@ -16,8 +16,8 @@ import os
 import re
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 
 from qconv.errors import QconvError
 
@@ -55,8 +55,12 @@ def find_links(root: str | os.PathLike) -> list[Path]:
 def refuse_links(root: str | os.PathLike, what: str, fix: str) -> None:
     """One QconvError naming the first symbolic link at or below root: qconv never reads or writes through one."""
     if links := find_links(root):
-        raise QconvError(f"{what}: {links[0]} is a symbolic link (to {os.readlink(links[0])}); qconv never reads or "
-                         "writes through links here", where=str(root), fix=fix)
+        raise QconvError(
+            f"{what}: {links[0]} is a symbolic link (to {os.readlink(links[0])}); qconv never reads or "
+            "writes through links here",
+            where=str(root),
+            fix=fix,
+        )
 
 
 def open_nofollow(path: str | os.PathLike, flags: int, what: str, fix: str) -> int:
@@ -66,8 +70,9 @@ def open_nofollow(path: str | os.PathLike, flags: int, what: str, fix: str) -> i
     except OSError as e:
         if e.errno != errno.ELOOP:
             raise
-        raise QconvError(f"{what}: {path} is a symbolic link; qconv never writes through links", where=str(path),
-                         fix=fix) from e
+        raise QconvError(
+            f"{what}: {path} is a symbolic link; qconv never writes through links", where=str(path), fix=fix
+        ) from e
 
 
 def file_table(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
@@ -263,9 +268,13 @@ _DISK_ERRORS = {
     errno.EROFS: ("read-only file system", "choose a folder on a writable file system"),
 }
 # Libraries that wrap the OS error in their own type (safetensors: "... (os error 28)") keep only its text.
-_OS_TEXT = [(re.compile(r"os error (\d+)"), None), (re.compile("No space left on device"), errno.ENOSPC),
-            (re.compile("Disk quota exceeded"), errno.EDQUOT), (re.compile("Permission denied"), errno.EACCES),
-            (re.compile("Read-only file system"), errno.EROFS)]
+_OS_TEXT = [
+    (re.compile(r"os error (\d+)"), None),
+    (re.compile("No space left on device"), errno.ENOSPC),
+    (re.compile("Disk quota exceeded"), errno.EDQUOT),
+    (re.compile("Permission denied"), errno.EACCES),
+    (re.compile("Read-only file system"), errno.EROFS),
+]
 
 
 def _disk_errno(e: BaseException | None) -> tuple[int, str | None] | None:
@@ -295,8 +304,9 @@ def human_bytes(n: int) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def disk_error(e: BaseException, *, what: str, where: str | os.PathLike,
-               needed: int | None = None) -> QconvError | None:
+def disk_error(
+    e: BaseException, *, what: str, where: str | os.PathLike, needed: int | None = None
+) -> QconvError | None:
     """The QconvError for a disk-full / permission error (e, its causes, or a library's wrapper of one), naming
     what was being written, where, and for a full disk how much space it needed and had; None for any other error.
     The one place OSError turns into the CLI's error type."""
@@ -316,8 +326,11 @@ def check_space(folder: str | os.PathLike, needed: int, what: str) -> None:
     """Refuse before any work when the disk holding folder has less than `needed` bytes free."""
     free = free_bytes(folder)
     if needed > free:
-        raise QconvError(f"{what}: not enough disk space (needs about {human_bytes(needed)}, {human_bytes(free)} "
-                         f"free)", where=str(folder), fix=_FIX_SPACE)
+        raise QconvError(
+            f"{what}: not enough disk space (needs about {human_bytes(needed)}, {human_bytes(free)} free)",
+            where=str(folder),
+            fix=_FIX_SPACE,
+        )
 
 
 def check_writable(folder: str | os.PathLike, what: str) -> None:
@@ -334,8 +347,14 @@ def _inside(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
 
-def check_out_folder(out: str | os.PathLike, *, force: bool, marker: str, protected: dict[str, str | os.PathLike | None],
-                     flag: str = "--out") -> Path:
+def check_out_folder(
+    out: str | os.PathLike,
+    *,
+    force: bool,
+    marker: str,
+    protected: dict[str, str | os.PathLike | None],
+    flag: str = "--out",
+) -> Path:
     """The resolved output folder, refused before any work when writing it could destroy something: equal to,
     inside or containing a protected path (the source, the work dir, caches), the root, a file, or an existing
     folder that --force would replace although it is neither empty nor holds `marker` (a folder we wrote)."""
@@ -349,17 +368,26 @@ def check_out_folder(out: str | os.PathLike, *, force: bool, marker: str, protec
         p = Path(p).expanduser().resolve()
         if _inside(out, p) or _inside(p, out):
             rel = "is" if out == p else ("is inside" if _inside(out, p) else "contains")
-            raise QconvError(f"{flag} {raw} {rel} the {label} ({p}): writing there could destroy it", where=flag,
-                             fix=f"pass a separate folder as {flag}")
+            raise QconvError(
+                f"{flag} {raw} {rel} the {label} ({p}): writing there could destroy it",
+                where=flag,
+                fix=f"pass a separate folder as {flag}",
+            )
     if out.exists():
         if not out.is_dir():
             raise QconvError(f"{flag} {raw} exists and is not a folder", where=flag, fix=f"pass a folder as {flag}")
         if not force:
-            raise QconvError(f"output folder already exists: {raw}", where=flag,
-                             fix=f"pass --force to replace it, or choose another {flag}")
+            raise QconvError(
+                f"output folder already exists: {raw}",
+                where=flag,
+                fix=f"pass --force to replace it, or choose another {flag}",
+            )
         if any(out.iterdir()) and not (out / marker).is_file():
-            raise QconvError(f"--force would replace {raw}, which is not empty and holds no {marker} (not a folder "
-                             f"qconv wrote)", where=flag, fix=f"choose another {flag}, or empty that folder yourself")
+            raise QconvError(
+                f"--force would replace {raw}, which is not empty and holds no {marker} (not a folder qconv wrote)",
+                where=flag,
+                fix=f"choose another {flag}, or empty that folder yourself",
+            )
     return out
 
 
@@ -378,9 +406,11 @@ def is_disk_error(e: BaseException) -> bool:
     return not isinstance(e, ConnectionError) and _disk_errno(e) is not None
 
 
-def os_error(e: OSError, action: str, where: str | os.PathLike, *, needed: int | None = None,
-             retry_hint: str | None = None) -> QconvError:
+def os_error(
+    e: OSError, action: str, where: str | os.PathLike, *, needed: int | None = None, retry_hint: str | None = None
+) -> QconvError:
     """disk_error for a filesystem failure; any other OSError becomes a plain QconvError, with `retry_hint` only
     where rerunning really helps."""
     return disk_error(e, what=f"{action} failed", where=where, needed=needed) or QconvError(
-        f"{action} failed: {e}", where=str(where), fix=retry_hint)
+        f"{action} failed: {e}", where=str(where), fix=retry_hint
+    )

@@ -33,6 +33,7 @@ SHA256_RE = re.compile(r"[0-9a-f]{64}")
 @dataclass(frozen=True)
 class Requirement:
     """One `requires` entry: what the artifact needs beyond stock vLLM (see qconv.convert.requires)."""
+
     feature: str
     needs: str
     reason: str = ""
@@ -43,8 +44,13 @@ class Requirement:
     def __post_init__(self):
         if self.vllm_feature is None and isinstance(self.needs, str):  # written before tokens existed: read the
             needs = self.needs.lower()  # token from the wording
-            token = (QUANTIZED_EMBEDDINGS if "quantized embeddings" in needs
-                     else KV_PREFIX + "kvarn" if "kvarn" in needs else None)
+            token = (
+                QUANTIZED_EMBEDDINGS
+                if "quantized embeddings" in needs
+                else KV_PREFIX + "kvarn"
+                if "kvarn" in needs
+                else None
+            )
             object.__setattr__(self, "vllm_feature", token)
 
     @classmethod
@@ -58,6 +64,7 @@ class Requirement:
 @dataclass(frozen=True)
 class FileEntry:
     """One file of an artifact or source: its sha256 and size in bytes."""
+
     sha256: str
     size: int
 
@@ -71,6 +78,7 @@ class FileEntry:
 @dataclass(frozen=True)
 class KldStats:
     """One measured section (weights only, or weights + KV) of the quality summary (qconv.eval.report.SUMMARY_KEYS)."""
+
     tokens: int
     kld_mean: float
     kld_se: float
@@ -89,6 +97,7 @@ class KldStats:
 class QualityReport:
     """The quality summary in qconv.json, as qconv.eval.report.summary writes it. `check --against` regresses
     against it section by section (`data`, the recorded mapping)."""
+
     report: str | None = None  # report.json beside it
     text: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
@@ -125,6 +134,7 @@ class QualityReport:
 @dataclass
 class SelectionRow:
     """One unit of the selection table: qconv.calibrate.select.Row adds the arithmetic, UnitRecord what is recorded."""
+
     unit: str
     role: str
     modules: int
@@ -138,12 +148,14 @@ class SelectionRow:
 @dataclass
 class UnitRecord(SelectionRow):
     """A row as qconv.json records it."""
+
     extra_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class SelectionRecord:
     """The INT8 / step selection as recorded (qconv.calibrate.select.Selection.to_dict)."""
+
     budget: str
     budget_bytes: int
     scheme: str
@@ -159,6 +171,7 @@ class SelectionRecord:
 class BuildInfo:
     """How the artifact was made. A build from full precision records the plan and stages; one from an
     already-quantized checkpoint records what it kept, requantized and copied."""
+
     seed: int | None = None
     family: str | None = None
     untied_embeddings: bool | None = None
@@ -263,18 +276,27 @@ class Manifest:
     def from_dict(cls, d: Any, where: str = MANIFEST) -> Manifest:
         """The typed manifest; a wrong type, a missing or unknown key is one error naming its key path."""
         if not isinstance(d, dict):
-            raise QconvError(f"malformed manifest: expected a JSON object, got {type(d).__name__}", where=where,
-                             fix="the artifact is damaged or not a qconv artifact; rebuild or re-pull it")
+            raise QconvError(
+                f"malformed manifest: expected a JSON object, got {type(d).__name__}",
+                where=where,
+                fix="the artifact is damaged or not a qconv artifact; rebuild or re-pull it",
+            )
         if d.get("schema_version") != SCHEMA_VERSION:
             raise QconvError(
                 f"unsupported manifest schema_version {shorten(d.get('schema_version'))} (this qconv reads "
-                f"{SCHEMA_VERSION})", where=where, fix="rebuild or re-pull the artifact with this qconv version")
+                f"{SCHEMA_VERSION})",
+                where=where,
+                fix="rebuild or re-pull the artifact with this qconv version",
+            )
         d = {**d, **{k: None for k in ("speculative", "selection") if d.get(k) == {}}}  # `{}`: none recorded
         try:
             return from_dict(cls, d, "", where)
         except SchemaError as e:
-            raise QconvError(f"malformed manifest: {e.what}", where=where,
-                             fix="the artifact is damaged or was written by another qconv; rebuild or re-pull it") from e
+            raise QconvError(
+                f"malformed manifest: {e.what}",
+                where=where,
+                fix="the artifact is damaged or was written by another qconv; rebuild or re-pull it",
+            ) from e
 
     def write(self, artifact_dir: str | Path) -> None:
         write_json_atomic(Path(artifact_dir) / MANIFEST, self.to_dict())
@@ -288,8 +310,11 @@ def read_manifest(artifact_dir: str | Path) -> Manifest:
     if not Path(artifact_dir).is_dir():
         raise QconvError(f"artifact folder not found: {artifact_dir}", fix="pass the folder `qconv build --out` wrote")
     if not path.is_file():
-        raise QconvError(f"no {MANIFEST} in {artifact_dir}", where=str(path),
-                         fix="this folder is not a qconv artifact; build one with `qconv build` or pass a source model instead")
+        raise QconvError(
+            f"no {MANIFEST} in {artifact_dir}",
+            where=str(path),
+            fix="this folder is not a qconv artifact; build one with `qconv build` or pass a source model instead",
+        )
     data = read_json_object(path, MANIFEST, "re-pull or rebuild the artifact")
     return Manifest.from_dict(data, where=str(path))
 
@@ -302,8 +327,10 @@ def verify_files(artifact_dir: str | Path, manifest: Manifest) -> list[str]:
     """Problems found comparing the folder to the manifest's file table; empty means verified."""
     actual = hash_artifact_files(artifact_dir)
     links = {p.relative_to(artifact_dir).as_posix(): p for p in find_links(artifact_dir) if p != Path(artifact_dir)}
-    problems = [f"{name}: a symbolic link (to {os.readlink(p)}); an artifact's files are regular files inside it"
-                for name, p in links.items()]
+    problems = [
+        f"{name}: a symbolic link (to {os.readlink(p)}); an artifact's files are regular files inside it"
+        for name, p in links.items()
+    ]
     for name, want in manifest.files.items():
         if name in links:
             continue

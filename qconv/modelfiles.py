@@ -13,19 +13,63 @@ from pathlib import Path
 from qconv.errors import QconvError
 
 # bits per element of each safetensors dtype (safetensors' own Dtype list)
-DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
-              "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
-              "I64": 64, "U64": 64, "F64": 64, "C64": 64}
+DTYPE_BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+}
 HEADER_CAP = 100 << 20  # safetensors' own limit on the JSON header
 # the config.json keys qconv reads itself (top level or in text_config), with their JSON types; others pass through
-_INT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "head_dim", "vocab_size", "max_position_embeddings", "mtp_num_hidden_layers", "linear_num_key_heads",
-             "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
-CONFIG_TYPES = {"model_type": str, "architectures": list, "layer_types": list, "tie_word_embeddings": bool,
-                "attn_output_gate": bool, "text_config": dict, "quantization_config": dict,
-                **{k: int for k in _INT_KEYS}}
-CONFIG_TYPE_NAMES = {str: "a string", list: "a list of strings", bool: "true/false", dict: "a mapping",
-                     int: "a non-negative integer"}
+_INT_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "mtp_num_hidden_layers",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+CONFIG_TYPES = {
+    "model_type": str,
+    "architectures": list,
+    "layer_types": list,
+    "tie_word_embeddings": bool,
+    "attn_output_gate": bool,
+    "text_config": dict,
+    "quantization_config": dict,
+    **{k: int for k in _INT_KEYS},
+}
+CONFIG_TYPE_NAMES = {
+    str: "a string",
+    list: "a list of strings",
+    bool: "true/false",
+    dict: "a mapping",
+    int: "a non-negative integer",
+}
 
 
 def read_json_object(path: str | os.PathLike, what: str, fix: str, cap: int = 64 << 20) -> dict:
@@ -50,9 +94,11 @@ def read_model_config(folder: str | os.PathLike) -> dict:
     library, so a damaged file is one clear error, not a traceback from deep inside transformers."""
     cfg = Path(folder) / "config.json"
     if not cfg.is_file():
-        raise QconvError(f"no config.json in {folder}", where=str(folder),
-                         fix="pass a Hugging Face model folder (config.json + *.safetensors), a hub id, or a .gguf "
-                             "file")
+        raise QconvError(
+            f"no config.json in {folder}",
+            where=str(folder),
+            fix="pass a Hugging Face model folder (config.json + *.safetensors), a hub id, or a .gguf file",
+        )
     fix = "re-download or re-copy the model (or rebuild the artifact)"
     data = read_json_object(cfg, "config.json", fix)
     for path, sub in (("", data), ("text_config.", data.get("text_config"))):
@@ -60,9 +106,12 @@ def read_model_config(folder: str | os.PathLike) -> dict:
             v = sub.get(key) if isinstance(sub, dict) else None
             if v is None:
                 continue
-            ok = (isinstance(v, want) and not (want is int and isinstance(v, bool))
-                  and (want is not int or 0 <= v < 2**40)
-                  and (want is not list or all(isinstance(x, str) for x in v)))
+            ok = (
+                isinstance(v, want)
+                and not (want is int and isinstance(v, bool))
+                and (want is not int or 0 <= v < 2**40)
+                and (want is not list or all(isinstance(x, str) for x in v))
+            )
             if not ok:
                 raise QconvError(f"config.json: {path}{key} is not {CONFIG_TYPE_NAMES[want]}", where=str(cfg), fix=fix)
     return data
@@ -80,8 +129,10 @@ def _entry_problem(name: str, t) -> str | None:
         return f"tensor {name[:80]!r}: shape and data_offsets must be lists of non-negative integers"
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits % 8 or bits // 8 != offs[1] - offs[0]:
-        return (f"tensor {name[:80]!r}: shape {shape[:8]} of {dtype} needs {bits / 8:.0f} bytes, its byte range "
-                f"holds {offs[1] - offs[0]}")
+        return (
+            f"tensor {name[:80]!r}: shape {shape[:8]} of {dtype} needs {bits / 8:.0f} bytes, its byte range "
+            f"holds {offs[1] - offs[0]}"
+        )
     return None
 
 
@@ -116,8 +167,11 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
         if 8 + n + end != size:
             raise ValueError(f"tensor data needs {8 + n + end} bytes, the file has {size}")
     except (OSError, ValueError, RecursionError, struct.error) as e:  # JSONDecodeError is a ValueError
-        raise QconvError(f"corrupt or truncated safetensors file: {e}", where=str(path),
-                         fix="re-download or re-copy the model files (or re-pull / rebuild the artifact)") from e
+        raise QconvError(
+            f"corrupt or truncated safetensors file: {e}",
+            where=str(path),
+            fix="re-download or re-copy the model files (or re-pull / rebuild the artifact)",
+        ) from e
     return tensors
 
 

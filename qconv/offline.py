@@ -42,9 +42,15 @@ def offline_if_unreachable() -> contextlib.AbstractContextManager[str | None]:
         return
     keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
     env = {k: os.environ.get(k) for k in keys}
-    flags = [(mod, name) for mod, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"),
-                                           ("datasets.config", "HF_HUB_OFFLINE"),
-                                           ("datasets.config", "HF_DATASETS_OFFLINE")) if mod in sys.modules]
+    flags = [
+        (mod, name)
+        for mod, name in (
+            ("huggingface_hub.constants", "HF_HUB_OFFLINE"),
+            ("datasets.config", "HF_HUB_OFFLINE"),
+            ("datasets.config", "HF_DATASETS_OFFLINE"),
+        )
+        if mod in sys.modules
+    ]
     saved = [(sys.modules[m], n, getattr(sys.modules[m], n, None)) for m, n in flags]
     os.environ.update({k: "1" for k in keys})
     for mod, name, _ in saved:

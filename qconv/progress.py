@@ -81,8 +81,10 @@ def group_warnings(messages: list[str]) -> list[str]:
             outs = sorted({int(m["out"]) for m in items})
             shapes = f"in {_few(ins)}; out {_few(outs)}"
             prefix = items[0]["prefix"] or ""
-            lines.append(f"{prefix}{len(items)} modules [{shapes}]: {items[0]['what']} — each listed in qconv.json "
-                         f"build.warnings")
+            lines.append(
+                f"{prefix}{len(items)} modules [{shapes}]: {items[0]['what']} — each listed in qconv.json "
+                f"build.warnings"
+            )
     return lines
 
 
@@ -175,10 +177,20 @@ class JobView:
             self._exit.enter_context(contextlib.redirect_stdout(sys.stderr))  # stdout is for the job's result
         self._term = term
         self.console = Console(file=term, soft_wrap=True, highlight=False)
-        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description:<13}"), BarColumn(bar_width=30),
-                                  MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-                                  TextColumn("{task.fields[note]}"), console=self.console, transient=True,
-                                  redirect_stdout=False, redirect_stderr=False)
+        self._progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description:<13}"),
+            BarColumn(bar_width=30),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[note]}"),
+            console=self.console,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
         self._task, self._note = None, ""
         self._stage: tuple[str, float, str] | None = None
         try:
@@ -236,8 +248,11 @@ class JobView:
             from loguru import logger
 
             logger.remove()
-            sink = logger.add(self._loguru, level="DEBUG" if self.verbose else "INFO", format="{time:HH:mm:ss.SSS} | {function} | {level} - "
-                                                                   "{message}")
+            sink = logger.add(
+                self._loguru,
+                level="DEBUG" if self.verbose else "INFO",
+                format="{time:HH:mm:ss.SSS} | {function} | {level} - {message}",
+            )
 
             def restore_loguru():
                 logger.remove(sink)
@@ -269,8 +284,9 @@ class JobView:
             self._progress.update(self._task, total=getattr(record, _TOTAL), completed=0)
         if hasattr(record, _ADVANCE) and self._task is not None:
             where = getattr(record, _WHERE, "")
-            self._progress.update(self._task, advance=getattr(record, _ADVANCE),
-                                  note=f"{where} · {self._note}" if self._note else where)
+            self._progress.update(
+                self._task, advance=getattr(record, _ADVANCE), note=f"{where} · {self._note}" if self._note else where
+            )
         if hasattr(record, _NOTE) and self._task is not None:
             self._note = record.getMessage()
             self._progress.update(self._task, note=self._note)
@@ -283,7 +299,7 @@ class JobView:
         elif getattr(record, _SHOW, False) and self._stage:
             name, t0, _ = self._stage
             msg = record.getMessage()
-            self._stage = (name, t0, msg[len(name) + 2:] if msg.startswith(f"{name}: ") else msg)
+            self._stage = (name, t0, msg[len(name) + 2 :] if msg.startswith(f"{name}: ") else msg)
 
     def _start_stage(self, name: str, reused: bool) -> None:
         if self._stage and self._stage[0] == name:
@@ -303,7 +319,7 @@ class JobView:
         self.flush_warnings()
 
     def flush_warnings(self) -> None:
-        new, self._shown = self.warned[self._shown:], len(self.warned)
+        new, self._shown = self.warned[self._shown :], len(self.warned)
         for line in group_warnings(new):
             self.console.print(f"[yellow]warning:[/yellow] {_escape(line)}")
 

@@ -113,8 +113,11 @@ def _built_smollm2(gguf: Path, calib: Path, name: str, recipes: tuple[str, ...],
     key = sha256_bytes(b"".join(p.read_bytes() for p in code))[:12]
     out = CACHE / "artifacts" / f"smollm2-{name}-{key}"
     if not (out / "qconv.json").is_file():
-        r = CliRunner().invoke(main, ["build", "--recipe", recipes[-1], "--model", str(gguf), "--out", str(out),
-                                      "--dataset", str(calib), *args], catch_exceptions=False)
+        r = CliRunner().invoke(
+            main,
+            ["build", "--recipe", recipes[-1], "--model", str(gguf), "--out", str(out), "--dataset", str(calib), *args],
+            catch_exceptions=False,
+        )
         assert r.exit_code == 0, r.output
     return out
 
@@ -123,8 +126,13 @@ def _built_smollm2(gguf: Path, calib: Path, name: str, recipes: tuple[str, ...],
 def smollm2_3090(smollm2_gguf, shared_data) -> Path:
     """SmolLM2 built by `qconv build --recipe 3090` (GPTQ on 16 x 512 tokens of tiny shakespeare, uniform W4:
     --int8-budget 0): one shared INT8 table for embed_tokens and the tied lm_head."""
-    return _built_smollm2(smollm2_gguf, shared_data / "tinyshakespeare.txt", "3090", ("3090",),
-                          ["--samples", "16", "--seq-len", "512", "--int8-budget", "0"])
+    return _built_smollm2(
+        smollm2_gguf,
+        shared_data / "tinyshakespeare.txt",
+        "3090",
+        ("3090",),
+        ["--samples", "16", "--seq-len", "512", "--int8-budget", "0"],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -207,8 +215,12 @@ def tmpfs(tmp_path):
     def mount(kib: int, *opts: str) -> Path:
         d = tmp_path / f"disk{len(mounts)}"
         d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={kib}k", *opts]), "tmpfs", str(d)],
-                           capture_output=True, text=True, check=False)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", ",".join([f"size={kib}k", *opts]), "tmpfs", str(d)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if r.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
         mounts.append(d)

@@ -18,8 +18,11 @@ def _config_groups(model, symmetric: bool = True) -> tuple[dict, dict[str, int]]
     symmetric, or with zero points."""
     import torch
 
-    chosen = {n: group_for(m.in_features) for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")}
+    chosen = {
+        n: group_for(m.in_features)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head")
+    }
     groups = {}
     for g in sorted(set(chosen.values()), reverse=True):
         names = [n for n, v in chosen.items() if v == g]
@@ -34,13 +37,22 @@ def calibration_dataset(tokenizer, text_file: Path, samples: int, seq_len: int):
     from datasets import Dataset
 
     ids = tokenizer(Path(text_file).read_text(), add_special_tokens=False)["input_ids"]
-    rows = [ids[i * seq_len:(i + 1) * seq_len] for i in range(min(samples, len(ids) // seq_len))]
+    rows = [ids[i * seq_len : (i + 1) * seq_len] for i in range(min(samples, len(ids) // seq_len))]
     return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
 
 
-def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_text: Path | None = None,
-                     samples: int = 32, seq_len: int = 512, pipeline: str = "basic",
-                     gates_recipe: str = "3090", symmetric: bool = True) -> Path:
+def make_w4_artifact(
+    source: Path,
+    out: Path,
+    *,
+    algorithm: str = "rtn",
+    calib_text: Path | None = None,
+    samples: int = 32,
+    seq_len: int = 512,
+    pipeline: str = "basic",
+    gates_recipe: str = "3090",
+    symmetric: bool = True,
+) -> Path:
     """RTN (QuantizationModifier) or GPTQ W4A16 of every Linear but lm_head, saved compressed + qconv.json."""
     import torch
     from llmcompressor import oneshot
@@ -48,8 +60,8 @@ def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_t
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qconv.convert.sources import ResolvedSource
-    from qconv.recipes.recipe import load_recipe
     from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, hash_artifact_files, tool_versions
+    from qconv.recipes.recipe import load_recipe
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(source)
@@ -58,8 +70,14 @@ def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_t
     if algorithm == "gptq":
         ds = calibration_dataset(tok, calib_text, samples, seq_len)
         modifier = GPTQModifier(config_groups=groups, ignore=["lm_head"], dampening_frac=0.01)
-        oneshot(model=model, recipe=modifier, dataset=ds, num_calibration_samples=len(ds), max_seq_length=seq_len,
-                pipeline=pipeline)
+        oneshot(
+            model=model,
+            recipe=modifier,
+            dataset=ds,
+            num_calibration_samples=len(ds),
+            max_seq_length=seq_len,
+            pipeline=pipeline,
+        )
     else:
         oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=["lm_head"]))
     src = ResolvedSource(path=Path(source), kind="hf_dir", id=str(Path(source).resolve()))
@@ -70,10 +88,16 @@ def make_w4_artifact(source: Path, out: Path, *, algorithm: str = "rtn", calib_t
         tok.save_pretrained(tmp)
         # Gates come from the recorded recipe; these plain W4A16 artifacts are judged by the 3090 recipe's tiers.
         recipe = load_recipe(gates_recipe)
-        m = Manifest(source=info, recipe=RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
-                     modules=[ModuleDecision(name=n, role="linear", scheme="w4a16", bits=4, group_size=g,
-                                             symmetric=symmetric) for n, g in chosen.items()],
-                     tools=tool_versions(), status="unchecked")
+        m = Manifest(
+            source=info,
+            recipe=RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
+            modules=[
+                ModuleDecision(name=n, role="linear", scheme="w4a16", bits=4, group_size=g, symmetric=symmetric)
+                for n, g in chosen.items()
+            ],
+            tools=tool_versions(),
+            status="unchecked",
+        )
         m.files = hash_artifact_files(tmp)
         m.write(tmp)
     return out
@@ -98,8 +122,20 @@ def quality_summary(seed: int = 0, tokens: int = 256, kld: float = 0.02, passed:
     k = rng.exponential(kld, tokens)
     nll = rng.exponential(2.0, tokens)
     stats = TokenStats([k], [k], [(rng.random(tokens) > kld).astype(np.float64)], [nll], [nll + k])
-    report = {"text": {"label": "t", "sha256": "0" * 64, "tokens_scored": tokens, "windows": 1, "window": tokens,
-                       "stride": tokens}, "settings": asdict(EvalSettings("t", window=tokens)),
-              "reference": {"storage": "full", "topk": 0}, "weights": summarize(stats), "bits_per_weight": 4.5,
-              "verdicts": [], "passed": passed}
+    report = {
+        "text": {
+            "label": "t",
+            "sha256": "0" * 64,
+            "tokens_scored": tokens,
+            "windows": 1,
+            "window": tokens,
+            "stride": tokens,
+        },
+        "settings": asdict(EvalSettings("t", window=tokens)),
+        "reference": {"storage": "full", "topk": 0},
+        "weights": summarize(stats),
+        "bits_per_weight": 4.5,
+        "verdicts": [],
+        "passed": passed,
+    }
     return json.loads(json.dumps(summary(report)))  # as read back from report.json

@@ -32,25 +32,39 @@ def make_artifact(folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
-    save_file({"model.layers.0.mlp.down_proj.weight_packed": rng.integers(-2**31, 2**31 - 1, (128, 512), np.int32),
-               "model.layers.0.mlp.down_proj.weight_scale": rng.standard_normal((128, 32)).astype(np.float16)},
-              str(folder / BIG))
+    save_file(
+        {
+            "model.layers.0.mlp.down_proj.weight_packed": rng.integers(-(2**31), 2**31 - 1, (128, 512), np.int32),
+            "model.layers.0.mlp.down_proj.weight_scale": rng.standard_normal((128, 32)).astype(np.float16),
+        },
+        str(folder / BIG),
+    )
     save_file({"lm_head.weight": rng.standard_normal((64, 256)).astype(np.float16)}, str(folder / SMALL))
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "architectures": ["Qwen3ForCausalLM"],
+                "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+            }
+        )
+    )
     (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
-    Manifest(source=SourceInfo(kind="hub", id="Qwen/Qwen3-Tiny", revision="0123abc", architecture="qwen3"),
-             recipe=RecipeInfo(name="3090", sha256="ab" * 32, resolved=load_recipe("3090").to_dict()),
-             modules=[ModuleDecision("model.layers.0.mlp.down_proj", "mlp.down", "w4a16", 4, 128, [128, 4096])],
-             files=hash_artifact_files(folder), quality=quality_summary(), status="ok",
-             profiles={"fast": {"kv_cache": "bf16", "context_length": 4096}}).write(folder)
+    Manifest(
+        source=SourceInfo(kind="hub", id="Qwen/Qwen3-Tiny", revision="0123abc", architecture="qwen3"),
+        recipe=RecipeInfo(name="3090", sha256="ab" * 32, resolved=load_recipe("3090").to_dict()),
+        modules=[ModuleDecision("model.layers.0.mlp.down_proj", "mlp.down", "w4a16", 4, 128, [128, 4096])],
+        files=hash_artifact_files(folder),
+        quality=quality_summary(),
+        status="ok",
+        profiles={"fast": {"kv_cache": "bf16", "context_length": 4096}},
+    ).write(folder)
     return folder
 
 
 def flip_byte(data: bytes, at: int | None = None) -> bytes:
     at = len(data) // 2 if at is None else at
-    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
 
 
 @dataclass
@@ -156,14 +170,14 @@ class FileServer:
         stall = self.b.stall.pop(path, None)
         pause = self.b.pause.pop(path, None)
         if self._take(self.b.cut, path) or stall or pause:
-            h.wfile.write(body[:len(body) // 2])
+            h.wfile.write(body[: len(body) // 2])
             h.wfile.flush()
             if stall or pause:
                 (stall or pause).wait(20)
             if not pause:
                 h.close_connection = True
                 return
-            body = body[len(body) // 2:]
+            body = body[len(body) // 2 :]
         h.wfile.write(body)
 
     def gets(self, path: str) -> list[str | None]:
@@ -196,8 +210,9 @@ class FakeHub(FileServer):
 
     def publish(self, repo: str, files: dict[str, bytes], branch: str = "main") -> str:
         """Commit `files` to `branch` of `repo`; returns the commit sha."""
-        sha = hashlib.sha1(repr(sorted((n, hashlib.sha256(d).hexdigest()) for n, d in files.items())).encode()
-                           + repo.encode()).hexdigest()
+        sha = hashlib.sha1(
+            repr(sorted((n, hashlib.sha256(d).hexdigest()) for n, d in files.items())).encode() + repo.encode()
+        ).hexdigest()
         r = self.repos.setdefault(repo, {"refs": {}, "commits": {}})
         r["commits"][sha] = dict(files)
         r["refs"][branch] = sha
@@ -241,15 +256,24 @@ class FakeHub(FileServer):
         files = self.repos[repo]["commits"][sha]
         if kind == "revision":
             blobs = query.get("blobs", ["false"])[0].lower() == "true"
-            info = {"id": repo, "modelId": repo, "sha": sha, "private": False,
-                    "siblings": [self._meta(n, d, tree=False) if blobs else {"rfilename": n}
-                                 for n, d in sorted(files.items())]}
+            info = {
+                "id": repo,
+                "modelId": repo,
+                "sha": sha,
+                "private": False,
+                "siblings": [
+                    self._meta(n, d, tree=False) if blobs else {"rfilename": n} for n, d in sorted(files.items())
+                ],
+            }
             if self.after_info:
                 self.after_info(repo, rev)
             return Reply(200, json.dumps(info).encode(), {"Content-Type": "application/json"})
         if kind == "tree":
-            return Reply(200, json.dumps([self._meta(n, d, tree=True) for n, d in sorted(files.items())]).encode(),
-                         {"Content-Type": "application/json"})
+            return Reply(
+                200,
+                json.dumps([self._meta(n, d, tree=True) for n, d in sorted(files.items())]).encode(),
+                {"Content-Type": "application/json"},
+            )
         name = "/".join(parts[4:])
         if name not in files:
             return Reply(404, b'{"error": "Entry not found"}', {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": sha})
@@ -294,8 +318,18 @@ class Hub:
     def stray(self) -> list[str]:
         """Anything under the cache besides the finished slot, its locks and the name records."""
         root, slot, rev = self.home / "artifacts", cache.slot_key(self.loc), self.cached().name
-        allowed = {slot, f"{slot}/source.json", f"{slot}/current", f"{slot}/revs", f"{slot}/revs/{rev}",
-                   f"{slot}/revs/{rev}.lock", ".locks", f".locks/{slot}.lock", ".names", ".incoming"}
+        allowed = {
+            slot,
+            f"{slot}/source.json",
+            f"{slot}/current",
+            f"{slot}/revs",
+            f"{slot}/revs/{rev}",
+            f"{slot}/revs/{rev}.lock",
+            ".locks",
+            f".locks/{slot}.lock",
+            ".names",
+            ".incoming",
+        }
         found = [p.relative_to(root).as_posix() for p in root.rglob("*")]
         return [f for f in found if f not in allowed and not f.startswith((f"{slot}/revs/{rev}/", ".names/"))]
 

@@ -21,8 +21,19 @@ def quantize(src: Path, out: Path, fmt: str, sym: bool, group_size: int = GROUP)
     tok = AutoTokenizer.from_pretrained(src)
     from tests.tiny import CORPUS
 
-    ar = AutoRound(model, tok, bits=4, group_size=group_size, sym=sym, iters=0, disable_opt_rtn=True, nsamples=2,
-                   seqlen=32, dataset=[CORPUS] * 4, device_map="cpu")
+    ar = AutoRound(
+        model,
+        tok,
+        bits=4,
+        group_size=group_size,
+        sym=sym,
+        iters=0,
+        disable_opt_rtn=True,
+        nsamples=2,
+        seqlen=32,
+        dataset=[CORPUS] * 4,
+        device_map="cpu",
+    )
     ar.quantize_and_save(str(out), format=fmt)
     (saved,) = [p.parent for p in Path(out).rglob("config.json")]
     return saved

@@ -16,6 +16,7 @@ def submit_and_wait(sched, reqs, timeout: float = 120) -> dict[int, str]:
                     out[i] = ev.finish_reason
                     if len(out) == len(reqs):
                         done.set()
+
         return emit
 
     for i, r in enumerate(reqs):

@@ -41,13 +41,20 @@ class LoadResult:
         return self.tokens / self.wall if self.wall else 0.0
 
 
-def stream_one(client, model: str, prompt: str, max_tokens: int, chat: bool = True,
-               timeout: float = 300.0) -> ClientResult:
+def stream_one(
+    client, model: str, prompt: str, max_tokens: int, chat: bool = True, timeout: float = 300.0
+) -> ClientResult:
     """One greedy streaming request (chat, or a raw completion of `prompt`), timed from send to last chunk."""
     t0 = time.monotonic()
     parts, ttft, usage, finish = [], None, None, None
-    kw = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True, timeout=timeout,
-              stream_options={"include_usage": True})
+    kw = dict(
+        model=model,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        timeout=timeout,
+        stream_options={"include_usage": True},
+    )
     if chat:
         stream = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw)
     else:
@@ -62,12 +69,19 @@ def stream_one(client, model: str, prompt: str, max_tokens: int, chat: bool = Tr
                 parts.append(text)
             finish = c.finish_reason or finish
     elapsed = time.monotonic() - t0
-    return ClientResult(prompt, "".join(parts), usage.completion_tokens if usage else 0,
-                        ttft if ttft is not None else elapsed, elapsed, finish)
+    return ClientResult(
+        prompt,
+        "".join(parts),
+        usage.completion_tokens if usage else 0,
+        ttft if ttft is not None else elapsed,
+        elapsed,
+        finish,
+    )
 
 
-def run_load(client, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-             chat: bool = True) -> LoadResult:
+def run_load(
+    client, model: str, prompts: list[str], concurrency: int, max_tokens: int, chat: bool = True
+) -> LoadResult:
     """Every prompt once, `concurrency` in flight at a time; results in prompt order."""
     t0 = time.monotonic()
     with cf.ThreadPoolExecutor(concurrency) as ex:
@@ -90,8 +104,9 @@ class ServerProcess:
 
     def __enter__(self) -> ServerProcess:
         # the server's logs go to our stderr: stdout stays for what the caller prints (a benchmark's JSON line)
-        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=Path(__file__).resolve().parents[1],
-                                     stdout=sys.stderr, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, cwd=Path(__file__).resolve().parents[1], stdout=sys.stderr, start_new_session=True
+        )
         deadline = time.monotonic() + self.health_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -129,8 +144,9 @@ class BackgroundServer:
         import uvicorn
 
         self.sched, self.host, self.port = sched, host, port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -15,8 +15,9 @@ from tests.eval_helpers import quality_summary
 
 def _manifest(**kw) -> Manifest:
     r = load_recipe("3090")
-    return Manifest(source=SourceInfo(kind="hf_dir", id="x"), recipe=RecipeInfo(r.name, r.sha256, r.to_dict()),
-                    modules=[], **kw)
+    return Manifest(
+        source=SourceInfo(kind="hf_dir", id="x"), recipe=RecipeInfo(r.name, r.sha256, r.to_dict()), modules=[], **kw
+    )
 
 
 def test_open_gives_typed_views_and_writes_the_same_json(tmp_path):
@@ -30,8 +31,9 @@ def test_open_gives_typed_views_and_writes_the_same_json(tmp_path):
     assert art.speculative == r.speculative and art.requires == [req]
     assert isinstance(art.quality, QualityReport) and art.quality.measured and art.quality.settings["window"] == 64
     data = json.loads((tmp_path / "qconv.json").read_text())
-    assert data["requires"] == [{"feature": "int8 embed_tokens", "needs": "plugin", "reason": "why",
-                                 "vllm_feature": QUANTIZED_EMBEDDINGS}]  # no null keys
+    assert data["requires"] == [
+        {"feature": "int8 embed_tokens", "needs": "plugin", "reason": "why", "vllm_feature": QUANTIZED_EMBEDDINGS}
+    ]  # no null keys
     assert data["speculative"]["lookup"]["max_block"] == r.speculative.lookup.max_block
     assert data["quality"] == quality and data["profiles"]["fast"]["kv_cache"] == r.profiles["fast"].kv_cache
     assert Manifest.from_dict(data).to_dict() == data
@@ -45,9 +47,10 @@ def test_an_older_manifest_still_reads(tmp_path):
     d = _manifest().to_dict()
     d["profiles"] = {"fast": {"kv_cache": "bf16", "context_length": 4096}}
     d["speculative"] = {}
-    d["requires"] = [{"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings",
-                      "reason": "r"},
-                     {"feature": "huge", "needs": "qconv runtime or the KVarN build of vLLM", "reason": "r"}]
+    d["requires"] = [
+        {"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings", "reason": "r"},
+        {"feature": "huge", "needs": "qconv runtime or the KVarN build of vLLM", "reason": "r"},
+    ]
     d["quality"] = {"passed": None, "note": "not measured"}
     (tmp_path / "qconv.json").write_text(json.dumps(d))
     art = Artifact.open(tmp_path)
@@ -66,7 +69,6 @@ def test_a_bad_profile_value_names_its_key(tmp_path):
     with pytest.raises(QconvError, match="profiles.fast.kv_cache") as e:
         Artifact.open(tmp_path)
     assert str(tmp_path) in e.value.where
-
 
 
 def test_a_recipe_recorded_by_another_version_reads_with_a_warning(tmp_path, caplog):

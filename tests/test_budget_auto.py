@@ -45,8 +45,18 @@ def test_auto_budget_is_the_default_profiles_slack_on_the_27b(config_27b):
     left, fit = int8_headroom(config, dr.recipe, dr.plan.total_bytes, vision, mtp)
     assert fit.name == "fast" and fit.fits and dr.budget_bytes == left > 0
     # Promoting the whole budget leaves the default profile fitting with nothing to spare.
-    after = build_report("", config, dr.recipe, dr.plan.total_bytes + left, vision, mtp, "estimate",
-                         dr.recipe.card.name, dr.recipe.card.memory_gib, profile="fast").profiles[0]
+    after = build_report(
+        "",
+        config,
+        dr.recipe,
+        dr.plan.total_bytes + left,
+        vision,
+        mtp,
+        "estimate",
+        dr.recipe.card.name,
+        dr.recipe.card.memory_gib,
+        profile="fast",
+    ).profiles[0]
     assert after.fits and after.usable - after.need == 0
     assert "fast" in dr.budget_note and "reserve" in dr.budget_note
 

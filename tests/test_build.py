@@ -25,13 +25,16 @@ def test_recipes_list_and_show():
     assert "w4a16" in r.output and "kvarn_k4v2_g128" in r.output and "sha256" in r.output
 
 
-@pytest.mark.parametrize("patch, expect", [
-    (("roles", "weigths"), r"unknown key 'weigths'.*did you mean 'weights'"),
-    (("profiles.fast.kv_cache", "fp4"), r"profiles\.fast\.kv_cache.*unknown KV scheme 'fp4'"),
-    (("calibration.samples", "many"), r"calibration\.samples: expected an integer, got 'many'"),
-    (("roles.attn_qkv", "w3a16"), r"roles\.attn_qkv.*unknown scheme 'w3a16'"),
-    (("quantizer.algorithm", "awq"), r"quantizer\.algorithm: bad value 'awq'; allowed: 'gptq', 'rtn'"),
-])
+@pytest.mark.parametrize(
+    "patch, expect",
+    [
+        (("roles", "weigths"), r"unknown key 'weigths'.*did you mean 'weights'"),
+        (("profiles.fast.kv_cache", "fp4"), r"profiles\.fast\.kv_cache.*unknown KV scheme 'fp4'"),
+        (("calibration.samples", "many"), r"calibration\.samples: expected an integer, got 'many'"),
+        (("roles.attn_qkv", "w3a16"), r"roles\.attn_qkv.*unknown scheme 'w3a16'"),
+        (("quantizer.algorithm", "awq"), r"quantizer\.algorithm: bad value 'awq'; allowed: 'gptq', 'rtn'"),
+    ],
+)
 def test_recipe_validation_names_the_key(tmp_path, patch, expect):
     import yaml
 
@@ -69,8 +72,11 @@ def test_dry_run_27b_config(config_27b):
     assert roles["gdn_ab"]["schemes"] == {"bf16"} and roles["mtp"]["schemes"] == {"bf16"}
     assert roles["mlp_gate_up"]["schemes"] == {"w4a16 g128"} and roles["embed"]["schemes"] == {"w8a16 g128"}
     assert roles["gdn_qkvz"]["modules"] == 96 and roles["attn_qkv"]["modules"] == 48
-    emb_saving = sum(m.shape[0] * m.shape[1] * 2 for m in p.modules if m.role in ("embed", "lm_head")) - \
-        roles["embed"]["bytes"] - roles["lm_head"]["bytes"]
+    emb_saving = (
+        sum(m.shape[0] * m.shape[1] * 2 for m in p.modules if m.role in ("embed", "lm_head"))
+        - roles["embed"]["bytes"]
+        - roles["lm_head"]["bytes"]
+    )
     assert 2.4e9 < emb_saving < 2.7e9  # "untied 248k vocab: ~2.6 GB saved"
     assert 19.0e9 < p.total_bytes + emb_saving < 20.0e9  # an all-W4A16 build
     r = run("build", "--recipe", "3090", "--model", config_27b, "--dry-run")
@@ -106,8 +112,10 @@ def check_artifact(src: Path, art: Path, *, int4_roles: set[str], tol_rel: float
 
     qc = json.loads((art / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] in ("pack-quantized", "mixed-precision")
-    groups = {(g["weights"]["num_bits"], g["weights"]["group_size"], g["format"]): g["targets"]
-              for g in qc["config_groups"].values()}
+    groups = {
+        (g["weights"]["num_bits"], g["weights"]["group_size"], g["format"]): g["targets"]
+        for g in qc["config_groups"].values()
+    }
     int4 = " ".join(groups[(4, 128, "pack-quantized")])
     int8 = " ".join(groups[(8, 128, "pack-quantized")])
     tied = json.loads((art / "config.json").read_text()).get("tie_word_embeddings")
@@ -136,8 +144,9 @@ def test_build_tiny_qwen3_5(tiny_qwen3_5, tmp_path, calib_txt):
     out = tmp_path / "A"
     r = run("build", "--recipe", "3090", "--model", tiny_qwen3_5, "--out", out, "--dataset", calib_txt, *FAST_CAL)
     assert r.exit_code == 0, r.output
-    qc, m = check_artifact(tiny_qwen3_5, out, tol_rel=0.4, min_top1=0.6,
-                           int4_roles={"self_attn", "mlp", "in_proj_(qkv|z)", "out_proj"})
+    qc, m = check_artifact(
+        tiny_qwen3_5, out, tol_rel=0.4, min_top1=0.6, int4_roles={"self_attn", "mlp", "in_proj_(qkv|z)", "out_proj"}
+    )
     ignore = " ".join(qc["ignore"])
     assert "in_proj_a" in ignore and "in_proj_b" in ignore and "mtp" in ignore
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
@@ -165,6 +174,7 @@ def test_build_tiny_llama_tied_and_reproducible(tiny_llama, tmp_path, calib_txt)
 
 # ---- bad inputs: one clear message, exit 2, nothing left behind -------------------------------------------
 
+
 def _bad_model_dirs(tmp_path: Path, tiny_llama: Path) -> dict[str, Path]:
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -180,16 +190,19 @@ def _bad_model_dirs(tmp_path: Path, tiny_llama: Path) -> dict[str, Path]:
     return {"empty": empty, "trunc": trunc, "gpt2": gpt2}
 
 
-@pytest.mark.parametrize("case, pattern", [
-    ("missing", r"model path does not exist"),
-    ("empty", r"no config\.json"),
-    ("trunc", r"corrupt or truncated safetensors"),
-    ("gpt2", r"unsupported architecture: model_type 'gpt2'"),
-    ("recipe_name", r"unknown recipe 'rtx9999'"),
-    ("recipe_key", r"unknown key 'wieghts'"),
-    ("out_exists", r"output folder already exists"),
-    ("bad_dataset", r"cannot read calibration file"),
-])
+@pytest.mark.parametrize(
+    "case, pattern",
+    [
+        ("missing", r"model path does not exist"),
+        ("empty", r"no config\.json"),
+        ("trunc", r"corrupt or truncated safetensors"),
+        ("gpt2", r"unsupported architecture: model_type 'gpt2'"),
+        ("recipe_name", r"unknown recipe 'rtx9999'"),
+        ("recipe_key", r"unknown key 'wieghts'"),
+        ("out_exists", r"output folder already exists"),
+        ("bad_dataset", r"cannot read calibration file"),
+    ],
+)
 def test_bad_inputs(case, pattern, tmp_path, tiny_llama):
     dirs = _bad_model_dirs(tmp_path, tiny_llama)
     out = tmp_path / "out"
@@ -203,8 +216,11 @@ def test_bad_inputs(case, pattern, tmp_path, tiny_llama):
         recipe = "rtx9999"
     elif case == "recipe_key":
         recipe = tmp_path / "r.yaml"
-        recipe.write_text((Path(__import__("qconv.recipes", fromlist=["x"]).__file__).parent / "3090.yaml")
-                          .read_text().replace("weights: {bits: 4", "wieghts: {bits: 4"))
+        recipe.write_text(
+            (Path(__import__("qconv.recipes", fromlist=["x"]).__file__).parent / "3090.yaml")
+            .read_text()
+            .replace("weights: {bits: 4", "wieghts: {bits: 4")
+        )
     elif case == "out_exists":
         out.mkdir()
         (out / "keep.txt").write_text("mine")
@@ -239,8 +255,9 @@ def test_build_smollm2_from_gguf_beats_rtn(smollm2_3090, shared_data):
     assert by_name["model.layers.0.mlp.down_proj"].group_size == 128  # 1536 % 128 == 0
     assert by_name["model.embed_tokens"].bits == 8 and "lm_head" not in by_name
     assert verify_files(out, m) == []
-    rep = evaluate(out, EvalSettings(text=str(shared_data / "wikitext-2-raw-test.txt"), window=2048,
-                                     max_tokens=8192, kv="bf16"))
+    rep = evaluate(
+        out, EvalSettings(text=str(shared_data / "wikitext-2-raw-test.txt"), window=2048, max_tokens=8192, kv="bf16")
+    )
     w = rep["weights"]
     print(f"SmolLM2 3090: mean KLD {w['kld_mean']:.4f}, top-1 {w['top1']:.4f}")
     assert w["kld_mean"] < 0.588 and w["top1"] > 0.611

@@ -34,8 +34,14 @@ def test_onload_device_points_llmcompressor_pipelines_at_the_device():
     assert sequential.get_main_device is before
 
 
-@pytest.mark.parametrize("name, want", [("cpu", "cpu"), ("auto", "cuda" if torch.cuda.is_available() else "cpu"),
-                                        (None, "cuda" if torch.cuda.is_available() else "cpu")])
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("cpu", "cpu"),
+        ("auto", "cuda" if torch.cuda.is_available() else "cpu"),
+        (None, "cuda" if torch.cuda.is_available() else "cpu"),
+    ],
+)
 def test_resolve_device(name, want):
     from qconv.convert.device import resolve_device
 
@@ -45,8 +51,22 @@ def test_resolve_device(name, want):
 @no_cuda
 def test_device_cuda_without_gpu_exit_2_nothing_written(tiny_qwen3_5, tmp_path, calib_txt):
     out, work = tmp_path / "out", tmp_path / "work"
-    r = run("build", "--recipe", "3090", "--model", tiny_qwen3_5, "--out", out, "--dataset", calib_txt,
-            "--work-dir", work, *FAST_CAL, "--device", "cuda")
+    r = run(
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        tiny_qwen3_5,
+        "--out",
+        out,
+        "--dataset",
+        calib_txt,
+        "--work-dir",
+        work,
+        *FAST_CAL,
+        "--device",
+        "cuda",
+    )
     assert r.exit_code == 2, r.output
     assert "--device cuda but torch" in r.output and "sees no CUDA device" in r.output and "fix:" in r.output
     assert r.output.count("sees no CUDA device") == 1
@@ -70,8 +90,19 @@ def test_device_cpu_build_is_todays_build(tiny_qwen3_5, tmp_path, calib_txt, tex
     recipe = tmp_path / "tiny.yaml"
     recipe.write_text('extends: "3090"\nname: tiny\nquality: {window: 64, max_tokens: 256}\n')
     args = ["--recipe", recipe, "--model", tiny_qwen3_5, "--dataset", calib_txt, *FAST_CAL, "--stream"]
-    r = run("build", *args, "--out", tmp_path / "dev", "--work-dir", tmp_path / "w1", "--device", "cpu",
-            "--eval-text", text_file, "--no-gates")
+    r = run(
+        "build",
+        *args,
+        "--out",
+        tmp_path / "dev",
+        "--work-dir",
+        tmp_path / "w1",
+        "--device",
+        "cpu",
+        "--eval-text",
+        text_file,
+        "--no-gates",
+    )
     assert r.exit_code == 0, r.output
     assert seen == [torch.device("cpu")]
     m = read_manifest(tmp_path / "dev")
@@ -99,7 +130,7 @@ def test_dry_run_plans_the_27b_on_a_3090(config_27b):
     FLOP model's projected time."""
     r = run("build", "--recipe", "3090", "--model", config_27b, "--dry-run", "--device", "cuda", "--card", "3090")
     assert r.exit_code == 0, r.output
-    plan = r.output[r.output.index("device memory plan:"):]
+    plan = r.output[r.output.index("device memory plan:") :]
     lines = [x for x in plan.splitlines() if "GiB  ok" in x or "DOES NOT FIT" in x]
     assert len(lines) == 5 and all("GiB  ok" in x for x in lines), r.output
     assert "device memory plan: cuda on RTX 3090, 23.00 GiB" in r.output and "128 x 2048" in r.output
@@ -107,16 +138,28 @@ def test_dry_run_plans_the_27b_on_a_3090(config_27b):
 
 
 def test_device_plan_refuses_what_does_not_fit(config_27b):
-    r = run("build", "--recipe", "3090", "--model", config_27b, "--dry-run", "--device", "cuda", "--card", "3060",
-            "--seq-len", "32768")
+    r = run(
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        config_27b,
+        "--dry-run",
+        "--device",
+        "cuda",
+        "--card",
+        "3060",
+        "--seq-len",
+        "32768",
+    )
     assert r.exit_code == 2 and "does not fit on RTX 3060" in r.output and "lower --seq-len" in r.output
 
 
 def test_device_plan_numbers(config_27b):
     """The phases from the shapes: the 27B's widest layer holds 383 M bf16 weights and the Hessians of its
     quantized Linears (in_features^2 float32 each); the lm_head 248,320 x 5,120 bf16."""
-    from qconv.build.memplan import build_plan
     from qconv.build.budget import dry_run
+    from qconv.build.memplan import build_plan
     from qconv.build.options import BuildOptions
 
     dr = dry_run(BuildOptions(model=str(config_27b)))
@@ -133,8 +176,12 @@ def test_device_plan_numbers(config_27b):
 def test_gpu_build_bench_without_cuda_is_one_json_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: bench/gpu_build.py runs for real")
-    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_build.py"), "--work", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_build.py"), "--work", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0
     lines = p.stdout.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in json.loads(lines[0])["error"]

@@ -21,8 +21,7 @@ def _counting(monkeypatch, module, name: str, counts: Counter, key=lambda *a, **
     monkeypatch.setattr(module, name, wrapper)
 
 
-def test_a_build_does_each_thing_once_and_serve_reads_its_manifest_once(tiny_llama, tmp_path, calib_txt,
-                                                                           monkeypatch):
+def test_a_build_does_each_thing_once_and_serve_reads_its_manifest_once(tiny_llama, tmp_path, calib_txt, monkeypatch):
     import qconv.convert.artifact
     import qconv.convert.sources
     import qconv.fsutil
@@ -40,8 +39,23 @@ def test_a_build_does_each_thing_once_and_serve_reads_its_manifest_once(tiny_lla
     for mod in (qconv.fsutil, qconv.convert.artifact):
         _counting(monkeypatch, mod, "sha256_file", counts, key=lambda p: str(p))
 
-    r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", out, "--dataset", calib_txt,
-            "--work-dir", tmp_path / "work", "--eval-text", held_out, "--no-gates", *FAST_CAL)
+    r = run(
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        tiny_llama,
+        "--out",
+        out,
+        "--dataset",
+        calib_txt,
+        "--work-dir",
+        tmp_path / "work",
+        "--eval-text",
+        held_out,
+        "--no-gates",
+        *FAST_CAL,
+    )
     assert r.exit_code == 0, r.output
     assert counts[("load_recipe", None)] == 1
     assert counts[("check_out", None)] == 1
@@ -50,8 +64,12 @@ def test_a_build_does_each_thing_once_and_serve_reads_its_manifest_once(tiny_lla
     assert counts[("read_config", str(Path(tiny_llama).resolve()))] == 1
     reads = {Path(p).name: n for (what, p), n in counts.items() if what == "read_text" and Path(p).parent == out}
     assert reads == {"qconv.json": 1}, reads  # the summary's; report.json is written once and never read back
-    hashed = Counter(Path(p).name for (what, p), n in counts.items() for _ in range(n)
-                     if what == "sha256_file" and Path(p).parent.parent == tmp_path and Path(p).parent.name.startswith("."))
+    hashed = Counter(
+        Path(p).name
+        for (what, p), n in counts.items()
+        for _ in range(n)
+        if what == "sha256_file" and Path(p).parent.parent == tmp_path and Path(p).parent.name.startswith(".")
+    )
     assert hashed and set(hashed.values()) == {1}, hashed  # every file of the artifact hashed once
     assert {"model.safetensors", "report.json", "config.json"} <= set(hashed)
 
@@ -75,6 +93,8 @@ def test_upgrade_budget_is_the_option_and_int8_budget_its_alias():
     from qconv.build.commands import build
 
     help_text = CliRunner().invoke(build, ["--help"], terminal_width=200).output
-    assert "--upgrade-budget, --int8-budget" in help_text and "old name, kept as an alias" in " ".join(help_text.split())
+    assert "--upgrade-budget, --int8-budget" in help_text and "old name, kept as an alias" in " ".join(
+        help_text.split()
+    )
     opt = next(p for p in build.params if p.name == "upgrade_budget")
     assert opt.opts == ["--upgrade-budget", "--int8-budget"]

@@ -23,22 +23,39 @@ def weight_shas(art: Path) -> dict[str, str]:
 
 
 def build_args(model, out, calib, work, *extra):
-    return ["build", "--recipe", "3090", "--model", model, "--out", out, "--dataset", calib, "--work-dir", work,
-            *FAST_CAL, *extra]
+    return [
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        model,
+        "--out",
+        out,
+        "--dataset",
+        calib,
+        "--work-dir",
+        work,
+        *FAST_CAL,
+        *extra,
+    ]
 
 
 # ---- budget parsing and selection (no weights) -------------------------------------------------------------
 
-@pytest.mark.parametrize("spec, want", [("0", 0), ("1500", 1500), ("1.5GB", 1_500_000_000), ("2MiB", 2 * 2**20),
-                                        ("10%", 100), ("100%", 1000)])
+
+@pytest.mark.parametrize(
+    "spec, want",
+    [("0", 0), ("1500", 1500), ("1.5GB", 1_500_000_000), ("2MiB", 2 * 2**20), ("10%", 100), ("100%", 1000)],
+)
 def test_parse_budget(spec, want):
     from qconv.calibrate.select import parse_budget
 
     assert parse_budget(spec, 1000) == want
 
 
-@pytest.mark.parametrize("spec, pattern", [("-5", "negative INT8 budget"), ("-1%", "negative"),
-                                           ("lots", "unparseable INT8 budget")])
+@pytest.mark.parametrize(
+    "spec, pattern", [("-5", "negative INT8 budget"), ("-1%", "negative"), ("lots", "unparseable INT8 budget")]
+)
 def test_bad_budget_is_a_clear_error(spec, pattern):
     from qconv.calibrate.select import parse_budget
     from qconv.errors import QconvError
@@ -49,8 +66,7 @@ def test_bad_budget_is_a_clear_error(spec, pattern):
 
 
 def _units(model_dir: Path, recipe=None):
-    from qconv.convert.layout import candidate_units
-    from qconv.convert.layout import plan_model
+    from qconv.convert.layout import candidate_units, plan_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
@@ -63,8 +79,8 @@ def test_units_respect_fusion_and_greedy_order(tiny_qwen3_5):
     """q/k/v, gate/up and in_proj_qkv/z are one unit each; the greedy takes the best score per byte first and
     never splits a unit."""
     from qconv.calibrate.select import select
-    from qconv.convert.layout import apply_selection
     from qconv.calibrate.sensitivity import Scores
+    from qconv.convert.layout import apply_selection
 
     plan, units = _units(tiny_qwen3_5)
     by = {u.name: u for u in units}
@@ -112,11 +128,17 @@ def test_impossible_budget_cli_exit_2(tiny_llama, tmp_path, calib_txt):
 
 # ---- builds on tiny models -----------------------------------------------------------------------------------
 
+
 def _int8_linear_targets(art: Path) -> list[str]:
     """The config's 8-bit weight-only targets other than embed_tokens / lm_head (INT8 by the recipe itself)."""
     qc = json.loads((art / "config.json").read_text())["quantization_config"]
-    return [t for g in qc["config_groups"].values() if g["weights"]["num_bits"] == 8 and g["format"] == "pack-quantized"
-            for t in g["targets"] if not t.endswith(("embed_tokens$", "lm_head$"))]
+    return [
+        t
+        for g in qc["config_groups"].values()
+        if g["weights"]["num_bits"] == 8 and g["format"] == "pack-quantized"
+        for t in g["targets"]
+        if not t.endswith(("embed_tokens$", "lm_head$"))
+    ]
 
 
 @pytest.mark.slow
@@ -172,8 +194,9 @@ def test_budget_zero_all_and_between(tiny_qwen3_5, tmp_path, calib_txt, caplog):
     a = AutoModelForCausalLM.from_pretrained(tiny_qwen3_5, dtype=torch.float32)(x).logits
     b = load_causal_lm(tmp_path / "mid", dtype="float32")(x).logits  # packed INT8 embeddings: qconv's loader
     assert ((b - a).norm() / a.norm()).item() < 0.4
-    r = run("build", "--recipe", only, "--model", tiny_qwen3_5, "--dry-run", "--work-dir", work,
-            "--int8-budget", mid_budget)
+    r = run(
+        "build", "--recipe", only, "--model", tiny_qwen3_5, "--dry-run", "--work-dir", work, "--int8-budget", mid_budget
+    )
     assert r.exit_code == 0 and "INT8 selection" in r.output, r.output
     for u in chosen:
         assert u in r.output
@@ -188,15 +211,21 @@ def test_rebuild_reuses_stages_and_fresh_is_identical(tiny_llama, tmp_path, cali
     caplog.set_level(logging.INFO)
     work, held_out = tmp_path / "w", tmp_path / "held_out.txt"
     held_out.write_text(CORPUS[::-1] * 30)
-    r = run(*build_args(tiny_llama, tmp_path / "A", calib_txt, work, "--int8-budget", "5%", "--eval-text", held_out,
-                        "--no-gates"))
+    r = run(
+        *build_args(
+            tiny_llama, tmp_path / "A", calib_txt, work, "--int8-budget", "5%", "--eval-text", held_out, "--no-gates"
+        )
+    )
     assert r.exit_code == 0, r.output
     report = json.loads((tmp_path / "A" / "report.json").read_text())
     assert report["artifact"] == str((tmp_path / "A").resolve())  # not the build's temp folder
     assert "# Quality report: A" in (tmp_path / "A" / "report.md").read_text()
     caplog.clear()
-    r = run(*build_args(tiny_llama, tmp_path / "B", calib_txt, work, "--int8-budget", "5%", "--eval-text", held_out,
-                        "--no-gates"))
+    r = run(
+        *build_args(
+            tiny_llama, tmp_path / "B", calib_txt, work, "--int8-budget", "5%", "--eval-text", held_out, "--no-gates"
+        )
+    )
     assert r.exit_code == 0, r.output
     for stage in ("import", "calibration", "sensitivity", "quantization", "quality"):
         assert f"stage {stage}: reusing" in caplog.text
@@ -233,14 +262,21 @@ def test_sigkill_after_sensitivity_then_resume(tiny_llama, tmp_path, calib_txt):
     work, out = tmp_path / "w", tmp_path / "A"
     args = [*map(str, build_args(tiny_llama, out, calib_txt, work, "--int8-budget", "10%"))]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    killed = subprocess.run([sys.executable, "-c", _KILL_AT_QUANTIZATION, *args], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=600)
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILL_AT_QUANTIZATION, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     assert list(work.glob("sensitivity-*.json")), "the killed build had not finished its sensitivity stage"
     assert list(work.glob(".quantization-*.partial")), "the kill did not land inside the quantization stage"
     assert not list(work.glob("quantization-*")) and not out.exists()
-    done = subprocess.run([sys.executable, "-m", "qconv.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "qconv.cli", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     log = done.stdout + done.stderr
     lines = {ln.split()[1]: ln for ln in log.splitlines() if ln.startswith("✓ ")}
@@ -274,8 +310,9 @@ def test_streamed_build_equals_in_memory_build(tiny_qwen3_5, tmp_path, calib_txt
     assert not (tmp_path / "w2" / "offload").exists()
 
 
-@pytest.mark.parametrize("strategy, group, actorder", [("group", 32, None), ("channel", None, None),
-                                                      ("group", 32, "weight")])
+@pytest.mark.parametrize(
+    "strategy, group, actorder", [("group", 32, None), ("channel", None, None), ("group", 32, "weight")]
+)
 def test_row_blocked_gptq_equals_whole_matrix(strategy, group, actorder):
     """GPTQ quantizes each output row on its own against the shared Hessian: running it on blocks of rows (how a
     65,536-row lm_head stays small in memory) gives the same weights and losses, with the Hessian factorized once
@@ -289,8 +326,9 @@ def test_row_blocked_gptq_equals_whole_matrix(strategy, group, actorder):
 
     g = torch.Generator().manual_seed(0)
     rows, cols = 1000, 256
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy=strategy, group_size=group,
-                            actorder=actorder)
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy=strategy, group_size=group, actorder=actorder
+    )
     w = torch.randn(1, rows, cols, generator=g)
     x = torch.randn(512, cols, generator=g)
     x[:, 7] = 0  # a dead input channel: GPTQ zeroes that weight column in every block
@@ -406,8 +444,11 @@ def test_pinned_mmap_threshold_returns_freed_blocks():
     varies run to run, so the default is not asserted); pinned, freed blocks go back to the system: the growth stays
     at the ~8 MB the kept results and the allocator's own state take."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    pin = int(subprocess.run([sys.executable, "-c", _FRAGMENT, "pin"], env=env, capture_output=True, text=True,
-                             check=True).stdout.split()[-1])
+    pin = int(
+        subprocess.run(
+            [sys.executable, "-c", _FRAGMENT, "pin"], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+    )
     if pin < 0:
         pytest.skip("no mallopt in this C library")
     assert pin < 48 << 20, pin  # the 24 freed pairs of 16-62 MB buffers alone would be ~900 MB if kept
@@ -484,17 +525,37 @@ def test_streamed_build_with_int8_budget(tiny_qwen3_5, tmp_path, calib_txt, capl
     mem, got = read_manifest(tmp_path / "mem"), read_manifest(tmp_path / "str")
     assert got.build.streamed is True and mem.build.streamed is False
     chosen = [m.name for m in got.modules if (m.bits or 16) == 8 and m.role != "lm_head" and m.role != "embed"]
-    assert chosen and chosen == [m.name for m in mem.modules if (m.bits or 16) == 8 and m.role not in ("lm_head", "embed")]
+    assert chosen and chosen == [
+        m.name for m in mem.modules if (m.bits or 16) == 8 and m.role not in ("lm_head", "embed")
+    ]
     assert not list((tmp_path / "w2").glob("qconv-sensitivity*"))
 
 
 def test_streamed_build_refuses_candidates_outside_decoder_layers(tiny_qwen3_5, tmp_path, calib_txt):
     recipe = tmp_path / "r.yaml"
     text = (REPO / "qconv" / "recipes" / "3090.yaml").read_text()
-    recipe.write_text(text.replace("candidates: [attn_qkv,", "candidates: [lm_head, attn_qkv,")
-                      .replace("lm_head: w8a16", "lm_head: w4a16"))
-    r = run("build", "--recipe", str(recipe), "--model", tiny_qwen3_5, "--out", tmp_path / "o", "--dataset",
-            calib_txt, "--work-dir", tmp_path / "w", *FAST_CAL, "--stream", "--int8-budget", "5%")
+    recipe.write_text(
+        text.replace("candidates: [attn_qkv,", "candidates: [lm_head, attn_qkv,").replace(
+            "lm_head: w8a16", "lm_head: w4a16"
+        )
+    )
+    r = run(
+        "build",
+        "--recipe",
+        str(recipe),
+        "--model",
+        tiny_qwen3_5,
+        "--out",
+        tmp_path / "o",
+        "--dataset",
+        calib_txt,
+        "--work-dir",
+        tmp_path / "w",
+        *FAST_CAL,
+        "--stream",
+        "--int8-budget",
+        "5%",
+    )
     assert r.exit_code == 2 and "is not in a decoder layer" in r.output, r.output
     assert not (tmp_path / "o").exists() and not (tmp_path / "w").exists()
 
@@ -530,9 +591,15 @@ def test_calibration_activations_on_disk(tmp_path):
     assert isinstance(cache.batch_intermediates[0]["hidden_states"].value, torch.Tensor)
 
 
-@pytest.mark.parametrize("fmt, bits, strategy, group", [("int-quantized", 8, "group", 16),
-                                                         ("pack-quantized", 4, "group", 16), ("pack-quantized", 8, "group", 16),
-                                                         ("pack-quantized", 4, "channel", None)])
+@pytest.mark.parametrize(
+    "fmt, bits, strategy, group",
+    [
+        ("int-quantized", 8, "group", 16),
+        ("pack-quantized", 4, "group", 16),
+        ("pack-quantized", 8, "group", 16),
+        ("pack-quantized", 4, "channel", None),
+    ],
+)
 def test_row_blocked_compression_gives_the_same_integers(fmt, bits, strategy, group):
     """Saving quantizes large matrices a block of rows at a time; the stored integers are the whole matrix's."""
     import torch
@@ -546,10 +613,10 @@ def test_row_blocked_compression_gives_the_same_integers(fmt, bits, strategy, gr
     w = torch.randn(203, 64).to(torch.bfloat16)
     args = QuantizationArgs(num_bits=bits, symmetric=True, strategy=strategy, group_size=group)
     g = group or 64
-    scale, zp = calculate_qparams(w.view(203, 64 // g, g).amin(-1).float(), w.view(203, 64 // g, g).amax(-1).float(),
-                                  args)
-    sd = {"weight": w, "weight_scale": scale.view(203, -1).to(torch.bfloat16),
-          "weight_zero_point": zp.view(203, -1)}
+    scale, zp = calculate_qparams(
+        w.view(203, 64 // g, g).amin(-1).float(), w.view(203, 64 // g, g).amax(-1).float(), args
+    )
+    sd = {"weight": w, "weight_scale": scale.view(203, -1).to(torch.bfloat16), "weight_zero_point": zp.view(203, -1)}
     comp = BaseCompressor.get_value_from_registry(fmt)
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     want = comp.compress(dict(sd), scheme)

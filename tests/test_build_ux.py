@@ -35,13 +35,33 @@ def qconv_subprocess(*args, home: Path) -> subprocess.CompletedProcess:
     """The CLI as a user runs it: real file descriptors, so C-level and tqdm output would show if not captured."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "QCONV_HOME": str(home)}
     env.pop("HF_HUB_OFFLINE", None)  # the build finds out by itself
-    return subprocess.run([sys.executable, "-m", "qconv.cli", *map(str, args)], env=env, capture_output=True,
-                          text=True, preexec_fn=lambda: os.umask(0o022), timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "qconv.cli", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        preexec_fn=lambda: os.umask(0o022),
+        timeout=600,
+        check=False,
+    )
 
 
 def build_args(model, out, texts, *extra):
-    return ["build", "--recipe", texts["recipe"], "--model", model, "--out", out, "--dataset", texts["cal"],
-            "--eval-text", texts["held"], *FAST, *extra]
+    return [
+        "build",
+        "--recipe",
+        texts["recipe"],
+        "--model",
+        model,
+        "--out",
+        out,
+        "--dataset",
+        texts["cal"],
+        "--eval-text",
+        texts["held"],
+        *FAST,
+        *extra,
+    ]
 
 
 def test_build_terminal_is_short_and_the_log_has_the_rest(tiny_llama, texts, tmp_path):
@@ -96,13 +116,24 @@ def test_build_json_and_verbose(tiny_llama, texts, tmp_path):
 def test_int8_table_only_when_something_is_selected(tiny_qwen3_5, texts, tmp_path):
     from qconv.cli import main
 
-    base = ["build", "--recipe", "3090", "--model", tiny_qwen3_5, "--dataset", texts["cal"], *FAST,
-            "--work-dir", tmp_path / "w"]
+    base = [
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        tiny_qwen3_5,
+        "--dataset",
+        texts["cal"],
+        *FAST,
+        "--work-dir",
+        tmp_path / "w",
+    ]
     r = CliRunner().invoke(main, [*map(str, base), "--out", str(tmp_path / "zero")], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "INT8 selection" not in r.output and "not measured" in r.output
-    r = CliRunner().invoke(main, [*map(str, base), "--out", str(tmp_path / "all"), "--int8-budget", "1TB"],
-                           catch_exceptions=False)
+    r = CliRunner().invoke(
+        main, [*map(str, base), "--out", str(tmp_path / "all"), "--int8-budget", "1TB"], catch_exceptions=False
+    )
     assert r.exit_code == 0, r.output
     table = [ln for ln in r.output.splitlines() if ln.startswith(("  layers.", "  model."))]
     assert "INT8 selection" in r.output and 0 < len(table) <= 10 and "more units (all in qconv.json" in r.output
@@ -117,7 +148,9 @@ def test_group_warnings():
     msgs += ["plan: lm_head [49152x576]: " + shape, "something else", "something else", "plan: x [4x4]: other"]
     assert group_warnings(msgs) == [
         f"plan: 61 modules [in 576; out 192, 1536, 49152]: {shape} — each listed in qconv.json build.warnings",
-        "something else (x2)", "plan: x [4x4]: other"]
+        "something else (x2)",
+        "plan: x [4x4]: other",
+    ]
 
 
 def test_offline_found_once_and_put_back(monkeypatch):

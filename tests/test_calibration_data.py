@@ -39,8 +39,9 @@ def test_self_generated_when_no_dataset(tiny_llama, tok, caplog):
     assert (a.info.kind, a.info.id, a.info.samples, a.info.seq_len) == ("self", "self-generated", 3, 24)
     assert all(0 < len(r) <= 24 for r in a.input_ids) and a.info.tokens == sum(map(len, a.input_ids))
     for i, row in enumerate(a.input_ids):  # each row opens with a neutral prompt in the chat template
-        prompt = tok.apply_chat_template([{"role": "user", "content": SELF_PROMPTS[i]}], add_generation_prompt=True,
-                                         tokenize=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": SELF_PROMPTS[i]}], add_generation_prompt=True, tokenize=False
+        )
         want = tok(prompt, add_special_tokens=False)["input_ids"]
         assert row[: min(len(want), 24)] == want[:24]
     b = load_calibration(None, tok, samples=3, seq_len=24, seed=7, model_loader=loader)
@@ -53,8 +54,10 @@ def test_no_dataset_and_no_model_is_a_clear_error(tok):
 
 
 def test_chat_messages_jsonl_use_the_chat_template(tok, tmp_path):
-    msgs = [{"role": "user", "content": "What is a lighthouse for?"},
-            {"role": "assistant", "content": "It warns ships away from the rocks at night."}]
+    msgs = [
+        {"role": "user", "content": "What is a lighthouse for?"},
+        {"role": "assistant", "content": "It warns ships away from the rocks at night."},
+    ]
     p = tmp_path / "chat.jsonl"
     p.write_text(json.dumps({"messages": msgs}) + "\n\n")
     s = load_calibration(str(p), tok, samples=1, seq_len=4096, seed=0)
@@ -69,24 +72,32 @@ def test_parquet_json_and_txt(tok, tmp_path):
 
     text = "The quick brown fox jumps over the lazy dog near the river bank."
     pq.write_table(pa.table({"text": [text]}), tmp_path / "d.parquet")
-    (tmp_path / "d.json").write_text(json.dumps([{"prompt": "Q: what does a lazy dog do? ", "completion": "A: it sleeps by the river all day."}]))
+    (tmp_path / "d.json").write_text(
+        json.dumps([{"prompt": "Q: what does a lazy dog do? ", "completion": "A: it sleeps by the river all day."}])
+    )
     (tmp_path / "d.txt").write_text(text)
     assert load_calibration(str(tmp_path / "d.parquet"), tok, samples=1, seq_len=4096, seed=0).input_ids == [
-        _whole(tok, text)]
+        _whole(tok, text)
+    ]
     assert load_calibration(str(tmp_path / "d.json"), tok, samples=1, seq_len=4096, seed=0).input_ids == [
-        _whole(tok, "Q: what does a lazy dog do? A: it sleeps by the river all day.")]
+        _whole(tok, "Q: what does a lazy dog do? A: it sleeps by the river all day.")
+    ]
     assert load_calibration(str(tmp_path / "d.txt"), tok, samples=1, seq_len=4096, seed=0).input_ids == [
-        _whole(tok, text)]
+        _whole(tok, text)
+    ]
     windows = load_calibration(str(tmp_path / "d.txt"), tok, samples=2, seq_len=4, seed=0)
     assert len(windows.input_ids) == 2 and all(len(w) == 4 for w in windows.input_ids)
 
 
-@pytest.mark.parametrize("name, body, match", [
-    ("bad.parquet", None, "none of the fields messages/text/prompt/question"),
-    ("bad.jsonl", "{not json\n", "cannot read calibration file"),
-    ("bad.csv", "a,b\n", "unsupported calibration file type"),
-    ("missing.txt", "", "calibration file not found"),
-])
+@pytest.mark.parametrize(
+    "name, body, match",
+    [
+        ("bad.parquet", None, "none of the fields messages/text/prompt/question"),
+        ("bad.jsonl", "{not json\n", "cannot read calibration file"),
+        ("bad.csv", "a,b\n", "unsupported calibration file type"),
+        ("missing.txt", "", "calibration file not found"),
+    ],
+)
 def test_bad_files_are_clear_errors(tok, tmp_path, name, body, match):
     p = tmp_path / name
     if name.endswith(".parquet"):

@@ -17,8 +17,13 @@ from tests.conftest import CACHE, REPO
 from tests.quantized_sources import GROUP, reference_dense
 
 # (auto-round export format, symmetric) -> the quant_method it writes
-SOURCES = {"gptq-sym": ("auto_gptq", True), "gptq-asym": ("auto_gptq", False), "auto-round-sym": ("auto_round", True),
-           "auto-round-asym": ("auto_round", False), "awq-asym": ("auto_awq", False)}
+SOURCES = {
+    "gptq-sym": ("auto_gptq", True),
+    "gptq-asym": ("auto_gptq", False),
+    "auto-round-sym": ("auto_round", True),
+    "auto-round-asym": ("auto_round", False),
+    "awq-asym": ("auto_awq", False),
+}
 
 
 def _quantized(base: Path, family: str, name: str) -> Path:
@@ -28,8 +33,12 @@ def _quantized(base: Path, family: str, name: str) -> Path:
     done = list(out.rglob("config.json"))
     if done:
         return done[0].parent
-    subprocess.run([sys.executable, "-m", "tests.quantized_sources", str(base), str(out), fmt,
-                    "sym" if sym else "asym"], check=True, cwd=REPO, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "tests.quantized_sources", str(base), str(out), fmt, "sym" if sym else "asym"],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+    )
     return next(out.rglob("config.json")).parent
 
 
@@ -86,8 +95,12 @@ def test_detect_format():
     assert f.layout == "awq"
     assert detect_format({"quantization_config": {"quant_method": "compressed-tensors"}}).layout == "compressed-tensors"
     assert detect_format({"model_type": "qwen3"}) is None
-    for bad in ({"quant_method": "awq", "version": "gemv"}, {"quant_method": "fp8"},
-                {"quant_method": "gptq", "bits": 3}, {"quant_method": "auto-round", "data_type": "nv_fp"}):
+    for bad in (
+        {"quant_method": "awq", "version": "gemv"},
+        {"quant_method": "fp8"},
+        {"quant_method": "gptq", "bits": 3},
+        {"quant_method": "auto-round", "data_type": "nv_fp"},
+    ):
         with pytest.raises(QconvError):
             detect_format({"quantization_config": bad})
 
@@ -105,8 +118,10 @@ def test_import_lossless_and_runs(tiny_qwen3, tmp_path, name):
     assert r.exit_code == 0, r.output
     assert _assert_lossless(src, out) == 14
     m = read_manifest(out)
-    assert m.source.quantization["method"] == json.loads((src / "config.json").read_text())["quantization_config"][
-        "quant_method"]
+    assert (
+        m.source.quantization["method"]
+        == json.loads((src / "config.json").read_text())["quantization_config"]["quant_method"]
+    )
     assert len(m.build.kept) == 14 and not m.build.requantized
     assert len(_generate(out)) == 8
     if SOURCES[name][1]:
@@ -146,8 +161,10 @@ def test_act_order(tiny_qwen3, tmp_path):
             convert_quantized(str(src), tmp_path / "out-static")
             assert _assert_lossless(src, tmp_path / "out-static") == 14
             continue
-        for args in (["convert", "quantized", str(src), str(tmp_path / "out-permuted")],
-                     ["build", "--recipe", "3090", "--model", str(src), "--out", str(tmp_path / "out-permuted")]):
+        for args in (
+            ["convert", "quantized", str(src), str(tmp_path / "out-permuted")],
+            ["build", "--recipe", "3090", "--model", str(src), "--out", str(tmp_path / "out-permuted")],
+        ):
             r = CliRunner().invoke(main, args)
             assert r.exit_code != 0 and "g_idx" in r.output and "13 more modules" in r.output, r.output
             assert "desc_act=False or static_groups=True" in r.output, r.output
@@ -163,8 +180,11 @@ def test_compressed_tensors_passthrough(tiny_qwen3, tmp_path):
     convert_quantized(str(src), tmp_path / "out")
     a, b = _tensors(src), _tensors(tmp_path / "out")
     assert a.keys() == b.keys()
-    assert all(torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim()
-                           else b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert all(
+        torch.equal(a[k].view(torch.uint8) if a[k].dim() else a[k], b[k].view(torch.uint8) if b[k].dim() else b[k])
+        and a[k].dtype == b[k].dtype
+        for k in a
+    )
     assert len(_generate(tmp_path / "out")) == 8
 
 
@@ -196,17 +216,40 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
     src = _quantized(tiny_qwen3_5, "qwen3_5", "gptq-sym")
     assert any(k.startswith("mtp.") for k in _tensors(src))
     text = tmp_path / "eval.txt"
-    text.write_text((shared_data / "tinyshakespeare.txt").read_text()[:6000] if (
-        shared_data / "tinyshakespeare.txt").is_file() else (REPO / "README.md").read_text()[:6000])
+    text.write_text(
+        (shared_data / "tinyshakespeare.txt").read_text()[:6000]
+        if (shared_data / "tinyshakespeare.txt").is_file()
+        else (REPO / "README.md").read_text()[:6000]
+    )
     out = tmp_path / "art"
     # VmHWM is this process's own peak: ru_maxrss would carry over pytest's RSS, which a forked child inherits
     # into its high-water mark across exec
-    code = ("import sys; from qconv.cli import main\n"
-            "try:\n    main(sys.argv[1:], standalone_mode=False)\n"
-            "finally:\n    print('MAXRSS', [ln.split()[1] for ln in open('/proc/self/status') "
-            "if ln.startswith('VmHWM')][0])")
-    r = subprocess.run([sys.executable, "-c", code, "build", "--recipe", "3090", "--model", str(src), "--out",
-                        str(out), "--eval-text", str(text), "--no-gates"], cwd=REPO, capture_output=True, text=True)
+    code = (
+        "import sys; from qconv.cli import main\n"
+        "try:\n    main(sys.argv[1:], standalone_mode=False)\n"
+        "finally:\n    print('MAXRSS', [ln.split()[1] for ln in open('/proc/self/status') "
+        "if ln.startswith('VmHWM')][0])"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "build",
+            "--recipe",
+            "3090",
+            "--model",
+            str(src),
+            "--out",
+            str(out),
+            "--eval-text",
+            str(text),
+            "--no-gates",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rss_mb = int(r.stdout.split("MAXRSS")[-1].split()[0]) / 1024
     print(f"peak RSS of the build process: {rss_mb:.0f} MB")
@@ -214,8 +257,9 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
 
     convert_quantized(str(src), tmp_path / "plain")
     plain, built, source = _tensors(tmp_path / "plain"), _tensors(out), _tensors(src)
-    int4 = [k for k in plain if k.rpartition(".")[0] in {n[: -len(".qweight")] for n in source if
-                                                          n.endswith(".qweight")}]
+    int4 = [
+        k for k in plain if k.rpartition(".")[0] in {n[: -len(".qweight")] for n in source if n.endswith(".qweight")}
+    ]
     assert int4 and _bytes_of(built, int4) == _bytes_of(plain, int4)
     mtp = [k for k in source if k.startswith("mtp.")]
     assert _bytes_of(built, mtp) == _bytes_of(source, mtp)
@@ -234,9 +278,28 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
     assert len(_generate(out)) == 8 and len(_generate(out, torch.bfloat16)) == 8
 
     ref_out = tmp_path / "art-ref"
-    r = subprocess.run([sys.executable, "-m", "qconv.cli", "build", "--recipe", "3090", "--model", str(src), "--out",
-                        str(ref_out), "--eval-text", str(text), "--no-gates", "--reference", str(tiny_qwen3_5)],
-                       cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "qconv.cli",
+            "build",
+            "--recipe",
+            "3090",
+            "--model",
+            str(src),
+            "--out",
+            str(ref_out),
+            "--eval-text",
+            str(text),
+            "--no-gates",
+            "--reference",
+            str(tiny_qwen3_5),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((ref_out / "report.json").read_text())["reference_model"]["kind"] == "original"
     assert read_manifest(ref_out).build.quality_reference["kind"] == "original"
@@ -266,8 +329,9 @@ def test_build_against_cached_reference(tiny_qwen3, tmp_path, shared_data):
     got = json.loads((tmp_path / "b" / "report.json").read_text())
     assert got["weights"] == first["weights"] and got["source"]["sha256"] == first["source"]["sha256"]
     assert got["reference_model"]["kind"] == "original" and got["reference_model"]["cached"]
-    assert got["reference_model"]["path"] == str(cache) and "cached reference log-probs" in got["reference_model"][
-        "note"]
+    assert (
+        got["reference_model"]["path"] == str(cache) and "cached reference log-probs" in got["reference_model"]["note"]
+    )
     q = read_manifest(tmp_path / "b").build.quality_reference
     assert q["kind"] == "original" and q["cached"]
     assert (tmp_path / "b" / "report.md").read_text().startswith("Reference: against cached reference log-probs")
@@ -288,8 +352,10 @@ def test_build_from_quantized_records_true_requires(tiny_models, tmp_path, famil
 
     src = _quantize(tiny_models(family), tmp_path / "llmc", {"w4": (["re:.*mlp.*"], 4, 32)})
     out = tmp_path / "art"
-    r = CliRunner().invoke(__import__("qconv.cli", fromlist=["main"]).main,
-                           ["build", "--recipe", "3090", "--model", str(src), "--out", str(out), "--no-gates"])
+    r = CliRunner().invoke(
+        __import__("qconv.cli", fromlist=["main"]).main,
+        ["build", "--recipe", "3090", "--model", str(src), "--out", str(out), "--no-gates"],
+    )
     assert r.exit_code == 0, r.output
     m = read_manifest(out)
     assert "model.embed_tokens" in m.build.requantized

@@ -56,9 +56,14 @@ def _tight_recipe(path: Path, report: dict) -> Path:
 
     d = load_recipe("3090").to_dict()
     w = report["weights"]
-    d["quality"]["tiers"] = [{"name": "tight test tier", "min_params": 0,
-                              "weights": {"max_mean_kld": 1.2 * w["kld_mean"], "min_top1": w["top1"] - 0.05},
-                              "weights_kv": {}}]
+    d["quality"]["tiers"] = [
+        {
+            "name": "tight test tier",
+            "min_params": 0,
+            "weights": {"max_mean_kld": 1.2 * w["kld_mean"], "min_top1": w["top1"] - 0.05},
+            "weights_kv": {},
+        }
+    ]
     path.write_text(yaml.safe_dump(d))
     return path
 
@@ -94,8 +99,19 @@ def test_damaged_artifact_fails_check_undamaged_passes(artifact, evaluated, text
     bad = tmp_path / "damaged"
     _damage(artifact, bad)
     junit = tmp_path / "bad.xml"
-    r = qconv("check", bad, "--text", text_file, *WINDOW, "--recipe", recipe, "--junit", junit,
-              "--against", evaluated[0] / "report.json")
+    r = qconv(
+        "check",
+        bad,
+        "--text",
+        text_file,
+        *WINDOW,
+        "--recipe",
+        recipe,
+        "--junit",
+        junit,
+        "--against",
+        evaluated[0] / "report.json",
+    )
     assert r.exit_code == 1, r.output
     assert "weights.max_mean_kld: measured" in r.output and "FAILED" in r.output
     assert "weights.kld_mean vs recorded" in r.output  # the regression against the undamaged report
@@ -182,13 +198,25 @@ def test_eval_against_cached_reference(artifact, evaluated, text_file, tmp_path)
     shutil.copytree(artifact, wrong_tok)
     make_tokenizer(vocab_size=300).save_pretrained(wrong_tok)  # another BPE: other ids for the same text
     for args, msg in (
-            ([artifact, "--text", other, *WINDOW], "text_sha256"),
-            ([artifact, "--text", text_file, "--window", "32", "--max-tokens", "512"], "window is 64"),
-            ([artifact, "--text", text_file, "--window", "64", "--max-tokens", "100000"], "has no window"),
-            ([artifact, "--text", text_file, *WINDOW, "--ref-topk", "8"], "--ref-topk"),
-            ([artifact, "--text", text_file, *WINDOW, "--tasks", "wikitext_local", "--task-data",
-              f"wikitext_local={text_file}"], "reference cache has none"),
-            ([wrong_tok, "--text", text_file, *WINDOW], "other tokens than this text gives")):
+        ([artifact, "--text", other, *WINDOW], "text_sha256"),
+        ([artifact, "--text", text_file, "--window", "32", "--max-tokens", "512"], "window is 64"),
+        ([artifact, "--text", text_file, "--window", "64", "--max-tokens", "100000"], "has no window"),
+        ([artifact, "--text", text_file, *WINDOW, "--ref-topk", "8"], "--ref-topk"),
+        (
+            [
+                artifact,
+                "--text",
+                text_file,
+                *WINDOW,
+                "--tasks",
+                "wikitext_local",
+                "--task-data",
+                f"wikitext_local={text_file}",
+            ],
+            "reference cache has none",
+        ),
+        ([wrong_tok, "--text", text_file, *WINDOW], "other tokens than this text gives"),
+    ):
         r = qconv("eval", *args, "--reference", cache)
         assert r.exit_code == 2 and msg in r.output, (args, r.output)
 

@@ -15,7 +15,7 @@ from qconv.eval.kvsim import SimulatedKV, get_scheme, kv_simulation
 from qconv.eval.metrics import TokenStats, kld_topk, summarize
 from qconv.eval.reference import ref_window_from_logits, window_logits
 from qconv.eval.text import HeldOutText, load_text, make_windows
-from qconv.recipes.recipe import GateTier, Gates, Quality, Regression
+from qconv.recipes.recipe import Gates, GateTier, Quality, Regression
 from tests.tiny import CORPUS
 
 
@@ -128,7 +128,7 @@ def test_kv_simulation_reaches_full_attention_layers(tiny_models, family, n_full
     assert len(calls) == n_full and all(c[2] == len(ids) for c in calls)
     assert not torch.equal(base, kv)  # fp8 changed something
     assert torch.equal(base, after)  # and the model is restored afterwards
-    assert (_exact_kld(base, kv).mean() < 0.05)
+    assert _exact_kld(base, kv).mean() < 0.05
 
 
 def test_unknown_kv_scheme():

@@ -28,8 +28,23 @@ def built(tiny_models, tmp_path_factory):
             cal = root / "cal.txt"
             cal.write_text(CORPUS * 20)
             out = root / "art"
-            r = run("build", "--recipe", "3090", "--model", src, "--out", out, "--dataset", cal,
-                    "--samples", "8", "--seq-len", "64", "--work-dir", root / "work")
+            r = run(
+                "build",
+                "--recipe",
+                "3090",
+                "--model",
+                src,
+                "--out",
+                out,
+                "--dataset",
+                cal,
+                "--samples",
+                "8",
+                "--seq-len",
+                "64",
+                "--work-dir",
+                root / "work",
+            )
             assert r.exit_code == 0, r.output
             made[family] = (src, out)
         return made[family]
@@ -37,14 +52,19 @@ def built(tiny_models, tmp_path_factory):
     return get
 
 
-def _measure(art: Path, src: Path, text: Path, streamed: bool, home: Path, monkeypatch, kv=None, window=64,
-             max_tokens=512) -> dict:
+def _measure(
+    art: Path, src: Path, text: Path, streamed: bool, home: Path, monkeypatch, kv=None, window=64, max_tokens=512
+) -> dict:
     from qconv.eval.forward import Forward
 
     monkeypatch.setenv("QCONV_HOME", str(home))  # each path computes its own reference
     source = Source(path=src, sha256="test-" + src.name, num_parameters=safetensors_stats(src)[0])
-    report, _ = measure(art, source, EvalSettings(text=str(text), window=window, max_tokens=max_tokens, kv=kv,
-                                                  stride=window // 2), Forward(streamed=streamed, device="cpu"))
+    report, _ = measure(
+        art,
+        source,
+        EvalSettings(text=str(text), window=window, max_tokens=max_tokens, kv=kv, stride=window // 2),
+        Forward(streamed=streamed, device="cpu"),
+    )
     assert report["forward"] == {"streamed": streamed, "device": "cpu"}
     return report
 
@@ -69,11 +89,11 @@ def test_streamed_equals_whole_model(family, built, text_file, tmp_path, monkeyp
 def test_streamed_reference_equals_whole_reference(built, text_file, tmp_path, monkeypatch):
     """The reference windows themselves (top-k storage forced, so the tail bound is exercised) agree."""
     from safetensors.torch import load_file
+    from transformers import AutoTokenizer
 
     from qconv.eval.forward import Forward, LogitSource
     from qconv.eval.reference import build_reference
     from qconv.eval.text import load_text, make_windows
-    from transformers import AutoTokenizer
 
     src, _ = built("qwen3_5")
     text = load_text(text_file)
@@ -81,8 +101,14 @@ def test_streamed_reference_equals_whole_reference(built, text_file, tmp_path, m
     refs = []
     for streamed in (False, True):
         monkeypatch.setenv("QCONV_HOME", str(tmp_path / str(streamed)))
-        ref = build_reference(src, windows, source_sha256="s", text_sha256=text.sha256, topk=32,
-                              logit_source=LogitSource(src, Forward(streamed=streamed, device="cpu"), 0, "ref"))
+        ref = build_reference(
+            src,
+            windows,
+            source_sha256="s",
+            text_sha256=text.sha256,
+            topk=32,
+            logit_source=LogitSource(src, Forward(streamed=streamed, device="cpu"), 0, "ref"),
+        )
         refs.append([load_file(p) for p in sorted(ref.folder.glob("window_*.safetensors"))])
     assert len(refs[0]) == len(windows.ids) == len(refs[1])
     for a, b in zip(*refs):
@@ -109,8 +135,23 @@ def test_cli_streams_when_the_model_does_not_fit(built, text_file, tmp_path, mon
     assert_same(auto, whole)
     monkeypatch.undo()
     monkeypatch.setenv("QCONV_HOME", str(tmp_path / "home"))
-    r = run("check", art, "--reference", src, "--text", text_file, "--window", "64", "--max-tokens", "256",
-            "--streamed", "--recipe", "3090", "--out", tmp_path / "check")
+    r = run(
+        "check",
+        art,
+        "--reference",
+        src,
+        "--text",
+        text_file,
+        "--window",
+        "64",
+        "--max-tokens",
+        "256",
+        "--streamed",
+        "--recipe",
+        "3090",
+        "--out",
+        tmp_path / "check",
+    )
     assert json.loads((tmp_path / "check" / "report.json").read_text())["forward"]["streamed"] is True
 
 
@@ -129,8 +170,7 @@ def test_smollm2_3090_streamed_equals_whole(smollm2_3090, smollm2, shared_data, 
     """SmolLM2's 3090 artifact (one shared INT8 table for the tied embed/lm_head) on wikitext: KLD mean / p99 / top-1 to 1e-4."""
     text = shared_data / "wikitext-2-raw-test.txt"
     whole = _measure(smollm2_3090, smollm2, text, False, tmp_path / "w", monkeypatch, window=1024, max_tokens=4096)
-    streamed = _measure(smollm2_3090, smollm2, text, True, tmp_path / "s", monkeypatch, window=1024,
-                        max_tokens=4096)
+    streamed = _measure(smollm2_3090, smollm2, text, True, tmp_path / "s", monkeypatch, window=1024, max_tokens=4096)
     print("SmolLM2 3090 whole vs streamed:", {k: (whole["weights"][k], streamed["weights"][k]) for k in STATS})
     assert_same(whole, streamed)
 

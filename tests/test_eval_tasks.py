@@ -17,12 +17,32 @@ def test_eval_tasks_gsm8k_local_offline(smollm2, shared_data, tmp_path, monkeypa
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     art = make_w4_artifact(smollm2, tmp_path / "rtn", algorithm="rtn")
     out = tmp_path / "report"
-    r = CliRunner().invoke(main, [
-        "eval", str(art), "--text", str(shared_data / "wikitext-2-raw-test.txt"), "--window", "256",
-        "--max-tokens", "256", "--tasks", "gsm8k_local,wikitext_local", "--limit", "20", "--max-gen-toks", "32",
-        "--task-data", f"gsm8k_local={shared_data / 'gsm8k_test.jsonl'}",
-        "--task-data", f"wikitext_local={shared_data / 'wikitext-2-raw-test.txt'}", "--out", str(out)],
-        catch_exceptions=False)
+    r = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            str(art),
+            "--text",
+            str(shared_data / "wikitext-2-raw-test.txt"),
+            "--window",
+            "256",
+            "--max-tokens",
+            "256",
+            "--tasks",
+            "gsm8k_local,wikitext_local",
+            "--limit",
+            "20",
+            "--max-gen-toks",
+            "32",
+            "--task-data",
+            f"gsm8k_local={shared_data / 'gsm8k_test.jsonl'}",
+            "--task-data",
+            f"wikitext_local={shared_data / 'wikitext-2-raw-test.txt'}",
+            "--out",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     tasks = json.loads((out / "report.json").read_text())["tasks"]
     g, w = tasks["results"]["gsm8k_local"], tasks["results"]["wikitext_local"]

@@ -47,8 +47,21 @@ def src(tiny_llama, tmp_path) -> Path:
 
 
 def build_args(src: Path, out: Path, work: Path, cal: Path, *extra) -> list:
-    return ["build", "--recipe", "3090", "--model", src, "--out", out, "--work-dir", work, "--dataset", cal,
-            *FAST_CAL, *extra]
+    return [
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        src,
+        "--out",
+        out,
+        "--work-dir",
+        work,
+        "--dataset",
+        cal,
+        *FAST_CAL,
+        *extra,
+    ]
 
 
 def stage_results(work: Path) -> list[str]:
@@ -62,8 +75,11 @@ def strays(folder: Path) -> list[str]:
 
 # ---- --out / --force safety --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["source", "inside_source", "parent_of_source", "work_dir", "reference_cache",
-                                  "dot", "root", "foreign_folder"])
+
+@pytest.mark.parametrize(
+    "case",
+    ["source", "inside_source", "parent_of_source", "work_dir", "reference_cache", "dot", "root", "foreign_folder"],
+)
 def test_out_that_could_destroy_data_is_refused_before_any_work(case, src, tmp_path, calib_txt, monkeypatch):
     from qconv.paths import qconv_home
 
@@ -71,9 +87,16 @@ def test_out_that_could_destroy_data_is_refused_before_any_work(case, src, tmp_p
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.txt").write_text("years of work")
-    out = {"source": src, "inside_source": src / "out", "parent_of_source": tmp_path, "work_dir": work,
-           "reference_cache": qconv_home() / "reference" / "x", "dot": Path("."), "root": Path("/"),
-           "foreign_folder": mine}[case]
+    out = {
+        "source": src,
+        "inside_source": src / "out",
+        "parent_of_source": tmp_path,
+        "work_dir": work,
+        "reference_cache": qconv_home() / "reference" / "x",
+        "dot": Path("."),
+        "root": Path("/"),
+        "foreign_folder": mine,
+    }[case]
     if case == "dot":
         monkeypatch.chdir(mine)
     before = file_table(src)
@@ -95,6 +118,7 @@ def test_force_replaces_an_empty_folder_or_an_artifact(src, tmp_path, calib_txt)
 
 # ---- two builds of one source -----------------------------------------------------------------------------------
 
+
 def _cli(*args) -> list[str]:
     return [sys.executable, "-m", "qconv.cli", *map(str, args)]
 
@@ -107,8 +131,13 @@ def test_second_build_of_a_source_waits_instead_of_deleting_the_first_ones_stage
     """Build A is frozen (SIGSTOP) while its quantization stage is half-written; build B of the same source and work
     dir must leave that folder alone (it waits for the work dir's lock), and both finish with the same artifact."""
     work = tmp_path / "work"
-    a = subprocess.Popen(_cli(*build_args(src, tmp_path / "A", work, calib_txt)), env=_env(), stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True)
+    a = subprocess.Popen(
+        _cli(*build_args(src, tmp_path / "A", work, calib_txt)),
+        env=_env(),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     partial = None
     while partial is None and a.poll() is None:
         partial = next((p for p in work.glob(".quantization-*.partial")), None) if work.is_dir() else None
@@ -117,8 +146,9 @@ def test_second_build_of_a_source_waits_instead_of_deleting_the_first_ones_stage
     os.kill(a.pid, signal.SIGSTOP)
     log_b = tmp_path / "b.log"
     with open(log_b, "w") as f:
-        b = subprocess.Popen(_cli(*build_args(src, tmp_path / "B", work, calib_txt)), env=_env(), stderr=f,
-                             stdout=subprocess.DEVNULL)
+        b = subprocess.Popen(
+            _cli(*build_args(src, tmp_path / "B", work, calib_txt)), env=_env(), stderr=f, stdout=subprocess.DEVNULL
+        )
     try:
         while b.poll() is None and "in use by another build" not in log_b.read_text():
             time.sleep(0.1)
@@ -223,6 +253,7 @@ def test_files_and_folders_are_flushed_before_the_rename(tmp_path, monkeypatch):
 
 # ---- disk full / permission denied ------------------------------------------------------------------------------
 
+
 def _fill(folder: Path, leave: int = 32 * 1024) -> None:
     """Fill the file system holding folder until only `leave` bytes are free (another process filling the disk)."""
     free = shutil.disk_usage(folder).free
@@ -295,6 +326,7 @@ def test_permission_denied_mid_build_is_one_error(src, tmp_path, calib_txt, monk
 
 # ---- cached stages and source hashes ----------------------------------------------------------------------------
 
+
 def _weights(out: Path) -> dict:
     return {k: v["sha256"] for k, v in json.loads((out / "qconv.json").read_text())["files"].items()}
 
@@ -331,8 +363,13 @@ def test_source_edited_with_same_name_size_and_mtime_is_rehashed(src, tmp_path, 
 
 # (log line, longest delay after it): seed i kills in phase i -- calibration, GPTQ, saving the stage folder,
 # packaging into the temp folder beside --out, and the finalize + atomic swap.
-POINTS = [("stage calibration", 1.0), ("stage quantization", 3.0), ("Writing model shards", 0.2),
-          ("Dispatching model", 0.2), ("quality report skipped", 0.05)]
+POINTS = [
+    ("stage calibration", 1.0),
+    ("stage quantization", 3.0),
+    ("Writing model shards", 0.2),
+    ("Dispatching model", 0.2),
+    ("quality report skipped", 0.05),
+]
 
 
 @pytest.mark.slow
@@ -349,8 +386,13 @@ def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path
         shutil.copytree(ref, out)
     point, longest = POINTS[seed % len(POINTS)]
     delay = rng.uniform(0, longest)
-    p = subprocess.Popen(_cli(*build_args(src, out, work, calib_txt, "--force")), env=_env(), stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True)
+    p = subprocess.Popen(
+        _cli(*build_args(src, out, work, calib_txt, "--force")),
+        env=_env(),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     for line in p.stderr:
         if point in line:
             break
@@ -358,14 +400,19 @@ def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path
     p.kill()
     p.wait()
     p.stderr.close()
-    r = subprocess.run(_cli(*build_args(src, out, work, calib_txt, "--force")), env=_env(), capture_output=True, text=True)
+    r = subprocess.run(
+        _cli(*build_args(src, out, work, calib_txt, "--force")), env=_env(), capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
-    assert json.loads((out / "qconv.json").read_text())["files"] == json.loads((ref / "qconv.json").read_text())["files"]
+    assert (
+        json.loads((out / "qconv.json").read_text())["files"] == json.loads((ref / "qconv.json").read_text())["files"]
+    )
     assert file_table(out, exclude=("qconv.json",)) == file_table(ref, exclude=("qconv.json",))
     assert not list(tmp_path.glob(".out.*")) and strays(work) == [] and strays(out) == []
 
 
 # ---- hostile inputs (issue 34) -------------------------------------------------------------------------------------
+
 
 def alias_bomb(levels: int = 9) -> str:
     """~500 bytes of YAML whose list-valued key expands to 9**levels items once anything walks it."""
@@ -379,11 +426,31 @@ def test_a_yaml_alias_bomb_is_refused_in_bounded_memory(tmp_path, src, calib_txt
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(alias_bomb())
     assert len(bomb.read_bytes()) < 700
-    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
-            "from qconv.cli import main; sys.exit(main())")
-    r = subprocess.run([sys.executable, "-c", code, "build", "--recipe", str(bomb), "--model", str(src), "--out",
-                        str(tmp_path / "out"), "--dataset", str(calib_txt), "--dry-run"],
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+        "from qconv.cli import main; sys.exit(main())"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "build",
+            "--recipe",
+            str(bomb),
+            "--model",
+            str(src),
+            "--out",
+            str(tmp_path / "out"),
+            "--dataset",
+            str(calib_txt),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert r.returncode == 2 and "YAML alias (*l0)" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(r.stderr) < 2000 and not (tmp_path / "out").exists()
 
@@ -403,12 +470,29 @@ def test_damaged_config_or_recipe_is_one_error_naming_the_file(case, src, tmp_pa
     else:
         recipe = tmp_path / "r.yaml"
         recipe.write_bytes(b"\xff\xfe\x00garbage")
-    pattern = {"config_array": r"config\.json is not a JSON object", "config_text_config": "text_config is not a",
-               "extends_a_list": r"base\.yaml, which is not a recipe", "recipe_binary": "not a text file"}[case]
+    pattern = {
+        "config_array": r"config\.json is not a JSON object",
+        "config_text_config": "text_config is not a",
+        "extends_a_list": r"base\.yaml, which is not a recipe",
+        "recipe_binary": "not a text file",
+    }[case]
     out, work = tmp_path / "out", tmp_path / "work"
     for extra in (["--dry-run"], []):
-        r = run("build", "--recipe", recipe, "--model", src, "--out", out, "--work-dir", work, "--dataset",
-                calib_txt, *FAST_CAL, *extra)
+        r = run(
+            "build",
+            "--recipe",
+            recipe,
+            "--model",
+            src,
+            "--out",
+            out,
+            "--work-dir",
+            work,
+            "--dataset",
+            calib_txt,
+            *FAST_CAL,
+            *extra,
+        )
         one_error(r, pattern)
         assert not out.exists() and stage_results(work) == []
 
@@ -430,11 +514,11 @@ def rewrite_header(shard: Path, edit) -> None:
 
     data = shard.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     edit(header)
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+    shard.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
 
 
 def _grow_first(h: dict) -> None:

@@ -35,8 +35,29 @@ def _leaf_paths(obj, path=()):
 
 
 def _hostile_value(rng: random.Random):
-    return rng.choice([None, True, -1, 0, 10**30, -(10**30), 10**400, 1e308, 3.5, "", "x" * 100_000, "big",
-                       "../../etc/passwd", [], [1, "a", None], {}, {"sha256": 1}, [[[[[[]]]]]], {"a": {"b": {}}}])
+    return rng.choice(
+        [
+            None,
+            True,
+            -1,
+            0,
+            10**30,
+            -(10**30),
+            10**400,
+            1e308,
+            3.5,
+            "",
+            "x" * 100_000,
+            "big",
+            "../../etc/passwd",
+            [],
+            [1, "a", None],
+            {},
+            {"sha256": 1},
+            [[[[[[]]]]]],
+            {"a": {"b": {}}},
+        ]
+    )
 
 
 def mutate_tree(data, rng: random.Random):
@@ -72,7 +93,7 @@ def as_text(data, rng: random.Random) -> bytes:
         return raw[: rng.randrange(len(raw))]
     if op < 0.2:
         i = rng.randrange(len(raw))
-        return raw[:i] + bytes([raw[i] ^ 0xFF]) + raw[i + 1:]
+        return raw[:i] + bytes([raw[i] ^ 0xFF]) + raw[i + 1 :]
     if op < 0.25:
         return raw.replace(b"1", b"9" * 5000, 1)  # an integer too long for int()
     if op < 0.28:
@@ -188,7 +209,7 @@ def test_fuzzed_safetensors_headers_end_in_success_or_one_error(tiny_llama, tmp_
     shard = sorted(folder.glob("*.safetensors"))[0]
     blob = shard.read_bytes()
     (n,) = struct.unpack("<Q", blob[:8])
-    good, data = json.loads(blob[8:8 + n]), blob[8 + n:]
+    good, data = json.loads(blob[8 : 8 + n]), blob[8 + n :]
     config = json.loads((folder / "config.json").read_text())
     rng, seen = random.Random(37), {"ok": 0, "refused": 0}
     for _ in range(CASES["header"]):

@@ -76,11 +76,14 @@ def _metric(server, name: str) -> float:
 
 # ---- bounded fields, isolated failures ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value", [("seed", 2**70), ("top_k", 2**70), ("max_tokens", 2**70),
-                                          ("n", 2**70), ("seed", -(2**70))])
+
+@pytest.mark.parametrize(
+    "field, value", [("seed", 2**70), ("top_k", 2**70), ("max_tokens", 2**70), ("n", 2**70), ("seed", -(2**70))]
+)
 def test_out_of_range_fields_are_400_and_the_server_keeps_serving(server, model, field, value):
-    code, err = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4,
-                                                  "temperature": 1.0, field: value})
+    code, err = _post(
+        server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "temperature": 1.0, field: value}
+    )
     assert code == 400 and err["error"]["param"] == field, err
     code, ok = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4})
     assert code == 200 and ok["usage"]["completion_tokens"] >= 1
@@ -101,9 +104,13 @@ def test_one_bad_request_ends_alone_in_the_scheduler(tiny_qwen3, bad):
             r = mk(p)
             submit_and_wait(sched, [r])
             alone.append(r.out_ids)
-        poison = GenRequest(tok("hear me speak").input_ids, 12, None,
-                            SamplingParams(temperature=1.0, top_k=2**70 if bad == "top_k" else 0),
-                            seed=2**70 if bad == "seed" else None)
+        poison = GenRequest(
+            tok("hear me speak").input_ids,
+            12,
+            None,
+            SamplingParams(temperature=1.0, top_k=2**70 if bad == "top_k" else 0),
+            seed=2**70 if bad == "seed" else None,
+        )
         good = [mk(p) for p in GOOD[:3]]
         reasons = submit_and_wait(sched, [good[0], poison, *good[1:]])
         assert reasons[1] == "error"
@@ -137,6 +144,7 @@ def test_dead_scheduler_thread_refuses_new_work_with_503(tiny_qwen3):
 
 
 # ---- limits before tokenizing, tokenizing off the loop --------------------------------------------------------------
+
 
 def test_oversized_body_is_413_before_parsing(server, model):
     cap = 64 * 512 if 64 * 512 > 1 << 20 else 1 << 20
@@ -205,8 +213,13 @@ def test_chat_without_max_tokens_is_capped_by_the_profile(tiny_qwen3):
     app = create_app(sched, ServerConfig("m", 512, max_tokens=5))
     with BackgroundServer(app, sched) as srv:
         c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
-        r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hear me"}],
-                                      temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+        r = c.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hear me"}],
+            temperature=1.0,
+            seed=3,
+            extra_body={"ignore_eos": True},
+        )
         assert r.usage.completion_tokens <= 5
 
 
@@ -220,12 +233,17 @@ def test_native_plan_takes_the_cap_from_the_profile(tmp_path, tiny_qwen3):
     shutil.copytree(tiny_qwen3, art)
     from qconv.manifest import Manifest, RecipeInfo, SourceInfo
 
-    Manifest(source=SourceInfo(kind="hf_dir", id="x"), recipe=RecipeInfo(name="cpu", sha256="0", resolved={}),
-             modules=[], profiles={"fast": {"kv_cache": "bf16", "context_length": 1024, "max_tokens": 77}}).write(art)
+    Manifest(
+        source=SourceInfo(kind="hf_dir", id="x"),
+        recipe=RecipeInfo(name="cpu", sha256="0", resolved={}),
+        modules=[],
+        profiles={"fast": {"kv_cache": "bf16", "context_length": 1024, "max_tokens": 77}},
+    ).write(art)
     assert native_plan(art, NativeOptions()).max_tokens == 77
 
 
 # ---- key, metrics, host --------------------------------------------------------------------------------------
+
 
 def test_api_key_is_compared_in_constant_time(server, model, monkeypatch):
     import hmac
@@ -233,11 +251,19 @@ def test_api_key_is_compared_in_constant_time(server, model, monkeypatch):
     calls = []
     real = hmac.compare_digest
     monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
-    code, _ = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1},
-                    headers={"Authorization": "Bearer wrong"})
+    code, _ = _post(
+        server,
+        "/v1/completions",
+        {"model": model, "prompt": "hi", "max_tokens": 1},
+        headers={"Authorization": "Bearer wrong"},
+    )
     assert code == 401 and calls
-    code, _ = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1},
-                    headers={"Authorization": "Bearer ünïcode"})  # a non-ASCII header is a 401, not a 500
+    code, _ = _post(
+        server,
+        "/v1/completions",
+        {"model": model, "prompt": "hi", "max_tokens": 1},
+        headers={"Authorization": "Bearer ünïcode"},
+    )  # a non-ASCII header is a 401, not a 500
     assert code == 401
 
 
@@ -247,8 +273,12 @@ def test_metrics_need_the_key_when_one_is_set(server):
 
 
 def test_foreign_host_header_is_refused_on_loopback(server, model):
-    code, err = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 1},
-                      headers={"Host": "evil.example:8000"})
+    code, err = _post(
+        server,
+        "/v1/completions",
+        {"model": model, "prompt": "hi", "max_tokens": 1},
+        headers={"Host": "evil.example:8000"},
+    )
     assert code == 400 and err["error"]["code"] == "invalid_host"
     for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}"):
         assert _req(server, "/health", headers={"Host": host})[0] == 200
@@ -271,6 +301,7 @@ def test_warnings_for_exposed_bind_and_key_on_argv(tiny_qwen3, monkeypatch):
 
 # ---- load: 32 streaming clients, 8 bad ---------------------------------------------------------------------
 
+
 def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
     from tests.serve_helpers import stream_one
 
@@ -292,8 +323,7 @@ def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
             return e.value.status_code
 
         def disconnect():
-            stream = c.completions.create(model=name, prompt="The quick", max_tokens=400,
-                                          temperature=0.8, stream=True)
+            stream = c.completions.create(model=name, prompt="The quick", max_tokens=400, temperature=0.8, stream=True)
             for i, _ in enumerate(stream):
                 if i == 2:
                     break
@@ -301,8 +331,12 @@ def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
             return "closed"
 
         def malformed():
-            r = httpx.post(f"{srv.base_url}/completions", content=b'{"model": "x", "prompt": ',
-                           headers={"Content-Type": "application/json"}, timeout=60)
+            r = httpx.post(
+                f"{srv.base_url}/completions",
+                content=b'{"model": "x", "prompt": ',
+                headers={"Content-Type": "application/json"},
+                timeout=60,
+            )
             return r.status_code
 
         bad = [oversized, huge_seed, disconnect, malformed] * 2
@@ -328,11 +362,14 @@ def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
 
 # ---- hostile inputs (issue 34) -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bias", [{"99999999": 100}, {"1": -100}, {"1": 500}, "x"])
 def test_logit_bias_is_refused_not_silently_ignored(server, model, bias):
     """The server cannot apply logit_bias: a client asking for it is told (400), never answered as if it were."""
-    for path, body in (("/v1/completions", {"prompt": "hi"}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         code, err = _post(server, path, {"model": model, "max_tokens": 4, "logit_bias": bias, **body})
         assert code == 400 and err["error"]["param"] == "logit_bias", err
     code, ok = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4, "logit_bias": {}})

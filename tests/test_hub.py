@@ -16,8 +16,10 @@ from qconv.hub import cache, resolve_artifact
 from qconv.hub.index import Location, add_to_index_file, entry_for_artifact, load_index
 from qconv.hub.pull import pull
 from qconv.manifest import read_manifest
-from tests.cli_helpers import REPO, run as cli
+from tests.cli_helpers import REPO
+from tests.cli_helpers import run as cli
 from tests.hub_server import BIG, BIG_PATH, NAME, SMALL, assert_same_tree, flip_byte, make_artifact
+
 
 def test_shipped_index_is_valid(monkeypatch):
     monkeypatch.delenv("QCONV_INDEX", raising=False)
@@ -77,8 +79,9 @@ def test_permanently_tampered_file_fails_with_both_hashes(hub):
     assert hub.cached() is None
 
 
-@pytest.mark.parametrize("bad", ["../evil.safetensors", "/etc/evil.safetensors", "sub\\..\\..\\evil.safetensors",
-                                 "a/../../evil.json"])
+@pytest.mark.parametrize(
+    "bad", ["../evil.safetensors", "/etc/evil.safetensors", "sub\\..\\..\\evil.safetensors", "a/../../evil.json"]
+)
 def test_escaping_names_are_refused(hub, bad):
     hub.edit_index(lambda e: e["files"].update({bad: {"sha256": "0" * 64, "size": 1}}))
     r = cli("pull", NAME, "--index", hub.index_url, "-q", "--insecure")
@@ -219,9 +222,17 @@ def test_push_uploads_with_model_card(hub, monkeypatch):
     want = {p.name: sha256_file(p) for p in hub.art.iterdir()}
     assert {k: v for k, v in seen["files"].items() if k != "README.md"} == want
     card, q = seen["card"], read_manifest(hub.art).quality
-    for s in ("base_model: Qwen/Qwen3-Tiny", "recipe | `3090`", "`0123abc`", f"| weights.kld_mean | {q.weights.kld_mean:.6g} |",
-              f"| weights.top1 | {q.weights.top1:.6g} |", "| passed | True |", "qconv pull me/tiny-w4a16",
-              "qconv serve me/tiny-w4a16", "vllm serve me/tiny-w4a16"):
+    for s in (
+        "base_model: Qwen/Qwen3-Tiny",
+        "recipe | `3090`",
+        "`0123abc`",
+        f"| weights.kld_mean | {q.weights.kld_mean:.6g} |",
+        f"| weights.top1 | {q.weights.top1:.6g} |",
+        "| passed | True |",
+        "qconv pull me/tiny-w4a16",
+        "qconv serve me/tiny-w4a16",
+        "vllm serve me/tiny-w4a16",
+    ):
         assert s in card, s
     assert sorted(p.name for p in hub.art.iterdir()) == before  # the artifact itself is untouched
 
@@ -291,8 +302,11 @@ def test_untrusted_pull_says_so_once(hub, caplog):
 
 
 def test_plain_http_needs_insecure(hub):
-    for args in (["pull", hub.art_url], ["pull", NAME, "--index", hub.index_url], ["list", "--remote", "--index",
-                                                                                     hub.index_url]):
+    for args in (
+        ["pull", hub.art_url],
+        ["pull", NAME, "--index", hub.index_url],
+        ["list", "--remote", "--index", hub.index_url],
+    ):
         r = cli(*args)
         assert r.exit_code == 2 and "http://" in r.stderr and "--insecure" in r.stderr, r.output
     assert hub.server.log == []

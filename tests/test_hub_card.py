@@ -36,9 +36,15 @@ def test_plugin_requirement_names_the_plugin_runtime(manifest):
 
 
 def test_scoped_requirements_keep_stock_vllm_and_say_their_scope(manifest):
-    card = _card(manifest, [
-        Requirement("8-bit weight-only layers (lm_head)", PLUGIN, reason="r", platform="cpu"),
-        Requirement("profile huge: kvarn_k4v2 KV cache", "qconv runtime or the KVarN build of vLLM", profile="huge")])
+    card = _card(
+        manifest,
+        [
+            Requirement("8-bit weight-only layers (lm_head)", PLUGIN, reason="r", platform="cpu"),
+            Requirement(
+                "profile huge: kvarn_k4v2 KV cache", "qconv runtime or the KVarN build of vLLM", profile="huge"
+            ),
+        ],
+    )
     assert STOCK in card
     assert "- 8-bit weight-only layers (lm_head) (cpu vLLM only): needs" in card
     assert "- profile huge: kvarn_k4v2 KV cache (profile huge only): needs" in card

@@ -18,7 +18,8 @@ import pytest
 from qconv.hub import cache
 from qconv.hub.download import MANIFEST_CAP, http_fetch
 from qconv.hub.pull import pull
-from tests.cli_helpers import REPO, run as cli
+from tests.cli_helpers import REPO
+from tests.cli_helpers import run as cli
 from tests.hub_server import BIG, BIG_PATH, NAME, SMALL, Hub, assert_same_tree
 
 

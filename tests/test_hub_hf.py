@@ -42,8 +42,11 @@ class Hub:
 
     def file_gets(self, name: str) -> list[tuple[str, str | None]]:
         """(commit, Range) of every GET of `name` through the resolve endpoint."""
-        return [(p.split("/")[4], r) for m, p, r, _ in self.server.requests
-                if m == "GET" and "/resolve/" in p and p.endswith("/" + name)]
+        return [
+            (p.split("/")[4], r)
+            for m, p, r, _ in self.server.requests
+            if m == "GET" and "/resolve/" in p and p.endswith("/" + name)
+        ]
 
 
 @pytest.fixture
@@ -64,8 +67,14 @@ def hub(tmp_path, monkeypatch):
 
 
 def _env(h: Hub) -> dict:
-    return {**os.environ, "QCONV_HOME": str(h.home), "HF_ENDPOINT": h.server.url, "HF_HUB_OFFLINE": "0",
-            "HF_HUB_DISABLE_XET": "1", "PYTHONPATH": str(REPO)}
+    return {
+        **os.environ,
+        "QCONV_HOME": str(h.home),
+        "HF_ENDPOINT": h.server.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_XET": "1",
+        "PYTHONPATH": str(REPO),
+    }
 
 
 def test_pull_from_the_hub_pins_the_commit_and_checks_every_file(hub):
@@ -95,7 +104,9 @@ def test_tampered_lfs_object_is_refused(hub):
     assert BIG in r.stderr and good in r.stderr and bad in r.stderr and "Hub" in r.stderr
     assert len(hub.file_gets(BIG)) == 2  # refetched once, then refused
     assert cache.current(LOC) is None and not (cache.slot_dir(LOC) / "revs").exists()
-    assert not list(cache.hf_cache_dir().glob(f"models--*/blobs/*{good}*"))  # the bad blob is not kept under the good name
+    assert not list(
+        cache.hf_cache_dir().glob(f"models--*/blobs/*{good}*")
+    )  # the bad blob is not kept under the good name
 
 
 def test_mirror_serving_a_consistent_rewrite_is_refused(hub):
@@ -125,8 +136,11 @@ def test_killed_hub_pull_reruns_to_the_same_bytes_and_keeps_finished_files(hub):
     hub.server.b.stall[hub.resolve_path(BIG)] = release
     snap = cache.hf_cache_dir() / "models--org--tiny-w4a16" / "snapshots" / hub.sha
     others = [n for n in hub.files(hub.art) if n != BIG]
-    proc = subprocess.Popen([sys.executable, "-c", f"from qconv.hub.pull import pull; pull({REPO_ID!r}, progress=False)"],
-                            cwd=REPO, env=_env(hub))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"from qconv.hub.pull import pull; pull({REPO_ID!r}, progress=False)"],
+        cwd=REPO,
+        env=_env(hub),
+    )
     try:
         deadline = time.monotonic() + 60
         while not (hub.file_gets(BIG) and all((snap / n).exists() for n in others)):
@@ -143,8 +157,11 @@ def test_killed_hub_pull_reruns_to_the_same_bytes_and_keeps_finished_files(hub):
     assert_same_tree(out, hub.art)
     rerun = [p.rsplit("/", 1)[-1] for m, p, _, _ in hub.server.requests[n:] if m == "GET" and "/resolve/" in p]
     assert BIG in rerun and SMALL not in rerun and "config.json" not in rerun  # finished files were kept
-    leftovers = [p for p in (hub.home / "artifacts").rglob("*") if p.name.endswith((".incomplete", ".partial"))
-                 or ".old-" in p.name]
+    leftovers = [
+        p
+        for p in (hub.home / "artifacts").rglob("*")
+        if p.name.endswith((".incomplete", ".partial")) or ".old-" in p.name
+    ]
     assert leftovers == [] and not cache.hf_cache_dir().joinpath("models--org--tiny-w4a16").exists()
 
 

@@ -17,11 +17,18 @@ def artifact_27b(config_27b, tmp_path):
     """A config-only 27B 'artifact': qconv.json with a files table (15 GB of shards) and a vision module."""
     shutil.copy(config_27b / "config.json", tmp_path / "config.json")
     r = load_recipe("3090")
-    Manifest(source=SourceInfo(kind="hf_dir", id="x"), recipe=RecipeInfo(r.name, r.sha256, r.to_dict()),
-             modules=[ModuleDecision("model.visual.blocks.0.mlp.fc1", "vision", "bf16", shape=[4304, 1152]),
-                      ModuleDecision("mtp.layers.0.mlp.up_proj", "mtp", "bf16", shape=[17408, 5120])],
-             files={"model-00001.safetensors": {"sha256": "0" * 64, "size": 15_000_000_000},
-                    "tokenizer.json": {"sha256": "0" * 64, "size": 10_000_000}}).write(tmp_path)
+    Manifest(
+        source=SourceInfo(kind="hf_dir", id="x"),
+        recipe=RecipeInfo(r.name, r.sha256, r.to_dict()),
+        modules=[
+            ModuleDecision("model.visual.blocks.0.mlp.fc1", "vision", "bf16", shape=[4304, 1152]),
+            ModuleDecision("mtp.layers.0.mlp.up_proj", "mtp", "bf16", shape=[17408, 5120]),
+        ],
+        files={
+            "model-00001.safetensors": {"sha256": "0" * 64, "size": 15_000_000_000},
+            "tokenizer.json": {"sha256": "0" * 64, "size": 10_000_000},
+        },
+    ).write(tmp_path)
     return tmp_path
 
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-
 from qconv.errors import QconvError
 from qconv.kv import KV_SCHEME_NAMES, get_kv_scheme
 from qconv.kv.hadamard import hadamard, rotate
@@ -23,7 +22,7 @@ def test_hadamard_orthonormal_symmetric_involutory(d):
     h = hadamard(d, torch.float64)
     assert torch.allclose(h @ h.T, torch.eye(d, dtype=torch.float64), atol=1e-12)
     assert torch.equal(h, h.T)
-    assert torch.allclose(h.abs(), torch.full_like(h, d ** -0.5))
+    assert torch.allclose(h.abs(), torch.full_like(h, d**-0.5))
     x = torch.randn(3, d, dtype=torch.float64)
     assert torch.allclose(rotate(rotate(x)), x, atol=1e-12)
 
@@ -35,7 +34,7 @@ def test_hadamard_rejects_non_power_of_two():
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_pack_unpack_exact_and_little_end_first(bits):
-    codes = torch.randint(0, 2 ** bits, (5, 7, 64), dtype=torch.uint8)
+    codes = torch.randint(0, 2**bits, (5, 7, 64), dtype=torch.uint8)
     packed = pack_bits(codes, bits)
     assert packed.shape == (5, 7, 64 * bits // 8)
     assert torch.equal(unpack_bits(packed, bits), codes)
@@ -88,17 +87,28 @@ def test_sink_and_partial_tile_stay_fp16_exact(name):
         assert torch.equal(xh[..., q1:, :], x[..., q1:, :])
         assert not torch.equal(xh[..., q0:q1, :], x[..., q0:q1, :])
     # a sequence shorter than the sink is untouched; a full last tile is quantized the moment it fills
-    short_k, short_v = s.fake_quant(k[..., :s.tile, :], v[..., :s.tile, :])
-    assert torch.equal(short_k, k[..., :s.tile, :]) and torch.equal(short_v, v[..., :s.tile, :])
+    short_k, short_v = s.fake_quant(k[..., : s.tile, :], v[..., : s.tile, :])
+    assert torch.equal(short_k, k[..., : s.tile, :]) and torch.equal(short_v, v[..., : s.tile, :])
     assert s.split(2 * s.tile) == (s.tile, 1, 0)
 
 
-@pytest.mark.parametrize("name,k_tol,v_tol", [
-    ("kvarn_k4v4_g128", 0.02, 0.02), ("kvarn_k4v2_g128", 0.02, 0.3), ("kvarn_k4v4_g64", 0.02, 0.02),
-    ("kvarn_k4v2_g64", 0.02, 0.3), ("kvarn_k4v4_g256", 0.02, 0.02), ("kvarn_k4v2_g256", 0.02, 0.3),
-    ("kivi_k4v4_g128", 0.02, 0.02), ("kivi_k2v2_g128", 0.3, 0.3),
-    ("int4_g32", 0.05, 0.02), ("int8_token", 5e-4, 1e-4), ("fp8_e4m3", 3e-3, 3e-3), ("bf16", 1e-5, 1e-5),
-])
+@pytest.mark.parametrize(
+    "name,k_tol,v_tol",
+    [
+        ("kvarn_k4v4_g128", 0.02, 0.02),
+        ("kvarn_k4v2_g128", 0.02, 0.3),
+        ("kvarn_k4v4_g64", 0.02, 0.02),
+        ("kvarn_k4v2_g64", 0.02, 0.3),
+        ("kvarn_k4v4_g256", 0.02, 0.02),
+        ("kvarn_k4v2_g256", 0.02, 0.3),
+        ("kivi_k4v4_g128", 0.02, 0.02),
+        ("kivi_k2v2_g128", 0.3, 0.3),
+        ("int4_g32", 0.05, 0.02),
+        ("int8_token", 5e-4, 1e-4),
+        ("fp8_e4m3", 3e-3, 3e-3),
+        ("bf16", 1e-5, 1e-5),
+    ],
+)
 def test_round_trip_error_bounded(name, k_tol, v_tol):
     """Relative MSE on the quantized part of Gaussian K/V with outlier channels (as real keys have)."""
     s = get_kv_scheme(name)
@@ -147,8 +157,11 @@ def test_balancing_pays_on_planted_outlier_tile():
     assert errs[False][0] > 2 * errs[True][0] and errs[False][1] > 2 * errs[True][1], errs
     # and tracking never leaves the tile more imbalanced than the unscaled start
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(8, 64, 128, generator=g) * torch.exp(2 * torch.randn(8, 64, 1, generator=g)) \
+    x = (
+        torch.randn(8, 64, 128, generator=g)
+        * torch.exp(2 * torch.randn(8, 64, 1, generator=g))
         * torch.exp(2 * torch.randn(8, 1, 128, generator=g))
+    )
     u, v_ = balance(x, 8)
     assert u.shape == (8, 128) and v_.shape == (8, 64)
     assert float(u.min()) >= -0.3 - 1e-6 and float(u.max()) <= 10 and float(v_.min()) >= -0.3 - 1e-6
@@ -156,6 +169,7 @@ def test_balancing_pays_on_planted_outlier_tile():
     def imbalance(y):
         c, r = y.std(-2, correction=0).clamp(1e-3, 1e3), y.std(-1, correction=0).clamp(1e-3, 1e3)
         return c.amax(-1) / c.amin(-1) + r.amax(-1) / r.amin(-1)
+
     balanced = x * torch.exp(-v_).unsqueeze(-1) * torch.exp(-u).unsqueeze(-2)
     assert bool((imbalance(balanced) <= imbalance(x) * (1 + 1e-5)).all())
 

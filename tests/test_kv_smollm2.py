@@ -5,7 +5,6 @@ import pytest
 import torch
 
 
-
 @pytest.mark.slow
 def test_kvarn_k4v4_beats_int4_per_token_on_smollm2(smollm2, shared_data, one_thread):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,5 +31,6 @@ def test_kvarn_k4v4_beats_int4_per_token_on_smollm2(smollm2, shared_data, one_th
     assert 0 < kld["kvarn_k4v4_g128"] < 0.5 * kld["int4_g32"], kld
     assert 0 < kld["kvarn_k4v4_g256"] < 0.5 * kld["int4_g32"], kld
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    assert get_kv_scheme("kvarn_k4v4_g256").bytes_per_token_per_head(head_dim) <= \
-        get_kv_scheme("int4_g32").bytes_per_token_per_head(head_dim)
+    assert get_kv_scheme("kvarn_k4v4_g256").bytes_per_token_per_head(head_dim) <= get_kv_scheme(
+        "int4_g32"
+    ).bytes_per_token_per_head(head_dim)

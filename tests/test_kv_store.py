@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-
 from qconv.kv import get_kv_scheme
 from qconv.kv.store import PackedKV
 
@@ -15,8 +14,9 @@ def _kv(*shape, seed=0):
     return torch.randn(*shape, generator=g).half(), torch.randn(*shape, generator=g).half()
 
 
-@pytest.mark.parametrize("name", ["kvarn_k4v2_g64", "kvarn_k4v4_g256", "kivi_k4v4_g128", "int4_g32", "int8_token",
-                                  "bf16"])
+@pytest.mark.parametrize(
+    "name", ["kvarn_k4v2_g64", "kvarn_k4v4_g256", "kivi_k4v4_g128", "int4_g32", "int8_token", "bf16"]
+)
 def test_store_matches_fake_quant_for_any_chunking(name):
     s = get_kv_scheme(name)
     t = 845  # g256: sink + 2 tiles + 77 in progress
@@ -25,7 +25,7 @@ def test_store_matches_fake_quant_for_any_chunking(name):
     for chunks in ([t], [1] * 5 + [60, 7, 200, 61, 512], [64, 64, 205, 255, 257]):
         st, i = PackedKV(s, 64), 0
         for c in chunks:
-            st.append(k[..., i:i + c, :], v[..., i:i + c, :])
+            st.append(k[..., i : i + c, :], v[..., i : i + c, :])
             i += c
         got_k, got_v = st.dequantize(torch.float16)
         assert st.length == t
@@ -39,7 +39,7 @@ def test_store_holds_packed_records_of_the_stated_size():
     st = PackedKV(s, 128)
     st.append(k, v)
     assert st.records.dtype == torch.uint8 and st.n_tiles == 4
-    assert st.records[..., :st.n_tiles, :].shape == (4, 4, 13824)
+    assert st.records[..., : st.n_tiles, :].shape == (4, 4, 13824)
     fp16 = k.numel() * 2 * 2
     assert st.nbytes == 4 * (4 * 13824 + (128 + 17) * 128 * 2 * 2)
     assert st.nbytes < fp16 / 2.2
@@ -69,8 +69,15 @@ ONE_TILE = 2 * 3 * (2 * 2 * 64 * 64 * 4)  # layers x slots x (K+V x heads x tile
 @pytest.mark.parametrize("decoded_cache_bytes", [0, ONE_TILE, 1 << 30])  # off, one tile per sequence, all
 def test_runtime_adapter_follows_kvstore_protocol(decoded_cache_bytes):
     s = get_kv_scheme("kvarn_k4v4_g64")
-    store = s.new_store(layers=2, max_batch=3, max_len=512, heads=2, head_dim=64, dtype=torch.float32,
-                        decoded_cache_bytes=decoded_cache_bytes)
+    store = s.new_store(
+        layers=2,
+        max_batch=3,
+        max_len=512,
+        heads=2,
+        head_dim=64,
+        dtype=torch.float32,
+        decoded_cache_bytes=decoded_cache_bytes,
+    )
     k, v = _kv(2, 300, 2, 64, seed=2)  # [B, T, H, D] as the runtime writes: sink + 3 tiles + 44
     store.write(1, [0, 2], [0, 0], k[:, :100], v[:, :100])
     store.write(1, [0, 2], [100, 100], k[:, 100:], v[:, 100:])
@@ -106,10 +113,10 @@ def test_decoded_tile_cache_decodes_only_new_tiles():
     cs = Counting(**{f.name: getattr(s, f.name) for f in fields(s)})
     k, v = _kv(2, 7 * 64 + 5, 64, seed=3)
     st = PackedKV(cs, 64, decoded_tiles=100)
-    st.append(k[:, :6 * 64], v[:, :6 * 64])  # sink + 5 tiles
+    st.append(k[:, : 6 * 64], v[:, : 6 * 64])  # sink + 5 tiles
     first = st.dequantize(torch.float16)
-    st.append(k[:, 6 * 64:], v[:, 6 * 64:])  # one more tile + 5 in progress
+    st.append(k[:, 6 * 64 :], v[:, 6 * 64 :])  # one more tile + 5 in progress
     second = st.dequantize(torch.float16)
     st.dequantize(torch.float16)
     assert calls == [5, 1]  # each closed tile decoded once
-    assert torch.equal(second[0][:, :6 * 64], first[0]) and torch.equal(second[0], s.fake_quant(k, v)[0])
+    assert torch.equal(second[0][:, : 6 * 64], first[0]) and torch.equal(second[0], s.fake_quant(k, v)[0])

@@ -28,9 +28,25 @@ TOLERANCE = 0.5
 
 
 def _serve(art: Path, vllm_python: str, *extra: str, profile: str = "huge") -> ServerProcess:
-    return ServerProcess([str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--profile", profile,
-                          "--spec-tokens", "0", "--", "--enforce-eager", *extra], free_port(), env=ENV,
-                         health_timeout=900)
+    return ServerProcess(
+        [
+            str(art),
+            "--backend",
+            "vllm",
+            "--vllm-python",
+            vllm_python,
+            "--profile",
+            profile,
+            "--spec-tokens",
+            "0",
+            "--",
+            "--enforce-eager",
+            *extra,
+        ],
+        free_port(),
+        env=ENV,
+        health_timeout=900,
+    )
 
 
 def _client(srv: ServerProcess) -> tuple[openai.OpenAI, str]:
@@ -39,8 +55,14 @@ def _client(srv: ServerProcess) -> tuple[openai.OpenAI, str]:
 
 
 def _complete(client, name, prompt, n: int) -> tuple[list[int], list[float]]:
-    c = client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0, logprobs=1,
-                                  extra_body={"return_tokens_as_token_ids": True})
+    c = client.completions.create(
+        model=name,
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
     return _ids(c.choices[0].logprobs.tokens), c.choices[0].logprobs.token_logprobs
 
 
@@ -80,8 +102,9 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_pytho
 
     # without the plugin the profile is refused before vLLM loads anything, with the fix named
     monkeypatch.setenv("VLLM_PLUGINS", "")
-    r = CliRunner().invoke(main, ["serve", str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python,
-                                  "--profile", "huge"])
+    r = CliRunner().invoke(
+        main, ["serve", str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python, "--profile", "huge"]
+    )
     assert r.exit_code == 2 and KV in r.output and "qconv-vllm plugin" in r.output, r.output
     monkeypatch.delenv("VLLM_PLUGINS")
 
@@ -89,8 +112,12 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_pytho
     prompt = _long_text(shared_data, tok, 420)  # sink + 2 closed tiles + a tile in progress
     with _serve(smollm2_3090, vllm_python) as srv:
         client, name = _client(srv)
-        chat = client.chat.completions.create(model=name, max_tokens=32, temperature=0, messages=[
-            {"role": "user", "content": "Name three uses of a paperclip."}])
+        chat = client.chat.completions.create(
+            model=name,
+            max_tokens=32,
+            temperature=0,
+            messages=[{"role": "user", "content": "Name three uses of a paperclip."}],
+        )
         ids, lps = _complete(client, name, prompt, 24)
         kvarn_tokens = _cache_tokens(srv)
     with _serve(smollm2_3090, vllm_python, profile="fast") as srv:
@@ -110,8 +137,10 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_pytho
     head_dim = 64
     predicted = 2 * head_dim * 2 / get_kv_scheme(KV).bytes_per_token_per_head(head_dim)  # bf16 B / KVarN B
     measured = kvarn_tokens / bf16_tokens
-    print(f"vLLM cache tokens at VLLM_CPU_KVCACHE_SPACE=1: {KV} {kvarn_tokens:,}, bf16 {bf16_tokens:,}: "
-          f"{measured:.3f}x (planner's bytes ratio at head_dim {head_dim}: {predicted:.3f}x)")
+    print(
+        f"vLLM cache tokens at VLLM_CPU_KVCACHE_SPACE=1: {KV} {kvarn_tokens:,}, bf16 {bf16_tokens:,}: "
+        f"{measured:.3f}x (planner's bytes ratio at head_dim {head_dim}: {predicted:.3f}x)"
+    )
     assert abs(measured / predicted - 1) <= 0.05
 
 
@@ -122,8 +151,9 @@ def test_tiny_hybrid_with_kvarn_requests_come_and_go(tmp_path, vllm_python):
     art, _ = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide", "3090")
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
     prompts = [" ".join(words[i:] + words[:i]) * (3 + 2 * i) for i in range(6)]
-    with _serve(art, vllm_python, "--kv-cache-dtype", "kvarn_k4v2_g64", "--block-size", "64",
-                "--max-num-seqs", "4") as srv:
+    with _serve(
+        art, vllm_python, "--kv-cache-dtype", "kvarn_k4v2_g64", "--block-size", "64", "--max-num-seqs", "4"
+    ) as srv:
         client, name = _client(srv)
         alone = [_complete(client, name, p, 12) for p in prompts]
         with cf.ThreadPoolExecutor(4) as ex:
@@ -143,12 +173,16 @@ def test_long_prompt_passkey_no_nan_no_collapse(smollm2_3090, vllm_python, share
     tok = load_tokenizer(smollm2_3090)
     filler = _long_text(shared_data, tok, 4300)
     keys = ["71432", "58916", "30275"]
-    prompts = [f"There is a pass key hidden in this text. The pass key is {k}. Remember it. {k} is the pass key.\n"
-               f"{filler[i * 500:]}\nWhat is the pass key? The pass key is" for i, k in enumerate(keys)]
+    prompts = [
+        f"There is a pass key hidden in this text. The pass key is {k}. Remember it. {k} is the pass key.\n"
+        f"{filler[i * 500 :]}\nWhat is the pass key? The pass key is"
+        for i, k in enumerate(keys)
+    ]
     found = {}
     for kv, extra in (("bf16", ()), ("kvarn_k4v2_g64", ("--kv-cache-dtype", "kvarn_k4v2_g64", "--block-size", "64"))):
-        with _serve(smollm2_3090, vllm_python, "--max-model-len", "8192", *extra,
-                    profile="huge" if extra else "fast") as srv:
+        with _serve(
+            smollm2_3090, vllm_python, "--max-model-len", "8192", *extra, profile="huge" if extra else "fast"
+        ) as srv:
             client, name = _client(srv)
             outs = [_complete(client, name, p, 24) for p in prompts]
         found[kv] = [k in tok.decode(ids) for k, (ids, _) in zip(keys, outs)]

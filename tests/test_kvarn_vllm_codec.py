@@ -54,7 +54,7 @@ class _Seq:
     """Drives one KVarN layer the way vLLM's runner does: a block table of tile ids, a slot table, steps."""
 
     def __init__(self, preset: str, d: int, hk: int, grp: int, n_blocks: int = 64, capacity: int = 6):
-        self.impl = KVarNAttentionImpl(hk * grp, d, d ** -0.5, hk, kv_cache_dtype=preset)
+        self.impl = KVarNAttentionImpl(hk * grp, d, d**-0.5, hk, kv_cache_dtype=preset)
         c = self.impl.codec
         self.pool = torch.zeros(n_blocks, hk, c.tile, c.bytes_per_token, dtype=torch.uint8)
         self.table = SlotTable(capacity)
@@ -106,10 +106,10 @@ def test_chunked_prefill_and_decode_match_the_decode_time_simulation(preset, d):
     blocks = list(range(10, 10 + -(-t // g)))
     outs, pos = [], 0
     for n in (g + 7, 2 * g + 1, 1, 1, t - 3 * g - 10):  # a prefill that crosses the sink, one that closes tiles
-        outs += seq.step([(blocks[0], blocks, pos, q[pos:pos + n], k[pos:pos + n], v[pos:pos + n])])
+        outs += seq.step([(blocks[0], blocks, pos, q[pos : pos + n], k[pos : pos + n], v[pos : pos + n])])
         pos += n
     got = torch.cat(outs)
-    want = _reference(preset, q[:pos], k[:pos], v[:pos], d ** -0.5)
+    want = _reference(preset, q[:pos], k[:pos], v[:pos], d**-0.5)
     assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())
 
 
@@ -126,7 +126,7 @@ def test_speculative_rollback_into_a_closed_tile_reads_its_fp16_copy():
     junk = torch.randn(4, hk, d)
     seq.step([(0, blocks, 126, q[126:131], torch.cat([k[126:127], junk]), torch.cat([v[126:127], junk]))])
     out = seq.step([(0, blocks, 127, q[127:t], k[127:t], v[127:t])])[0]
-    want = _reference(preset, q[:t], k[:t], v[:t], d ** -0.5)[127:]
+    want = _reference(preset, q[:t], k[:t], v[:t], d**-0.5)[127:]
     assert torch.allclose(out, want, atol=ATOL), float((out - want).abs().max())
 
 
@@ -147,8 +147,8 @@ def test_batched_sequences_and_reused_blocks_equal_one_by_one():
     (qa, ka, va), (qb, kb, vb), (qc, kc, vc) = data
     a0, b0 = both.step([(0, [0, 1, 2], 0, qa[:100], ka[:100], va[:100]), (3, [3, 4], 0, qb, kb, vb)])
     a1 = both.step([(0, [0, 1, 2], 100, qa[100:], ka[100:], va[100:])])[0]  # b has finished; c takes its blocks
-    c0, = both.step([(3, [3, 4, 5], 0, qc[:100], kc[:100], vc[:100])])
-    c1, = both.step([(3, [3, 4, 5], 100, qc[100:], kc[100:], vc[100:])])
+    (c0,) = both.step([(3, [3, 4, 5], 0, qc[:100], kc[:100], vc[:100])])
+    (c1,) = both.step([(3, [3, 4, 5], 100, qc[100:], kc[100:], vc[100:])])
     for got, want in ((torch.cat([a0, a1]), alone[0]), (b0, alone[1]), (torch.cat([c0, c1]), alone[2])):
         assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())
 
@@ -164,13 +164,20 @@ def test_cuda_decode_path_reads_the_same_cache_as_the_torch_path():
     for i, n in enumerate(lens):  # three sequences: sink only, closed tiles + a tile in progress, tile just closed
         blocks = list(range(5 * i, 5 * i + 5))
         q, k, v = torch.randn(n, hk * grp, d), torch.randn(n, hk, d), torch.randn(n, hk, d)
-        seq.step([(blocks[0], blocks, 0, q[:n - 1], k[:n - 1], v[:n - 1])])
-        reqs.append((blocks[0], blocks, n - 1, q[n - 1:], k[n - 1:], v[n - 1:]))
+        seq.step([(blocks[0], blocks, 0, q[: n - 1], k[: n - 1], v[: n - 1])])
+        reqs.append((blocks[0], blocks, n - 1, q[n - 1 :], k[n - 1 :], v[n - 1 :]))
     torch_out = [o[0] for o in seq.step(reqs)]  # writes the last token and attends (torch path)
     width = max(len(r[1]) for r in reqs)
-    m = KVarNMetadata(len(reqs), list(range(len(reqs) + 1)), list(lens),
-                      torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32),
-                      [seq.table.owner[r[0]] for r in reqs], [False] * 3, list(lens), seq.table.capacity)
+    m = KVarNMetadata(
+        len(reqs),
+        list(range(len(reqs) + 1)),
+        list(lens),
+        torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32),
+        [seq.table.owner[r[0]] for r in reqs],
+        [False] * 3,
+        list(lens),
+        seq.table.capacity,
+    )
     q = torch.cat([r[3] for r in reqs])
     got = seq.impl._decode_cuda(seq.impl.stage, seq.pool.flatten(2), m, q)
     want = torch.stack(torch_out)

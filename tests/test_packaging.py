@@ -7,10 +7,10 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,10 +32,25 @@ def test_metadata_states_ranges_not_pins():
 
 
 def _dry_run(venv: Path, *args: str) -> list[str]:
-    r = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--dry-run", "--quiet", "--report", "-",
-                        "--disable-pip-version-check", *args], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--report",
+            "-",
+            "--disable-pip-version-check",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout[r.stdout.index("{"):])
+    report = json.loads(r.stdout[r.stdout.index("{") :])
     return [f"{i['metadata']['name'].lower()}=={i['metadata']['version']}" for i in report["install"]]
 
 

@@ -39,8 +39,11 @@ def test_a_changed_signature_stops_before_anything_is_patched(monkeypatch):
 
     before = naive.quantize
     monkeypatch.setattr(packed, "pack_to_int32", lambda value, num_bits: value)
-    with pytest.raises(QconvError, match=r"pack_to_int32 takes \(value, num_bits\), not \(value, num_bits, "
-                                         r"packed_dim\) in compressed-tensors 0\.19"):
+    with pytest.raises(
+        QconvError,
+        match=r"pack_to_int32 takes \(value, num_bits\), not \(value, num_bits, "
+        r"packed_dim\) in compressed-tensors 0\.19",
+    ):
         with row_blocked_compression():
             pass
     assert naive.quantize is before  # checked all first: nothing was swapped
@@ -87,6 +90,7 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
         def wrapper(*a, **k):
             called.add(name)
             return fn(*a, **k)
+
         return wrapper
 
     def counted_swap(**replacements):
@@ -94,16 +98,53 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
         return swap(**{n: counting(n, fn) for n, fn in replacements.items()})
 
     monkeypatch.setattr(patches, "swap", counted_swap)
-    r = run("build", "--recipe", "3090", "--model", tiny_qwen3_5, "--out", tmp_path / "streamed", "--dataset",
-            calib_txt, "--work-dir", tmp_path / "w1", *FAST_CAL, "--stream")
+    r = run(
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        tiny_qwen3_5,
+        "--out",
+        tmp_path / "streamed",
+        "--dataset",
+        calib_txt,
+        "--work-dir",
+        tmp_path / "w1",
+        *FAST_CAL,
+        "--stream",
+    )
     assert r.exit_code == 0, r.output
     recipe = variant(tmp_path, "awq", quantizer={"algorithm": "awq+gptq"})  # tied, one packed INT8 table
-    r = run("build", "--recipe", recipe, "--model", tiny_llama, "--out", tmp_path / "tied", "--dataset", calib_txt,
-            "--work-dir", tmp_path / "w2", *FAST_CAL)
+    r = run(
+        "build",
+        "--recipe",
+        recipe,
+        "--model",
+        tiny_llama,
+        "--out",
+        tmp_path / "tied",
+        "--dataset",
+        calib_txt,
+        "--work-dir",
+        tmp_path / "w2",
+        *FAST_CAL,
+    )
     assert r.exit_code == 0, r.output
     load_causal_lm(tmp_path / "tied")
-    r = run("build", "--recipe", "cpu", "--model", tiny_llama, "--out", tmp_path / "w8a8", "--dataset", calib_txt,
-            "--work-dir", tmp_path / "w3", *FAST_CAL)  # int-quantized: compressed-tensors' naive compressor
+    r = run(
+        "build",
+        "--recipe",
+        "cpu",
+        "--model",
+        tiny_llama,
+        "--out",
+        tmp_path / "w8a8",
+        "--dataset",
+        calib_txt,
+        "--work-dir",
+        tmp_path / "w3",
+        *FAST_CAL,
+    )  # int-quantized: compressed-tensors' naive compressor
     assert r.exit_code == 0, r.output
     expected = set(patches.TARGETS) - ({"pin_memory"} if torch.accelerator.is_available() else set())
     assert swapped == expected

@@ -25,14 +25,17 @@ def variant(tmp_path: Path, name: str, **over) -> Path:
     return p
 
 
-@pytest.mark.parametrize("quantizer, expect", [
-    ({"actorder": "group"}, r"quantizer\.actorder: actorder 'group' cannot be built: compressed-tensors 0\.19"),
-    ({"actorder": "dynamic"}, r"quantizer\.actorder: actorder 'dynamic' cannot be built"),
-    ({"actorder": "colum"}, r"quantizer\.actorder: bad value 'colum'; allowed: 'weight', 'static'"),
-    ({"algorithm": "rtn", "actorder": "weight"}, r"quantizer\.actorder: act-order is a GPTQ option"),
-    ({"observer": "mes"}, r"quantizer\.observer: bad value 'mes'; allowed: 'minmax', 'mse'.*did you mean 'mse'"),
-    ({"algorithm": "awq"}, r"quantizer\.algorithm: bad value 'awq'; allowed: 'gptq', 'rtn', 'awq\+gptq'"),
-])
+@pytest.mark.parametrize(
+    "quantizer, expect",
+    [
+        ({"actorder": "group"}, r"quantizer\.actorder: actorder 'group' cannot be built: compressed-tensors 0\.19"),
+        ({"actorder": "dynamic"}, r"quantizer\.actorder: actorder 'dynamic' cannot be built"),
+        ({"actorder": "colum"}, r"quantizer\.actorder: bad value 'colum'; allowed: 'weight', 'static'"),
+        ({"algorithm": "rtn", "actorder": "weight"}, r"quantizer\.actorder: act-order is a GPTQ option"),
+        ({"observer": "mes"}, r"quantizer\.observer: bad value 'mes'; allowed: 'minmax', 'mse'.*did you mean 'mse'"),
+        ({"algorithm": "awq"}, r"quantizer\.algorithm: bad value 'awq'; allowed: 'gptq', 'rtn', 'awq\+gptq'"),
+    ],
+)
 def test_quantizer_keys_validated(tmp_path, quantizer, expect):
     from qconv.recipes.recipe import load_recipe
     from qconv.recipes.schema import SchemaError
@@ -63,7 +66,9 @@ def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):
 
     config = read_config(tiny_llama)
     for actorder, observer, want in ((None, "minmax", None), ("weight", "mse", ActivationOrdering.WEIGHT)):
-        recipe = load_recipe(str(variant(tmp_path, f"a{actorder}", quantizer={"actorder": actorder, "observer": observer})))
+        recipe = load_recipe(
+            str(variant(tmp_path, f"a{actorder}", quantizer={"actorder": actorder, "observer": observer}))
+        )
         plan = plan_model(tiny_llama, config, recipe)
         groups, ignore = config_groups(plan.modules, recipe)
         assert {g.weights.observer for g in groups.values()} == {observer}
@@ -75,9 +80,9 @@ def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):
 def test_awq_uses_llmcompressor_mappings_and_refuses_unknown(tiny_llama, tmp_path):
     import torch
 
+    from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.quantize import awq_mappings, modifiers
     from qconv.errors import QconvError
-    from qconv.convert.hfmodel import load_causal_lm
     from qconv.recipes.recipe import load_recipe
 
     model = load_causal_lm(tiny_llama)
@@ -100,8 +105,19 @@ def test_observer_changes_the_weights(tiny_llama, tmp_path, calib_txt):
     packed = {}
     for obs in ("minmax", "mse"):
         out = tmp_path / obs
-        r = run("build", "--recipe", variant(tmp_path, obs, quantizer={"algorithm": "rtn", "actorder": None, "observer": obs}),
-                "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *FAST_CAL, "--no-gates")
+        r = run(
+            "build",
+            "--recipe",
+            variant(tmp_path, obs, quantizer={"algorithm": "rtn", "actorder": None, "observer": obs}),
+            "--model",
+            tiny_llama,
+            "--out",
+            out,
+            "--dataset",
+            calib_txt,
+            *FAST_CAL,
+            "--no-gates",
+        )
         assert r.exit_code == 0, r.output
         qc = json.loads((out / "config.json").read_text())["quantization_config"]
         assert {g["weights"]["observer"] for g in qc["config_groups"].values()} == {obs}
@@ -122,14 +138,28 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
     from qconv.runtime.loader import load_model
 
     int4_g32 = {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}
-    common = dict(schemes={"w4a16_g32": int4_g32}, quantizer={"algorithm": "awq+gptq", "actorder": "weight",
-                                                                "observer": "mse"})
+    common = dict(
+        schemes={"w4a16_g32": int4_g32}, quantizer={"algorithm": "awq+gptq", "actorder": "weight", "observer": "mse"}
+    )
     outs = {}
     for tie in ("keep", "untie"):
         out = outs[tie] = tmp_path / tie
         roles = {"embed": "w4a16_g32", "lm_head": "w8a16"}
-        r = run("build", "--recipe", variant(tmp_path, tie, tied_embeddings=tie, roles=roles, **common),
-                "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *FAST_CAL, "--no-gates", "--int8-budget", "0")  # no INT8 promotion: the sizes compare
+        r = run(
+            "build",
+            "--recipe",
+            variant(tmp_path, tie, tied_embeddings=tie, roles=roles, **common),
+            "--model",
+            tiny_llama,
+            "--out",
+            out,
+            "--dataset",
+            calib_txt,
+            *FAST_CAL,
+            "--no-gates",
+            "--int8-budget",
+            "0",
+        )  # no INT8 promotion: the sizes compare
         assert r.exit_code == 0, r.output
     cfg = json.loads((outs["keep"] / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is True
@@ -156,13 +186,15 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
     from qconv.serve.vllm_probe import check_quant_config
 
     for out in outs.values():
-        check_quant_config(ServeSource(out, out.name, json.loads((out / "config.json").read_text()), {}, None,
-                                       {}, []), vllm_python, "cpu")
+        check_quant_config(
+            ServeSource(out, out.name, json.loads((out / "config.json").read_text()), {}, None, {}, []),
+            vllm_python,
+            "cpu",
+        )
 
 
 def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
-    from qconv.convert.layout import bpw_budget
-    from qconv.convert.layout import plan_model
+    from qconv.convert.layout import bpw_budget, plan_model
     from qconv.convert.sources import read_config
     from qconv.errors import QconvError
     from qconv.recipes.recipe import load_recipe
@@ -173,13 +205,37 @@ def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
     with pytest.raises(QconvError, match=r"below the recipe's uniform plan"):
         bpw_budget(base - 0.5, plan)
     out = tmp_path / "bpw"
-    r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *FAST_CAL,
-            "--no-gates", "--bpw", f"{base + 0.5:.3f}")
+    r = run(
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        tiny_llama,
+        "--out",
+        out,
+        "--dataset",
+        calib_txt,
+        *FAST_CAL,
+        "--no-gates",
+        "--bpw",
+        f"{base + 0.5:.3f}",
+    )
     assert r.exit_code == 0, r.output
     m = json.loads((out / "qconv.json").read_text())
     sel = m["selection"]
     assert sel["budget"].endswith("bpw") and sel["int8_units"] > 0
     assert 0 < sel["spent_bytes"] <= sel["budget_bytes"]
-    r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", tmp_path / "x", "--bpw", "5",
-            "--int8-budget", "1MB")
+    r = run(
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        tiny_llama,
+        "--out",
+        tmp_path / "x",
+        "--bpw",
+        "5",
+        "--int8-budget",
+        "1MB",
+    )
     assert r.exit_code == 2 and "--bpw and --upgrade-budget" in r.output  # --int8-budget: the same option

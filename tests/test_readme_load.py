@@ -32,8 +32,25 @@ def _run_readme(artifact) -> torch.nn.Module:
 def _build(model, root, *extra) -> object:
     (root / "cal.txt").write_text(CORPUS * 20)
     out = root / "art"
-    r = run("build", "--recipe", "3090", "--model", model, "--out", out, "--dataset", root / "cal.txt",
-            "--samples", "8", "--seq-len", "64", "--work-dir", root / "work", "--no-gates", *extra)
+    r = run(
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        model,
+        "--out",
+        out,
+        "--dataset",
+        root / "cal.txt",
+        "--samples",
+        "8",
+        "--seq-len",
+        "64",
+        "--work-dir",
+        root / "work",
+        "--no-gates",
+        *extra,
+    )
     assert r.exit_code == 0, r.output
     return out
 

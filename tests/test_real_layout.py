@@ -30,8 +30,23 @@ def artifact(real_layout_27b, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("real3090")
     (root / "cal.txt").write_text(CORPUS * 20)
     out = root / "art"
-    r = run("build", "--recipe", "3090", "--model", real_layout_27b, "--out", out, "--dataset", root / "cal.txt",
-            "--samples", "8", "--seq-len", "64", "--work-dir", root / "work")
+    r = run(
+        "build",
+        "--recipe",
+        "3090",
+        "--model",
+        real_layout_27b,
+        "--out",
+        out,
+        "--dataset",
+        root / "cal.txt",
+        "--samples",
+        "8",
+        "--seq-len",
+        "64",
+        "--work-dir",
+        root / "work",
+    )
     assert r.exit_code == 0, r.output
     return out
 
@@ -44,7 +59,7 @@ def test_fixture_is_laid_out_like_the_27b(real_layout_27b, config_27b):
         assert set(real[part]) <= set(tiny[part]), part
     tc = tiny["text_config"]
     assert tc["hidden_size"] < real["text_config"]["hidden_size"]
-    assert tc["layer_types"] == real["text_config"]["layer_types"][:tc["num_hidden_layers"]]
+    assert tc["layer_types"] == real["text_config"]["layer_types"][: tc["num_hidden_layers"]]
     index = json.loads((real_layout_27b / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) >= 3
     assert any(k.startswith("model.language_model.layers.") for k in index)
@@ -60,8 +75,9 @@ def test_build_keeps_vision_and_mtp_bytes_and_quantizes_text(real_layout_27b, ar
         assert art[k].dtype == src[k].dtype and torch.equal(art[k].view(torch.uint8), src[k].view(torch.uint8)), k
     qcfg = json.loads((artifact / "config.json").read_text())["quantization_config"]
     ignore = qcfg["ignore"]
-    vision_linears = {k.rsplit(".", 1)[0] for k in src if k.startswith("model.visual.") and src[k].dim() == 2
-                      and "pos_embed" not in k}
+    vision_linears = {
+        k.rsplit(".", 1)[0] for k in src if k.startswith("model.visual.") and src[k].dim() == 2 and "pos_embed" not in k
+    }
     assert vision_linears <= set(ignore)
     assert "re:^mtp.*" in ignore or any(i.startswith("mtp") for i in ignore)
     m = read_manifest(artifact)
@@ -104,8 +120,21 @@ def test_eval_measures_it_streamed_equals_whole(artifact, real_layout_27b, tmp_p
     for flag in ("--streamed", "--whole-model"):
         monkeypatch.setenv("QCONV_HOME", str(tmp_path / flag))
         out = tmp_path / flag.strip("-")
-        r = run("eval", artifact, "--text", text, "--window", "64", "--max-tokens", "512", "--kv", "fp8_e4m3",
-                flag, "--out", out)
+        r = run(
+            "eval",
+            artifact,
+            "--text",
+            text,
+            "--window",
+            "64",
+            "--max-tokens",
+            "512",
+            "--kv",
+            "fp8_e4m3",
+            flag,
+            "--out",
+            out,
+        )
         assert r.exit_code == 0, r.output
         reports[flag] = json.loads((out / "report.json").read_text())
     s, w = reports["--streamed"], reports["--whole-model"]

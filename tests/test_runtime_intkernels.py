@@ -12,14 +12,19 @@ from qconv.runtime import load_model
 from qconv.runtime.int_linear import Int4Linear, Int8Embedding, IntWeight, int4_supported, int_kernels_available
 from tests.test_runtime_model import _quantize, _tokens
 
-pytestmark = [pytest.mark.skipif(not int_kernels_available(torch.device("cpu"), torch.bfloat16),
-                                 reason="this torch build has no CPU int4 kernel"),
-              pytest.mark.usefixtures("one_thread")]
+pytestmark = [
+    pytest.mark.skipif(
+        not int_kernels_available(torch.device("cpu"), torch.bfloat16), reason="this torch build has no CPU int4 kernel"
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 # The 3090 SmolLM2 recipe's layout: int4 g64 attention + gate/up, int4 g128 down_proj, int8 g64 embedding + lm_head.
-SMOLLM2_LAYOUT = {"int4": (["re:.*self_attn.*", "re:.*mlp\\.(gate|up)_proj$"], 4, 64),
-                  "down": (["re:.*mlp\\.down_proj$"], 4, 128),
-                  "int8": (["re:.*lm_head$", "re:.*embed_tokens$"], 8, 64)}
+SMOLLM2_LAYOUT = {
+    "int4": (["re:.*self_attn.*", "re:.*mlp\\.(gate|up)_proj$"], 4, 64),
+    "down": (["re:.*mlp\\.down_proj$"], 4, 128),
+    "int8": (["re:.*lm_head$", "re:.*embed_tokens$"], 8, 64),
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +35,12 @@ def tiny_artifact(tiny_qwen3, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny35_artifact(tiny_qwen3_5, tmp_path_factory):
     """qwen3_5: int4 g64 for every Linear but the tiny GDN a/b projections (so the fused GDN in_proj stays dense)."""
-    return _quantize(tiny_qwen3_5, tmp_path_factory.mktemp("intk35") / "q35", {
-        "int4": (["Linear"], 4, 64), "int8": (["re:.*lm_head$"], 8, 64)},
-        ignore=["re:.*in_proj_a$", "re:.*in_proj_b$"])
+    return _quantize(
+        tiny_qwen3_5,
+        tmp_path_factory.mktemp("intk35") / "q35",
+        {"int4": (["Linear"], 4, 64), "int8": (["re:.*lm_head$"], 8, 64)},
+        ignore=["re:.*in_proj_a$", "re:.*in_proj_b$"],
+    )
 
 
 def _int4_modules(model) -> list[Int4Linear]:
@@ -82,7 +90,7 @@ def test_int_kernel_logits_match_dequantized(artifact, request):
     caches = [m.new_cache(1, 40) for m in (ref, ints, deq)]
     errs = {"int": [], "deq": []}
     same = True
-    steps = [toks[:, :16]] + [toks[:, i:i + 1] for i in range(16, 20)] + [toks[:, 20:22], toks[:, 22:24]]
+    steps = [toks[:, :16]] + [toks[:, i : i + 1] for i in range(16, 20)] + [toks[:, 20:22], toks[:, 22:24]]
     for step in steps:  # prefill (dense), decode steps of 1 and 2 rows (int4)
         r, a, b = (m(step, c) for m, c in zip((ref, ints, deq), caches))
         errs["int"].append((a - r).abs().max().item())
@@ -96,6 +104,7 @@ def test_int_kernel_logits_match_dequantized(artifact, request):
 
 def test_int4_supported_shapes():
     """Shapes/scales the int4 layout cannot hold exactly stay dense (the loader then keeps the dense Linear)."""
+
     def w(n, k, group, scale_dtype=torch.bfloat16, bits=4):
         return IntWeight(bits, torch.zeros(n, k, dtype=torch.int8), torch.full((n, k // group), 0.1).to(scale_dtype))
 
@@ -139,8 +148,9 @@ def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
     data = tiny_artifact.parent / "chat.jsonl"
     data.write_text('{"turns": ["Say hello."]}\n')
     for deq in (False, True):
-        rep, _, _ = run_bench(tiny_artifact, "chat", data, prompts=1, cfg=GenerationConfig(max_tokens=4),
-                              dequantize=deq)
+        rep, _, _ = run_bench(
+            tiny_artifact, "chat", data, prompts=1, cfg=GenerationConfig(max_tokens=4), dequantize=deq
+        )
         assert rep["dtype"] == ("float32" if deq else "bfloat16")
     assert [m.dtype for m in loaded] == [torch.bfloat16, torch.float32] * 2
     assert [bool(_int4_modules(m)) for m in loaded] == [True, False] * 2

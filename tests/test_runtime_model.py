@@ -58,9 +58,17 @@ def tiny_qwen2(tmp_path_factory):
 
     tok, out = make_tokenizer(), tmp_path_factory.mktemp("tiny_qwen2")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=2, tie_word_embeddings=True))
+    model = AutoModelForCausalLM.from_config(
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+        )
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
@@ -102,7 +110,7 @@ def test_qwen35_decode_matches_chunked_prefill(tiny_qwen3_5):
     toks = _tokens(m.config.vocab_size, 80)
     whole = m(toks, m.new_cache(1, 96))
     cache = m.new_cache(1, 96)
-    steps = torch.cat([m(toks[:, i:i + 1], cache) for i in range(80)], dim=1)
+    steps = torch.cat([m(toks[:, i : i + 1], cache) for i in range(80)], dim=1)
     assert (whole - steps).abs().max().item() <= TOL
 
 
@@ -151,10 +159,10 @@ def test_batched_slots_match_single(tiny_models, family):
     for p, s in zip(prompts, slots):
         m(p, cache, slots=[s])
     steps = _tokens(V, 6, 7, batch=3)
-    batched = torch.cat([m(steps[:, i:i + 2], cache, slots=torch.tensor(slots)) for i in range(0, 6, 2)], dim=1)
+    batched = torch.cat([m(steps[:, i : i + 2], cache, slots=torch.tensor(slots)) for i in range(0, 6, 2)], dim=1)
     for b, p in enumerate(prompts):
-        alone = m(torch.cat([p, steps[b:b + 1]], dim=1), m.new_cache(1, 64))[:, -6:]
-        assert (batched[b:b + 1] - alone).abs().max().item() <= TOL, b
+        alone = m(torch.cat([p, steps[b : b + 1]], dim=1), m.new_cache(1, 64))[:, -6:]
+        assert (batched[b : b + 1] - alone).abs().max().item() <= TOL, b
     cache.reset([0])
     assert int(cache.lengths[0]) == 0 and int(cache.lengths[2]) == 11
 
@@ -190,7 +198,7 @@ def test_eval_kv_simulation_matches_runtime_decode(tiny_qwen3, scheme):
         ref_prefill = ref(toks[:, :n_prompt]).logits
     cache = ours.new_cache(1, n, kv_scheme=scheme)
     assert (ours(toks[:, :n_prompt], cache) - ref_prefill).abs().max().item() < 1e-2
-    steps = torch.cat([ours(toks[:, i:i + 1], cache) for i in range(n_prompt, n)], 1)
+    steps = torch.cat([ours(toks[:, i : i + 1], cache) for i in range(n_prompt, n)], 1)
     with torch.no_grad(), kv_simulation(ref, get_scheme(scheme, "decode")):
         decode_form = ref(toks).logits[:, n_prompt:]
     with torch.no_grad(), kv_simulation(ref, get_scheme(scheme, "prefill")):
@@ -206,14 +214,17 @@ def _mtp_reference(path, hidden, next_tokens):
     """The MTP math (vLLM qwen3_next_mtp) assembled from transformers' own qwen3_5 modules and the mtp.* weights."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (Qwen3_5DecoderLayer, Qwen3_5RMSNorm,
-                                                              Qwen3_5TextRotaryEmbedding)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        Qwen3_5DecoderLayer,
+        Qwen3_5RMSNorm,
+        Qwen3_5TextRotaryEmbedding,
+    )
 
     cfg = AutoConfig.from_pretrained(path)
     w = {k[4:]: v.float() for k, v in load_file(path / "model.safetensors").items() if k.startswith("mtp.")}
     emb = load_file(path / "model.safetensors")["model.embed_tokens.weight"].float()
     layer = Qwen3_5DecoderLayer(cfg, cfg.layer_types.index("full_attention")).float().eval()
-    layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")})
+    layer.load_state_dict({k[len("layers.0.") :]: v for k, v in w.items() if k.startswith("layers.0.")})
     norms = {}
     for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         norms[n] = Qwen3_5RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -241,7 +252,7 @@ def test_mtp_matches_reference_and_chains(tiny_qwen3_5):
     # one pair at a time through the MTP cache gives the same as all at once
     c2 = m.new_cache(1, 32)
     m(toks[:, :11], c2)
-    step = torch.cat([m.mtp(hidden[:, i:i + 1], toks[:, i + 1:i + 2], c2)[0] for i in range(11)], dim=1)
+    step = torch.cat([m.mtp(hidden[:, i : i + 1], toks[:, i + 1 : i + 2], c2)[0] for i in range(11)], dim=1)
     assert (step - logits).abs().max().item() <= TOL
     assert int(c2.mtp.lengths[0]) == 11
 
@@ -300,25 +311,36 @@ def _max_diff_vs_transformers(ours_path, ref_path, n: int = 24) -> float:
 @pytest.mark.slow
 def test_quantized_artifacts_match_transformers(tiny_qwen3, tiny_qwen3_5, tmp_path):
     """int4 g64 + g128 packed, int8 lm_head + embed_tokens (qwen3); int4 GDN/attention/MLP, int8 lm_head (qwen3_5)."""
-    art = _quantize(tiny_qwen3, tmp_path / "q3", {
-        "mlp": (["re:.*mlp.*"], 4, 64), "attn": (["re:.*self_attn.*"], 4, 128),
-        "int8": (["re:.*lm_head$", "re:.*embed_tokens$"], 8, 128)})
+    art = _quantize(
+        tiny_qwen3,
+        tmp_path / "q3",
+        {
+            "mlp": (["re:.*mlp.*"], 4, 64),
+            "attn": (["re:.*self_attn.*"], 4, 128),
+            "int8": (["re:.*lm_head$", "re:.*embed_tokens$"], 8, 128),
+        },
+    )
     from safetensors import safe_open
 
     with safe_open(art / "model.safetensors", "pt") as f:
         assert {"model.embed_tokens.weight_packed", "lm_head.weight_packed"} <= set(f.keys())
     assert _max_diff_vs_transformers(art, _dense_embedding_copy(art, tmp_path / "q3_ref")) <= TOL
-    art35 = _quantize(tiny_qwen3_5, tmp_path / "q35", {
-        "int4": (["Linear"], 4, 128), "int8": (["re:.*lm_head$"], 8, 128)},
-        ignore=["re:.*in_proj_a$", "re:.*in_proj_b$"])
+    art35 = _quantize(
+        tiny_qwen3_5,
+        tmp_path / "q35",
+        {"int4": (["Linear"], 4, 128), "int8": (["re:.*lm_head$"], 8, 128)},
+        ignore=["re:.*in_proj_a$", "re:.*in_proj_b$"],
+    )
     assert _max_diff_vs_transformers(art35, art35) <= TOL
     assert load_model(art35).mtp is not None  # mtp.* (dense, untouched by llmcompressor) still loads
 
 
 def test_bf16_packed_weights_match_plain(tiny_qwen3):
     """bf16 on CPU repacks Linears for oneDNN (cpu_pack.py); same logits as the plain bf16 path, up to bf16 rounding."""
-    packed, plain = load_model(tiny_qwen3, dtype=torch.bfloat16), load_model(tiny_qwen3, dtype=torch.bfloat16,
-                                                                              pack=False)
+    packed, plain = (
+        load_model(tiny_qwen3, dtype=torch.bfloat16),
+        load_model(tiny_qwen3, dtype=torch.bfloat16, pack=False),
+    )
     if not any(type(mod).__name__ == "PackedLinear" for mod in packed.modules()):
         pytest.skip("oneDNN weight packing is not available in this torch build")
     toks = _tokens(packed.config.vocab_size, 16)

@@ -45,7 +45,7 @@ class ToyMTP:
 
     def __call__(self, hidden, next_tokens, cache, slots=None):
         B, T = next_tokens.shape
-        for s in (slots if slots is not None else range(B)):
+        for s in slots if slots is not None else range(B):
             cache.mtp.lengths[s] += T
         return self.table[next_tokens] + hidden @ self.mix, self.emb[next_tokens] + 0.1 * hidden
 
@@ -74,7 +74,7 @@ class ToyModel:
         logits, hidden = [], []
         for b, s in enumerate(slots.tolist()):
             n = int(cache.lengths[s])
-            cache.tokens[s, n:n + T] = tokens[b]
+            cache.tokens[s, n : n + T] = tokens[b]
             cache.lengths[s] = n + T
             hist = cache.tokens[s, : n + T]
             prev = torch.cat([hist.new_zeros(1), hist[:-1]])[n:]
@@ -389,7 +389,7 @@ class OracleDrafter:
 
     def propose(self, seq, k, most=None):
         done = len(seq) - self.start
-        toks = list(self.ref[done:done + min(k, 6)])
+        toks = list(self.ref[done : done + min(k, 6)])
         self.calls += 1
         bad = self.calls % 7
         if bad < len(toks):
@@ -410,8 +410,10 @@ def _prompts(tok, n):
     return [tok(f"def add{i}(a, b):\n    return a + b {i} the quick brown fox")["input_ids"] for i in range(n)]
 
 
-@pytest.mark.parametrize("family,method", [("llama", "lookup"), ("qwen3", "lookup"), ("qwen3_5", "lookup"),
-                                           ("qwen3_5", "mtp"), ("qwen3_5", "hybrid")])
+@pytest.mark.parametrize(
+    "family,method",
+    [("llama", "lookup"), ("qwen3", "lookup"), ("qwen3_5", "lookup"), ("qwen3_5", "mtp"), ("qwen3_5", "hybrid")],
+)
 def test_tiny_greedy_speculative_equals_plain(tiny_models, family, method, one_thread):
     """fp32, the tiny llama / qwen3 / qwen3_5 models: every drafter's greedy output is plain greedy's."""
     from qconv.runtime.loader import load_model, load_tokenizer
@@ -456,8 +458,20 @@ def test_cli_generate(tiny_llama, tmp_path, one_thread):
 
     from qconv.cli import main
 
-    r = CliRunner().invoke(main, ["generate", str(tiny_llama), "--chat", "the quick brown fox", "--max-tokens", "6",
-                                  "--spec", "lookup", "--stats"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "generate",
+            str(tiny_llama),
+            "--chat",
+            "the quick brown fox",
+            "--max-tokens",
+            "6",
+            "--spec",
+            "lookup",
+            "--stats",
+        ],
+    )
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["generate", str(tiny_llama), "--prompt", "x", "--max-block", "16"])
     assert r.exit_code == 2 and "--max-block 16 out of range" in r.output
@@ -493,8 +507,7 @@ def test_copy_workload_reads_wrapped_text(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     from spec_workloads import workload_texts
 
-    paras = [" ".join(f"Sentence {i}.{j} of paragraph {i} says something plain." for j in range(12))
-             for i in range(3)]
+    paras = [" ".join(f"Sentence {i}.{j} of paragraph {i} says something plain." for j in range(12)) for i in range(3)]
     wrapped = tmp_path / "wrapped.txt"
     wrapped.write_text("A Title\n=======\n\n" + "\n\n".join(textwrap.fill(p, 72) for p in paras) + "\n")
     one_per_line = tmp_path / "wiki.txt"
@@ -516,10 +529,15 @@ def test_cli_generate_honours_the_artifact_speculative_block(tiny_qwen3_5, tmp_p
 
     art = tmp_path / "art"
     shutil.copytree(tiny_qwen3_5, art)
-    Manifest(source=SourceInfo(kind="hf_dir", id=str(tiny_qwen3_5)), recipe=RecipeInfo("cpu", "ab" * 32, {}),
-             modules=[], speculative={"method": "mtp", "num_speculative_tokens": 2}).write(art)
-    r = CliRunner().invoke(main, ["generate", str(art), "--prompt", "the quick brown fox", "--max-tokens", "6",
-                                  "--stats"])
+    Manifest(
+        source=SourceInfo(kind="hf_dir", id=str(tiny_qwen3_5)),
+        recipe=RecipeInfo("cpu", "ab" * 32, {}),
+        modules=[],
+        speculative={"method": "mtp", "num_speculative_tokens": 2},
+    ).write(art)
+    r = CliRunner().invoke(
+        main, ["generate", str(art), "--prompt", "the quick brown fox", "--max-tokens", "6", "--stats"]
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stderr.strip().splitlines()[-1])["spec"] == "mtp"
 
@@ -559,8 +577,12 @@ def test_spec_replay_on_saved_copy_output(tmp_path):
     f = tmp_path / "outs.json"
     f.write_text(json.dumps(rows))
     repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(repo / "bench" / "spec_replay.py"), str(f), "--max-tokens", "80"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(repo / "bench" / "spec_replay.py"), str(f), "--max-tokens", "80"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     w = json.loads(r.stdout.strip().splitlines()[-1])["workloads"]["copy"]
     assert w["ngram_k"] <= 5 and w["stretched"] > 1.5 * w["ngram_k"] and w["lookup_fixed"] > 8

@@ -20,8 +20,15 @@ def _unit(name: str, k: int = 256, n: int = 256, int8_refusal: str = "") -> Unit
     def d(bits, g):
         return ModuleDecision(name=name, role="mlp_down", scheme=f"w{bits}a16", bits=bits, group_size=g, shape=[n, k])
 
-    return Unit(name, "mlp_down", [d(4, 128)], [d(8, 128)], refusal=int8_refusal, scheme="w8a16",
-                steps=[Option("w4a16_g32", [d(4, 32)])])
+    return Unit(
+        name,
+        "mlp_down",
+        [d(4, 128)],
+        [d(8, 128)],
+        refusal=int8_refusal,
+        scheme="w8a16",
+        steps=[Option("w4a16_g32", [d(4, 32)])],
+    )
 
 
 def test_greedy_takes_the_best_gain_per_byte_across_schemes():
@@ -30,10 +37,13 @@ def test_greedy_takes_the_best_gain_per_byte_across_schemes():
     i8 = a.bytes8 - a.bytes4
     assert 0 < g32 < i8
     # a: g32 buys most of what int8 buys; b: only int8 helps
-    scores = Scores("proxy", {"a": 10.0, "b": 6.0}, 1, gains={"a": {"w4a16_g32": 9.0, "w8a16": 10.0},
-                                                              "b": {"w4a16_g32": 0.1, "w8a16": 6.0}},
-                    errors={"a": {BASE: 12.0, "w4a16_g32": 3.0, "w8a16": 2.0},
-                            "b": {BASE: 7.0, "w4a16_g32": 6.9, "w8a16": 1.0}})
+    scores = Scores(
+        "proxy",
+        {"a": 10.0, "b": 6.0},
+        1,
+        gains={"a": {"w4a16_g32": 9.0, "w8a16": 10.0}, "b": {"w4a16_g32": 0.1, "w8a16": 6.0}},
+        errors={"a": {BASE: 12.0, "w4a16_g32": 3.0, "w8a16": 2.0}, "b": {BASE: 7.0, "w4a16_g32": 6.9, "w8a16": 1.0}},
+    )
     sel = select([a, b], scores, g32 + i8, budget="x", scheme="w8a16")
     assert sel.choices == {"a": "w4a16_g32", "b": "w8a16"} and sel.chosen == ["b"]
     assert sel.spent == g32 + i8
@@ -74,10 +84,18 @@ def test_steps_must_name_other_schemes(tmp_path):
 
 def _steps_recipe(tmp_path):
     p = tmp_path / "steps.yaml"
-    p.write_text(yaml.safe_dump({
-        "extends": "3090", "name": "steps",
-        "schemes": {"w4a16_g32": {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}},
-        "selection": {"steps": ["w4a16_g32"], "budget": "8%"}}))
+    p.write_text(
+        yaml.safe_dump(
+            {
+                "extends": "3090",
+                "name": "steps",
+                "schemes": {
+                    "w4a16_g32": {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}
+                },
+                "selection": {"steps": ["w4a16_g32"], "budget": "8%"},
+            }
+        )
+    )
     return p
 
 
@@ -105,9 +123,26 @@ def test_build_with_steps_writes_mixed_groups_and_a_prediction(tiny_llama, tmp_p
 
     out, text_file = tmp_path / "A", tmp_path / "held_out.txt"
     text_file.write_text(CORPUS[::-1] * 30)
-    r = run("build", "--recipe", _steps_recipe(tmp_path), "--model", tiny_llama, "--out", out, "--dataset",
-            calib_txt, "--samples", "16", "--seq-len", "64", "--work-dir", tmp_path / "w", "--eval-text", text_file,
-            "--no-gates")
+    r = run(
+        "build",
+        "--recipe",
+        _steps_recipe(tmp_path),
+        "--model",
+        tiny_llama,
+        "--out",
+        out,
+        "--dataset",
+        calib_txt,
+        "--samples",
+        "16",
+        "--seq-len",
+        "64",
+        "--work-dir",
+        tmp_path / "w",
+        "--eval-text",
+        text_file,
+        "--no-gates",
+    )
     assert r.exit_code == 0, r.output
     m = read_manifest(out)
     sel = Selection.from_dict(asdict(m.selection))
@@ -136,8 +171,19 @@ def test_build_with_kld_sensitivity(tiny_llama, tiny_qwen3, tmp_path, calib_txt,
     monkeypatch.setattr(sensitivity, "model_kld_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(sensitivity, "proxy_scores", lambda *a, **k: pytest.fail("the proxy ran"))
     out = tmp_path / "K"
-    common = ["--recipe", _steps_recipe(tmp_path), "--dataset", calib_txt, "--samples", "8", "--seq-len", "64",
-              "--no-gates", "--sensitivity", "kld"]
+    common = [
+        "--recipe",
+        _steps_recipe(tmp_path),
+        "--dataset",
+        calib_txt,
+        "--samples",
+        "8",
+        "--seq-len",
+        "64",
+        "--no-gates",
+        "--sensitivity",
+        "kld",
+    ]
     r = run("build", *common, "--model", tiny_llama, "--out", out, "--work-dir", tmp_path / "w")
     assert r.exit_code == 0, r.output
     assert calls == [1]

@@ -10,8 +10,24 @@ import pytest
 
 from tests.serve_helpers import ServerProcess, free_port, run_load
 
-TOPICS = ["the sea", "a red bicycle", "winter", "coffee", "the moon", "a lost key", "mountains", "rain", "a library",
-          "trains", "old maps", "a garden", "the desert", "bread", "a violin", "owls"]
+TOPICS = [
+    "the sea",
+    "a red bicycle",
+    "winter",
+    "coffee",
+    "the moon",
+    "a lost key",
+    "mountains",
+    "rain",
+    "a library",
+    "trains",
+    "old maps",
+    "a garden",
+    "the desert",
+    "bread",
+    "a violin",
+    "owls",
+]
 PROMPTS = [f"Write two sentences about {t}." for t in TOPICS]
 MAX_TOKENS = 12
 RATE_TOKENS = 32

@@ -27,8 +27,9 @@ from qconv_vllm.packing import dequantize_rows  # noqa: E402
 
 REQ_3090 = [  # what the 3090 recipe writes for a llama / qwen3_5 model
     Requirement("int8 embed_tokens", "the qconv-vllm plugin", vllm_feature=QUANTIZED_EMBEDDINGS),
-    Requirement("8-bit weight-only layers (lm_head)", "the qconv-vllm plugin", platform="cpu",
-                vllm_feature=WNA16_8BIT_CPU),
+    Requirement(
+        "8-bit weight-only layers (lm_head)", "the qconv-vllm plugin", platform="cpu", vllm_feature=WNA16_8BIT_CPU
+    ),
     Requirement("profile huge: kvarn", "KVarN", profile="huge", vllm_feature=KV_PREFIX + "kvarn"),
 ]
 
@@ -39,8 +40,14 @@ def home(tmp_path, monkeypatch) -> Path:
     return tmp_path / "home"
 
 
-def _record(home: Path, name: str, device: str, features=("quantized-embeddings", "wna16-8bit-cpu"),
-            created="2026-12-01T00:00:00Z", python=sys.executable) -> runtimes.Runtime:
+def _record(
+    home: Path,
+    name: str,
+    device: str,
+    features=("quantized-embeddings", "wna16-8bit-cpu"),
+    created="2026-12-01T00:00:00Z",
+    python=sys.executable,
+) -> runtimes.Runtime:
     rt = runtimes.Runtime(name, device, "0.32.0", python, "0.1.0", list(features), [], created)
     (home / "runtimes").mkdir(parents=True, exist_ok=True)
     (home / "runtimes" / f"{name}.json").write_text(json.dumps(rt.__dict__))
@@ -66,8 +73,14 @@ def test_auto_with_a_cuda_runtime_record_is_vllm(home):
 
 
 def test_auto_serves_the_kvarn_profile_with_vllm_when_the_plugin_has_the_preset(home):
-    huge = [Requirement("profile huge: kvarn_k4v2_g128 KV cache", "the qconv-vllm plugin", profile="huge",
-                        vllm_feature=KV_PREFIX + "kvarn_k4v2_g128")]
+    huge = [
+        Requirement(
+            "profile huge: kvarn_k4v2_g128 KV cache",
+            "the qconv-vllm plugin",
+            profile="huge",
+            vllm_feature=KV_PREFIX + "kvarn_k4v2_g128",
+        )
+    ]
     with_kvarn = _record(home, "new", "cpu", features=(*qconv_vllm.FEATURES,))
     c = runtimes.choose_backend(REQ_3090[:2] + huge, "huge", with_kvarn, gpu=False)
     assert c.backend == "vllm", c.reason
@@ -139,8 +152,12 @@ def test_plugin_features_are_the_tokens_qconv_writes():
 def test_auto_picks_vllm_for_a_tied_quantized_head_once_the_plugin_provides_it(home):
     """`3090-tied-g32` keeps one INT8 table as embed_tokens and lm_head: a runtime whose plugin lists the feature
     runs it, an older plugin's runtime does not (and the reason names it)."""
-    tied = [*REQ_3090, Requirement("lm_head tied to a quantized embed_tokens", "the qconv-vllm plugin",
-                                   vllm_feature=TIED_QUANTIZED_HEAD)]
+    tied = [
+        *REQ_3090,
+        Requirement(
+            "lm_head tied to a quantized embed_tokens", "the qconv-vllm plugin", vllm_feature=TIED_QUANTIZED_HEAD
+        ),
+    ]
     old = _record(home, "old", "cpu")
     c = runtimes.choose_backend(tied, "fast", old, gpu=False)
     assert c.backend == "native" and "lm_head tied to a quantized embed_tokens" in c.reason
@@ -165,8 +182,7 @@ def test_plugin_dequantization_equals_compressed_tensors(bits, group):
 
     torch.manual_seed(0)
     w = torch.randn(96, 256)
-    args = QuantizationArgs(num_bits=bits, symmetric=True, strategy="group" if group else "channel",
-                            group_size=group)
+    args = QuantizationArgs(num_bits=bits, symmetric=True, strategy="group" if group else "channel", group_size=group)
     g = group or 256
     scale = (w.view(96, -1, g).abs().amax(-1) / (2 ** (bits - 1) - 1)).to(torch.bfloat16)
     state = {"weight": w, "weight_scale": scale.float(), "weight_zero_point": torch.zeros_like(scale, dtype=torch.int8)}
@@ -188,21 +204,33 @@ def test_speculative_mapping_dflash_cpu_and_override(tmp_path):
     hybrid_cfg = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
     spec = {"method": "hybrid", "num_speculative_tokens": 4}
     assert vllm.speculative_config(src(hybrid_cfg, spec), "cpu") is None  # vLLM's CPU backend: no hybrid spec
-    assert vllm.speculative_config(src(hybrid_cfg, spec), "cuda", tokens=2) == {"method": "mtp",
-                                                                               "num_speculative_tokens": 2}
+    assert vllm.speculative_config(src(hybrid_cfg, spec), "cuda", tokens=2) == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+    }
     assert vllm.speculative_config(src(hybrid_cfg, spec), "cuda", tokens=0) is None
     dflash = {"method": "dflash", "num_speculative_tokens": 8, "drafter": "z-lab/Qwen3-8B-DFlash"}
     assert vllm.speculative_config(src({"model_type": "qwen3"}, dflash)) == {
-        "method": "dflash", "model": "z-lab/Qwen3-8B-DFlash", "num_speculative_tokens": 8}
+        "method": "dflash",
+        "model": "z-lab/Qwen3-8B-DFlash",
+        "num_speculative_tokens": 8,
+    }
     bad = tmp_path / "bad.yaml"
     bad.write_text('extends: "3090"\nspeculative: {method: dflash}\n')
     with pytest.raises(QconvError, match="drafter"):
         load_recipe(str(bad))
 
 
-@pytest.mark.parametrize("key, value", [("context_length", "--trust-remote-code"), ("max_num_seqs", 0),
-                                        ("gpu_memory_utilization", 1.5), ("kv_cache", "--x"),
-                                        ("mamba_ssm_cache_dtype", "int3")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("context_length", "--trust-remote-code"),
+        ("max_num_seqs", 0),
+        ("gpu_memory_utilization", 1.5),
+        ("kv_cache", "--x"),
+        ("mamba_ssm_cache_dtype", "int3"),
+    ],
+)
 def test_profile_values_are_checked_before_they_become_flags(key, value):
     """A pulled manifest is data from elsewhere: its profile values are typed and bounded when it is read."""
     from qconv.manifest import Manifest

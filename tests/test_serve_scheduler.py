@@ -4,7 +4,6 @@ nothing in greedy output, and the queue bound holds."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from qconv.runtime.sampling import SamplingParams
@@ -12,8 +11,12 @@ from qconv.runtime.spec import SpecConfig
 from qconv.serve.scheduler import GenRequest, QueueFull, Scheduler
 from tests.sched_helpers import submit_and_wait
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown", "def add(a, b):\n    return a + b\n\n",
-           "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. First", "0123456789"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "def add(a, b):\n    return a + b\n\n",
+    "First Citizen: Before we proceed any further, hear me speak. All: Speak, speak. First",
+    "0123456789",
+]
 
 
 def _run(sched: Scheduler, prompts: list[str], max_tokens: int = 24, **kw) -> list[tuple[list[int], str]]:
@@ -29,8 +32,9 @@ def _scheduler(path, **kw) -> Scheduler:
     return Scheduler(load_model(path), load_tokenizer(path), max_batch=4, max_len=256, **kw).start()
 
 
-@pytest.mark.parametrize("family,methods", [("llama", ["lookup"]), ("qwen3", ["lookup"]),
-                                            ("qwen3_5", ["lookup", "mtp", "hybrid"])])
+@pytest.mark.parametrize(
+    "family,methods", [("llama", ["lookup"]), ("qwen3", ["lookup"]), ("qwen3_5", ["lookup", "mtp", "hybrid"])]
+)
 def test_batched_and_speculative_greedy_equal_alone(tiny_models, family, methods):
     """fp32: batched rows, and every drafter's per-row drafts verified in the batched forward, give plain greedy."""
     path = tiny_models(family)
@@ -48,8 +52,10 @@ def test_batched_and_speculative_greedy_equal_alone(tiny_models, family, methods
         finally:
             spec.stop()
         assert drafted == alone, method
-        v = {k: spec.metrics.value(f"qconv_{k}_total") for k in ("spec_draft_tokens", "spec_accepted_tokens",
-                                                                   "step_tokens", "generation_tokens")}
+        v = {
+            k: spec.metrics.value(f"qconv_{k}_total")
+            for k in ("spec_draft_tokens", "spec_accepted_tokens", "step_tokens", "generation_tokens")
+        }
         assert v["spec_draft_tokens"] > 0  # drafts were proposed and verified
         assert 0 <= v["spec_accepted_tokens"] <= v["spec_draft_tokens"]
         assert v["step_tokens"] == v["generation_tokens"] - len(PROMPTS)  # prefill makes each request's first token

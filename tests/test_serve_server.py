@@ -36,9 +36,12 @@ def model(server, client):
 
 
 def _post(server, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
-                                          **(headers or {})})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}{path}",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req) as r:
             return r.status, json.loads(r.read())
@@ -52,8 +55,9 @@ def _complete(client, model, prompt="The quick brown", **kw):
 
 def test_models_and_chat(client, model, tiny_qwen3):
     assert model == tiny_qwen3.name
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hear me speak"}],
-                                       max_tokens=12, temperature=0)
+    r = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hear me speak"}], max_tokens=12, temperature=0
+    )
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 3
@@ -62,14 +66,16 @@ def test_models_and_chat(client, model, tiny_qwen3):
 
 def test_streaming_equals_non_streaming(client, model):
     full = _complete(client, model)
-    chunks = list(client.completions.create(model=model, prompt="The quick brown", max_tokens=24, temperature=0,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model=model, prompt="The quick brown", max_tokens=24, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     msgs = [{"role": "user", "content": "print(add(2, 3))"}]
     whole = client.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0)
-    stream = client.chat.completions.create(model=model, messages=msgs, max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=16, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     parts, usage = [], None
     for c in stream:
         usage = c.usage or usage
@@ -80,12 +86,13 @@ def test_streaming_equals_non_streaming(client, model):
 
 def test_stop_sequences(client, model):
     full = _complete(client, model, max_tokens=40).choices[0].text
-    stop = next(full[i:i + 2] for i in range(4, len(full) - 2) if "\ufffd" not in full[i:i + 2])
-    want = full[:full.find(stop)]
+    stop = next(full[i : i + 2] for i in range(4, len(full) - 2) if "\ufffd" not in full[i : i + 2])
+    want = full[: full.find(stop)]
     r = _complete(client, model, max_tokens=40, stop=[stop, "\x00never"])
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=model, prompt="The quick brown", max_tokens=40, temperature=0,
-                                         stop=stop, stream=True)
+    streamed = client.completions.create(
+        model=model, prompt="The quick brown", max_tokens=40, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == want
 
 
@@ -121,7 +128,9 @@ def test_errors_are_openai_bodies_and_server_keeps_serving(server, client, model
         assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["message"]
         if param:
             assert err["error"]["param"] == param, err
-    code, err = _post(server, "/v1/completions", json.dumps({"model": model, "prompt": "hi", "max_tokens": 5000}).encode())
+    code, err = _post(
+        server, "/v1/completions", json.dumps({"model": model, "prompt": "hi", "max_tokens": 5000}).encode()
+    )
     assert "4096" in err["error"]["message"] and err["error"]["code"] == "context_length_exceeded"
     code, err = _post(server, "/v1/chat/completions", json.dumps({"model": model, "messages": []}).encode())
     assert code == 400 and err["error"]["param"] == "messages"
@@ -152,8 +161,9 @@ def _metric(server, name: str) -> float:
 
 def test_disconnect_cancels_and_metrics(server, client, model):
     before = _metric(server, 'qconv_requests_total{status="cancelled"}')
-    stream = client.completions.create(model=model, prompt="The quick brown", max_tokens=4000, temperature=0.8,
-                                       stream=True)
+    stream = client.completions.create(
+        model=model, prompt="The quick brown", max_tokens=4000, temperature=0.8, stream=True
+    )
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -163,8 +173,13 @@ def test_disconnect_cancels_and_metrics(server, client, model):
         assert time.monotonic() < deadline, "the disconnected request was never cancelled"
         time.sleep(0.1)
     assert _metric(server, "qconv_running_requests") == 0 or server.sched.active == []
-    for name in ("qconv_generation_tokens_total", "qconv_decode_steps_total", "qconv_tokens_per_step",
-                 "qconv_request_latency_seconds_count", "qconv_time_to_first_token_seconds_count"):
+    for name in (
+        "qconv_generation_tokens_total",
+        "qconv_decode_steps_total",
+        "qconv_tokens_per_step",
+        "qconv_request_latency_seconds_count",
+        "qconv_time_to_first_token_seconds_count",
+    ):
         assert _metric(server, name) > 0, name
 
 

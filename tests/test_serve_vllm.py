@@ -41,9 +41,14 @@ def _print_command(args: list[str]) -> list[str]:
     return shlex.split(r.stdout.strip())
 
 
-@pytest.mark.parametrize("profile, kv, ctx, mamba", [("fast", "auto", "65536", "float32"),
-                                                     ("long", "fp8_e4m3", "150000", "float32"),
-                                                     ("huge", "kvarn_k4v2_g128", "262144", "float16")])
+@pytest.mark.parametrize(
+    "profile, kv, ctx, mamba",
+    [
+        ("fast", "auto", "65536", "float32"),
+        ("long", "fp8_e4m3", "150000", "float32"),
+        ("huge", "kvarn_k4v2_g128", "262144", "float16"),
+    ],
+)
 def test_27b_print_command_per_profile(config_27b, profile, kv, ctx, mamba):
     argv = _print_command([str(config_27b), "--recipe", "3090", "--profile", profile])
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -64,8 +69,25 @@ def test_27b_print_command_per_profile(config_27b, profile, kv, ctx, mamba):
 
 
 def test_passthrough_options(config_27b):
-    argv = _print_command([str(config_27b), "--recipe", "3090", "--tensor-parallel-size", "2", "--max-batch", "6",
-                           "--host", "0.0.0.0", "--port", "9001", "--api-key", "sekrit", "--vllm-python", "/x/python"])
+    argv = _print_command(
+        [
+            str(config_27b),
+            "--recipe",
+            "3090",
+            "--tensor-parallel-size",
+            "2",
+            "--max-batch",
+            "6",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9001",
+            "--api-key",
+            "sekrit",
+            "--vllm-python",
+            "/x/python",
+        ]
+    )
     f = _flags(argv)
     assert argv[0] == "/x/python"
     assert f["--tensor-parallel-size"] == "2" and f["--max-num-seqs"] == "6"
@@ -83,7 +105,11 @@ def test_speculative_mapping(tmp_path):
     dense = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     lookup = {"method": "lookup", "num_speculative_tokens": 5, "lookup": {"ngram_max": 4, "ngram_min": 2}}
     assert vllm.speculative_config(_source(tmp_path, dense, lookup)) == {
-        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        "method": "ngram",
+        "num_speculative_tokens": 5,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
     # hybrid without an MTP head falls back to prompt lookup; with one it is MTP
     hybrid = {**lookup, "method": "hybrid"}
     assert vllm.speculative_config(_source(tmp_path, dense, hybrid))["method"] == "ngram"
@@ -93,8 +119,10 @@ def test_speculative_mapping(tmp_path):
     # the stretch: n-gram's k tokens, the lookup block after 2 fully accepted steps, by the plugin's proposer
     stretched = {"method": "hybrid", "num_speculative_tokens": 4, "lookup": {"max_block": 15, "after_saturated": 2}}
     assert vllm.speculative_config(_source(tmp_path, dense, stretched)) == {
-        "method": "custom_class", "model": "qconv_vllm.stretch.StretchedLookup_k4_s2_n2_4",
-        "num_speculative_tokens": 15}
+        "method": "custom_class",
+        "model": "qconv_vllm.stretch.StretchedLookup_k4_s2_n2_4",
+        "num_speculative_tokens": 15,
+    }
     assert vllm.speculative_config(_source(tmp_path, mtp_cfg, stretched))["method"] == "mtp"
     with pytest.raises(QconvError, match="no MTP head"):
         vllm.speculative_config(_source(tmp_path, dense, {"method": "mtp", "num_speculative_tokens": 2}))
@@ -118,11 +146,13 @@ def test_checks_name_the_fallback_profile(config_27b):
     kvarn = vllm_probe.VllmInfo("0.22.0+kvarn", [arch], ["auto", "fp8_e4m3", "kvarn_k4v2_g128"])
     vllm_probe.check_vllm(src, "huge", kvarn)
     # stock vLLM 0.32 + the qconv-vllm plugin: the plugin's feature token adds the dtype
-    plugin = vllm_probe.VllmInfo("0.32.0", [arch], ["auto", "fp8_e4m3"],
-                                 plugin={"version": "0.1.0", "features": ["kv-cache:kvarn_k4v2_g128"]})
+    plugin = vllm_probe.VllmInfo(
+        "0.32.0", [arch], ["auto", "fp8_e4m3"], plugin={"version": "0.1.0", "features": ["kv-cache:kvarn_k4v2_g128"]}
+    )
     vllm_probe.check_vllm(src, "huge", plugin)
-    other = vllm_probe.VllmInfo("0.32.0", [arch], ["auto", "fp8_e4m3"],
-                                plugin={"version": "0.1.0", "features": ["kv-cache:kvarn_k4v4_g128"]})
+    other = vllm_probe.VllmInfo(
+        "0.32.0", [arch], ["auto", "fp8_e4m3"], plugin={"version": "0.1.0", "features": ["kv-cache:kvarn_k4v4_g128"]}
+    )
     with pytest.raises(QconvError, match="kvarn_k4v2_g128"):
         vllm_probe.check_vllm(src, "huge", other)
 
@@ -162,19 +192,34 @@ def test_cpu_recipe_loads():
 def test_requires_refuse_until_the_vllm_feature_is_declared(config_27b):
     src = vllm.load_source(config_27b, "3090")
     plain = vllm_probe.VllmInfo("0.32.0", [src.architecture], ["auto", "fp8_e4m3"])
-    src.requires = [Requirement.from_dict(r) for r in (
-        {"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings",
-         "vllm_feature": "quantized-embeddings", "reason": "r"},
-        {"feature": "profile huge: kvarn_k4v2_g128 KV cache", "profile": "huge",
-         "needs": "qconv runtime or the KVarN build of vLLM", "vllm_feature": "kv-cache:kvarn_k4v2_g128"})]
+    src.requires = [
+        Requirement.from_dict(r)
+        for r in (
+            {
+                "feature": "int8 embed_tokens",
+                "needs": "qconv runtime or a vLLM with quantized embeddings",
+                "vllm_feature": "quantized-embeddings",
+                "reason": "r",
+            },
+            {
+                "feature": "profile huge: kvarn_k4v2_g128 KV cache",
+                "profile": "huge",
+                "needs": "qconv runtime or the KVarN build of vLLM",
+                "vllm_feature": "kv-cache:kvarn_k4v2_g128",
+            },
+        )
+    ]
     with pytest.raises(QconvError) as e:
         vllm_probe.check_vllm(src, "fast", plain)
     assert "int8 embed_tokens" in e.value.what and "--vllm-feature quantized-embeddings" in e.value.fix
     assert "--backend native" in e.value.fix
     vllm_probe.check_vllm(src, "fast", plain, ("quantized-embeddings",))  # the KV entry belongs to another profile
     # a manifest written before feature tokens existed is read by its wording
-    src.requires = [Requirement.from_dict({"feature": "int8 embed_tokens",
-                                           "needs": "qconv runtime or a vLLM with quantized embeddings"})]
+    src.requires = [
+        Requirement.from_dict(
+            {"feature": "int8 embed_tokens", "needs": "qconv runtime or a vLLM with quantized embeddings"}
+        )
+    ]
     with pytest.raises(QconvError, match="int8 embed_tokens"):
         vllm_probe.check_vllm(src, "fast", plain)
     vllm_probe.check_vllm(src, "fast", plain, ("quantized-embeddings",))

@@ -27,8 +27,10 @@ def _build_w8a8(model: Path, out: Path) -> list[str]:
     from qconv.cli import main
 
     if "build" in main.commands:
-        r = CliRunner().invoke(main, ["build", "--recipe", "cpu", "--model", str(model), "--out", str(out),
-                                      "--samples", "8", "--seq-len", "64"])
+        r = CliRunner().invoke(
+            main,
+            ["build", "--recipe", "cpu", "--model", str(model), "--out", str(out), "--samples", "8", "--seq-len", "64"],
+        )
         assert r.exit_code == 0, r.output
         return []
     from llmcompressor import oneshot
@@ -49,7 +51,7 @@ def _ids(tokens) -> list[int]:
 def _teacher_forced(model, prompt_ids: list[int], out_ids: list[int]) -> torch.Tensor:
     """Our engine's log-probs at every generated position, fed vLLM's tokens."""
     cache = model.new_cache(1, len(prompt_ids) + len(out_ids) + 1)
-    logits = model(torch.tensor([prompt_ids + out_ids]), cache)[0, len(prompt_ids) - 1:-1]
+    logits = model(torch.tensor([prompt_ids + out_ids]), cache)[0, len(prompt_ids) - 1 : -1]
     return torch.log_softmax(logits, -1)
 
 
@@ -65,22 +67,41 @@ def test_vllm_cpu_serves_w8a8_artifact_and_agrees_with_native(tiny_qwen3, vllm_p
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         name = client.models.list().data[0].id
         msgs = [{"role": "user", "content": "Before we proceed any further, hear me speak."}]
-        chat = client.chat.completions.create(model=name, messages=msgs, max_tokens=12, temperature=0,
-                                              logprobs=True, top_logprobs=1,
-                                              extra_body={"return_tokens_as_token_ids": True})
+        chat = client.chat.completions.create(
+            model=name,
+            messages=msgs,
+            max_tokens=12,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=1,
+            extra_body={"return_tokens_as_token_ids": True},
+        )
         prompts = ["The quick brown fox", "def add(a, b):", "First Citizen:"]
-        comps = [client.completions.create(model=name, prompt=p, max_tokens=12, temperature=0, logprobs=1,
-                                           extra_body={"return_tokens_as_token_ids": True}) for p in prompts]
+        comps = [
+            client.completions.create(
+                model=name,
+                prompt=p,
+                max_tokens=12,
+                temperature=0,
+                logprobs=1,
+                extra_body={"return_tokens_as_token_ids": True},
+            )
+            for p in prompts
+        ]
     assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
 
     tok, model = load_tokenizer(art), load_model(art, dtype=torch.float32)
-    chat_prompt = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-                      add_special_tokens=False).input_ids
+    chat_prompt = tok(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    ).input_ids
     assert chat.usage.prompt_tokens == len(chat_prompt)  # same template, same tokens
-    cases = [(chat_prompt, _ids(chat.choices[0].logprobs.content),
-              [t.logprob for t in chat.choices[0].logprobs.content])]
-    cases += [(tok(p).input_ids, _ids(c.choices[0].logprobs.tokens), c.choices[0].logprobs.token_logprobs)
-              for p, c in zip(prompts, comps)]
+    cases = [
+        (chat_prompt, _ids(chat.choices[0].logprobs.content), [t.logprob for t in chat.choices[0].logprobs.content])
+    ]
+    cases += [
+        (tok(p).input_ids, _ids(c.choices[0].logprobs.tokens), c.choices[0].logprobs.token_logprobs)
+        for p, c in zip(prompts, comps)
+    ]
     for prompt_ids, out_ids, vllm_lp in cases:
         assert len(out_ids) >= 1
         lp = _teacher_forced(model, prompt_ids, out_ids)
@@ -94,8 +115,9 @@ def test_vllm_cpu_serves_w8a8_artifact_and_agrees_with_native(tiny_qwen3, vllm_p
 
 
 @pytest.mark.slow
-def test_stock_vllm_parses_the_3090_artifact_and_is_refused_what_it_lacks(tiny_qwen3, vllm_python, tmp_path,
-                                                                           monkeypatch):
+def test_stock_vllm_parses_the_3090_artifact_and_is_refused_what_it_lacks(
+    tiny_qwen3, vllm_python, tmp_path, monkeypatch
+):
     """int8 embed_tokens / lm_head are pack-quantized: stock vLLM's own compressed-tensors parser accepts the config.
     What stock vLLM on CPU lacks (an 8-bit weight-only kernel; qwen3 passes its embedding prefix itself) is listed
     in `requires` and refused up front by name when the plugin is not loaded."""
@@ -106,16 +128,31 @@ def test_stock_vllm_parses_the_3090_artifact_and_is_refused_what_it_lacks(tiny_q
     from qconv.serve import vllm, vllm_probe
 
     art = tmp_path / "tiny-qwen3-3090"
-    r = CliRunner().invoke(main, ["build", "--recipe", "3090", "--model", str(tiny_qwen3), "--out", str(art),
-                                  "--samples", "8", "--seq-len", "64"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--recipe",
+            "3090",
+            "--model",
+            str(tiny_qwen3),
+            "--out",
+            str(art),
+            "--samples",
+            "8",
+            "--seq-len",
+            "64",
+        ],
+    )
     assert r.exit_code == 0, r.output
     feats = {q.vllm_feature for q in read_manifest(art).requires}
     assert "wna16-8bit-cpu" in feats and "quantized-embeddings" not in feats  # Qwen2Model passes the prefix
     src = vllm.load_source(art)
     vllm_probe.check_quant_config(src, vllm_python, vllm_probe.probe_vllm(vllm_python).version)  # the parser accepts it
     monkeypatch.setenv("VLLM_PLUGINS", "")
-    r = CliRunner().invoke(main, ["serve", str(art), "--backend", "vllm", "--vllm-python", vllm_python,
-                                  "--profile", "fast"])
+    r = CliRunner().invoke(
+        main, ["serve", str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--profile", "fast"]
+    )
     assert r.exit_code == 2 and "8-bit weight-only" in r.output and "not active" in r.output, r.output
 
 
@@ -130,8 +167,22 @@ def test_3090_vllm_recipe_passes_stock_vllm_checks(tiny_qwen3, vllm_python, tmp_
     from qconv.serve import vllm, vllm_probe
 
     art = tmp_path / "tiny-qwen3-3090-vllm"
-    r = CliRunner().invoke(main, ["build", "--recipe", "3090-vllm", "--model", str(tiny_qwen3), "--out", str(art),
-                                  "--samples", "8", "--seq-len", "64"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--recipe",
+            "3090-vllm",
+            "--model",
+            str(tiny_qwen3),
+            "--out",
+            str(art),
+            "--samples",
+            "8",
+            "--seq-len",
+            "64",
+        ],
+    )
     assert r.exit_code == 0, r.output
     from qconv.convert.requires import missing_for_vllm
 

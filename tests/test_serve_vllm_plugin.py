@@ -29,9 +29,11 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "PY
 # layers) 0.21, the tiny qwen3_5 0.003; tests/test_serve_vllm_tied_head.py: SmolLM2 3090-tied-g32 0.10, the
 # tiny tied qwen3_5 0.006.
 TOLERANCE = 0.35
-PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
-           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
-           "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\nFirst Citizen:",
+]
 
 
 def _ids(tokens) -> list[int]:
@@ -43,15 +45,22 @@ def _completions(srv: ServerProcess, max_tokens: int) -> tuple[list[list[int]], 
     name = client.models.list().data[0].id
     ids, lps = [], []
     for p in PROMPTS:
-        c = client.completions.create(model=name, prompt=p, max_tokens=max_tokens, temperature=0, logprobs=1,
-                                      extra_body={"return_tokens_as_token_ids": True})
+        c = client.completions.create(
+            model=name,
+            prompt=p,
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=1,
+            extra_body={"return_tokens_as_token_ids": True},
+        )
         ids.append(_ids(c.choices[0].logprobs.tokens))
         lps.append(c.choices[0].logprobs.token_logprobs)
     return ids, lps
 
 
-def _agrees_with_native(art: Path, prompt_ids: list[list[int]], out_ids: list[list[int]],
-                        vllm_lps: list[list[float]]) -> float:
+def _agrees_with_native(
+    art: Path, prompt_ids: list[list[int]], out_ids: list[list[int]], vllm_lps: list[list[float]]
+) -> float:
     """Our fp32 engine, fed vLLM's tokens: vLLM's greedy picks are our argmax up to a near-tie, and it scores them
     as we do. Returns the largest difference seen."""
     from qconv.runtime.loader import load_model
@@ -60,7 +69,7 @@ def _agrees_with_native(art: Path, prompt_ids: list[list[int]], out_ids: list[li
     worst = 0.0
     for p, out, lp_v in zip(prompt_ids, out_ids, vllm_lps):
         cache = model.new_cache(1, len(p) + len(out) + 1)
-        lp = torch.log_softmax(model(torch.tensor([p + out]), cache)[0, len(p) - 1:-1], -1)
+        lp = torch.log_softmax(model(torch.tensor([p + out]), cache)[0, len(p) - 1 : -1], -1)
         ours = lp[torch.arange(len(out)), torch.tensor(out)]
         gap = float((lp.max(-1).values - ours).max())
         diff = float((ours - torch.tensor(lp_v, dtype=torch.float32)).abs().max())
@@ -79,8 +88,9 @@ def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, vllm_python
     from qconv.runtime.loader import load_tokenizer
 
     common = [str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python]
-    with ServerProcess([*common, "--spec-tokens", "0", "--", "--enforce-eager"], free_port(), env=ENV,
-                       health_timeout=600) as srv:
+    with ServerProcess(
+        [*common, "--spec-tokens", "0", "--", "--enforce-eager"], free_port(), env=ENV, health_timeout=600
+    ) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         name = client.models.list().data[0].id
         msgs = [{"role": "user", "content": "Name three uses of a paperclip."}]
@@ -109,8 +119,24 @@ def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Pat
     calib = tmp_path / "calib.txt"
     calib.write_text(CORPUS * 20)
     art = tmp_path / f"tiny-{family}-{recipe}"
-    r = CliRunner().invoke(main, ["build", "--recipe", recipe, "--model", str(src), "--out", str(art),
-                                  "--dataset", str(calib), "--samples", "8", "--seq-len", "64"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--recipe",
+            recipe,
+            "--model",
+            str(src),
+            "--out",
+            str(art),
+            "--dataset",
+            str(calib),
+            "--samples",
+            "8",
+            "--seq-len",
+            "64",
+        ],
+    )
     assert r.exit_code == 0, r.output
     return art, json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
 
@@ -119,8 +145,12 @@ def served_agrees_with_native(art: Path, vllm_python: str, max_tokens: int = 8) 
     """Serve ART in vLLM (--backend vllm), take greedy tokens for PROMPTS, score them with our engine."""
     from qconv.runtime.loader import load_tokenizer
 
-    with ServerProcess([str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
-                       free_port(), env=ENV, health_timeout=600) as srv:
+    with ServerProcess(
+        [str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
+        free_port(),
+        env=ENV,
+        health_timeout=600,
+    ) as srv:
         ids, lps = _completions(srv, max_tokens)
     assert all(len(x) == max_tokens for x in ids)
     tok = load_tokenizer(art)

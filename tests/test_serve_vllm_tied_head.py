@@ -54,8 +54,21 @@ def test_without_the_plugin_the_tied_head_is_refused_before_load(smollm2_3090, v
     monkeypatch.setenv("PYTHONPATH", PLUGIN_PATH)
     monkeypatch.setenv("VLLM_PLUGINS", "")  # vLLM would load no plugin
     # declared: everything else the artifact needs, so the refusal is the tied head's
-    r = CliRunner().invoke(main, ["serve", str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python,
-                                  "--vllm-feature", QUANTIZED_EMBEDDINGS, "--vllm-feature", WNA16_8BIT_CPU])
+    r = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            str(smollm2_3090),
+            "--backend",
+            "vllm",
+            "--vllm-python",
+            vllm_python,
+            "--vllm-feature",
+            QUANTIZED_EMBEDDINGS,
+            "--vllm-feature",
+            WNA16_8BIT_CPU,
+        ],
+    )
     assert r.exit_code == 2, r.output
     assert "lm_head tied to a quantized embed_tokens" in r.output and "not active" in r.output
     choice = _auto(smollm2_3090, vllm_python)
@@ -72,13 +85,26 @@ def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, vllm_python, monkeypatc
     assert TIED_QUANTIZED_HEAD in choice.runtime.features
     print("auto with the plugin:", choice.reason)
 
-    args = [str(smollm2_3090), "--backend", "auto", "--vllm-python", vllm_python, "--spec-tokens", "0",
-            "--", "--enforce-eager"]
+    args = [
+        str(smollm2_3090),
+        "--backend",
+        "auto",
+        "--vllm-python",
+        vllm_python,
+        "--spec-tokens",
+        "0",
+        "--",
+        "--enforce-eager",
+    ]
     with ServerProcess(args, free_port(), env=ENV, health_timeout=600) as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         model = client.models.list().data[0]
-        chat = client.chat.completions.create(model=model.id, max_tokens=24, temperature=0,
-                                              messages=[{"role": "user", "content": "Name three uses of a paperclip."}])
+        chat = client.chat.completions.create(
+            model=model.id,
+            max_tokens=24,
+            temperature=0,
+            messages=[{"role": "user", "content": "Name three uses of a paperclip."}],
+        )
         ids, lps = _completions(srv, 24)
     assert model.owned_by == "vllm"  # auto really started vLLM, not our engine
     tok = load_tokenizer(smollm2_3090)

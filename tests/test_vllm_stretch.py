@@ -26,7 +26,7 @@ def _proposer(k=2, after=2, block=6):
     def match(context, n):  # the continuation of the previous occurrence of the last token
         last = context[-1]
         hits = np.nonzero(context[:-1] == last)[0]
-        return context[hits[-1] + 1:hits[-1] + 1 + n] if len(hits) else context[:0]
+        return context[hits[-1] + 1 : hits[-1] + 1 + n] if len(hits) else context[:0]
 
     p._match = match
     return p
@@ -49,11 +49,11 @@ def test_streak_stretches_after_full_acceptances_and_resets():
     toks[0, :n] = text
     assert p.propose([[0]], np.array([n]), toks) == [[1, 2]]  # first step: k
     for step, take in enumerate(([1, 2, 3], [4, 5, 6])):  # both drafts accepted whole (+ the bonus token)
-        toks[0, n:n + 3] = take
+        toks[0, n : n + 3] = take
         n += 3
         out = p.propose([take], np.array([n]), toks)
         assert len(out[0]) == (2 if step == 0 else 6)  # saturated twice: the block
-    toks[0, n:n + 2] = [7, 99]  # a rejection: back to k
+    toks[0, n : n + 2] = [7, 99]  # a rejection: back to k
     n += 2
     assert len(p.propose([[7, 99]], np.array([n]), toks)[0]) <= 2
     # a different request in the row (its count does not follow): the streak starts over
@@ -62,8 +62,13 @@ def test_streak_stretches_after_full_acceptances_and_resets():
 
 
 def _vllm_run(vllm_python: str, code: str) -> dict:
-    env = {"PYTHONPATH": f"{REPO}:{REPO / 'plugins' / 'vllm'}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
+    env = {
+        "PYTHONPATH": f"{REPO}:{REPO / 'plugins' / 'vllm'}",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PATH": "/usr/bin:/bin",
+        "HF_HUB_OFFLINE": "1",
+    }
     r = subprocess.run([vllm_python, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -72,8 +77,10 @@ def _vllm_run(vllm_python: str, code: str) -> dict:
 @pytest.mark.slow
 def test_targets_are_where_the_proposer_expects_them(vllm_python):
     """Fails when vLLM's runner stops calling custom_class proposers as written, or its n-gram matcher changes."""
-    out = _vllm_run(vllm_python, "import json; from qconv_vllm import stretch; stretch.check_targets(); "
-                                 "print(json.dumps({'ok': True}))")
+    out = _vllm_run(
+        vllm_python,
+        "import json; from qconv_vllm import stretch; stretch.check_targets(); print(json.dumps({'ok': True}))",
+    )
     assert out == {"ok": True}
 
 
@@ -116,8 +123,9 @@ def test_gpu_spec_says_clearly_when_there_is_no_gpu():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: bench/gpu_spec.py would run for real")
-    r = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_spec.py")], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_spec.py")], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 2
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["bench"] == "gpu_spec" and "no CUDA device" in out["error"]
@@ -134,8 +142,10 @@ def test_w4a8_restriction_keeps_int8_input_to_the_named_modules():
 @pytest.mark.slow
 def test_w4a8_patch_target_in_vllm(vllm_python):
     """Fails when vLLM's WNA16 scheme stops choosing Marlin's input dtype through get_marlin_input_dtype."""
-    code = ("import json, os; os.environ['QCONV_VLLM_W4A8'] = 'mlp'; from qconv_vllm import w4a8; "
-            "names = w4a8.apply(); f = w4a8._module().get_marlin_input_dtype; "
-            "print(json.dumps({'names': names, 'attn': repr(f('model.layers.0.self_attn.qkv_proj'))}))")
+    code = (
+        "import json, os; os.environ['QCONV_VLLM_W4A8'] = 'mlp'; from qconv_vllm import w4a8; "
+        "names = w4a8.apply(); f = w4a8._module().get_marlin_input_dtype; "
+        "print(json.dumps({'names': names, 'attn': repr(f('model.layers.0.self_attn.qkv_proj'))}))"
+    )
     out = _vllm_run(vllm_python, code)
     assert out["names"] and out["attn"] == "None"

@@ -21,14 +21,21 @@ def variant(tmp_path: Path, name: str, **over) -> Path:
     return p
 
 
-@pytest.mark.parametrize("schemes, expect", [
-    ({"w8a16": {"weights": {"symmetric": False}}},
-     r"schemes\.w8a16\.weights\.symmetric: zero points \(symmetric: false\) are for int4 weight-only schemes"),
-    ({"w8a8": {"weights": {"symmetric": False}}}, r"schemes\.w8a8\.weights\.symmetric: zero points"),
-    ({"w4a16_g32": {"weights": {"strategy": "channel", "group_size": None}}},
-     r"schemes\.w4a16_g32: shares the label w4a16 with another scheme but differs in more than group_size and "
-     r"symmetric"),
-])
+@pytest.mark.parametrize(
+    "schemes, expect",
+    [
+        (
+            {"w8a16": {"weights": {"symmetric": False}}},
+            r"schemes\.w8a16\.weights\.symmetric: zero points \(symmetric: false\) are for int4 weight-only schemes",
+        ),
+        ({"w8a8": {"weights": {"symmetric": False}}}, r"schemes\.w8a8\.weights\.symmetric: zero points"),
+        (
+            {"w4a16_g32": {"weights": {"strategy": "channel", "group_size": None}}},
+            r"schemes\.w4a16_g32: shares the label w4a16 with another scheme but differs in more than group_size and "
+            r"symmetric",
+        ),
+    ],
+)
 def test_symmetric_validated(tmp_path, schemes, expect):
     from qconv.recipes.recipe import load_recipe
     from qconv.recipes.schema import SchemaError
@@ -65,11 +72,29 @@ def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
 def build_zero_point_artifact(tmp_path: Path, tiny_llama: Path, calib_txt: Path) -> Path:
     from qconv.cli import main
 
-    recipe = variant(tmp_path, "zpall", schemes={"w4a16": {"weights": {"symmetric": False}},
-                                                 "w4a16_g64": {"weights": {"symmetric": False}}})
+    recipe = variant(
+        tmp_path,
+        "zpall",
+        schemes={"w4a16": {"weights": {"symmetric": False}}, "w4a16_g64": {"weights": {"symmetric": False}}},
+    )
     out = tmp_path / "zp"
-    r = CliRunner().invoke(main, ["build", "--recipe", str(recipe), "--model", str(tiny_llama), "--out", str(out),
-                                  "--dataset", str(calib_txt), *FAST_CAL, "--no-gates"], catch_exceptions=False)
+    r = CliRunner().invoke(
+        main,
+        [
+            "build",
+            "--recipe",
+            str(recipe),
+            "--model",
+            str(tiny_llama),
+            "--out",
+            str(out),
+            "--dataset",
+            str(calib_txt),
+            *FAST_CAL,
+            "--no-gates",
+        ],
+        catch_exceptions=False,
+    )
     assert r.exit_code == 0, r.output
     return out
 

@@ -29,11 +29,20 @@ def make_tokenizer(vocab_size: int = VOCAB):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([CORPUS], trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
     fast.chat_template = CHATML
     return fast
 
@@ -41,24 +50,50 @@ def make_tokenizer(vocab_size: int = VOCAB):
 def _config(family: str, vocab: int):
     from transformers import LlamaConfig, Qwen3_5TextConfig, Qwen3Config
 
-    common = dict(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=0, eos_token_id=2,
-                  pad_token_id=0)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if family == "llama":
         return LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True, **common)
     if family == "qwen3":
         return Qwen3Config(num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, **common)
     if family == "qwen3_5":
-        return Qwen3_5TextConfig(num_hidden_layers=4, head_dim=64, full_attention_interval=2,
-                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                                 linear_value_head_dim=32, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-                                 mtp_num_hidden_layers=1, **common)
+        return Qwen3_5TextConfig(
+            num_hidden_layers=4,
+            head_dim=64,
+            full_attention_interval=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=False,
+            mtp_num_hidden_layers=1,
+            **common,
+        )
     if family in ("qwen3_5_wide", "qwen3_5_wide_tied"):  # Gated-DeltaNet heads of the real width (128): vLLM's CPU
         # GDN kernel needs them; `_tied` as the small Qwen3.5 models are
-        return Qwen3_5TextConfig(num_hidden_layers=4, head_dim=64, full_attention_interval=2,
-                                 linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=128,
-                                 linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                                 tie_word_embeddings=family.endswith("_tied"), mtp_num_hidden_layers=1, **common)
+        return Qwen3_5TextConfig(
+            num_hidden_layers=4,
+            head_dim=64,
+            full_attention_interval=2,
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=family.endswith("_tied"),
+            mtp_num_hidden_layers=1,
+            **common,
+        )
     raise ValueError(f"unknown tiny family {family!r}")
 
 
@@ -100,9 +135,19 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
 # Every width of the 27B shrunk; field names, layer pattern (3 Gated-DeltaNet : 1 full attention), MTP depth and
 # the vision tower's structure kept. head_dim 64 with partial_rotary_factor 0.25 leaves 8 rotary pairs: the mrope
 # sections are rescaled to sum to 8.
-REAL_LAYOUT_TEXT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=64, linear_key_head_dim=32, linear_value_head_dim=32,
-                        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=4096)
+REAL_LAYOUT_TEXT = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    max_position_embeddings=4096,
+)
 REAL_LAYOUT_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, num_position_embeddings=64)
 REAL_LAYOUT_SHARD = "600KB"
 
@@ -124,7 +169,7 @@ def real_layout_config(config_27b: Path, vocab: int) -> dict:
     cfg = json.loads((Path(config_27b) / "config.json").read_text())
     tc, vc = cfg["text_config"], cfg["vision_config"]
     tc.update(REAL_LAYOUT_TEXT, vocab_size=vocab)
-    tc["layer_types"] = tc["layer_types"][:tc["num_hidden_layers"]]
+    tc["layer_types"] = tc["layer_types"][: tc["num_hidden_layers"]]
     fit_mrope(tc)
     vc.update(REAL_LAYOUT_VISION, out_hidden_size=tc["hidden_size"])
     for i, key in enumerate(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")):
@@ -158,7 +203,9 @@ def make_real_layout_model(config_27b: Path, out: Path, seed: int = 0) -> Path:
     from qconv.convert.layout import mtp_shapes
 
     for name, shape in mtp_shapes(cfg["text_config"]).items():
-        mtp[name] = (torch.ones(shape) if len(shape) == 1 else torch.randn(*shape, generator=g) * STD).to(torch.bfloat16)
+        mtp[name] = (torch.ones(shape) if len(shape) == 1 else torch.randn(*shape, generator=g) * STD).to(
+            torch.bfloat16
+        )
     shard = "model-mtp-00001.safetensors"
     save_file(mtp, out / shard, metadata={"format": "pt"})
     index_path = out / "model.safetensors.index.json"

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from qconv.build.memplan import DevicePlan, plan_for
 from qconv.build.options import BuildOptions, check_out, recipe_for, work_root
+from qconv.build.workdir import WorkDir
 from qconv.calibrate.select import Selection, parse_budget, select
 from qconv.calibrate.sensitivity import Scores
 from qconv.calibrate.units import Unit
 from qconv.convert.layout import Plan, bpw_budget, candidate_units, plan_model
 from qconv.convert.sources import resolve_source
-from qconv.build.workdir import WorkDir
 from qconv.kv.plan import int8_headroom
 from qconv.recipes.recipe import Recipe
 
@@ -50,15 +50,18 @@ def upgrade_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
     if spec.strip() != "auto":
         return parse_budget(spec, plan.total_bytes), ""
     roles = plan.bytes_by_role()
-    left, fit = int8_headroom(config, recipe, plan.total_bytes, roles.get("vision", {}).get("bytes", 0),
-                              roles.get("mtp", {}).get("bytes", 0))
+    left, fit = int8_headroom(
+        config, recipe, plan.total_bytes, roles.get("vision", {}).get("bytes", 0), roles.get("mtp", {}).get("bytes", 0)
+    )
     gib, card = 2**30, recipe.card
     on_card = card.memory_gib * gib * fit.profile.gpu_memory_utilization
-    note = (f"upgrade budget auto = {left / gib:.2f} GiB: {card.name} {card.memory_gib:g} GiB x "
-            f"{fit.profile.gpu_memory_utilization:g} - reserve {card.reserve_gib:g} GiB - weights "
-            f"{(on_card - card.reserve_gib * gib - fit.usable) / gib:.2f} GiB - profile {fit.name} "
-            f"({fit.profile.kv_cache} KV at {fit.profile.context_length:,} tokens x {fit.profile.max_num_seqs} "
-            f"+ recurrent state) {fit.need / gib:.2f} GiB")
+    note = (
+        f"upgrade budget auto = {left / gib:.2f} GiB: {card.name} {card.memory_gib:g} GiB x "
+        f"{fit.profile.gpu_memory_utilization:g} - reserve {card.reserve_gib:g} GiB - weights "
+        f"{(on_card - card.reserve_gib * gib - fit.usable) / gib:.2f} GiB - profile {fit.name} "
+        f"({fit.profile.kv_cache} KV at {fit.profile.context_length:,} tokens x {fit.profile.max_num_seqs} "
+        f"+ recurrent state) {fit.need / gib:.2f} GiB"
+    )
     if (bpw := recipe.selection.max_bpw) is not None and plan.num_parameters:
         cap = max(0, int(bpw * plan.num_parameters / 8) - plan.total_bytes)
         if cap < left:
@@ -83,7 +86,9 @@ def dry_run(opts: BuildOptions) -> DryRun:
     cached = WorkDir(root).latest("sensitivity") if root.is_dir() else None
     units = candidate_units(plan, recipe)
     if cached and set(cached["values"]) >= {u.name for u in units}:
-        selection = select(units, Scores(**cached), budget, budget=budget_label(opts, recipe),
-                           scheme=recipe.selection.scheme)
-    return DryRun(plan, recipe, config, selection, budget, note, units,
-                  plan_for(opts, recipe, plan, config, planning=True))
+        selection = select(
+            units, Scores(**cached), budget, budget=budget_label(opts, recipe), scheme=recipe.selection.scheme
+        )
+    return DryRun(
+        plan, recipe, config, selection, budget, note, units, plan_for(opts, recipe, plan, config, planning=True)
+    )

@@ -25,7 +25,9 @@ def print_plan(dr) -> None:
     for c in ("role", "modules", "params", "scheme", "bytes"):
         t.add_column(c, justify="right" if c in ("modules", "params", "bytes") else "left")
     for role, r in sorted(plan.bytes_by_role().items(), key=lambda kv: -kv[1]["bytes"]):
-        t.add_row(role, str(r["modules"]), f"{r['params'] / 1e6:.1f}M", ", ".join(sorted(r["schemes"])), _gb(r["bytes"]))
+        t.add_row(
+            role, str(r["modules"]), f"{r['params'] / 1e6:.1f}M", ", ".join(sorted(r["schemes"])), _gb(r["bytes"])
+        )
     t.add_row("other (norms, conv, ...)", "", "", "bf16", _gb(plan.other_bytes))
     con.print(t)
     notes = [m for m in plan.modules if m.note]
@@ -38,11 +40,15 @@ def print_plan(dr) -> None:
     # What int8 embeddings buy, against an all-W4A16 build that keeps embed/lm_head bf16.
     emb = [m for m in plan.modules if m.role in ("embed", "lm_head") and m.bits]
     saving = sum(m.shape[0] * m.shape[1] * 2 - module_bytes(m) for m in emb)
-    con.print(f"estimated artifact size: [bold]{_gb(plan.total_bytes)}[/bold] "
-              f"(source {_gb(plan.source_bytes)}, {100 * plan.total_bytes / plan.source_bytes:.1f}%)")
+    con.print(
+        f"estimated artifact size: [bold]{_gb(plan.total_bytes)}[/bold] "
+        f"(source {_gb(plan.source_bytes)}, {100 * plan.total_bytes / plan.source_bytes:.1f}%)"
+    )
     if saving:
-        con.print(f"  int8 embed/lm_head save {_gb(saving)} vs bf16: an all-W4A16 build would be "
-                  f"{_gb(plan.total_bytes + saving)}")
+        con.print(
+            f"  int8 embed/lm_head save {_gb(saving)} vs bf16: an all-W4A16 build would be "
+            f"{_gb(plan.total_bytes + saving)}"
+        )
     fits = _profile_fits(dr)
     for line in fits:
         con.print(line)
@@ -61,8 +67,10 @@ def print_device_plan(dp, requested: str) -> None:
     for line in dp.lines():
         click.echo(line)
     if dp.device == "cuda" and not cuda_available():
-        click.echo(f"(a plan for {dp.target}: torch sees no CUDA device here, so `qconv build --device "
-                   f"{requested}` on this machine would {'be refused' if requested == 'cuda' else 'run on the CPU'})")
+        click.echo(
+            f"(a plan for {dp.target}: torch sees no CUDA device here, so `qconv build --device "
+            f"{requested}` on this machine would {'be refused' if requested == 'cuda' else 'run on the CPU'})"
+        )
     dp.check()
 
 
@@ -75,12 +83,16 @@ def _promotion_preview(dr, con) -> int:
     for u in dr.units:
         if not u.refusal:
             by_role[u.role].append(u.bytes8 - u.bytes4)
-    con.print(f"INT8 promotion candidates under {_gb(dr.budget_bytes)} (units ranked by the build's sensitivity "
-              "proxy per extra byte; shapes only here):")
+    con.print(
+        f"INT8 promotion candidates under {_gb(dr.budget_bytes)} (units ranked by the build's sensitivity "
+        "proxy per extra byte; shapes only here):"
+    )
     for role, extras in sorted(by_role.items(), key=lambda kv: -sum(kv[1])):
         each = max(extras)
-        con.print(f"  {role:12s} {len(extras):4d} units, +{each / 1e6:.1f} MB each, "
-                  f"{min(len(extras), dr.budget_bytes // max(each, 1))} affordable alone ({_gb(sum(extras))} for all)")
+        con.print(
+            f"  {role:12s} {len(extras):4d} units, +{each / 1e6:.1f} MB each, "
+            f"{min(len(extras), dr.budget_bytes // max(each, 1))} affordable alone ({_gb(sum(extras))} for all)"
+        )
     refused = [u for u in dr.units if u.refusal]
     if refused:
         con.print(f"  {len(refused)} units refused (e.g. {refused[0].name}: {refused[0].refusal})")
@@ -92,9 +104,13 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
     from qconv.kv.plan import profile_fit_lines
 
     roles = dr.plan.bytes_by_role()
-    return profile_fit_lines(dr.config, dr.recipe, dr.plan.total_bytes + extra,
-                             vision_bytes=roles.get("vision", {}).get("bytes", 0),
-                             mtp_bytes=roles.get("mtp", {}).get("bytes", 0))
+    return profile_fit_lines(
+        dr.config,
+        dr.recipe,
+        dr.plan.total_bytes + extra,
+        vision_bytes=roles.get("vision", {}).get("bytes", 0),
+        mtp_bytes=roles.get("mtp", {}).get("bytes", 0),
+    )
 
 
 @click.command()
@@ -110,40 +126,107 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @click.option("--no-gates", is_flag=True, help="Keep a build whose quality gates fail (marked failed).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and size estimate; load no weights.")
-@click.option("--work-dir", type=click.Path(path_type=Path), help="Stage cache (default: QCONV_HOME/work/<source hash>).")
+@click.option(
+    "--work-dir", type=click.Path(path_type=Path), help="Stage cache (default: QCONV_HOME/work/<source hash>)."
+)
 @click.option("--fresh", is_flag=True, help="Ignore cached stages in the work dir.")
 @click.option("--stream/--no-stream", default=None, help="Stream layers from safetensors (default: when RAM is short).")
-@click.option("--upgrade-budget", "--int8-budget", "upgrade_budget",
-              help="Bytes the selection may spend upgrading the most sensitive 4-bit units (to int4 g64/g32 steps or "
-                   "INT8), overrides the recipe (0, 300MB, 1.5GiB, 5%). --int8-budget is its old name, kept as an "
-                   "alias.")
-@click.option("--bpw", type=float, help="Bits-per-weight target (as the quality report counts them): the most "
-              "sensitive units per byte go to the selection's 8-bit scheme until it is reached.")
-@click.option("--sensitivity", type=click.Choice(["proxy", "kld"]), default="proxy", show_default=True,
-              help="Unit sensitivity: per-layer proxy, or model-level KLD (one forward pass per unit).")
-@click.option("--reference", type=click.Path(path_type=Path),
-              help="For a quantized --model: the full-precision original the quality report compares against, or "
-                   "a reference cache folder computed from it (QCONV_HOME/reference/KEY, named in a report.json) "
-                   "(default: the quantized checkpoint itself).")
-@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True,
-              help="Where each layer is calibrated and quantized and the quality report runs (auto: CUDA when "
-                   "torch sees a GPU).")
-@click.option("--card", help="--dry-run: the card the device-memory plan is for (3090, 4090, a100-80, ...; default: "
-                             "the recipe's). A build measures the GPU it runs on.")
+@click.option(
+    "--upgrade-budget",
+    "--int8-budget",
+    "upgrade_budget",
+    help="Bytes the selection may spend upgrading the most sensitive 4-bit units (to int4 g64/g32 steps or "
+    "INT8), overrides the recipe (0, 300MB, 1.5GiB, 5%). --int8-budget is its old name, kept as an "
+    "alias.",
+)
+@click.option(
+    "--bpw",
+    type=float,
+    help="Bits-per-weight target (as the quality report counts them): the most "
+    "sensitive units per byte go to the selection's 8-bit scheme until it is reached.",
+)
+@click.option(
+    "--sensitivity",
+    type=click.Choice(["proxy", "kld"]),
+    default="proxy",
+    show_default=True,
+    help="Unit sensitivity: per-layer proxy, or model-level KLD (one forward pass per unit).",
+)
+@click.option(
+    "--reference",
+    type=click.Path(path_type=Path),
+    help="For a quantized --model: the full-precision original the quality report compares against, or "
+    "a reference cache folder computed from it (QCONV_HOME/reference/KEY, named in a report.json) "
+    "(default: the quantized checkpoint itself).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cuda", "cpu"]),
+    default="auto",
+    show_default=True,
+    help="Where each layer is calibrated and quantized and the quality report runs (auto: CUDA when torch sees a GPU).",
+)
+@click.option(
+    "--card",
+    help="--dry-run: the card the device-memory plan is for (3090, 4090, a100-80, ...; default: "
+    "the recipe's). A build measures the GPU it runs on.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout.")
 @click.option("-v", "--verbose", is_flag=True, help="Show library logs as they come (always kept in build.log).")
 @click.pass_context
-def build(ctx, model, recipe, out, dataset, samples, seq_len, seed, revision, eval_text, force, no_gates, dry_run,
-          work_dir, fresh, stream, upgrade_budget, bpw, sensitivity, reference, device, card, as_json, verbose):
+def build(
+    ctx,
+    model,
+    recipe,
+    out,
+    dataset,
+    samples,
+    seq_len,
+    seed,
+    revision,
+    eval_text,
+    force,
+    no_gates,
+    dry_run,
+    work_dir,
+    fresh,
+    stream,
+    upgrade_budget,
+    bpw,
+    sensitivity,
+    reference,
+    device,
+    card,
+    as_json,
+    verbose,
+):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
-    from qconv.build.budget import BuildOptions, dry_run as run_dry
+    from qconv.build.budget import BuildOptions
+    from qconv.build.budget import dry_run as run_dry
     from qconv.errors import QconvError
 
-    opts = BuildOptions(model=model, recipe=recipe, out=out, dataset=dataset, samples=samples, seq_len=seq_len,
-                        seed=seed, revision=revision, force=force, gates=not no_gates, eval_text=eval_text,
-                        work_dir=work_dir, fresh=fresh, stream=stream, upgrade_budget=upgrade_budget, bpw=bpw,
-                        sensitivity=sensitivity, reference=str(reference) if reference else None, device=device,
-                        card=card)
+    opts = BuildOptions(
+        model=model,
+        recipe=recipe,
+        out=out,
+        dataset=dataset,
+        samples=samples,
+        seq_len=seq_len,
+        seed=seed,
+        revision=revision,
+        force=force,
+        gates=not no_gates,
+        eval_text=eval_text,
+        work_dir=work_dir,
+        fresh=fresh,
+        stream=stream,
+        upgrade_budget=upgrade_budget,
+        bpw=bpw,
+        sensitivity=sensitivity,
+        reference=str(reference) if reference else None,
+        device=device,
+        card=card,
+    )
     if dry_run:
         dr = run_dry(opts)
         print_plan(dr)
@@ -164,8 +247,11 @@ def _calibration_line(opts, recipe) -> str:
     cal = recipe.calibration
     samples, seq_len = opts.samples or cal.samples, opts.seq_len or cal.seq_len
     given = [f for f, v in (("--samples", opts.samples), ("--seq-len", opts.seq_len)) if v]
-    origin = (f"{'/'.join(given)}; recipe default {cal.samples} x {cal.seq_len}" if given
-              else "recipe default; --samples/--seq-len change it")
+    origin = (
+        f"{'/'.join(given)}; recipe default {cal.samples} x {cal.seq_len}"
+        if given
+        else "recipe default; --samples/--seq-len change it"
+    )
     data = opts.dataset or cal.dataset or f"{cal.default_dataset}, else self-generated text"
     return f"calibration: {samples} samples x {seq_len} tokens ({origin}) from {data}"
 
@@ -177,11 +263,11 @@ def _build_with_view(opts, *, as_json: bool, verbose: bool) -> None:
     import time
 
     from qconv import progress
-    from qconv.offline import offline_if_unreachable
     from qconv.build.options import recipe_for
     from qconv.build.pipeline import build as run_build
     from qconv.build.summary import artifact_summary, print_summary
     from qconv.errors import GateFailure
+    from qconv.offline import offline_if_unreachable
 
     failure, t0 = None, time.time()
     recipe = recipe_for(opts)  # parsed once, for this line and the build

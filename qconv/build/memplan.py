@@ -28,8 +28,20 @@ from qconv.recipes.roles import _LAYER
 CUDA_OVERHEAD = GIB
 # Spec-sheet fp32 peak (TFLOPS) of the cards in qconv.kv.plan.CARDS; the projection takes EFFICIENCY of it for the
 # forwards and Hessians and GPTQ_SHARE of that for GPTQ's sequential column loop (BENCHMARKS.md's model).
-FP32_TFLOPS = {"3060": 12.7, "4060ti": 22.1, "4080": 48.7, "3090": 35.6, "4090": 82.6, "5090": 104.8,
-               "a6000": 38.7, "l40s": 91.6, "a100-40": 19.5, "a100-80": 19.5, "h100-80": 67.0, "h200": 67.0}
+FP32_TFLOPS = {
+    "3060": 12.7,
+    "4060ti": 22.1,
+    "4080": 48.7,
+    "3090": 35.6,
+    "4090": 82.6,
+    "5090": 104.8,
+    "a6000": 38.7,
+    "l40s": 91.6,
+    "a100-40": 19.5,
+    "a100-80": 19.5,
+    "h100-80": 67.0,
+    "h200": 67.0,
+}
 EFFICIENCY, GPTQ_SHARE, DISK_BYTES_S = 0.7, 0.1, 2e9
 
 
@@ -59,17 +71,21 @@ class DevicePlan:
 
     def lines(self) -> list[str]:
         g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
-        out = [f"device memory plan: {self.device} on {self.target}, {g(self.capacity)} for the build; calibration "
-               f"{self.samples} x {self.seq_len} tokens (one sample a batch); row blocks {g(self.block_bytes)}"]
+        out = [
+            f"device memory plan: {self.device} on {self.target}, {g(self.capacity)} for the build; calibration "
+            f"{self.samples} x {self.seq_len} tokens (one sample a batch); row blocks {g(self.block_bytes)}"
+        ]
         for p in self.phases:
             verdict = "ok" if p.bytes <= self.capacity else "DOES NOT FIT"
             parts = ", ".join(f"{k} {g(v)}" for k, v in p.parts.items())
             out.append(f"  {p.name:<26} {g(p.bytes):>10}  {verdict}  ({parts})")
         if self.seconds:
             s = self.seconds
-            out.append(f"projected wall time (FLOP model of docs/BENCHMARKS.md, not measured): {s['layers']} layers x "
-                       f"{s['per_layer']:.0f} s (forwards + Hessians {s['forward']:.0f} s, GPTQ {s['gptq']:.0f} s, "
-                       f"disk {s['disk']:.0f} s) + lm_head {s['head']:.0f} s = {s['total'] / 60:.0f} min")
+            out.append(
+                f"projected wall time (FLOP model of docs/BENCHMARKS.md, not measured): {s['layers']} layers x "
+                f"{s['per_layer']:.0f} s (forwards + Hessians {s['forward']:.0f} s, GPTQ {s['gptq']:.0f} s, "
+                f"disk {s['disk']:.0f} s) + lm_head {s['head']:.0f} s = {s['total'] / 60:.0f} min"
+            )
         return out
 
     def check(self) -> None:
@@ -79,11 +95,17 @@ class DevicePlan:
             return
         worst = max(over, key=lambda p: p.bytes)
         acts = max((p.parts.get("activations", 0) for p in over), default=0)
-        knob = (f"lower --seq-len (one sample's activations take {acts / GIB:.2f} GiB at {self.seq_len} tokens), "
-                if acts else "")
-        raise QconvError(f"the build does not fit on {self.target}: {worst.name} needs {worst.bytes / GIB:.2f} GiB "
-                         f"of {self.capacity / GIB:.2f} GiB", where="--device",
-                         fix=f"{knob}or build with --device cpu (host memory, hours a layer; see docs/BENCHMARKS.md)")
+        knob = (
+            f"lower --seq-len (one sample's activations take {acts / GIB:.2f} GiB at {self.seq_len} tokens), "
+            if acts
+            else ""
+        )
+        raise QconvError(
+            f"the build does not fit on {self.target}: {worst.name} needs {worst.bytes / GIB:.2f} GiB "
+            f"of {self.capacity / GIB:.2f} GiB",
+            where="--device",
+            fix=f"{knob}or build with --device cpu (host memory, hours a layer; see docs/BENCHMARKS.md)",
+        )
 
 
 def card_target(card: str | None, recipe: Recipe) -> tuple[str, int, float | None]:
@@ -121,14 +143,26 @@ def _activations(config: dict, layer_modules: list, seq: int) -> int:
     heads = tc.get("num_attention_heads") or 1
     attn = heads * seq * seq * 4
     if tc.get("linear_num_value_heads"):
-        conv = (2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"]
-                + tc["linear_num_value_heads"] * tc["linear_value_head_dim"])
+        conv = (
+            2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"]
+            + tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
+        )
         attn = max(attn, 4 * seq * conv * 4)
     return 3 * seq * h * 2 + 3 * seq * inter * 2 + 2 * seq * widest * 4 + attn
 
 
-def device_plan(plan: Plan, config: dict, recipe: Recipe, *, device: str, samples: int, seq_len: int,
-                capacity: int, target: str, tflops: float | None = None) -> DevicePlan:
+def device_plan(
+    plan: Plan,
+    config: dict,
+    recipe: Recipe,
+    *,
+    device: str,
+    samples: int,
+    seq_len: int,
+    capacity: int,
+    target: str,
+    tflops: float | None = None,
+) -> DevicePlan:
     """The phases' peaks on a device with `capacity` bytes free for the build."""
     block = gptq_block_bytes(device, free=capacity) if device != "cpu" else gptq_block_bytes("cpu")
     dp = DevicePlan(device, target, capacity, samples, seq_len, block)
@@ -140,8 +174,9 @@ def device_plan(plan: Plan, config: dict, recipe: Recipe, *, device: str, sample
         weights = sum(m.shape[0] * m.shape[1] * 2 for m in big)
         hess = sum(m.shape[1] ** 2 * 4 for m in quantized(big))
         work = max((_gptq_work(m, block) for m in quantized(big)), default=0)
-        dp.phases.append(Phase("decoder layer: calibration", {"weights": weights, "Hessians": hess,
-                                                               "activations": acts}))
+        dp.phases.append(
+            Phase("decoder layer: calibration", {"weights": weights, "Hessians": hess, "activations": acts})
+        )
         dp.phases.append(Phase("decoder layer: GPTQ", {"weights": weights, "Hessians": hess, "GPTQ work": work}))
     tc = config.get("text_config", config)
     hidden = seq_len * tc["hidden_size"] * 2
@@ -151,11 +186,16 @@ def device_plan(plan: Plan, config: dict, recipe: Recipe, *, device: str, sample
             dp.phases.append(Phase("embed_tokens", {"table": rows * cols * 2, "hidden states": hidden}))
         elif m.role == "lm_head" and not plan.tied_embeddings:
             w, hs = rows * cols * 2, cols * cols * 4
-            dp.phases.append(Phase("lm_head: calibration", {"weight": w, "Hessian": hs, "hidden states": hidden,
-                                                            "logits": seq_len * rows * 2}))
+            dp.phases.append(
+                Phase(
+                    "lm_head: calibration",
+                    {"weight": w, "Hessian": hs, "hidden states": hidden, "logits": seq_len * rows * 2},
+                )
+            )
             if m.scheme != KEEP:
-                dp.phases.append(Phase("lm_head: GPTQ row blocks", {"weight": w, "Hessian": hs,
-                                                                    "GPTQ work": _gptq_work(m, block)}))
+                dp.phases.append(
+                    Phase("lm_head: GPTQ row blocks", {"weight": w, "Hessian": hs, "GPTQ work": _gptq_work(m, block)})
+                )
     if tflops and layers:
         dp.seconds = projection(plan, layers, recipe, samples * seq_len, tflops)
     return dp
@@ -179,33 +219,60 @@ def projection(plan: Plan, layers: dict[int, list], recipe: Recipe, tokens: int,
     head_s = 0.0
     if head is not None:
         rows, cols = head.shape
-        head_s = ((2 * rows * cols + 2 * cols * cols) * tokens / rate
-                  + (2 * rows * cols * cols + cols ** 3 / 3) / (rate * GPTQ_SHARE) + 2 * rows * cols / DISK_BYTES_S)
+        head_s = (
+            (2 * rows * cols + 2 * cols * cols) * tokens / rate
+            + (2 * rows * cols * cols + cols**3 / 3) / (rate * GPTQ_SHARE)
+            + 2 * rows * cols / DISK_BYTES_S
+        )
     n = len(per)
     fwd, gptq, disk = (sum(p[i] for p in per) / n for i in range(3))
     total = sum(sum(p) for p in per) + head_s
-    return {"layers": n, "per_layer": fwd + gptq + disk, "forward": fwd, "gptq": gptq, "disk": disk, "head": head_s,
-            "total": total}
+    return {
+        "layers": n,
+        "per_layer": fwd + gptq + disk,
+        "forward": fwd,
+        "gptq": gptq,
+        "disk": disk,
+        "head": head_s,
+        "total": total,
+    }
 
 
-def build_plan(plan: Plan, config: dict, recipe: Recipe, *, device: str, samples: int, seq_len: int,
-               card: str | None = None) -> DevicePlan:
+def build_plan(
+    plan: Plan, config: dict, recipe: Recipe, *, device: str, samples: int, seq_len: int, card: str | None = None
+) -> DevicePlan:
     """The plan for `device`: a GPU card (the one present, or `card` / the recipe's for a dry run on a machine
     without one), or the host's free memory."""
     from qconv.convert.device import cuda_available, free_bytes
 
     if device == "cpu":
-        return device_plan(plan, config, recipe, device="cpu", samples=samples, seq_len=seq_len,
-                           capacity=free_bytes("cpu"), target="host memory (free now)")
+        return device_plan(
+            plan,
+            config,
+            recipe,
+            device="cpu",
+            samples=samples,
+            seq_len=seq_len,
+            capacity=free_bytes("cpu"),
+            target="host memory (free now)",
+        )
     name, total, tflops = card_target(card, recipe)
     if cuda_available() and card is None:
         import torch
 
         key = next((k for k, (n, _) in CARDS.items() if n.lower() in torch.cuda.get_device_name().lower()), None)
         name, total, tflops = torch.cuda.get_device_name(), free_bytes("cuda") + CUDA_OVERHEAD, FP32_TFLOPS.get(key)
-    return device_plan(plan, config, recipe, device="cuda", samples=samples, seq_len=seq_len,
-                       capacity=total - CUDA_OVERHEAD, target=name, tflops=tflops)
-
+    return device_plan(
+        plan,
+        config,
+        recipe,
+        device="cuda",
+        samples=samples,
+        seq_len=seq_len,
+        capacity=total - CUDA_OVERHEAD,
+        target=name,
+        tflops=tflops,
+    )
 
 
 def plan_for(opts, recipe: Recipe, plan: Plan, config: dict, planning: bool = False) -> DevicePlan:
@@ -220,5 +287,12 @@ def plan_for(opts, recipe: Recipe, plan: Plan, config: dict, planning: bool = Fa
     else:
         device = resolve_device(opts.device)
     cal = recipe.calibration
-    return build_plan(plan, config, recipe, device=device, samples=opts.samples or cal.samples,
-                      seq_len=opts.seq_len or cal.seq_len, card=opts.card if planning else None)
+    return build_plan(
+        plan,
+        config,
+        recipe,
+        device=device,
+        samples=opts.samples or cal.samples,
+        seq_len=opts.seq_len or cal.seq_len,
+        card=opts.card if planning else None,
+    )

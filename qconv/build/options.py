@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from qconv.convert.layout import Plan
 from qconv.build.workdir import default_work_dir
+from qconv.convert.layout import Plan
 from qconv.errors import QconvError
 from qconv.fsutil import check_out_folder
 from qconv.manifest import MANIFEST
@@ -34,7 +34,9 @@ class BuildOptions:
     work_dir: Path | None = None  # default: QCONV_HOME/work/<hash of the source>
     fresh: bool = False  # ignore cached stages
     stream: bool | None = None  # None: stream when the model is large against free RAM
-    upgrade_budget: str | None = None  # overrides the recipe's selection.budget (bytes for int4 g64/g32 or INT8 upgrades)
+    upgrade_budget: str | None = (
+        None  # overrides the recipe's selection.budget (bytes for int4 g64/g32 or INT8 upgrades)
+    )
     bpw: float | None = None  # a bits-per-weight target: the upgrade budget is what it leaves over the uniform plan
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
     reference: str | None = None  # quantized --model: the full-precision original for the quality report
@@ -46,8 +48,9 @@ def recipe_for(opts: BuildOptions) -> Recipe:
     """The recipe with the command line's budget override applied."""
     recipe = load_recipe(opts.recipe)
     if opts.bpw is not None and opts.upgrade_budget is not None:
-        raise QconvError("--bpw and --upgrade-budget both set the selection's budget", where="--bpw",
-                         fix="pass one of them")
+        raise QconvError(
+            "--bpw and --upgrade-budget both set the selection's budget", where="--bpw", fix="pass one of them"
+        )
     if opts.upgrade_budget is not None:
         recipe.selection = replace(recipe.selection, budget=str(opts.upgrade_budget))
     return recipe
@@ -63,9 +66,11 @@ def use_streaming(opts: BuildOptions, plan: Plan) -> bool:
     stream = opts.stream if opts.stream is not None else should_stream(plan.source_bytes)
     if stream and (plan.untie_embeddings or plan.tied_embeddings):
         if opts.stream:
-            raise QconvError("--stream cannot build tied embeddings (the disk-offloaded lm_head shares the "
-                             "embedding's storage)", where="--stream",
-                             fix="build this model in memory (drop --stream); tied embeddings come with small models")
+            raise QconvError(
+                "--stream cannot build tied embeddings (the disk-offloaded lm_head shares the embedding's storage)",
+                where="--stream",
+                fix="build this model in memory (drop --stream); tied embeddings come with small models",
+            )
         log.warning("tied embeddings: building in memory although RAM is short (streaming cannot tie them)")
         return False
     return stream
@@ -79,9 +84,16 @@ def _protected(opts: BuildOptions) -> dict:
 
     local = lambda v: Path(v).expanduser() if v and Path(v).expanduser().exists() else None  # noqa: E731
     home = qconv_home()
-    return {"source model": local(opts.model), "Hugging Face cache": HF_HUB_CACHE, "work dir": opts.work_dir,
-            "work dirs root": home / "work", "reference cache": home / "reference", "GGUF import cache": home / "imports",
-            "calibration dataset": local(opts.dataset), "evaluation text": local(opts.eval_text)}
+    return {
+        "source model": local(opts.model),
+        "Hugging Face cache": HF_HUB_CACHE,
+        "work dir": opts.work_dir,
+        "work dirs root": home / "work",
+        "reference cache": home / "reference",
+        "GGUF import cache": home / "imports",
+        "calibration dataset": local(opts.dataset),
+        "evaluation text": local(opts.eval_text),
+    }
 
 
 def check_out(opts: BuildOptions) -> Path:

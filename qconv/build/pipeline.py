@@ -19,6 +19,7 @@ from qconv.build.budget import budget_label, selection_budget
 from qconv.build.memplan import plan_for
 from qconv.build.options import BuildOptions, check_out, recipe_for, use_streaming, work_root
 from qconv.build.quantized import build_from_quantized
+from qconv.build.workdir import WorkDir, stage_key
 from qconv.calibrate.select import format_table, select
 from qconv.convert import patches
 from qconv.convert.artifact import finalize
@@ -27,7 +28,6 @@ from qconv.convert.layout import apply_selection, candidate_units, plan_model
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import resolve_source
-from qconv.build.workdir import WorkDir, stage_key
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir, check_writable, disk_error, owned_temp_dir, sweep_stale
 from qconv.manifest import Manifest, RecipeInfo, tool_versions
@@ -84,8 +84,11 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
             log.info("%s", line)
         dplan.check()
     if budget > 0 and stream and opts.sensitivity == "kld" and any(not u.refusal for u in units):
-        raise QconvError("--sensitivity kld runs the whole model once per unit: a streamed build cannot",
-                         where="--sensitivity", fix="use --sensitivity proxy (the default) or build in memory")
+        raise QconvError(
+            "--sensitivity kld runs the whole model once per unit: a streamed build cannot",
+            where="--sensitivity",
+            fix="use --sensitivity proxy (the default) or build in memory",
+        )
     if budget > 0 and stream:
         from qconv.build.streamed_sensitivity import members_by_layer
 
@@ -95,8 +98,12 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
     work.clean_partials()
     stages.check_space_for(out, work, plan)
     where.update(what="writing the build's files", where=work.root, needed=plan.total_bytes)
-    log.info("work dir %s%s", work.root, " (--fresh: cached stages ignored)" if opts.fresh else "",
-             extra=progress.log_dir(work.root))
+    log.info(
+        "work dir %s%s",
+        work.root,
+        " (--fresh: cached stages ignored)" if opts.fresh else "",
+        extra=progress.log_dir(work.root),
+    )
     source_info = stages.source_info(src, work)
     source_info.num_parameters = plan.num_parameters
 
@@ -122,8 +129,9 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
     calib = stages.calibration(opts, recipe, source_info.sha256, tok, model_loader, work, seed)
     scores = None
     if budget > 0 and any(not u.refusal for u in units):
-        scores = stages.sensitivity(opts, units, calib, source_info.sha256, model_loader, work,
-                                    src.path if stream else None)
+        scores = stages.sensitivity(
+            opts, units, calib, source_info.sha256, model_loader, work, src.path if stream else None
+        )
     selection = select(units, scores, budget, budget=budget_label(opts, recipe), scheme=recipe.selection.scheme)
     modules = apply_selection(plan, units, selection.choices)
     if units:
@@ -141,24 +149,53 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
         selection=selection.to_dict(),
         tools=tool_versions(),
         status="unchecked",
-        build={"seed": seed, "family": plan.family, "untied_embeddings": plan.untie_embeddings,
-               "tied_embeddings": plan.tied_embeddings, "untie_bytes": plan.untie_bytes,
-               "estimated_bytes": final_plan.total_bytes, "source_bytes": plan.source_bytes,
-               "warnings": plan.warnings, "streamed": stream, "work_dir": str(work.root),
-               "device": device},
+        build={
+            "seed": seed,
+            "family": plan.family,
+            "untied_embeddings": plan.untie_embeddings,
+            "tied_embeddings": plan.tied_embeddings,
+            "untie_bytes": plan.untie_bytes,
+            "estimated_bytes": final_plan.total_bytes,
+            "source_bytes": plan.source_bytes,
+            "warnings": plan.warnings,
+            "streamed": stream,
+            "work_dir": str(work.root),
+            "device": device,
+        },
     )
-    qkey = stage_key("quantization", source_info.sha256, calib.info.sha256, [asdict(m) for m in modules],
-                     asdict(recipe.quantizer), {k: asdict(v) for k, v in recipe.schemes.items()}, seed,
-                     plan.untie_embeddings, plan.tied_embeddings, recipe.tied_embeddings, manifest.tools, MAX_SHARD_SIZE,
-                     *key_part(device))
+    qkey = stage_key(
+        "quantization",
+        source_info.sha256,
+        calib.info.sha256,
+        [asdict(m) for m in modules],
+        asdict(recipe.quantizer),
+        {k: asdict(v) for k, v in recipe.schemes.items()},
+        seed,
+        plan.untie_embeddings,
+        plan.tied_embeddings,
+        recipe.tied_embeddings,
+        manifest.tools,
+        MAX_SHARD_SIZE,
+        *key_part(device),
+    )
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
         with work.new_dir("quantization", qkey) as tmp:
             model = model_loader()
             names = {mod: name for name, mod in model.named_modules()}  # for the progress bar's note
             with on_device(device, names), _calibration_activations(stream, work.root):
-                quantize(model, modules, recipe, calib.input_ids, tmp, untie=plan.untie_embeddings, seed=seed,
-                         tied=plan.tied_embeddings, tokenizer=tok, device=device)
+                quantize(
+                    model,
+                    modules,
+                    recipe,
+                    calib.input_ids,
+                    tmp,
+                    untie=plan.untie_embeddings,
+                    seed=seed,
+                    tied=plan.tied_embeddings,
+                    tokenizer=tok,
+                    device=device,
+                )
             del model, names  # freed with model_box below (a streamed model holds its offload folder until then)
         qdir = work.root / f"quantization-{qkey}"
     model_box.clear()
@@ -176,9 +213,15 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
         finalize(tmp, manifest, changed=quality.REPORTS)
     size = manifest.total_size()
     reused = [s for s, r in work.record.items() if r["reused"]]
-    log.info("built %s: %.2f GB (source %.2f GB, %.1f%%) in %.0f s%s", out, size / 1e9, plan.source_bytes / 1e9,
-             100 * size / max(plan.source_bytes, 1), time.time() - t0,
-             f"; reused stages: {', '.join(reused)}" if reused else "")
+    log.info(
+        "built %s: %.2f GB (source %.2f GB, %.1f%%) in %.0f s%s",
+        out,
+        size / 1e9,
+        plan.source_bytes / 1e9,
+        100 * size / max(plan.source_bytes, 1),
+        time.time() - t0,
+        f"; reused stages: {', '.join(reused)}" if reused else "",
+    )
     if gate_error:
         raise gate_error
     return manifest

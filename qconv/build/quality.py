@@ -29,8 +29,10 @@ def eval_text(opts, recipe: Recipe) -> str | None:
     """The held-out text of the quality report, or None (and a warning: the artifact stays unchecked)."""
     text = opts.eval_text or recipe.quality.text
     if not text:
-        log.warning("quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
-                    "in the recipe); the artifact is marked unchecked")
+        log.warning(
+            "quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
+            "in the recipe); the artifact is marked unchecked"
+        )
     return text or None
 
 
@@ -42,8 +44,16 @@ def record(manifest: Manifest, summary: dict, gates: bool) -> GateFailure | None
     return gate_failure(summary) if passed is False and gates else None
 
 
-def measure(opts, recipe: Recipe, source: Path, artifact: Path, manifest: Manifest, work: WorkDir, final: Path,
-            streamed: bool = False) -> GateFailure | None:
+def measure(
+    opts,
+    recipe: Recipe,
+    source: Path,
+    artifact: Path,
+    manifest: Manifest,
+    work: WorkDir,
+    final: Path,
+    streamed: bool = False,
+) -> GateFailure | None:
     """Stage `quality` of a build from full precision: cached by the weight files' hashes and the evaluation
     settings. `artifact` is the build's temp folder; `final` is where it ends up, the path the reports name. A
     streamed build measures with the layer-streamed forward too; otherwise it streams only when a model does not
@@ -57,18 +67,27 @@ def measure(opts, recipe: Recipe, source: Path, artifact: Path, manifest: Manife
     qdir = work.cached_dir("quality", key)
     if qdir is None:
         with work.new_dir("quality", key) as tmp:
-            summary = quality_report(source, artifact, recipe, text=text, source_sha256=manifest.source.sha256,
-                                     num_parameters=manifest.source.num_parameters,
-                                     fwd=Forward(streamed=True if streamed else None, device=opts.device),
-                                     final=final)
+            summary = quality_report(
+                source,
+                artifact,
+                recipe,
+                text=text,
+                source_sha256=manifest.source.sha256,
+                num_parameters=manifest.source.num_parameters,
+                fwd=Forward(streamed=True if streamed else None, device=opts.device),
+                final=final,
+            )
             _copy_files(artifact, tmp, REPORTS)
     else:
         _copy_files(qdir, artifact, REPORTS)
         summary = summary_of(_name_final_path(artifact, final))
     predicted = manifest.selection.predicted_kld if manifest.selection else None
     if predicted is not None and summary.get("weights"):
-        summary["selection"] = {"method": manifest.selection.method, "predicted_kld": predicted,
-                                "measured_kld": summary["weights"]["kld_mean"]}
+        summary["selection"] = {
+            "method": manifest.selection.method,
+            "predicted_kld": predicted,
+            "measured_kld": summary["weights"]["kld_mean"],
+        }
     return record(manifest, summary, opts.gates)
 
 

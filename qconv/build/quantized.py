@@ -37,11 +37,20 @@ def build_from_quantized(opts, recipe: Recipe, src: ResolvedSource) -> Manifest:
     def requires(decisions):
         return requirements(recipe, kept_plan(src.path, src.config, decisions))
 
-    m = write_imported(src, fmt, Path(opts.out), opts.force,
-               RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
-               requant_args(recipe, notes), {"notes": notes, "streamed": True, "reference": reference},
-               quality=quality, profiles=dict(recipe.profiles),
-               speculative=recipe.speculative, requires=requires, reports=REPORTS)
+    m = write_imported(
+        src,
+        fmt,
+        Path(opts.out),
+        opts.force,
+        RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
+        requant_args(recipe, notes),
+        {"notes": notes, "streamed": True, "reference": reference},
+        quality=quality,
+        profiles=dict(recipe.profiles),
+        speculative=recipe.speculative,
+        requires=requires,
+        reports=REPORTS,
+    )
     return m
 
 
@@ -56,11 +65,19 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
     model: dict = {}
 
     def annotate(report: dict) -> None:
-        note = (f"against cached reference log-probs of the true original (source sha256 "
-                f"{report['source']['sha256'][:16]}...) from {reference}" if cached else
-                "against the true original model " + str(reference)) if model["kind"] == "original" else (
-            "against the quantized checkpoint it started from (no --reference): the numbers measure only what this "
-            "build changed, not the loss against the original full-precision model")
+        note = (
+            (
+                f"against cached reference log-probs of the true original (source sha256 "
+                f"{report['source']['sha256'][:16]}...) from {reference}"
+                if cached
+                else "against the true original model " + str(reference)
+            )
+            if model["kind"] == "original"
+            else (
+                "against the quantized checkpoint it started from (no --reference): the numbers measure only what this "
+                "build changed, not the loss against the original full-precision model"
+            )
+        )
         model.update(path=str(reference or src.path), cached=cached, note=note)
         report["reference_model"] = model
 
@@ -68,15 +85,26 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
         if reference:
             ref, model["kind"] = Path(reference), "original"
             if not cached and fmt.layout != "compressed-tensors" and detect_format(read_config(ref)) is not None:
-                raise QconvError(f"--reference {reference} is itself quantized", where="--reference",
-                                 fix="pass the full-precision model the checkpoint was made from")
+                raise QconvError(
+                    f"--reference {reference} is itself quantized",
+                    where="--reference",
+                    fix="pass the full-precision model the checkpoint was made from",
+                )
         elif fmt.layout == "compressed-tensors":
             ref, model["kind"] = src.path, "source checkpoint"
         else:
             ref, model["kind"] = Path(tmpd) / "source", "source checkpoint"
             write_imported(src, fmt, ref, True, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
-        summary = quality_report(ref, artifact, recipe, text=text, num_parameters=manifest.source.num_parameters
-                                 or None, final=final, annotate=annotate, fwd=Forward(device=opts.device))
+        summary = quality_report(
+            ref,
+            artifact,
+            recipe,
+            text=text,
+            num_parameters=manifest.source.num_parameters or None,
+            final=final,
+            annotate=annotate,
+            fwd=Forward(device=opts.device),
+        )
     summary["reference"] = model["kind"]
     manifest.build.quality_reference = {k: model[k] for k in ("kind", "cached", "note")}
     return record(manifest, summary, opts.gates)

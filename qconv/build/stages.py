@@ -8,11 +8,11 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from qconv.build.workdir import DONE, WorkDir, stage_key
 from qconv.calibrate.sensitivity import Scores
 from qconv.convert.artifact import copy_mtp, copy_side_files, write_index
 from qconv.convert.layout import Plan
 from qconv.convert.sources import ResolvedSource
-from qconv.build.workdir import DONE, WorkDir, stage_key
 from qconv.fsutil import check_space, owned_temp_dir, sha256_file
 from qconv.manifest import CalibrationInfo, SourceInfo
 
@@ -23,8 +23,11 @@ def source_info(src: ResolvedSource, work: WorkDir) -> SourceInfo:
     """Stage `import`: hashing a 55 GB source takes minutes, so its file hashes are cached by each file's stat.
     Name, size and mtime can all be kept by an edit (`touch -r`, a same-size rewrite); the inode change time and the
     inode cannot, so any rewrite or copy re-hashes."""
-    stats = [(p.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
-             for p in sorted(src.path.iterdir()) if p.is_file() and (st := p.stat())]
+    stats = [
+        (p.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+        for p in sorted(src.path.iterdir())
+        if p.is_file() and (st := p.stat())
+    ]
     key = stage_key("import", str(src.path), src.kind, src.id, src.revision, stats)
     cached = work.load_json("import", key)
     if cached:
@@ -46,14 +49,23 @@ def calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: i
     cached = work.load_json("calibration", key)
     if cached:
         return CalibSet(cached["input_ids"], CalibrationInfo(**cached["info"]))
-    calib = load_calibration(dataset, tok, samples=samples, seq_len=seq_len, seed=seed,
-                             default_dataset=cal.default_dataset, split=cal.split, model_loader=model_loader)
+    calib = load_calibration(
+        dataset,
+        tok,
+        samples=samples,
+        seq_len=seq_len,
+        seed=seed,
+        default_dataset=cal.default_dataset,
+        split=cal.split,
+        model_loader=model_loader,
+    )
     work.save_json("calibration", key, {"input_ids": calib.input_ids, "info": asdict(calib.info)})
     return calib
 
 
-def sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, streamed_from: Path | None,
-                sens_samples: int = 8) -> Scores:
+def sensitivity(
+    opts, units, calib, src_sha, model_loader, work: WorkDir, streamed_from: Path | None, sens_samples: int = 8
+) -> Scores:
     """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions.
     A streamed build (`streamed_from`: the source folder) scores a decoder layer at a time."""
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
@@ -61,9 +73,18 @@ def sensitivity(opts, units, calib, src_sha, model_loader, work: WorkDir, stream
 
     ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
     device = resolve_device(opts.device)
-    key = stage_key("sensitivity", src_sha, calib.info.sha256, opts.sensitivity, sens_samples,
-                    [(u.name, [asdict(m) for m in u.w4], [(o.scheme, [asdict(m) for m in o.members]) for o in u.options])
-                     for u in units], *key_part(device))
+    key = stage_key(
+        "sensitivity",
+        src_sha,
+        calib.info.sha256,
+        opts.sensitivity,
+        sens_samples,
+        [
+            (u.name, [asdict(m) for m in u.w4], [(o.scheme, [asdict(m) for m in o.members]) for o in u.options])
+            for u in units
+        ],
+        *key_part(device),
+    )
     cached = work.load_json("sensitivity", key)
     if cached:
         return Scores(**cached)

@@ -36,10 +36,13 @@ def members_by_layer(units: list[Candidate], n_layers: int | None = None) -> dic
         for m in u.w4:
             hit = _LAYER.search(m.name)
             if m.name.startswith("mtp.") or hit is None or (n_layers is not None and int(hit.group(1)) >= n_layers):
-                raise QconvError(f"INT8 candidate {m.name} ({u.role}) is not in a decoder layer: a streamed build "
-                                 "scores decoder layers only", where="selection.candidates",
-                                 fix=f"drop {u.role} from selection.candidates, or build in memory (no --stream)")
-            out.setdefault(int(hit.group(1)), {})[m.name] = m.name[hit.end():]
+                raise QconvError(
+                    f"INT8 candidate {m.name} ({u.role}) is not in a decoder layer: a streamed build "
+                    "scores decoder layers only",
+                    where="selection.candidates",
+                    fix=f"drop {u.role} from selection.candidates, or build in memory (no --stream)",
+                )
+            out.setdefault(int(hit.group(1)), {})[m.name] = m.name[hit.end() :]
     return out
 
 
@@ -54,8 +57,9 @@ def _frozen(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def streamed_proxy_scores(path: str | Path, units: list[Candidate], ids: list[list[int]], spill: Path,
-                          device: str = "cpu") -> Scores:
+def streamed_proxy_scores(
+    path: str | Path, units: list[Candidate], ids: list[list[int]], spill: Path, device: str = "cpu"
+) -> Scores:
     """proxy_scores for the model at `path` read a layer at a time; the layers' inputs are spilled under `spill`."""
     sm = StreamedModel.open(path, device)
     layers = sm.model.get_decoder().layers
@@ -102,11 +106,14 @@ def streamed_proxy_scores(path: str | Path, units: list[Candidate], ids: list[li
     del hidden
 
     fs: dict[str, torch.Tensor] = {}
-    for i in tqdm(reversed(range(len(layers))), total=len(layers), desc="sensitivity backward", unit="layer",
-                  leave=False):  # the Fisher of every member's output
+    for i in tqdm(
+        reversed(range(len(layers))), total=len(layers), desc="sensitivity backward", unit="layer", leave=False
+    ):  # the Fisher of every member's output
         layer, local = layers[i], by_layer.get(i, {})
-        with sm.loaded(layer, f"decoder layer {i}"), output_fisher(
-                {n: layer.get_submodule(loc) for n, loc in local.items()}, fs):
+        with (
+            sm.loaded(layer, f"decoder layer {i}"),
+            output_fisher({n: layer.get_submodule(loc) for n, loc in local.items()}, fs),
+        ):
             _frozen(layer)
             for w, s in enumerate(saved[i]):
                 x = s.load().to(sm.device).requires_grad_()

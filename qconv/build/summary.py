@@ -26,19 +26,32 @@ def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
     bpw = q.bits_per_weight
     if bpw is None and m.source.num_parameters:  # not measured: weight file bytes over the source's parameters
         bpw = 8 * sum(f.size for k, f in m.files.items() if k.endswith(".safetensors")) / m.source.num_parameters
-    quality = {sec: {k: getattr(stats, k) for k in QUALITY_KEYS}
-               for sec, stats in (("weights", q.weights), ("weights_kv", q.weights_kv)) if stats}
+    quality = {
+        sec: {k: getattr(stats, k) for k in QUALITY_KEYS}
+        for sec, stats in (("weights", q.weights), ("weights_kv", q.weights_kv))
+        if stats
+    }
     reports = {n: str(out / n) for n in (REPORT_MD, REPORT_PNG, REPORT_JSON) if (out / n).is_file()}
     return {
-        "artifact": str(out), "status": m.status, "recipe": m.recipe.name,
-        "size_bytes": size, "source_bytes": source, "bits_per_weight": bpw,
+        "artifact": str(out),
+        "status": m.status,
+        "recipe": m.recipe.name,
+        "size_bytes": size,
+        "source_bytes": source,
+        "bits_per_weight": bpw,
         "calibration": {k: getattr(m.calibration, k) for k in ("kind", "id", "samples", "seq_len", "tokens")}
-        if m.calibration else None,
-        "quality": quality, "kv_scheme": q.kv_scheme, "passed": q.passed, "tier": (q.tier or {}).get("name"),
+        if m.calibration
+        else None,
+        "quality": quality,
+        "kv_scheme": q.kv_scheme,
+        "passed": q.passed,
+        "tier": (q.tier or {}).get("name"),
         "failed_gates": [v["message"] for v in q.verdicts if not v.get("passed")],
-        "int8_units": sel.int8_units, "step_units": sum(sel.step_units.values()),
+        "int8_units": sel.int8_units,
+        "step_units": sum(sel.step_units.values()),
         "selection": asdict(m.selection) if m.selection else None,
-        "predicted_kld": sel.predicted_kld, "reports": reports,
+        "predicted_kld": sel.predicted_kld,
+        "reports": reports,
         "log": str(log_path) if log_path else None,
         "next": [f"qconv serve {out}", f"qconv check {out}", f'qconv generate {out} --chat "Hello"'],
     }
@@ -59,8 +72,10 @@ def print_summary(s: dict, console=None) -> None:
     pct = f", {100 * s['size_bytes'] / s['source_bytes']:.1f}%" if s["source_bytes"] else ""
     bpw = f", {s['bits_per_weight']:.2f} bits per weight" if s["bits_per_weight"] else ""
     took = f" in {s['elapsed_s']:.0f} s" if s.get("elapsed_s") is not None else ""
-    con.print(f"[bold]artifact[/bold]  {escape(s['artifact'])}  {_mb(s['size_bytes'])} "
-              f"(source {_mb(s['source_bytes'])}{pct}){bpw}{took}")
+    con.print(
+        f"[bold]artifact[/bold]  {escape(s['artifact'])}  {_mb(s['size_bytes'])} "
+        f"(source {_mb(s['source_bytes'])}{pct}){bpw}{took}"
+    )
     if s["int8_units"] or s.get("step_units"):
         from qconv.calibrate.select import Selection, format_table
 
@@ -71,8 +86,13 @@ def print_summary(s: dict, console=None) -> None:
             t.add_column(col, justify="left" if col.startswith("quality") else "right")
         labels = {"weights": "weights only", "weights_kv": f"weights + KV {s['kv_scheme'] or ''}".rstrip()}
         for sec, r in s["quality"].items():
-            t.add_row(labels[sec], f"{r['kld_mean']:.4f}", f"{r['kld_p99']:.3f}", f"{100 * r['top1']:.1f}%",
-                      f"{r['ppl_ratio']:.3f}")
+            t.add_row(
+                labels[sec],
+                f"{r['kld_mean']:.4f}",
+                f"{r['kld_p99']:.3f}",
+                f"{100 * r['top1']:.1f}%",
+                f"{r['ppl_ratio']:.3f}",
+            )
         con.print(t)
     tier = f" ({escape(s['tier'].split(' (')[0])} tier)" if s["tier"] else ""
     if s["passed"] is True:
@@ -80,10 +100,14 @@ def print_summary(s: dict, console=None) -> None:
     elif s["passed"] is False:
         con.print(f"[bold]verdict[/bold]   [red]FAILED[/red]{tier}: " + escape("; ".join(s["failed_gates"])))
     else:
-        con.print("[bold]verdict[/bold]   not measured: pass --eval-text FILE_OR_HF_ID for the quality report and gates")
+        con.print(
+            "[bold]verdict[/bold]   not measured: pass --eval-text FILE_OR_HF_ID for the quality report and gates"
+        )
     if s["reports"]:
-        con.print("[bold]reports[/bold]   " + escape("  ".join(s["reports"][k] for k in s["reports"]
-                                                             if not k.endswith(".json"))))
+        con.print(
+            "[bold]reports[/bold]   "
+            + escape("  ".join(s["reports"][k] for k in s["reports"] if not k.endswith(".json")))
+        )
     if s["log"]:
         con.print(f"[bold]log[/bold]       {escape(s['log'])}")
     con.print("[bold]next[/bold]      " + escape("   |   ".join(s["next"][:2])))

@@ -16,9 +16,9 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 
 from qconv import progress
 from qconv.fsutil import file_table, fsync_path, fsync_tree, owned_temp_dir, sha256_json, sweep_stale, write_json_atomic
@@ -55,8 +55,13 @@ class WorkDir:
     def _note(self, stage: str, key: str, reused: bool) -> None:
         self.record[stage] = {"key": key, "reused": reused}
         if reused:
-            log.info("stage %s: reusing finished result %s from %s", stage, key, self.root,
-                     extra=progress.stage(stage, reused=True))
+            log.info(
+                "stage %s: reusing finished result %s from %s",
+                stage,
+                key,
+                self.root,
+                extra=progress.stage(stage, reused=True),
+            )
         else:
             log.info("stage %s: running (key %s)", stage, key, extra=progress.stage(stage))
 
@@ -131,8 +136,12 @@ class WorkDir:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-                log.warning("work dir %s is in use by another build (pid %s); waiting for it to finish", self.root,
-                            holder, extra=progress.now())
+                log.warning(
+                    "work dir %s is in use by another build (pid %s); waiting for it to finish",
+                    self.root,
+                    holder,
+                    extra=progress.now(),
+                )
                 fcntl.flock(fd, fcntl.LOCK_EX)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -55,9 +55,11 @@ def _records_to_texts(records, tokenizer, where: str) -> list[str]:
         elif "question" in r:
             texts.append(str(r["question"]) + "\n" + str(r.get("answer", "")))
         else:
-            raise QconvError(f"calibration record {i} has none of the fields messages/text/prompt/question "
-                             f"(keys: {sorted(r)})", where=where,
-                             fix="give each record a `text` field, or chat `messages` [{role, content}]")
+            raise QconvError(
+                f"calibration record {i} has none of the fields messages/text/prompt/question (keys: {sorted(r)})",
+                where=where,
+                fix="give each record a `text` field, or chat `messages` [{role, content}]",
+            )
     return [t for t in texts if t.strip()]
 
 
@@ -69,8 +71,11 @@ def _read_file(path: Path, tokenizer) -> list[str]:
         if path.suffix == ".txt":
             return [path.read_text(encoding="utf-8")]
         if path.suffix == ".jsonl":
-            return _records_to_texts([json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()],
-                                     tokenizer, where)
+            return _records_to_texts(
+                [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()],
+                tokenizer,
+                where,
+            )
         if path.suffix == ".json":
             data = json.loads(path.read_text(encoding="utf-8"))
             return _records_to_texts(data if isinstance(data, list) else [data], tokenizer, where)
@@ -81,10 +86,16 @@ def _read_file(path: Path, tokenizer) -> list[str]:
     except QconvError:
         raise
     except (UnicodeDecodeError, json.JSONDecodeError, OSError, ValueError) as e:
-        raise QconvError(f"cannot read calibration file: {type(e).__name__}: {e}", where=where,
-                         fix="pass UTF-8 .txt, .jsonl/.json records with `text` or `messages`, or .parquet") from e
-    raise QconvError(f"unsupported calibration file type {path.suffix!r}", where=where,
-                     fix="use .txt, .jsonl, .json or .parquet, or an HF dataset id")
+        raise QconvError(
+            f"cannot read calibration file: {type(e).__name__}: {e}",
+            where=where,
+            fix="pass UTF-8 .txt, .jsonl/.json records with `text` or `messages`, or .parquet",
+        ) from e
+    raise QconvError(
+        f"unsupported calibration file type {path.suffix!r}",
+        where=where,
+        fix="use .txt, .jsonl, .json or .parquet, or an HF dataset id",
+    )
 
 
 def _read_hub(dataset_id: str, split: str, tokenizer, limit: int) -> list[str]:
@@ -94,8 +105,11 @@ def _read_hub(dataset_id: str, split: str, tokenizer, limit: int) -> list[str]:
         ds = datasets.load_dataset(dataset_id, split=split, streaming=True)
         records = [r for _, r in zip(range(limit), ds)]
     except Exception as e:  # noqa: BLE001 - datasets raises many types for offline / missing
-        raise QconvError(f"cannot load HF dataset {dataset_id!r} split {split!r}: {type(e).__name__}: {e}",
-                         where="--dataset", fix="check the id and split, or pass a local .txt/.jsonl/.parquet file") from e
+        raise QconvError(
+            f"cannot load HF dataset {dataset_id!r} split {split!r}: {type(e).__name__}: {e}",
+            where="--dataset",
+            fix="check the id and split, or pass a local .txt/.jsonl/.parquet file",
+        ) from e
     return _records_to_texts(records, tokenizer, dataset_id)
 
 
@@ -113,15 +127,22 @@ def _pack(texts: list[str], tokenizer, samples: int, seq_len: int, seed: int) ->
             stream.append(eos)
         if len(stream) >= need:
             break
-    windows = [stream[j: j + seq_len] for j in range(0, len(stream) - seq_len + 1, seq_len)]
+    windows = [stream[j : j + seq_len] for j in range(0, len(stream) - seq_len + 1, seq_len)]
     if not windows:
         if len(stream) < 16:
-            raise QconvError(f"calibration data has only {len(stream)} tokens", where="--dataset",
-                             fix="pass more text (at least a few thousand tokens)")
+            raise QconvError(
+                f"calibration data has only {len(stream)} tokens",
+                where="--dataset",
+                fix="pass more text (at least a few thousand tokens)",
+            )
         windows = [stream]
     if len(windows) < samples:
-        log.warning("calibration data yields %d windows of %d tokens; using all of them (asked for %d)",
-                    len(windows), seq_len, samples)
+        log.warning(
+            "calibration data yields %d windows of %d tokens; using all of them (asked for %d)",
+            len(windows),
+            seq_len,
+            samples,
+        )
         return windows
     return [windows[i] for i in sorted(rng.sample(range(len(windows)), samples))]
 
@@ -148,8 +169,15 @@ def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int) -> li
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         torch.manual_seed(seed)
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=True, max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=0,
-                                 pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                **enc,
+                do_sample=True,
+                max_new_tokens=new,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                pad_token_id=tokenizer.pad_token_id,
+            )
     finally:
         tokenizer.padding_side, tokenizer.pad_token = side, pad
     rows, plen = [], enc["input_ids"].shape[1]
@@ -162,8 +190,17 @@ def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int) -> li
     return rows
 
 
-def load_calibration(dataset: str | None, tokenizer, *, samples: int, seq_len: int, seed: int,
-                     default_dataset: str | None = None, split: str = "train", model_loader=None) -> CalibSet:
+def load_calibration(
+    dataset: str | None,
+    tokenizer,
+    *,
+    samples: int,
+    seq_len: int,
+    seed: int,
+    default_dataset: str | None = None,
+    split: str = "train",
+    model_loader=None,
+) -> CalibSet:
     """Resolve --dataset (file, HF id, or None) into token windows. With None: the recipe's default HF dataset,
     and when that cannot be reached, text the source model generates itself (announced and recorded)."""
     kind, ident = "file", dataset
@@ -185,12 +222,27 @@ def load_calibration(dataset: str | None, tokenizer, *, samples: int, seq_len: i
         if ids is None:
             if model_loader is None:
                 raise QconvError("no calibration data", fix="pass --dataset FILE_OR_HF_ID")
-            log.warning("calibration: no dataset given and none reachable -> SELF-GENERATED calibration text "
-                        "(the source model writes it from neutral prompts); pass --dataset for your own domain")
+            log.warning(
+                "calibration: no dataset given and none reachable -> SELF-GENERATED calibration text "
+                "(the source model writes it from neutral prompts); pass --dataset for your own domain"
+            )
             kind, ident = "self", "self-generated"
             ids = self_generate(model_loader(), tokenizer, samples, seq_len, seed)
-    info = CalibrationInfo(kind=kind, id=ident, sha256=sha256_json(ids), samples=len(ids), seq_len=seq_len,
-                           seed=seed, tokens=sum(len(x) for x in ids))
-    log.info("calibration: %s, %d samples of up to %d tokens, %d tokens in all", ident if kind != "hf" else f"HF {ident}",
-             info.samples, seq_len, info.tokens, extra=progress.SHOW)
+    info = CalibrationInfo(
+        kind=kind,
+        id=ident,
+        sha256=sha256_json(ids),
+        samples=len(ids),
+        seq_len=seq_len,
+        seed=seed,
+        tokens=sum(len(x) for x in ids),
+    )
+    log.info(
+        "calibration: %s, %d samples of up to %d tokens, %d tokens in all",
+        ident if kind != "hf" else f"HF {ident}",
+        info.samples,
+        seq_len,
+        info.tokens,
+        extra=progress.SHOW,
+    )
     return CalibSet(ids, info)

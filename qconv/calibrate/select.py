@@ -17,8 +17,18 @@ from qconv.calibrate.units import Unit
 from qconv.errors import QconvError
 from qconv.manifest import SelectionRow
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 @dataclass
@@ -66,16 +76,28 @@ class Selection:
     @classmethod
     def from_dict(cls, d: dict) -> Selection:
         fields = ("unit", "role", "modules", "bytes4", "bytes8", "score", "decision")
-        return cls(budget=d["budget"], budget_bytes=d["budget_bytes"], scheme=d["scheme"], method=d["method"],
-                   rows=[Row(**{k: r[k] for k in fields}, chosen_bytes=r.get("chosen_bytes")) for r in d["units"]],
-                   predicted_kld=d.get("predicted_kld"))
+        return cls(
+            budget=d["budget"],
+            budget_bytes=d["budget_bytes"],
+            scheme=d["scheme"],
+            method=d["method"],
+            rows=[Row(**{k: r[k] for k in fields}, chosen_bytes=r.get("chosen_bytes")) for r in d["units"]],
+            predicted_kld=d.get("predicted_kld"),
+        )
 
     def to_dict(self) -> dict:
         steps = Counter(r.decision for r in self.rows if r.upgraded and r.decision != "int8")
-        return {"budget": self.budget, "budget_bytes": self.budget_bytes, "scheme": self.scheme, "method": self.method,
-                "spent_bytes": self.spent, "int8_units": len(self.chosen), "step_units": dict(steps),
-                "predicted_kld": self.predicted_kld,
-                "units": [{**asdict(r), "extra_bytes": r.extra} for r in self.rows]}
+        return {
+            "budget": self.budget,
+            "budget_bytes": self.budget_bytes,
+            "scheme": self.scheme,
+            "method": self.method,
+            "spent_bytes": self.spent,
+            "int8_units": len(self.chosen),
+            "step_units": dict(steps),
+            "predicted_kld": self.predicted_kld,
+            "units": [{**asdict(r), "extra_bytes": r.extra} for r in self.rows],
+        }
 
 
 def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) -> int:
@@ -83,35 +105,58 @@ def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) 
     `auto_bytes`, what the card has left (the caller computes it with the fit planner)."""
     if str(spec).strip() == "auto":
         if auto_bytes is None:
-            raise QconvError("INT8 budget 'auto' needs the card's fit, which was not computed", where="selection.budget",
-                             fix="this is a bug; pass an explicit --int8-budget meanwhile")
+            raise QconvError(
+                "INT8 budget 'auto' needs the card's fit, which was not computed",
+                where="selection.budget",
+                fix="this is a bug; pass an explicit --int8-budget meanwhile",
+            )
         return max(0, auto_bytes)
     m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*(%|[kKMGT]i?B|B)?\s*", str(spec))
     if not m:
-        raise QconvError(f"unparseable INT8 budget {spec!r}", where="selection.budget",
-                         fix="use bytes (1500000000), a size (1.5GB, 300MiB) or a percent of the artifact (5%)")
+        raise QconvError(
+            f"unparseable INT8 budget {spec!r}",
+            where="selection.budget",
+            fix="use bytes (1500000000), a size (1.5GB, 300MiB) or a percent of the artifact (5%)",
+        )
     value, unit = float(m.group(1)), (m.group(2) or "")
     if value < 0:
-        raise QconvError(f"negative INT8 budget {spec!r}", where="selection.budget",
-                         fix="use 0 for uniform 4-bit, or a positive size / percent")
+        raise QconvError(
+            f"negative INT8 budget {spec!r}",
+            where="selection.budget",
+            fix="use 0 for uniform 4-bit, or a positive size / percent",
+        )
     if unit == "%":
         return int(value / 100 * artifact_bytes)
     return int(value * _UNITS[unit.lower()])
 
 
-def select(units: list[Unit], scores: Scores | None, budget_bytes: int, *, budget: str, scheme: str,
-           order: list[str] | None = None) -> Selection:
+def select(
+    units: list[Unit],
+    scores: Scores | None,
+    budget_bytes: int,
+    *,
+    budget: str,
+    scheme: str,
+    order: list[str] | None = None,
+) -> Selection:
     """Greedy by gain per extra byte until the budget is spent: each step takes, over all units, the upgrade (from a
     unit's current scheme to a costlier one of its options) with the best marginal gain per byte that still fits.
     With one option per unit this is the plain score-per-byte order. A given `order` (the random baselines) moves
     units to the 8-bit scheme in that order instead."""
-    out = Selection(budget=budget, budget_bytes=budget_bytes, scheme=scheme,
-                    method="random" if order is not None else (scores.method if scores else "none"))
+    out = Selection(
+        budget=budget,
+        budget_bytes=budget_bytes,
+        scheme=scheme,
+        method="random" if order is not None else (scores.method if scores else "none"),
+    )
     ok = [u for u in units if not u.refusal or any(not o.refusal for o in u.options)]
     if budget_bytes > 0 and units and not ok:
         detail = "; ".join(f"{u.name}: {u.refusal}" for u in units[:4])
-        raise QconvError(f"INT8 budget {budget!r} cannot be spent: no candidate unit can be INT8 in vLLM ({detail})",
-                         where="selection", fix="use budget 0, another selection.scheme, or other selection.candidates")
+        raise QconvError(
+            f"INT8 budget {budget!r} cannot be spent: no candidate unit can be INT8 in vLLM ({detail})",
+            where="selection",
+            fix="use budget 0, another selection.scheme, or other selection.candidates",
+        )
     if order is None and budget_bytes > 0 and ok and scores is None:
         raise QconvError("INT8 selection needs sensitivity scores", where="selection")
     level: dict[str, tuple[str, int, float]] = {}  # unit -> (scheme, extra bytes, gain)
@@ -131,8 +176,18 @@ def select(units: list[Unit], scores: Scores | None, budget_bytes: int, *, budge
             decision = "int8" if chosen == scheme else chosen
         else:
             decision = f"refused: {u.refusal}" if u.refusal else "w4"
-        out.rows.append(Row(unit=u.name, role=u.role, modules=len(u.w4), bytes4=u.bytes4, bytes8=u.bytes8,
-                            score=score, decision=decision, chosen_bytes=u.bytes4 + extra if chosen else None))
+        out.rows.append(
+            Row(
+                unit=u.name,
+                role=u.role,
+                modules=len(u.w4),
+                bytes4=u.bytes4,
+                bytes8=u.bytes8,
+                score=score,
+                decision=decision,
+                chosen_bytes=u.bytes4 + extra if chosen else None,
+            )
+        )
     if scores is not None and scores.errors and all(u.name in scores.errors for u in units):
         out.predicted_kld = 0.5 * sum(scores.errors[u.name][level.get(u.name, (BASE,))[0] or BASE] for u in units)
     return out
@@ -165,13 +220,18 @@ def format_table(selection: Selection, limit: int = 40) -> str:
     """The selection table as text: most sensitive first, refused units last."""
     rows = sorted(selection.rows, key=lambda r: (r.decision.startswith("refused"), -(r.score or 0.0), r.unit))
     steps = len(selection.choices) - len(selection.chosen)
-    lines = [f"INT8 selection: budget {selection.budget} = {selection.budget_bytes / 1e6:.2f} MB, scheme "
-             f"{selection.scheme}, scored by {selection.method}: {len(selection.chosen)} units"
-             + (f" + {steps} at a cheaper step" if steps else "") + f", {selection.spent / 1e6:.2f} MB spent",
-             f"  {'unit':40s} {'role':12s} {'score':>11s} {'w4 MB':>8s} {'+int8 MB':>9s}  decision"]
+    lines = [
+        f"INT8 selection: budget {selection.budget} = {selection.budget_bytes / 1e6:.2f} MB, scheme "
+        f"{selection.scheme}, scored by {selection.method}: {len(selection.chosen)} units"
+        + (f" + {steps} at a cheaper step" if steps else "")
+        + f", {selection.spent / 1e6:.2f} MB spent",
+        f"  {'unit':40s} {'role':12s} {'score':>11s} {'w4 MB':>8s} {'+int8 MB':>9s}  decision",
+    ]
     for r in rows[:limit]:
         score = f"{r.score:.4g}" if r.score is not None else "-"
-        lines.append(f"  {r.unit:40s} {r.role:12s} {score:>11s} {r.bytes4 / 1e6:8.3f} {r.extra / 1e6:9.3f}  {r.decision}")
+        lines.append(
+            f"  {r.unit:40s} {r.role:12s} {score:>11s} {r.bytes4 / 1e6:8.3f} {r.extra / 1e6:9.3f}  {r.decision}"
+        )
     if len(rows) > limit:
         lines.append(f"  ... {len(rows) - limit} more units (all in qconv.json `selection`)")
     return "\n".join(lines)

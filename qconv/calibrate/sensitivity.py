@@ -57,8 +57,13 @@ def fake_quant(w: torch.Tensor, d: ModuleDecision, symmetric: bool | None = None
     w = w.detach().float()
     n, k = w.shape
     g = d.group_size or k
-    args = QuantizationArgs(num_bits=d.bits, type="int", symmetric=d.symmetric if symmetric is None else symmetric,
-                            strategy="group" if d.group_size else "channel", group_size=d.group_size)
+    args = QuantizationArgs(
+        num_bits=d.bits,
+        type="int",
+        symmetric=d.symmetric if symmetric is None else symmetric,
+        strategy="group" if d.group_size else "channel",
+        group_size=d.group_size,
+    )
     wg = w.view(n, k // g, g)
     scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
     if not d.group_size:
@@ -69,6 +74,7 @@ def fake_quant(w: torch.Tensor, d: ModuleDecision, symmetric: bool | None = None
 @contextmanager
 def input_hessians(mods: dict[str, torch.nn.Module], hs: dict[str, torch.Tensor]):
     """While open, Σ XᵀX (float32) of each named Linear's input is added into `hs` (name -> matrix)."""
+
     def add(name, x):
         x = x.detach().reshape(-1, x.shape[-1]).float()
         hs[name] = hs[name] + x.T @ x if name in hs else x.T @ x
@@ -130,15 +136,18 @@ def _from_layer(layers, start: int, hidden: torch.Tensor | None):
 def output_fisher(mods: dict[str, torch.nn.Module], fs: dict[str, torch.Tensor]):
     """While open, every backward through a named Linear adds its output gradient's square, summed per output
     channel, into `fs` (name -> vector)."""
+
     def grad_hook(name):
         def hook(g):
             g2 = g.detach().float().pow(2).reshape(-1, g.shape[-1]).sum(0)
             fs[name] = fs[name] + g2 if name in fs else g2
+
         return hook
 
     def watch(name):
         def hook(module, args, out):
             out.register_hook(grad_hook(name))  # returns None: the output is left as is
+
         return hook
 
     handles = [m.register_forward_hook(watch(n)) for n, m in mods.items()]
@@ -177,23 +186,28 @@ def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, to
 def row_errors(u: Unit, weights: dict[str, torch.Tensor], h: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
     """Per scheme (BASE: the unit's current decisions) and member, diag(E H Eᵀ): each output row's rounding error
     under that scheme, measured on the unit's input statistics H. `weights` are the members' float32 weights."""
+
     def per_row(m: ModuleDecision) -> torch.Tensor:
         e = fake_quant(weights[m.name], m) - weights[m.name]
         return ((e @ h) * e).sum(1)
 
     with torch.no_grad():
-        return {BASE: {m.name: per_row(m) for m in u.w4},
-                **{o.scheme: {m.name: per_row(m) for m in o.members} for o in u.options}}
+        return {
+            BASE: {m.name: per_row(m) for m in u.w4},
+            **{o.scheme: {m.name: per_row(m) for m in o.members} for o in u.options},
+        }
 
 
-def proxy_from(units: list[Unit], rows: dict[str, dict[str, dict[str, torch.Tensor]]],
-               fisher: dict[str, torch.Tensor], tokens: int) -> Scores:
+def proxy_from(
+    units: list[Unit], rows: dict[str, dict[str, dict[str, torch.Tensor]]], fisher: dict[str, torch.Tensor], tokens: int
+) -> Scores:
     """Scores from each unit's row errors (row_errors) and each member's output Fisher (capture_fisher): a scheme's
     error is Σ_members Σ_rows F_r·diag(E H Eᵀ)_r, its gain the base's error minus its own."""
     values, gains, errors = {}, {}, {}
     for u in units:
-        errors[u.name] = {k: sum(float((fisher[name] * r).sum()) for name, r in per.items())
-                          for k, per in rows[u.name].items()}
+        errors[u.name] = {
+            k: sum(float((fisher[name] * r).sum()) for name, r in per.items()) for k, per in rows[u.name].items()
+        }
         gains[u.name] = {o.scheme: errors[u.name][BASE] - errors[u.name][o.scheme] for o in u.options}
         values[u.name] = gains[u.name][u.options[-1].scheme]
     return Scores("proxy", values, tokens, gains, errors)
@@ -207,13 +221,20 @@ def proxy_scores(model, units: list[Unit], ids: list[list[int]]) -> Scores:
     mods = dict(model.named_modules())
     hs, tokens = capture_hessians(model, ids, {u.w4[0].name for u in units})
     fs = capture_fisher(model, ids, {m.name for u in units for m in u.w4})
-    rows = {u.name: row_errors(u, {m.name: mods[m.name].weight.detach().float() for m in u.w4}, hs[u.w4[0].name])
-            for u in units}
+    rows = {
+        u.name: row_errors(u, {m.name: mods[m.name].weight.detach().float() for m in u.w4}, hs[u.w4[0].name])
+        for u in units
+    }
     return proxy_from(units, rows, fs, tokens)
 
 
-def _mean_kld(model, ids: list[list[int]], ref: list[torch.Tensor], start: int = 0,
-              inputs: list[dict[int, torch.Tensor]] | None = None) -> float:
+def _mean_kld(
+    model,
+    ids: list[list[int]],
+    ref: list[torch.Tensor],
+    start: int = 0,
+    inputs: list[dict[int, torch.Tensor]] | None = None,
+) -> float:
     layers = model.get_decoder().layers
     tot, n = 0.0, 0
     with torch.no_grad():
@@ -229,9 +250,15 @@ def _layer_inputs(model, ids: list[list[int]]) -> list[dict[int, torch.Tensor]]:
     """Each decoder layer's input hidden states, per sequence, in the current (base) model."""
     layers = model.get_decoder().layers
     out: list[dict[int, torch.Tensor]] = []
-    hooks = [layer.register_forward_pre_hook(
-        lambda m, args, kw, i=i: out[-1].__setitem__(i, (args[0] if args else kw["hidden_states"]).detach().clone()),
-        with_kwargs=True) for i, layer in enumerate(layers)]
+    hooks = [
+        layer.register_forward_pre_hook(
+            lambda m, args, kw, i=i: out[-1].__setitem__(
+                i, (args[0] if args else kw["hidden_states"]).detach().clone()
+            ),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(layers)
+    ]
     try:
         with torch.no_grad():
             for row in ids:
@@ -243,8 +270,9 @@ def _layer_inputs(model, ids: list[list[int]]) -> list[dict[int, torch.Tensor]]:
     return out
 
 
-def model_kld_scores(model, units: list[Unit], ids: list[list[int]], symmetric: bool | None = None,
-                     progress: bool = True) -> Scores:
+def model_kld_scores(
+    model, units: list[Unit], ids: list[list[int]], symmetric: bool | None = None, progress: bool = True
+) -> Scores:
     """Model-level sensitivity (see module docstring): with every other candidate at its 8-bit scheme, each unit's
     gain under a scheme is the mean KLD at its base minus the KLD at that scheme. Restores the weights on return."""
     from tqdm.auto import tqdm

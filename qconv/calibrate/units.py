@@ -29,6 +29,7 @@ def module_bytes(m: ModuleDecision, scheme_bits: int | None = None, group_size: 
 @dataclass
 class Option:
     """One scheme a unit can be upgraded to: its members' decisions under it, and why vLLM could not run it."""
+
     scheme: str  # the recipe's scheme name
     members: list[ModuleDecision]
     refusal: str = ""
@@ -43,6 +44,7 @@ class Unit:
     """One selectable unit of the plan (a fused group or one projection): its members' 4-bit (current) decisions,
     its decisions under the selection's 8-bit `scheme` (w8) and under each cheaper step (selection.steps);
     qconv.calibrate.select chooses among them under the byte budget."""
+
     name: str
     role: str
     w4: list[ModuleDecision]

@@ -56,8 +56,17 @@ def copy_side_files(source: Path, out: Path) -> None:
     import shutil
 
     for p in source.iterdir():
-        if p.is_file() and (p.name.startswith("tokenizer") or p.name in ("chat_template.jinja", "special_tokens_map.json",
-                                                                         "vocab.json", "merges.txt", "preprocessor_config.json")):
+        if p.is_file() and (
+            p.name.startswith("tokenizer")
+            or p.name
+            in (
+                "chat_template.jinja",
+                "special_tokens_map.json",
+                "vocab.json",
+                "merges.txt",
+                "preprocessor_config.json",
+            )
+        ):
             if not (out / p.name).exists():
                 shutil.copy2(p, out / p.name)
 

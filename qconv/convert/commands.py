@@ -26,8 +26,9 @@ def convert_gguf(gguf_file, out, dtype, force, verbose):
     from qconv.convert.gguf import import_gguf
 
     with progress.JobView(verbose=verbose):  # one stage line; transformers' bars and warnings stay off the terminal
-        logging.getLogger(__name__).info(f"gguf import: {Path(gguf_file).name} -> {dtype}",
-                                         extra={**progress.stage("gguf import"), **progress.SHOW})
+        logging.getLogger(__name__).info(
+            f"gguf import: {Path(gguf_file).name} -> {dtype}", extra={**progress.stage("gguf import"), **progress.SHOW}
+        )
         import_gguf(gguf_file, out, dtype=dtype, force=force)
     click.echo(str(out))
 
@@ -43,8 +44,10 @@ def convert_quantized(src, out, revision, force):
     from qconv.convert.imported import convert_quantized as run
 
     m = run(src, out, force=force, revision=revision)
-    click.echo(f"{out}: {len(m.build.kept)} quantized modules from {m.source.quantization['method']} "
-               f"({m.total_size() / 1e9:.3f} GB)")
+    click.echo(
+        f"{out}: {len(m.build.kept)} quantized modules from {m.source.quantization['method']} "
+        f"({m.total_size() / 1e9:.3f} GB)"
+    )
 
 
 @click.group()

@@ -36,9 +36,12 @@ def resolve_device(name: str | None) -> str:
     if name == "cuda" and not cuda_available():
         import torch
 
-        raise QconvError(f"--device cuda but torch {torch.__version__} sees no CUDA device", where="--device",
-                         fix="pass --device cpu (or auto), or run on a machine with an NVIDIA GPU and a CUDA build "
-                             "of torch; `--dry-run --device cuda` plans for a card without one")
+        raise QconvError(
+            f"--device cuda but torch {torch.__version__} sees no CUDA device",
+            where="--device",
+            fix="pass --device cpu (or auto), or run on a machine with an NVIDIA GPU and a CUDA build "
+            "of torch; `--dry-run --device cuda` plans for a card without one",
+        )
     return name
 
 
@@ -131,9 +134,11 @@ class LayerClock:
         import re
 
         self.device, self.times, self.current, self.t0 = device, [], None, 0.0
-        found = [(int(m.group(2)), mod) for name, mod in model.named_modules()
-                 if (m := re.search(r"(^|\.)layers\.(\d+)$", name)) and not name.startswith("mtp")
-                 and "visual" not in name]
+        found = [
+            (int(m.group(2)), mod)
+            for name, mod in model.named_modules()
+            if (m := re.search(r"(^|\.)layers\.(\d+)$", name)) and not name.startswith("mtp") and "visual" not in name
+        ]
         self.n = len(found)
         self.handles = [mod.register_forward_pre_hook(self._hook(i), with_kwargs=True) for i, mod in found]
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -147,6 +152,7 @@ class LayerClock:
             x = args[0] if args else kwargs.get("hidden_states", kwargs.get("input"))
             if type(x) is torch.Tensor and i != self.current:  # a real forward, not a tracing proxy
                 self.tick(i)
+
         return pre
 
     def tick(self, i: int | None) -> None:
@@ -160,8 +166,18 @@ class LayerClock:
         if self.current is not None and self.current < self.n:
             self.times.append(now - self.t0)
             mean, left = sum(self.times) / len(self.times), self.n - len(self.times)
-            log.info("layer %d/%d: %.1f s (mean %.1f s); eta %s for %d more; %s %.2f GiB", self.current + 1, self.n,
-                     self.times[-1], mean, _duration(left * mean), left, where, peak, extra=progress.note())
+            log.info(
+                "layer %d/%d: %.1f s (mean %.1f s); eta %s for %d more; %s %.2f GiB",
+                self.current + 1,
+                self.n,
+                self.times[-1],
+                mean,
+                _duration(left * mean),
+                left,
+                where,
+                peak,
+                extra=progress.note(),
+            )
         elif self.current == self.n:
             log.info("lm_head: %.1f s; %s %.2f GiB", now - self.t0, where, peak, extra=progress.note())
         reset_peak(self.device)

@@ -22,8 +22,11 @@ def _gguf_special_ids(path: Path) -> dict[str, int]:
 
     reader = GGUFReader(str(path))
     out = {}
-    for key, name in (("tokenizer.ggml.eos_token_id", "eos"), ("tokenizer.ggml.bos_token_id", "bos"),
-                      ("tokenizer.ggml.padding_token_id", "pad")):
+    for key, name in (
+        ("tokenizer.ggml.eos_token_id", "eos"),
+        ("tokenizer.ggml.bos_token_id", "bos"),
+        ("tokenizer.ggml.padding_token_id", "pad"),
+    ):
         field = reader.fields.get(key)
         if field is not None:
             out[name] = int(field.parts[field.data[0]][0])
@@ -45,7 +48,9 @@ def import_gguf(gguf_file: str | Path, out: str | Path, *, dtype: str = "bfloat1
     try:
         special = _gguf_special_ids(gguf_file)
     except Exception as e:  # noqa: BLE001 - any parse failure means the file is not usable GGUF
-        raise QconvError(f"cannot read GGUF file: {e}", where=str(gguf_file), fix="check the file is a complete .gguf") from e
+        raise QconvError(
+            f"cannot read GGUF file: {e}", where=str(gguf_file), fix="check the file is a complete .gguf"
+        ) from e
 
     log.info("importing %s (transformers GGUF loader, dequantizing to %s)", gguf_file.name, dtype)
     d, f = str(gguf_file.parent), gguf_file.name

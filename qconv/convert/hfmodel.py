@@ -30,8 +30,15 @@ def _compressed_embeddings_loadable():
         yield
 
 
-def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: bool = True, config: dict | None = None,
-                   device: str | None = None, **kwargs):
+def load_causal_lm(
+    path: str | Path,
+    *,
+    dtype: str = "bfloat16",
+    decompress: bool = True,
+    config: dict | None = None,
+    device: str | None = None,
+    **kwargs,
+):
     """The model class the config names (AutoModelForCausalLM when transformers lacks it), in eval mode,
     compressed-tensors artifacts decompressed once at load to dense weights unless `decompress=False` (not unpacked
     again on every forward). `config`: its config.json when the caller has read it already; `device`: where to load
@@ -40,7 +47,9 @@ def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: boo
     import transformers
 
     if device is not None:
-        kwargs.setdefault("device_map", ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        kwargs.setdefault(
+            "device_map", ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        )
     if config is None:
         config = read_model_config(path)
     arch = (config.get("architectures") or [None])[0]
@@ -63,7 +72,10 @@ def load_causal_lm(path: str | Path, *, dtype: str = "bfloat16", decompress: boo
         model = cls.from_pretrained(path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **kwargs)
     if tied_packed:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
-        for c in {id(model.config): model.config, id(model.config.get_text_config()): model.config.get_text_config()}.values():
+        for c in {
+            id(model.config): model.config,
+            id(model.config.get_text_config()): model.config.get_text_config(),
+        }.values():
             c.tie_word_embeddings = True
     return model.eval()
 

@@ -10,8 +10,17 @@ import time
 from pathlib import Path
 
 from qconv.convert.artifact import finalize, write_index
-from qconv.convert.quantized import (Converted, QuantFormat, check_group_order, copy_model_files, detect_format,
-                                     quantization_config, quantization_config_of, stream_convert, write_config)
+from qconv.convert.quantized import (
+    Converted,
+    QuantFormat,
+    check_group_order,
+    copy_model_files,
+    detect_format,
+    quantization_config,
+    quantization_config_of,
+    stream_convert,
+    write_config,
+)
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir
@@ -46,19 +55,45 @@ def _decisions(done: Converted, fmt: QuantFormat) -> list[ModuleDecision]:
     out = []
     for mod, info in sorted(done.kept.items()):
         bits = info.get("bits")
-        out.append(ModuleDecision(name=mod, role=role_of(mod) or "other", scheme=f"w{bits}a16" if bits else "kept",
-                                  bits=bits, group_size=info.get("group_size"),
-                                  note=f"kept from the {fmt.method} source" + (
-                                      "" if info.get("symmetric", True) else " (asymmetric, zero points)")))
+        out.append(
+            ModuleDecision(
+                name=mod,
+                role=role_of(mod) or "other",
+                scheme=f"w{bits}a16" if bits else "kept",
+                bits=bits,
+                group_size=info.get("group_size"),
+                note=f"kept from the {fmt.method} source"
+                + ("" if info.get("symmetric", True) else " (asymmetric, zero points)"),
+            )
+        )
     for mod, info in sorted(done.requantized.items()):
-        out.append(ModuleDecision(name=mod, role=role_of(mod) or "other", scheme=f"w{info['bits']}a16",
-                                  bits=info["bits"], group_size=info["group_size"], note="requantized (RTN)"))
+        out.append(
+            ModuleDecision(
+                name=mod,
+                role=role_of(mod) or "other",
+                scheme=f"w{info['bits']}a16",
+                bits=info["bits"],
+                group_size=info["group_size"],
+                note="requantized (RTN)",
+            )
+        )
     return out
 
 
-def write_imported(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool, recipe: RecipeInfo, requantize,
-           extra_build: dict, quality=None, profiles: dict | None = None, speculative: Speculative | None = None,
-           requires=None, reports: tuple[str, ...] = ()) -> Manifest:
+def write_imported(
+    src: ResolvedSource,
+    fmt: QuantFormat,
+    out: Path,
+    force: bool,
+    recipe: RecipeInfo,
+    requantize,
+    extra_build: dict,
+    quality=None,
+    profiles: dict | None = None,
+    speculative: Speculative | None = None,
+    requires=None,
+    reports: tuple[str, ...] = (),
+) -> Manifest:
     """Convert into a temp folder that becomes `out` only when complete. `requires(decisions)` lists what the
     artifact needs at run time; `quality(tmp, manifest, out)` measures it, writing the files named in `reports`,
     and returns the gate failure, raised once the artifact (marked failed) is in place."""
@@ -72,13 +107,24 @@ def write_imported(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool
         copy_model_files(src.path, tmp)
         write_index(tmp)
         decisions = _decisions(done, fmt)
-        manifest = Manifest(source=info, recipe=recipe, modules=decisions, profiles=profiles or {},
-                            speculative=speculative, requires=requires(decisions) if requires else [],
-                            tools=tool_versions(),
-                            status="unchecked",
-                            build={"source_format": fmt.summary(), "kept": sorted(done.kept),
-                                   "requantized": sorted(done.requantized), "copied": sorted(done.copied),
-                                   "elapsed_s": round(time.time() - t0, 1), **extra_build})
+        manifest = Manifest(
+            source=info,
+            recipe=recipe,
+            modules=decisions,
+            profiles=profiles or {},
+            speculative=speculative,
+            requires=requires(decisions) if requires else [],
+            tools=tool_versions(),
+            status="unchecked",
+            build={
+                "source_format": fmt.summary(),
+                "kept": sorted(done.kept),
+                "requantized": sorted(done.requantized),
+                "copied": sorted(done.copied),
+                "elapsed_s": round(time.time() - t0, 1),
+                **extra_build,
+            },
+        )
         finalize(tmp, manifest)
         if quality is not None:
             gate_error = quality(tmp, manifest, Path(out))
@@ -87,8 +133,13 @@ def write_imported(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool
             gate_error = None
     if gate_error is not None:
         raise gate_error
-    log.info("%s: %d quantized modules kept, %d requantized, %d tensors copied", out, len(done.kept),
-             len(done.requantized), len(done.copied))
+    log.info(
+        "%s: %d quantized modules kept, %d requantized, %d tensors copied",
+        out,
+        len(done.kept),
+        len(done.requantized),
+        len(done.copied),
+    )
     return manifest
 
 
@@ -96,8 +147,11 @@ def quantized_source(model: str, revision: str | None = None) -> tuple[ResolvedS
     src = resolve_source(model, revision=revision)
     fmt = detect_format(src.config, where=str(src.path / "config.json"))
     if fmt is None:
-        raise QconvError(f"{model} is not a quantized checkpoint (no quantization_config)", where=str(src.path),
-                         fix="use `qconv build --model` for a full-precision model")
+        raise QconvError(
+            f"{model} is not a quantized checkpoint (no quantization_config)",
+            where=str(src.path),
+            fix="use `qconv build --model` for a full-precision model",
+        )
     return src, fmt
 
 

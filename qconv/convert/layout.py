@@ -103,17 +103,29 @@ def mtp_shapes(tc: dict) -> dict[str, tuple[int, ...]]:
     hd = tc.get("head_dim") or h // tc["num_attention_heads"]
     nq, nkv = tc["num_attention_heads"], tc["num_key_value_heads"]
     gate = 2 if tc.get("attn_output_gate", True) else 1
-    out = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
-           "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
+    out = {
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        "mtp.norm.weight": (h,),
+    }
     for li in range(layers):
         p = f"mtp.layers.{li}."
-        out.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (nq * hd * gate, h), p + "self_attn.k_proj.weight": (nkv * hd, h),
-            p + "self_attn.v_proj.weight": (nkv * hd, h), p + "self_attn.o_proj.weight": (h, nq * hd),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (nq * hd * gate, h),
+                p + "self_attn.k_proj.weight": (nkv * hd, h),
+                p + "self_attn.v_proj.weight": (nkv * hd, h),
+                p + "self_attn.o_proj.weight": (h, nq * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
     return out
 
 
@@ -151,8 +163,9 @@ def _pick_group(k: int, want: int, fallback: list[int]) -> int | None:
     return None
 
 
-def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, scheme: Scheme | None,
-           recipe: Recipe) -> tuple[ModuleDecision, list[str]]:
+def decide(
+    name: str, role: str, shape: tuple[int, int], scheme_name: str, scheme: Scheme | None, recipe: Recipe
+) -> tuple[ModuleDecision, list[str]]:
     """One module's decision, with the group-size fallback and Marlin warnings recorded on it."""
     n, k = shape
     if scheme is None:
@@ -163,17 +176,28 @@ def decide(name: str, role: str, shape: tuple[int, int], scheme_name: str, schem
     if w.strategy == "group" and w.group_size:  # a group scheme names its size (recipes/schema validates it)
         g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
         if g is None:
-            note = f"in_features {k} not divisible by any group size in {recipe.quantizer.group_size_fallback}: kept bf16"
+            note = (
+                f"in_features {k} not divisible by any group size in {recipe.quantizer.group_size_fallback}: kept bf16"
+            )
             return ModuleDecision(name=name, role=role, scheme=KEEP, shape=[n, k], note=note), [f"{name}: {note}"]
         if g != w.group_size:
             notes.append(f"group {g} ({k} % {w.group_size} != 0)")
     if why := marlin_refusal(k, g):
         notes.append(f"no Marlin: {why}")
-        warns.append(f"{name} [{n}x{k}]: vLLM's Marlin kernel cannot run this group size; vLLM falls back to a "
-                     f"slower kernel")
+        warns.append(
+            f"{name} [{n}x{k}]: vLLM's Marlin kernel cannot run this group size; vLLM falls back to a slower kernel"
+        )
     label = scheme.label
-    return ModuleDecision(name=name, role=role, scheme=label, bits=w.bits, group_size=g, shape=[n, k],
-                          note="; ".join(notes), symmetric=w.symmetric), warns
+    return ModuleDecision(
+        name=name,
+        role=role,
+        scheme=label,
+        bits=w.bits,
+        group_size=g,
+        shape=[n, k],
+        note="; ".join(notes),
+        symmetric=w.symmetric,
+    ), warns
 
 
 def head_is_tied(config: dict, names) -> bool:
@@ -186,9 +210,14 @@ def head_is_tied(config: dict, names) -> bool:
 def kept_plan(folder: Path, config: dict, modules: list[ModuleDecision]) -> Plan:
     """The plan of a build that keeps a checkpoint's own layout (already-quantized sources): what `requires` reads,
     the model type vLLM builds and whether lm_head is the embedding table."""
-    return Plan(family=family_of(config), modules=modules, other_bytes=0, source_bytes=0,
-                model_type=config.get("model_type", ""),
-                tied_embeddings=head_is_tied(config, tensor_table(folder, config)))
+    return Plan(
+        family=family_of(config),
+        modules=modules,
+        other_bytes=0,
+        source_bytes=0,
+        model_type=config.get("model_type", ""),
+        tied_embeddings=head_is_tied(config, tensor_table(folder, config)),
+    )
 
 
 def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
@@ -202,8 +231,10 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
         emb = next((n for n in names if role_of(n[:-7]) == "embed"), None)
         if emb and recipe.tied_embeddings == "keep":
             kept_tied = True
-            warnings.append(f"tied embeddings kept tied: lm_head shares embed_tokens' {recipe.scheme_for('embed')} "
-                            "table (one copy; tied_embeddings: keep)")
+            warnings.append(
+                f"tied embeddings kept tied: lm_head shares embed_tokens' {recipe.scheme_for('embed')} "
+                "table (one copy; tied_embeddings: keep)"
+            )
         elif emb and recipe.scheme_for("lm_head") != KEEP:
             untie = True
             tensors = dict(tensors)
@@ -226,14 +257,24 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     other = sum(2 * t.numel for n, t in tensors.items() if n not in planned)  # kept tensors are written bf16
     source = sum(t.bytes_per_elem * t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     params = sum(t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
-    plan = Plan(family=family, modules=modules, other_bytes=other, source_bytes=source, warnings=warnings,
-                untie_embeddings=untie, num_parameters=params, model_type=config.get("model_type", ""),
-                tied_embeddings=kept_tied)
+    plan = Plan(
+        family=family,
+        modules=modules,
+        other_bytes=other,
+        source_bytes=source,
+        warnings=warnings,
+        untie_embeddings=untie,
+        num_parameters=params,
+        model_type=config.get("model_type", ""),
+        tied_embeddings=kept_tied,
+    )
     if untie:
         extra = plan.untie_bytes
-        warnings.append(f"tied embeddings untied: lm_head is a second copy so it can carry its own scheme "
-                        f"(+{extra / 1e6:.1f} MB, +{8 * extra / max(params, 1):.2f} bits per weight; "
-                        "tied_embeddings: keep shares one copy)")
+        warnings.append(
+            f"tied embeddings untied: lm_head is a second copy so it can carry its own scheme "
+            f"(+{extra / 1e6:.1f} MB, +{8 * extra / max(params, 1):.2f} bits per weight; "
+            "tied_embeddings: keep shares one copy)"
+        )
     check_fused(plan)
     return plan
 
@@ -243,9 +284,12 @@ def check_fused(plan: Plan) -> None:
     for unit, members in plan.units().items():
         if len({(m.scheme, m.group_size) for m in members}) > 1:
             detail = ", ".join(f"{m.name}={m.scheme}/g{m.group_size}" for m in members)
-            raise QconvError(f"fused group {unit} would get mixed schemes ({detail})", where="recipe",
-                             fix="vLLM loads a fused layer with one scheme: give the whole group one scheme and a "
-                                 "group size that divides every member")
+            raise QconvError(
+                f"fused group {unit} would get mixed schemes ({detail})",
+                where="recipe",
+                fix="vLLM loads a fused layer with one scheme: give the whole group one scheme and a "
+                "group size that divides every member",
+            )
 
 
 # vLLM's int8 GEMM (cutlass scaled_mm) needs 16-aligned K and N for W8A8.
@@ -288,15 +332,29 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
             continue
         if any(m.scheme == KEEP or (m.bits or 16) >= s8.weights.bits for m in members):
             if recipe.scheme_for(role) == KEEP:
-                raise QconvError(f"INT8 candidate role {role!r} is kept bf16 by the recipe", where="selection.candidates",
-                                 fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates")
+                raise QconvError(
+                    f"INT8 candidate role {role!r} is kept bf16 by the recipe",
+                    where="selection.candidates",
+                    fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates",
+                )
             continue  # a member the plan already keeps (no group size fits): nothing to upgrade
         w8 = [decide(m.name, m.role, (m.shape[0], m.shape[1]), sel.scheme, s8, recipe)[0] for m in members]
-        unit = Unit(name=name, role=role, w4=members, w8=w8, refusal=int8_refusal(role, w8, recipe, sel.scheme),
-                    scheme=sel.scheme)
+        unit = Unit(
+            name=name,
+            role=role,
+            w4=members,
+            w8=w8,
+            refusal=int8_refusal(role, w8, recipe, sel.scheme),
+            scheme=sel.scheme,
+        )
         for step in sel.steps:
-            opt = Option(step, [decide(m.name, m.role, (m.shape[0], m.shape[1]), step, recipe.schemes[step], recipe)[0]
-                                for m in members])
+            opt = Option(
+                step,
+                [
+                    decide(m.name, m.role, (m.shape[0], m.shape[1]), step, recipe.schemes[step], recipe)[0]
+                    for m in members
+                ],
+            )
             opt.refusal = _refusal(role, opt.members, recipe, step)
             if opt.refusal or opt.bytes > unit.bytes4:
                 unit.steps.append(opt)
@@ -307,8 +365,14 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
 def apply_selection(plan: Plan, units: list[Unit], choices: dict[str, str]) -> list[ModuleDecision]:
     """The plan's modules with each chosen unit's (Selection.choices: unit -> scheme) members switched to that
     scheme's decisions."""
-    repl = {m.name: m for u in units if u.name in choices
-            for o in u.options if o.scheme == choices[u.name] for m in o.members}
+    repl = {
+        m.name: m
+        for u in units
+        if u.name in choices
+        for o in u.options
+        if o.scheme == choices[u.name]
+        for m in o.members
+    }
     return [repl.get(m.name, m) for m in plan.modules]
 
 
@@ -317,6 +381,9 @@ def bpw_budget(bpw: float, plan: Plan) -> int:
     report counts bpw (artifact tensor bytes x 8 / source parameters)."""
     base = 8 * plan.total_bytes / max(plan.num_parameters, 1)
     if bpw <= 0 or bpw < base - 1e-9:
-        raise QconvError(f"bits-per-weight target {bpw} is below the recipe's uniform plan ({base:.3f} bpw)",
-                         where="--bpw", fix=f"use --bpw >= {base:.2f}, or a recipe with smaller schemes")
+        raise QconvError(
+            f"bits-per-weight target {bpw} is below the recipe's uniform plan ({base:.3f} bpw)",
+            where="--bpw",
+            fix=f"use --bpw >= {base:.2f}, or a recipe with smaller schemes",
+        )
     return int(bpw * plan.num_parameters / 8) - plan.total_bytes

@@ -38,49 +38,118 @@ class Target:
 _LC, _CT = "llmcompressor", "compressed-tensors"
 _GPTQ, _CACHE = "llmcompressor.modifiers.gptq", "llmcompressor.pipelines.cache"
 TARGETS = {
-    "mse_error": Target(_LC, "llmcompressor.observers.mse_quant", "_calculate_error",
-                        ("observed", "args", "token_args", "shrinked_min", "shrinked_max", "norm"),
-                        "convert.stream.row_blocked_observer: the MSE scale search a block of rows at a time"),
-    "gptq_quantize_weight": Target(_LC, f"{_GPTQ}.base", "quantize_weight",
-                                   ("weights", "hessians", "scale", "zero_point", "global_scale", "quant_args",
-                                    "blocksize", "percdamp"),
-                                   "convert.stream.row_blocked_gptq: GPTQ on blocks of output rows"),
-    "gptq_prepare_batch": Target(_LC, f"{_GPTQ}.base", "prepare_batch",
-                                 ("batch", "batch_qparams", "hessians_by_module", "num_samples_by_module"),
-                                 "convert.stream.row_blocked_gptq: weights stacked in their own dtype"),
-    "gptq_factorize_hessian": Target(_LC, f"{_GPTQ}.gptq_quantize", "factorize_hessian",
-                                     ("weights", "hessians", "percdamp", "used_rtn_fallback"),
-                                     "convert.stream.row_blocked_gptq: the Hessian factorized once per matrix"),
-    "gptq_activation_ordering": Target(_LC, f"{_GPTQ}.gptq_quantize", "apply_activation_ordering",
-                                       ("weights", "hessians", "actorder"),
-                                       "convert.stream.row_blocked_gptq: the act-order permutation once per matrix"),
-    "gptq_precision": Target(_LC, f"{_GPTQ}.helpers", "GPTQ_PRECISION", None,
-                             "convert.stream.row_blocked_gptq: prepare_batch's stacking dtype"),
-    "offload_value": Target(_LC, _CACHE, "IntermediatesCache._offload_value",
-                            ("value", "offload_device", "onload_device"),
-                            "convert.stream.activations_on_disk: calibration activations in files"),
-    "onload_value": Target(_LC, _CACHE, "IntermediatesCache._onload_value", ("intermediate",),
-                           "convert.stream.activations_on_disk: read back from those files"),
-    "pin_memory": Target(_LC, _CACHE, "IntermediatesCache.pin_memory", ("self", "batch_index", "input_names"),
-                         "convert.quantize._cpu_awq: AWQ on a torch without an accelerator"),
-    "untie_word_embeddings": Target(_LC, "llmcompressor.modifiers.quantization.quantization.mixin",
-                                    "untie_word_embeddings", ("model",),
-                                    "convert.quantize._untie_only_tied: separate tables are not cloned"),
-    "naive_quantize": Target(_CT, "compressed_tensors.compressors.naive_quantized.base", "quantize",
-                             ("x", "scale", "zero_point", "args", "dtype", "global_scale"),
-                             "convert.quantize.row_blocked_compression: quantized for saving a block at a time"),
-    "packed_quantize": Target(_CT, "compressed_tensors.compressors.pack_quantized.base", "quantize",
-                              ("x", "scale", "zero_point", "args", "dtype", "global_scale"),
-                              "convert.quantize.row_blocked_compression: the same for packed formats"),
-    "pack_to_int32": Target(_CT, "compressed_tensors.compressors.pack_quantized.base", "pack_to_int32",
-                            ("value", "num_bits", "packed_dim"),
-                            "convert.quantize.row_blocked_compression: packed a block of rows at a time"),
-    "sequential_main_device": Target(_LC, "llmcompressor.pipelines.sequential.pipeline", "get_main_device", (),
-                                     "convert.device.onload_device: each layer onloaded to the build's --device"),
-    "data_free_main_device": Target(_LC, "llmcompressor.pipelines.data_free.pipeline", "get_main_device", (),
-                                    "convert.device.onload_device: the same for round-to-nearest recipes"),
-    "init_weights": Target("transformers", "transformers", "PreTrainedModel._init_weights", ("self", "module"),
-                           "convert.hfmodel._compressed_embeddings_loadable: a packed embed_tokens loads"),
+    "mse_error": Target(
+        _LC,
+        "llmcompressor.observers.mse_quant",
+        "_calculate_error",
+        ("observed", "args", "token_args", "shrinked_min", "shrinked_max", "norm"),
+        "convert.stream.row_blocked_observer: the MSE scale search a block of rows at a time",
+    ),
+    "gptq_quantize_weight": Target(
+        _LC,
+        f"{_GPTQ}.base",
+        "quantize_weight",
+        ("weights", "hessians", "scale", "zero_point", "global_scale", "quant_args", "blocksize", "percdamp"),
+        "convert.stream.row_blocked_gptq: GPTQ on blocks of output rows",
+    ),
+    "gptq_prepare_batch": Target(
+        _LC,
+        f"{_GPTQ}.base",
+        "prepare_batch",
+        ("batch", "batch_qparams", "hessians_by_module", "num_samples_by_module"),
+        "convert.stream.row_blocked_gptq: weights stacked in their own dtype",
+    ),
+    "gptq_factorize_hessian": Target(
+        _LC,
+        f"{_GPTQ}.gptq_quantize",
+        "factorize_hessian",
+        ("weights", "hessians", "percdamp", "used_rtn_fallback"),
+        "convert.stream.row_blocked_gptq: the Hessian factorized once per matrix",
+    ),
+    "gptq_activation_ordering": Target(
+        _LC,
+        f"{_GPTQ}.gptq_quantize",
+        "apply_activation_ordering",
+        ("weights", "hessians", "actorder"),
+        "convert.stream.row_blocked_gptq: the act-order permutation once per matrix",
+    ),
+    "gptq_precision": Target(
+        _LC,
+        f"{_GPTQ}.helpers",
+        "GPTQ_PRECISION",
+        None,
+        "convert.stream.row_blocked_gptq: prepare_batch's stacking dtype",
+    ),
+    "offload_value": Target(
+        _LC,
+        _CACHE,
+        "IntermediatesCache._offload_value",
+        ("value", "offload_device", "onload_device"),
+        "convert.stream.activations_on_disk: calibration activations in files",
+    ),
+    "onload_value": Target(
+        _LC,
+        _CACHE,
+        "IntermediatesCache._onload_value",
+        ("intermediate",),
+        "convert.stream.activations_on_disk: read back from those files",
+    ),
+    "pin_memory": Target(
+        _LC,
+        _CACHE,
+        "IntermediatesCache.pin_memory",
+        ("self", "batch_index", "input_names"),
+        "convert.quantize._cpu_awq: AWQ on a torch without an accelerator",
+    ),
+    "untie_word_embeddings": Target(
+        _LC,
+        "llmcompressor.modifiers.quantization.quantization.mixin",
+        "untie_word_embeddings",
+        ("model",),
+        "convert.quantize._untie_only_tied: separate tables are not cloned",
+    ),
+    "naive_quantize": Target(
+        _CT,
+        "compressed_tensors.compressors.naive_quantized.base",
+        "quantize",
+        ("x", "scale", "zero_point", "args", "dtype", "global_scale"),
+        "convert.quantize.row_blocked_compression: quantized for saving a block at a time",
+    ),
+    "packed_quantize": Target(
+        _CT,
+        "compressed_tensors.compressors.pack_quantized.base",
+        "quantize",
+        ("x", "scale", "zero_point", "args", "dtype", "global_scale"),
+        "convert.quantize.row_blocked_compression: the same for packed formats",
+    ),
+    "pack_to_int32": Target(
+        _CT,
+        "compressed_tensors.compressors.pack_quantized.base",
+        "pack_to_int32",
+        ("value", "num_bits", "packed_dim"),
+        "convert.quantize.row_blocked_compression: packed a block of rows at a time",
+    ),
+    "sequential_main_device": Target(
+        _LC,
+        "llmcompressor.pipelines.sequential.pipeline",
+        "get_main_device",
+        (),
+        "convert.device.onload_device: each layer onloaded to the build's --device",
+    ),
+    "data_free_main_device": Target(
+        _LC,
+        "llmcompressor.pipelines.data_free.pipeline",
+        "get_main_device",
+        (),
+        "convert.device.onload_device: the same for round-to-nearest recipes",
+    ),
+    "init_weights": Target(
+        "transformers",
+        "transformers",
+        "PreTrainedModel._init_weights",
+        ("self", "module"),
+        "convert.hfmodel._compressed_embeddings_loadable: a packed embed_tokens loads",
+    ),
 }
 
 
@@ -94,13 +163,15 @@ def _version(package: str) -> str:
 def check_version(package: str, installed: str) -> None:
     """Stop on a library series the replacements were not read against (QCONV_ALLOW_UNTESTED_LIBS=1 tries it)."""
     tested = TESTED.get(package)
-    if not tested or ".".join(installed.split("+")[0].split(".")[:2]) in tested \
-            or os.environ.get(UNTESTED_ENV) == "1":
+    if not tested or ".".join(installed.split("+")[0].split(".")[:2]) in tested or os.environ.get(UNTESTED_ENV) == "1":
         return
-    raise QconvError(f"qconv replaces private functions of {package} {', '.join(s + '.x' for s in tested)}, but "
-                     f"{package} {installed} is installed", where=package,
-                     fix=f"pip install '{package}=={tested[-1]}.*' (the version pyproject.toml pins), or set "
-                         f"{UNTESTED_ENV}=1 to try this one anyway")
+    raise QconvError(
+        f"qconv replaces private functions of {package} {', '.join(s + '.x' for s in tested)}, but "
+        f"{package} {installed} is installed",
+        where=package,
+        fix=f"pip install '{package}=={tested[-1]}.*' (the version pyproject.toml pins), or set "
+        f"{UNTESTED_ENV}=1 to try this one anyway",
+    )
 
 
 def _locate(name: str):
@@ -111,9 +182,12 @@ def _locate(name: str):
     where = f"{t.module}.{t.attr}"
 
     def changed(what: str) -> QconvError:
-        return QconvError(f"{where} {what} in {t.package} {installed}: qconv patches it ({t.used_by})",
-                          where=where, fix=f"install the {t.package} version pyproject.toml pins, or update "
-                                           f"qconv/convert/patches.py and {t.used_by.split(':')[0]} for this one")
+        return QconvError(
+            f"{where} {what} in {t.package} {installed}: qconv patches it ({t.used_by})",
+            where=where,
+            fix=f"install the {t.package} version pyproject.toml pins, or update "
+            f"qconv/convert/patches.py and {t.used_by.split(':')[0]} for this one",
+        )
 
     try:
         owner = importlib.import_module(t.module)

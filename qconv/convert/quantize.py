@@ -30,7 +30,7 @@ def _role_target(role: str) -> str:
     if pat.startswith("^"):
         return "re:" + pat
     if pat.startswith("(^|\\.)"):
-        return "re:(.*\\.)?" + pat[len("(^|\\.)"):]
+        return "re:(.*\\.)?" + pat[len("(^|\\.)") :]
     return "re:.*" + pat
 
 
@@ -78,13 +78,20 @@ def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, 
         label, bits, g, sym, fmt = key
         s = schemes[label]
         w = s.weights
-        wargs = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=w.strategy,
-                                 group_size=g if w.strategy == "group" else None, observer=recipe.quantizer.observer)
+        wargs = QuantizationArgs(
+            num_bits=bits,
+            type="int",
+            symmetric=sym,
+            strategy=w.strategy,
+            group_size=g if w.strategy == "group" else None,
+            observer=recipe.quantizer.observer,
+        )
         aargs = None
         if s.activations:
             a = s.activations
-            aargs = QuantizationArgs(num_bits=a.bits, type="int", symmetric=a.symmetric, strategy=a.strategy,
-                                     dynamic=a.dynamic)
+            aargs = QuantizationArgs(
+                num_bits=a.bits, type="int", symmetric=a.symmetric, strategy=a.strategy, dynamic=a.dynamic
+            )
         groups[f"group_{i}"] = QuantizationScheme(targets=tg, weights=wargs, input_activations=aargs, format=fmt)
     ignore = ["re:^mtp\\..*"]  # vLLM must leave the MTP head unquantized; transformers never builds it
     for role in sorted({m.role for m in modules if m.scheme == KEEP} - {"mtp"}):
@@ -112,8 +119,9 @@ def calibrate_embeddings(model) -> None:
         # update_offload_parameter also writes through to a disk-offloaded (streamed) module
         update_offload_parameter(mod, "weight_scale", scale.view_as(mod.weight_scale).to(mod.weight_scale.dtype))
         if hasattr(mod, "weight_zero_point"):
-            update_offload_parameter(mod, "weight_zero_point",
-                                     zp.view_as(mod.weight_zero_point).to(mod.weight_zero_point.dtype))
+            update_offload_parameter(
+                mod, "weight_zero_point", zp.view_as(mod.weight_zero_point).to(mod.weight_zero_point.dtype)
+            )
         log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
 
 
@@ -157,7 +165,7 @@ def row_blocked_compression(block_elements: int = COMPRESS_BLOCK_ELEMENTS):
         step = max(1, block_elements // max(1, value.shape[-1]))
         if value.dim() != 2 or packed_dim != 1 or value.shape[0] <= step:
             return pack(value, num_bits, packed_dim)
-        return torch.cat([pack(value[a:a + step], num_bits, 1) for a in range(0, value.shape[0], step)])
+        return torch.cat([pack(value[a : a + step], num_bits, 1) for a in range(0, value.shape[0], step)])
 
     def blocked(x, scale, zero_point, args, dtype=None, global_scale=None):
         step = max(1, block_elements // max(1, x.shape[-1]))
@@ -189,8 +197,11 @@ def awq_mappings(model) -> list:
 
     arch = type(model).__name__
     if arch not in AWQ_MAPPING_REGISTRY and arch not in AWQ_DYNAMIC_MAPPING_REGISTRY:
-        raise QconvError(f"llmcompressor has no AWQ smoothing mappings for {arch}", where="quantizer.algorithm",
-                         fix="use algorithm gptq for this model")
+        raise QconvError(
+            f"llmcompressor has no AWQ smoothing mappings for {arch}",
+            where="quantizer.algorithm",
+            fix="use algorithm gptq for this model",
+        )
     return get_layer_mappings_from_model(model)
 
 
@@ -215,8 +226,13 @@ def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
     q = recipe.quantizer
     if not q.gptq:
         return [QuantizationModifier(config_groups=groups, ignore=ignore)]
-    gptq = GPTQModifier(config_groups=groups, ignore=ignore, block_size=q.block_size, dampening_frac=q.dampening_frac,
-                        actorder=q.actorder)
+    gptq = GPTQModifier(
+        config_groups=groups,
+        ignore=ignore,
+        block_size=q.block_size,
+        dampening_frac=q.dampening_frac,
+        actorder=q.actorder,
+    )
     if q.algorithm == "awq+gptq":
         from llmcompressor.modifiers.transform.awq import AWQModifier
 
@@ -224,8 +240,19 @@ def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
     return [gptq]
 
 
-def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: list[list[int]], out: Path,
-             *, untie: bool, seed: int, tied: bool = False, tokenizer=None, device: str = "cpu") -> None:
+def quantize(
+    model,
+    modules: list[ModuleDecision],
+    recipe: Recipe,
+    calib_ids: list[list[int]],
+    out: Path,
+    *,
+    untie: bool,
+    seed: int,
+    tied: bool = False,
+    tokenizer=None,
+    device: str = "cpu",
+) -> None:
     """Run llmcompressor on `model` in place and save it compressed into `out`. `tokenizer`: handed to oneshot as
     the processor; without one llmcompressor loads the checkpoint's AutoProcessor, which for a vision-language
     model (Qwen3_5ForConditionalGeneration) needs torchvision for its video half, although the calibration data
@@ -249,14 +276,26 @@ def quantize(model, modules: list[ModuleDecision], recipe: Recipe, calib_ids: li
     max_len = max(len(x) for x in calib_ids)
     ds = Dataset.from_dict({"input_ids": calib_ids, "attention_mask": [[1] * len(x) for x in calib_ids]})
     linear = sum(1 for m in modules if m.scheme != KEEP and m.role != "embed")  # embeddings: round-to-nearest
-    log.info("quantization: %s on %d modules, layer by layer, %d calibration samples",
-             recipe.quantizer.algorithm.upper(), linear, len(calib_ids), extra=progress.total(linear))
+    log.info(
+        "quantization: %s on %d modules, layer by layer, %d calibration samples",
+        recipe.quantizer.algorithm.upper(),
+        linear,
+        len(calib_ids),
+        extra=progress.total(linear),
+    )
     clock = LayerClock(model, device)
     with _cpu_awq(), _untie_only_tied(), contextlib.closing(clock):
-        oneshot(model=model, dataset=ds, recipe=modifiers(model, recipe, groups, ignore), max_seq_length=max_len,
-                num_calibration_samples=len(calib_ids), pipeline="sequential" if recipe.quantizer.gptq else "datafree",
-                sequential_targets=sequential_targets(model), processor=tokenizer,
-                shuffle_calibration_samples=False)
+        oneshot(
+            model=model,
+            dataset=ds,
+            recipe=modifiers(model, recipe, groups, ignore),
+            max_seq_length=max_len,
+            num_calibration_samples=len(calib_ids),
+            pipeline="sequential" if recipe.quantizer.gptq else "datafree",
+            sequential_targets=sequential_targets(model),
+            processor=tokenizer,
+            shuffle_calibration_samples=False,
+        )
     calibrate_embeddings(model)
     with row_blocked_compression():
         model.save_pretrained(out, save_compressed=True, max_shard_size=MAX_SHARD_SIZE)

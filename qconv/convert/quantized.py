@@ -63,8 +63,15 @@ class QuantFormat:
         return self.bits
 
     def summary(self) -> dict:
-        return {"method": self.method, "layout": self.layout, "packing": self.packing, "bits": self.bits,
-                "group_size": self.group_size, "sym": self.sym, "desc_act": self.desc_act}
+        return {
+            "method": self.method,
+            "layout": self.layout,
+            "packing": self.packing,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "sym": self.sym,
+            "desc_act": self.desc_act,
+        }
 
 
 def quantization_config_of(config: dict) -> dict:
@@ -80,37 +87,63 @@ def detect_format(config: dict, where: str = "config.json") -> QuantFormat | Non
     if method == "compressed-tensors":
         return QuantFormat(method=method, layout="compressed-tensors")
     bits, group = int(q.get("bits", q.get("w_bit", 4))), int(q.get("group_size", q.get("q_group_size", 128)))
-    common = dict(bits=bits, group_size=group, sym=bool(q.get("sym", not q.get("zero_point", False))),
-                  desc_act=bool(q.get("desc_act", False)), dynamic=dict(q.get("dynamic") or {}))
+    common = dict(
+        bits=bits,
+        group_size=group,
+        sym=bool(q.get("sym", not q.get("zero_point", False))),
+        desc_act=bool(q.get("desc_act", False)),
+        dynamic=dict(q.get("dynamic") or {}),
+    )
     if method == "gptq":
         v2 = q.get("checkpoint_format") == "gptq_v2"
-        fmt = QuantFormat(method=method, layout="gptq", zero_offset=0 if v2 else 1,
-                          packing="gptq_v2" if v2 else "gptq", **common)
+        fmt = QuantFormat(
+            method=method, layout="gptq", zero_offset=0 if v2 else 1, packing="gptq_v2" if v2 else "gptq", **common
+        )
     elif method == "awq":
         if str(q.get("version", "gemm")).lower() != "gemm":
-            raise QconvError(f"AWQ version {q.get('version')!r} is not supported (only the GEMM layout)", where=where,
-                             fix="export the model with AutoAWQ's GEMM version")
+            raise QconvError(
+                f"AWQ version {q.get('version')!r} is not supported (only the GEMM layout)",
+                where=where,
+                fix="export the model with AutoAWQ's GEMM version",
+            )
         fmt = QuantFormat(method=method, layout="awq", packing="gemm", **common)
     elif method == "auto-round":
         packing = str(q.get("packing_format", "auto_round:auto_gptq"))
         if str(q.get("data_type", "int")) != "int":
-            raise QconvError(f"AutoRound data_type {q.get('data_type')!r} is not supported (integer only)",
-                             where=where, fix="import an integer (int4/int8) AutoRound export")
+            raise QconvError(
+                f"AutoRound data_type {q.get('data_type')!r} is not supported (integer only)",
+                where=where,
+                fix="import an integer (int4/int8) AutoRound export",
+            )
         if "awq" in packing:
             fmt = QuantFormat(method=method, layout="awq", packing=packing, **common)
         elif packing in ("auto_round", "auto_round:gptqmodel", "auto_round:auto_gptq"):
             # auto_round:auto_gptq packs with AutoGPTQ's v1 zero convention (qlinear_torch_zp), the others without
-            fmt = QuantFormat(method=method, layout="gptq", zero_offset=1 if packing.endswith("auto_gptq") else 0,
-                              packing=packing, **common)
+            fmt = QuantFormat(
+                method=method,
+                layout="gptq",
+                zero_offset=1 if packing.endswith("auto_gptq") else 0,
+                packing=packing,
+                **common,
+            )
         else:
-            raise QconvError(f"AutoRound packing_format {packing!r} is not supported", where=where,
-                             fix="import an auto_round, auto_round:auto_gptq or auto_round:auto_awq export")
+            raise QconvError(
+                f"AutoRound packing_format {packing!r} is not supported",
+                where=where,
+                fix="import an auto_round, auto_round:auto_gptq or auto_round:auto_awq export",
+            )
     else:
-        raise QconvError(f"quantization method {method!r} cannot be imported", where=where,
-                         fix="qconv imports gptq, awq, auto-round and compressed-tensors checkpoints, or a bf16 one")
+        raise QconvError(
+            f"quantization method {method!r} cannot be imported",
+            where=where,
+            fix="qconv imports gptq, awq, auto-round and compressed-tensors checkpoints, or a bf16 one",
+        )
     if fmt.bits not in (4, 8):
-        raise QconvError(f"{method} checkpoint with {fmt.bits}-bit weights: only 4- and 8-bit import", where=where,
-                         fix="import a 4-bit or 8-bit checkpoint")
+        raise QconvError(
+            f"{method} checkpoint with {fmt.bits}-bit weights: only 4- and 8-bit import",
+            where=where,
+            fix="import a 4-bit or 8-bit checkpoint",
+        )
     return fmt
 
 
@@ -162,8 +195,11 @@ def read_module(get, mod: str, fmt: QuantFormat, where: str) -> IntModule:
         zero = _awq_natural(_unpack_cols(qzeros, bits), bits)[:, :n].t()
     k, groups = q.shape[1], scales.shape[0]
     if q.shape[0] != n or k % groups:
-        raise QconvError(f"{mod}: qweight {tuple(qweight.shape)} does not fit scales {tuple(scales.shape)} at "
-                         f"{bits} bits", where=where, fix="check the checkpoint's bits / group_size")
+        raise QconvError(
+            f"{mod}: qweight {tuple(qweight.shape)} does not fit scales {tuple(scales.shape)} at {bits} bits",
+            where=where,
+            fix="check the checkpoint's bits / group_size",
+        )
     if not _plain_group_order(get(f"{mod}.g_idx", None), groups):
         raise _act_order_error(mod, where)
     return IntModule(bits=bits, q=q.contiguous(), zero=zero.contiguous(), scale=scales.t().contiguous())
@@ -182,9 +218,11 @@ def _act_order_error(mod: str, where: str, others: int = 0) -> QconvError:
     return QconvError(
         f"{mod}{more}: activation-order GPTQ (desc_act=True without static groups) stores a permuted g_idx, which "
         "has no lossless compressed-tensors form: compressed-tensors 0.19 removed actorder=group and vLLM 0.32 "
-        "refuses group activation order (and GPTQ desc_act) outright", where=where,
+        "refuses group activation order (and GPTQ desc_act) outright",
+        where=where,
         fix="re-export the checkpoint with desc_act=False or static_groups=True (GPTQModel/AutoGPTQ), or "
-            "actorder='weight' (llm-compressor); or build from the full-precision model with `qconv build --model`")
+        "actorder='weight' (llm-compressor); or build from the full-precision model with `qconv build --model`",
+    )
 
 
 def check_group_order(src: Path, fmt: QuantFormat) -> None:
@@ -211,15 +249,20 @@ def compressed_tensors_of(m: IntModule, mod: str, where: str) -> dict[str, torch
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     center = 1 << (m.bits - 1)
-    out = {f"{mod}.weight_packed": pack_to_int32((m.q - center).to(torch.int8), m.bits),
-           f"{mod}.weight_scale": m.scale,
-           f"{mod}.weight_shape": torch.tensor(list(m.q.shape))}
+    out = {
+        f"{mod}.weight_packed": pack_to_int32((m.q - center).to(torch.int8), m.bits),
+        f"{mod}.weight_scale": m.scale,
+        f"{mod}.weight_shape": torch.tensor(list(m.q.shape)),
+    }
     if not m.symmetric:
         zp = m.zero - center
         if zp.min() < -center or zp.max() >= center:
-            raise QconvError(f"{mod}: zero point {int(m.zero.max())} is outside the {m.bits}-bit range (a GPTQ v1 "
-                             f"zero of 0 wraps to 2^{m.bits})", where=where,
-                             fix="this checkpoint's zero points cannot be stored losslessly in compressed-tensors")
+            raise QconvError(
+                f"{mod}: zero point {int(m.zero.max())} is outside the {m.bits}-bit range (a GPTQ v1 "
+                f"zero of 0 wraps to 2^{m.bits})",
+                where=where,
+                fix="this checkpoint's zero points cannot be stored losslessly in compressed-tensors",
+            )
         out[f"{mod}.weight_zero_point"] = pack_to_int32(zp.to(torch.int8), m.bits, packed_dim=0).contiguous()
     return out
 
@@ -236,8 +279,7 @@ def quantization_config(groups: dict[tuple[int, int, bool], list[str]], ignore: 
     for i, ((bits, g, sym), names) in enumerate(sorted(groups.items())):
         args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy="group", group_size=g)
         cg[f"group_{i}"] = QuantizationScheme(targets=sorted(names), weights=args, format="pack-quantized")
-    cfg = QuantizationConfig(config_groups=cg, format="pack-quantized", quantization_status="compressed",
-                             ignore=ignore)
+    cfg = QuantizationConfig(config_groups=cg, format="pack-quantized", quantization_status="compressed", ignore=ignore)
     return cfg.to_dict()
 
 
@@ -307,9 +349,12 @@ def stream_convert(src: Path, fmt: QuantFormat, out: Path, requantize=None) -> C
                 if name not in names:
                     if default:
                         return default[0]
-                    raise QconvError(f"tensor {name} is missing from {shard.name}", where=where,
-                                     fix="re-download the checkpoint (every quantized module needs qweight, "
-                                         "qzeros and scales in one shard)")
+                    raise QconvError(
+                        f"tensor {name} is missing from {shard.name}",
+                        where=where,
+                        fix="re-download the checkpoint (every quantized module needs qweight, "
+                        "qzeros and scales in one shard)",
+                    )
                 return f.get_tensor(name)
 
             for mod in sorted(qmods):
@@ -356,15 +401,18 @@ def rtn_pack(sl, mod: str, args, block_rows: int = RTN_BLOCK_ROWS) -> dict[str, 
     n, k = sl.get_shape()
     packed, scales = [], []
     for r0 in range(0, n, block_rows):
-        w = sl[r0:min(r0 + block_rows, n)]
+        w = sl[r0 : min(r0 + block_rows, n)]
         wg = w.float().view(w.shape[0], k // args.group_size, args.group_size)
         scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
         scale = scale.to(w.dtype)
         sd = comp.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
         packed.append(sd["weight_packed"])
         scales.append(sd["weight_scale"])
-    return {f"{mod}.weight_packed": torch.cat(packed), f"{mod}.weight_scale": torch.cat(scales),
-            f"{mod}.weight_shape": torch.tensor([n, k])}
+    return {
+        f"{mod}.weight_packed": torch.cat(packed),
+        f"{mod}.weight_scale": torch.cat(scales),
+        f"{mod}.weight_shape": torch.tensor([n, k]),
+    }
 
 
 def write_config(src: Path, out: Path, qcfg: dict) -> None:

@@ -13,7 +13,14 @@ from qconv.convert.layout import Plan
 from qconv.manifest import KV_PREFIX, QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU, Requirement
 from qconv.recipes.recipe import KEEP, Recipe
 
-__all__ = ["KV_PREFIX", "QUANTIZED_EMBEDDINGS", "TIED_QUANTIZED_HEAD", "WNA16_8BIT_CPU", "missing_for_vllm", "requirements"]
+__all__ = [
+    "KV_PREFIX",
+    "QUANTIZED_EMBEDDINGS",
+    "TIED_QUANTIZED_HEAD",
+    "WNA16_8BIT_CPU",
+    "missing_for_vllm",
+    "requirements",
+]
 NEEDS_RUNTIME = ("qconv", "qconv-runtime", "native")  # needs values that no vLLM satisfies
 PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
 # vLLM 0.32 models that pass their embed_tokens prefix to the quantization config themselves (Qwen2Model and
@@ -25,29 +32,53 @@ def requirements(recipe: Recipe, plan: Plan) -> list[Requirement]:
     req = []
     quantized = [m for m in plan.modules if m.scheme != KEEP]
     if any(m.role == "embed" for m in quantized) and plan.model_type not in STOCK_QUANTIZED_EMBED_TYPES:
-        req.append(Requirement("int8 embed_tokens", PLUGIN, vllm_feature=QUANTIZED_EMBEDDINGS,
-                               reason=f"stock vLLM's {plan.model_type} model builds embed_tokens without its "
-                                      "quantization prefix, so the weights do not load"))
+        req.append(
+            Requirement(
+                "int8 embed_tokens",
+                PLUGIN,
+                vllm_feature=QUANTIZED_EMBEDDINGS,
+                reason=f"stock vLLM's {plan.model_type} model builds embed_tokens without its "
+                "quantization prefix, so the weights do not load",
+            )
+        )
     if plan.tied_embeddings and any(m.role == "embed" for m in quantized):
-        req.append(Requirement("lm_head tied to a quantized embed_tokens", PLUGIN, vllm_feature=TIED_QUANTIZED_HEAD,
-                               reason="vLLM ties lm_head to embed_tokens.weight, which a pack-quantized embedding "
-                                      "does not have (its embedding method does lookups only)"))
+        req.append(
+            Requirement(
+                "lm_head tied to a quantized embed_tokens",
+                PLUGIN,
+                vllm_feature=TIED_QUANTIZED_HEAD,
+                reason="vLLM ties lm_head to embed_tokens.weight, which a pack-quantized embedding "
+                "does not have (its embedding method does lookups only)",
+            )
+        )
     if any(m.bits == 8 and m.scheme.endswith("a16") for m in quantized):
-        req.append(Requirement("8-bit weight-only layers (lm_head)", PLUGIN, platform="cpu",
-                               vllm_feature=WNA16_8BIT_CPU,
-                               reason="vLLM's CPU backend has WNA16 kernels for 4-bit weights only (Marlin runs "
-                                      "W8A16 on GPUs)"))
+        req.append(
+            Requirement(
+                "8-bit weight-only layers (lm_head)",
+                PLUGIN,
+                platform="cpu",
+                vllm_feature=WNA16_8BIT_CPU,
+                reason="vLLM's CPU backend has WNA16 kernels for 4-bit weights only (Marlin runs W8A16 on GPUs)",
+            )
+        )
     for name, p in recipe.profiles.items():
         if p.kv_cache.startswith("kvarn"):
-            req.append(Requirement(f"profile {name}: {p.kv_cache} KV cache", PLUGIN, profile=name,
-                                   vllm_feature=KV_PREFIX + p.kv_cache,
-                                   reason="KVarN is not a stock vLLM kv-cache dtype; the plugin adds its attention "
-                                          "backend for the presets it names in its features"))
+            req.append(
+                Requirement(
+                    f"profile {name}: {p.kv_cache} KV cache",
+                    PLUGIN,
+                    profile=name,
+                    vllm_feature=KV_PREFIX + p.kv_cache,
+                    reason="KVarN is not a stock vLLM kv-cache dtype; the plugin adds its attention "
+                    "backend for the presets it names in its features",
+                )
+            )
     return req
 
 
-def missing_for_vllm(requires: list[Requirement], profile: str, declared: set[str],
-                     platform: str | None = None) -> list[Requirement]:
+def missing_for_vllm(
+    requires: list[Requirement], profile: str, declared: set[str], platform: str | None = None
+) -> list[Requirement]:
     """Entries a vLLM with the `declared` features on `platform` ("cuda" | "cpu"; None: any) cannot satisfy for
     `profile`. A KV entry is met by its `kv-cache:<dtype>` token (the plugin's KVarN presets); only entries
     written before tokens named the preset (`kv-cache:kvarn`) are left to the launcher's KV dtype check."""

@@ -31,8 +31,14 @@ class ResolvedSource:
 
     def info(self) -> SourceInfo:
         files = source_files(self.path)
-        return SourceInfo(kind=self.kind, id=self.id, revision=self.revision, files=files,
-                          sha256=sha256_json(files), architecture=(self.config or read_config(self.path)).get("model_type", ""))
+        return SourceInfo(
+            kind=self.kind,
+            id=self.id,
+            revision=self.revision,
+            files=files,
+            sha256=sha256_json(files),
+            architecture=(self.config or read_config(self.path)).get("model_type", ""),
+        )
 
 
 def _looks_like_path(s: str) -> bool:
@@ -61,8 +67,11 @@ def check_model_dir(folder: Path, *, weights: bool = True) -> dict:
         if not shards:
             pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
             hint = f" (found pickle weights {pickles}: convert them to safetensors first)" if pickles else ""
-            raise QconvError(f"no *.safetensors weights in {folder}{hint}", where=str(folder),
-                             fix="pass a folder saved with save_pretrained(safe_serialization=True)")
+            raise QconvError(
+                f"no *.safetensors weights in {folder}{hint}",
+                where=str(folder),
+                fix="pass a folder saved with save_pretrained(safe_serialization=True)",
+            )
         for s in shards:
             safetensors_header(s)  # fail early and clearly on a truncated or corrupt file
     return cfg
@@ -75,8 +84,11 @@ def _download_hub(repo_id: str, revision: str | None) -> Path:
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS))
     except RepositoryNotFoundError as e:
-        raise QconvError(f"Hugging Face repo {repo_id!r} not found (or private)", where="--model",
-                         fix="check the id, log in with `hf auth login`, or pass a local folder") from e
+        raise QconvError(
+            f"Hugging Face repo {repo_id!r} not found (or private)",
+            where="--model",
+            fix="check the id, log in with `hf auth login`, or pass a local folder",
+        ) from e
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
         raise QconvError(
             f"cannot fetch {repo_id!r} from the Hugging Face Hub and it is not in the local cache ({type(e).__name__})",
@@ -97,8 +109,11 @@ def resolve_source(model: str, *, revision: str | None = None, weights: bool = T
         folder = import_cached(p)
         return ResolvedSource(path=folder, kind="gguf", id=str(p.resolve()), config=read_config(folder))
     if p.exists():
-        raise QconvError(f"--model {model} is a file but not a .gguf", where="--model",
-                         fix="pass a model folder, a Hugging Face id, or a .gguf file")
+        raise QconvError(
+            f"--model {model} is a file but not a .gguf",
+            where="--model",
+            fix="pass a model folder, a Hugging Face id, or a .gguf file",
+        )
     if _looks_like_path(model):
         raise QconvError(f"model path does not exist: {model}", where="--model", fix="check the path")
     local = _download_hub(model, revision)

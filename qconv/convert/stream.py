@@ -32,8 +32,12 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 def should_stream(source_bytes: int) -> bool:
     ram = available_ram()
     if ram and source_bytes > STREAM_FRACTION * ram:
-        log.info("model (%.1f GB bf16) exceeds %.0f%% of free RAM (%.1f GB): streaming the build layer by layer",
-                 source_bytes / 1e9, 100 * STREAM_FRACTION, ram / 1e9)
+        log.info(
+            "model (%.1f GB bf16) exceeds %.0f%% of free RAM (%.1f GB): streaming the build layer by layer",
+            source_bytes / 1e9,
+            100 * STREAM_FRACTION,
+            ram / 1e9,
+        )
         return True
     return False
 
@@ -76,13 +80,18 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
     cls = getattr(transformers, arch, None) if arch else None
     cfg = transformers.AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        model = cls._from_config(cfg, dtype=getattr(torch, dtype)) if cls else \
-            transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+        model = (
+            cls._from_config(cfg, dtype=getattr(torch, dtype))
+            if cls
+            else transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+        )
     model.config._name_or_path = str(path)  # llmcompressor copies the MTP head from here on save
     files = tensor_files(path)
     shutil.rmtree(offload_dir, ignore_errors=True)  # links or updates left by a killed run
     offload_dir.mkdir(parents=True)
-    log.info("streaming build: weights stay in %s, one layer in memory at a time (offload folder %s)", path, offload_dir)
+    log.info(
+        "streaming build: weights stay in %s, one layer in memory at a time (offload folder %s)", path, offload_dir
+    )
     if not pin_mmap_threshold():
         log.warning("could not pin the C library's mmap threshold: freed memory may not return to the system")
     rebuild_meta_buffers(model)
@@ -93,10 +102,20 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
         for local, p in params.items():
             full = f"{mod_name}.{local}" if mod_name else local
             if full not in files:
-                raise QconvError(f"tensor {full} is not in the source safetensors", where=str(path),
-                                 fix="stream only complete checkpoints (tied weights: build in memory)")
-            DiskCache.create_checkpoint_symlink(p, {"safetensors_file": str(files[full]), "weight_name": full,
-                                                    "dtype": str(p.dtype).removeprefix("torch.")}, offload_dir)
+                raise QconvError(
+                    f"tensor {full} is not in the source safetensors",
+                    where=str(path),
+                    fix="stream only complete checkpoints (tied weights: build in memory)",
+                )
+            DiskCache.create_checkpoint_symlink(
+                p,
+                {
+                    "safetensors_file": str(files[full]),
+                    "weight_name": full,
+                    "dtype": str(p.dtype).removeprefix("torch."),
+                },
+                offload_dir,
+            )
         offload_module(module, "cpu", "disk", offload_dir=str(offload_dir))
     return model
 
@@ -142,8 +161,12 @@ def activations_on_disk(folder: Path, min_bytes: int = SPILL_MIN_BYTES):
     def spill(cls, value, offload_device, onload_device=None):
         import torch
 
-        if (isinstance(value, torch.Tensor) and value.nbytes >= min_bytes and offload_device is not None
-                and torch.device(offload_device).type == "cpu"):
+        if (
+            isinstance(value, torch.Tensor)
+            and value.nbytes >= min_bytes
+            and offload_device is not None
+            and torch.device(offload_device).type == "cpu"
+        ):
             return IntermediateValue(value=Spilled(value, folder), device=onload_device or value.device)
         return offload.__func__(cls, value, offload_device, onload_device)
 
@@ -172,8 +195,12 @@ def row_blocked_observer(block_bytes: int = GPTQ_BLOCK_BYTES):
         step = max(1, block_bytes // (4 * max(1, observed.numel() // max(rows, 1))))
         if rows <= step:
             return whole(observed, args, token_args, lo, hi, norm)
-        return torch.cat([whole(observed[:, a:a + step], args, token_args, lo[a:a + step], hi[a:a + step], norm)
-                          for a in range(0, rows, step)])
+        return torch.cat(
+            [
+                whole(observed[:, a : a + step], args, token_args, lo[a : a + step], hi[a : a + step], norm)
+                for a in range(0, rows, step)
+            ]
+        )
 
     with patches.swap(mse_error=blocked):
         yield
@@ -185,7 +212,7 @@ def _permute_in_place(h, perm, block_bytes: int):
     for b in range(h.shape[0]):
         p = h[b].index_select(0, perm[b])
         for r0 in range(0, p.shape[0], step):
-            p[r0:r0 + step] = p[r0:r0 + step].index_select(1, perm[b])
+            p[r0 : r0 + step] = p[r0 : r0 + step].index_select(1, perm[b])
         h[b].copy_(p)
 
 
@@ -244,8 +271,16 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES, names: dict | None = N
         with patches.swap(gptq_factorize_hessian=factorize_once, gptq_activation_ordering=order_once):
             for r0 in range(0, rows, step):
                 sl = slice(r0, min(r0 + step, rows))
-                q, loss, fb = whole(weights[:, sl].float(), hessians, _rows(scale, sl, rows),
-                                    _rows(zero_point, sl, rows), global_scale, quant_args, blocksize, percdamp)
+                q, loss, fb = whole(
+                    weights[:, sl].float(),
+                    hessians,
+                    _rows(scale, sl, rows),
+                    _rows(zero_point, sl, rows),
+                    global_scale,
+                    quant_args,
+                    blocksize,
+                    percdamp,
+                )
                 weights[:, sl] = q.to(weights.dtype)
                 losses, fallback = losses + loss, fb if fallback is None else fallback | fb
         return weights, losses, fallback
@@ -253,8 +288,12 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES, names: dict | None = N
     def lean_prepare(batch, batch_qparams, hessians_by_module, samples_by_module):
         name = (names or {}).get(batch[-1], "")
         layer = _LAYER.search(name)
-        log.info("GPTQ: %d module(s), %s", len(batch), name or "unnamed",
-                 extra=progress.advance(len(batch), f"layer {layer[1]}" if layer else name))
+        log.info(
+            "GPTQ: %d module(s), %s",
+            len(batch),
+            name or "unnamed",
+            extra=progress.advance(len(batch), f"layer {layer[1]}" if layer else name),
+        )
         stacked = None
         for i, module in enumerate(batch):
             h = hessians_by_module.pop(module)
@@ -269,8 +308,9 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES, names: dict | None = N
         # GPTQ_PRECISION is read by prepare_batch for the stacked weights only; the Hessians are already stacked:
         # prepare_batch gets one-element stand-ins
         with patches.swap(gptq_precision=batch[0].weight.dtype):
-            out = prepare(batch, batch_qparams, {m: torch.ones(1, 1) for m in batch},
-                          {m: torch.ones(()) for m in batch})
+            out = prepare(
+                batch, batch_qparams, {m: torch.ones(1, 1) for m in batch}, {m: torch.ones(()) for m in batch}
+            )
         return (out[0], stacked, *out[2:])
 
     with patches.swap(gptq_quantize_weight=blocked, gptq_prepare_batch=lean_prepare):

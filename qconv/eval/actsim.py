@@ -25,8 +25,11 @@ def linears_of(model: torch.nn.Module, roles: tuple[str, ...]) -> list[str]:
 def act8_simulation(model: torch.nn.Module, roles: tuple[str, ...]):
     """Within: the named roles' linears see int8 per-token inputs. Nothing when roles is empty."""
     names = set(linears_of(model, roles)) if roles else set()
-    hooks = [m.register_forward_pre_hook(lambda _m, args: (quantize_per_token_int8(args[0]), *args[1:]))
-             for n, m in model.named_modules() if n in names]
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, args: (quantize_per_token_int8(args[0]), *args[1:]))
+        for n, m in model.named_modules()
+        if n in names
+    ]
     try:
         yield len(hooks)
     finally:

@@ -5,9 +5,9 @@ for the same windows, so the reference cache is shared between them."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
 
 import torch
 
@@ -44,31 +44,41 @@ class LogitSource:
         self.path, self.device = Path(path), fwd.resolved_device()
         self.streamed = fwd.streamed if fwd.streamed is not None else not fits(num_parameters, self.device)
         if self.streamed and fwd.streamed is None:
-            log.info("%s (%.1f GB bf16) does not fit in %.1f GB free on %s: layer-streamed forward", what,
-                     2 * num_parameters / 1e9, free_bytes(self.device) / 1e9, self.device)
+            log.info(
+                "%s (%.1f GB bf16) does not fit in %.1f GB free on %s: layer-streamed forward",
+                what,
+                2 * num_parameters / 1e9,
+                free_bytes(self.device) / 1e9,
+                self.device,
+            )
         self._model = None
 
-    def logits(self, windows, indices: list[int], kv_scheme=None,
-               a8_roles: tuple[str, ...] = ()) -> Iterator[tuple[int, Iterator[Blocks]]]:
+    def logits(
+        self, windows, indices: list[int], kv_scheme=None, a8_roles: tuple[str, ...] = ()
+    ) -> Iterator[tuple[int, Iterator[Blocks]]]:
         """For each window i: (i, its row blocks in order), a block being (logits [n, V] float32 of positions the
         window scores, the tokens they predict). Consume a window's blocks before asking for the next window.
         `a8_roles`: those roles' linears take int8 per-token inputs (actsim.py; whole-model forward only)."""
+        from qconv.convert.hfmodel import load_causal_lm
         from qconv.eval.actsim import act8_simulation
         from qconv.eval.kvsim import kv_simulation
-        from qconv.convert.hfmodel import load_causal_lm
         from qconv.eval.reference import window_logits
 
         if not indices:
             return
         if self.streamed and a8_roles:
-            raise QconvError("the W4A8 simulation runs on the whole-model forward only",
-                             where="--profile", fix="pass --whole-model (the model must fit in memory)")
+            raise QconvError(
+                "the W4A8 simulation runs on the whole-model forward only",
+                where="--profile",
+                fix="pass --whole-model (the model must fit in memory)",
+            )
         if self.streamed:
             from qconv.eval.layerwise import streamed_logits
 
             firsts = [windows.first_scored(i) for i in indices]
-            for j, blocks in streamed_logits(self.path, [windows.ids[i] for i in indices], firsts,
-                                             device=self.device, kv_scheme=kv_scheme):
+            for j, blocks in streamed_logits(
+                self.path, [windows.ids[i] for i in indices], firsts, device=self.device, kv_scheme=kv_scheme
+            ):
                 yield indices[j], blocks
             return
         if self._model is None:

@@ -37,13 +37,19 @@ def tier_info(quality: Quality, num_params: int) -> dict:
     """Which tier judges this model, and whether the model is in the recipe's target class (the largest tier)."""
     tier = quality.tier_for(num_params)
     target = max(quality.tiers, key=lambda t: t.min_params) if quality.tiers else None
-    info = {"name": tier.name if tier else None, "min_params": tier.min_params if tier else None,
-            "num_parameters": num_params, "in_target_class": tier is not None and tier is target}
+    info = {
+        "name": tier.name if tier else None,
+        "min_params": tier.min_params if tier else None,
+        "num_parameters": num_params,
+        "in_target_class": tier is not None and tier is target,
+    }
     if tier is None:
         info["note"] = "the recipe defines no gate tier for this model size: no gates applied"
     elif tier is not target:
-        info["note"] = (f"{num_params / 1e6:.0f}M parameters is outside this recipe's target class "
-                        f"({target.name}); judged by the {tier.name!r} tier")
+        info["note"] = (
+            f"{num_params / 1e6:.0f}M parameters is outside this recipe's target class "
+            f"({target.name}); judged by the {tier.name!r} tier"
+        )
     return info
 
 
@@ -85,14 +91,17 @@ def regressions(report: dict, recorded: dict, tol: Regression) -> list[Verdict]:
         new, old = report.get(section), recorded.get(section)
         if not new or not old:
             continue
-        checks = (("kld_mean", "max", old.get("kld_mean", 0) * (1 + tol.mean_kld_rel)),
-                  ("kld_p99", "max", old.get("kld_p99", 0) * (1 + tol.p99_kld_rel)),
-                  ("top1", "min", old.get("top1", 0) - tol.top1_abs),
-                  ("ppl_ratio", "max", old.get("ppl_ratio", 0) + tol.ppl_ratio_abs))
+        checks = (
+            ("kld_mean", "max", old.get("kld_mean", 0) * (1 + tol.mean_kld_rel)),
+            ("kld_p99", "max", old.get("kld_p99", 0) * (1 + tol.p99_kld_rel)),
+            ("top1", "min", old.get("top1", 0) - tol.top1_abs),
+            ("ppl_ratio", "max", old.get("ppl_ratio", 0) + tol.ppl_ratio_abs),
+        )
         for metric, how, limit in checks:
             if metric in new and metric in old:
-                v = _compare(f"{section}.{metric} vs recorded {old[metric]:.4f}", new[metric], limit, how,
-                             kind="regression")
+                v = _compare(
+                    f"{section}.{metric} vs recorded {old[metric]:.4f}", new[metric], limit, how, kind="regression"
+                )
                 out.append(v)
     return out
 
@@ -105,8 +114,9 @@ def write_junit(path: str | Path, verdicts: list[Verdict], suite: str = "qconv.c
 
     failures = sum(not v.passed for v in verdicts)
     root = ET.Element("testsuites")
-    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(verdicts)), failures=str(failures),
-                       errors="0", skipped="0")
+    ts = ET.SubElement(
+        root, "testsuite", name=suite, tests=str(len(verdicts)), failures=str(failures), errors="0", skipped="0"
+    )
     for v in verdicts:
         tc = ET.SubElement(ts, "testcase", classname=f"{suite}.{v.kind}", name=v.name)
         if not v.passed:

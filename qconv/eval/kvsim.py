@@ -57,7 +57,7 @@ def _register(sim: SimulatedKV) -> str:
             key, value = scheme.fake_quant(key, value)
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         key, value, allowed = scheme.decode_time(key, value)
-        allowed = allowed[-query.shape[2]:][None, None]
+        allowed = allowed[-query.shape[2] :][None, None]
         if attention_mask is not None:
             base = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
             allowed = allowed & torch.cat([base, base], -1)

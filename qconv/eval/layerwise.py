@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 
 import torch
 
@@ -38,6 +38,7 @@ DEQUANT_BLOCK_ROWS = 8192
 @dataclass
 class Checkpoint:
     """A model folder read by tensor-name prefix; compressed-tensors weights come back dequantized (bf16)."""
+
     path: Path
     files: dict[str, Path]  # tensor name -> the shard that holds it
     dequantizer: object | None = None
@@ -50,14 +51,16 @@ class Checkpoint:
         path = Path(path)
         files = tensor_files(path)
         if not files:
-            raise QconvError(f"no safetensors in {path}", where=str(path),
-                             fix="layer streaming reads safetensors shards; convert the checkpoint first")
+            raise QconvError(
+                f"no safetensors in {path}",
+                where=str(path),
+                fix="layer streaming reads safetensors shards; convert the checkpoint first",
+            )
         qcfg = read_model_config(path).get("quantization_config") or {}
         deq = None
         if qcfg.get("quant_method") == "compressed-tensors":
-            from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
-
             from compressed_tensors.config import CompressionFormat
+            from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
 
             deq = CompressedTensorsDequantizer(str(path), dtype=torch.bfloat16)
             # It infers each group's format as a Linear's would be (pack-quantized for any int scheme); artifacts
@@ -73,7 +76,7 @@ class Checkpoint:
         if prefix not in self._prefix_map:
             found = None
             for a, b in ((None, None),) + PREFIX_ALIASES:
-                p = prefix if a is None else (b + prefix[len(a):] if prefix.startswith(a) else None)
+                p = prefix if a is None else (b + prefix[len(a) :] if prefix.startswith(a) else None)
                 if p and any(n.startswith(p) for n in self.files):
                     found = p
                     break
@@ -86,8 +89,11 @@ class Checkpoint:
 
         p = self.resolve(prefix)
         if p is None:
-            raise QconvError(f"no tensors under {prefix} in {self.path}", where=str(self.path),
-                             fix="the checkpoint does not match its config.json; re-download or rebuild it")
+            raise QconvError(
+                f"no tensors under {prefix} in {self.path}",
+                where=str(self.path),
+                fix="the checkpoint does not match its config.json; re-download or rebuild it",
+            )
         names = [n for n in self.files if n.startswith(p)]
         out: dict[str, torch.Tensor] = {}
         for shard in sorted({self.files[n] for n in names}):
@@ -95,7 +101,7 @@ class Checkpoint:
                 out.update({n: f.get_tensor(n) for n in names if self.files[n] == shard})
         if self.dequantizer is not None:
             out = self._dequantize(out)
-        return {n[len(p):]: t for n, t in out.items()}
+        return {n[len(p) :]: t for n, t in out.items()}
 
     def _dequantize(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """compressed-tensors' dequantizer, a block of rows at a time for a large matrix: it holds about twice the
@@ -109,22 +115,26 @@ class Checkpoint:
         for mod, local in by_module.items():
             stored = local.get("weight_packed", local.get("weight"))
             rows = stored.shape[0] if stored is not None and stored.dim() == 2 else 0
-            if rows <= DEQUANT_BLOCK_ROWS or "weight_scale" not in local or any(
-                    t.dim() == 2 and t.shape[0] != rows for t in local.values()):
+            if (
+                rows <= DEQUANT_BLOCK_ROWS
+                or "weight_scale" not in local
+                or any(t.dim() == 2 and t.shape[0] != rows for t in local.values())
+            ):
                 out.update(self.dequantizer.process({f"{mod}.{k}": t for k, t in local.items()}))
                 continue
             weight = None
             for a in range(0, rows, DEQUANT_BLOCK_ROWS):
-                part = {f"{mod}.{k}": (t[a:a + DEQUANT_BLOCK_ROWS] if t.dim() == 2 else t) for k, t in local.items()}
+                part = {f"{mod}.{k}": (t[a : a + DEQUANT_BLOCK_ROWS] if t.dim() == 2 else t) for k, t in local.items()}
                 if "weight_shape" in local:
-                    part[f"{mod}.weight_shape"] = torch.tensor([min(DEQUANT_BLOCK_ROWS, rows - a),
-                                                                int(local["weight_shape"][1])])
+                    part[f"{mod}.weight_shape"] = torch.tensor(
+                        [min(DEQUANT_BLOCK_ROWS, rows - a), int(local["weight_shape"][1])]
+                    )
                 block = self.dequantizer.process(part)
                 w = block.pop(f"{mod}.weight")
                 if weight is None:
                     weight = torch.empty(rows, w.shape[1], dtype=w.dtype)
                     out.update(block)  # anything else the module stores (bias), once
-                weight[a:a + len(w)] = w
+                weight[a : a + len(w)] = w
             out[f"{mod}.weight"] = weight
         return out
 
@@ -151,10 +161,14 @@ def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], device, whe
     want = set(module.state_dict())
     missing, extra = want - set(tensors), set(tensors) - want
     if missing:
-        raise QconvError(f"{where}: tensors missing from the checkpoint: {sorted(missing)[:5]}", where=where,
-                         fix="the checkpoint does not match its config.json; re-download or rebuild it")
-    sd = {k: tensors[k].to(device=device, dtype=torch.bfloat16 if tensors[k].is_floating_point() else None)
-          for k in want}
+        raise QconvError(
+            f"{where}: tensors missing from the checkpoint: {sorted(missing)[:5]}",
+            where=where,
+            fix="the checkpoint does not match its config.json; re-download or rebuild it",
+        )
+    sd = {
+        k: tensors[k].to(device=device, dtype=torch.bfloat16 if tensors[k].is_floating_point() else None) for k in want
+    }
     if extra:
         log.debug("%s: ignoring %d stored tensors the module does not use: %s", where, len(extra), sorted(extra)[:5])
     module.load_state_dict(sd, strict=True, assign=True)
@@ -167,6 +181,7 @@ def _free(module: torch.nn.Module) -> None:
 @dataclass
 class StreamedModel:
     """A causal LM on the meta device whose weights stay in `ckpt` until a stage needs them."""
+
     ckpt: Checkpoint
     model: torch.nn.Module  # the full model, meta device (rotary buffers real)
     device: torch.device
@@ -221,8 +236,9 @@ class StreamedModel:
         real, seen = dec.layers, {}
         dec.layers = torch.nn.ModuleList([_Recorder(i, seen) for i in range(len(real))])
         try:
-            x = torch.zeros(1, seq_len, self.config.get_text_config().hidden_size, dtype=torch.bfloat16,
-                            device=self.device)
+            x = torch.zeros(
+                1, seq_len, self.config.get_text_config().hidden_size, dtype=torch.bfloat16, device=self.device
+            )
             norm = dec.norm
             dec.norm = torch.nn.Identity()
             try:
@@ -244,7 +260,7 @@ class StreamedModel:
             args, kwargs = inputs[i]
             with self.loaded(layer, f"decoder layer {i}"):
                 for w in range(hidden.shape[0]):
-                    out = layer_output(layer(hidden[w:w + 1].to(self.device), *args, **kwargs))
+                    out = layer_output(layer(hidden[w : w + 1].to(self.device), *args, **kwargs))
                     hidden[w] = out[0].to(hidden.device)
         return hidden
 
@@ -263,28 +279,33 @@ class StreamedModel:
             _free(dec.norm)
             _free(head)
 
-    def window_logits(self, hidden: torch.Tensor, windows: list[list[int]], firsts: list[int]
-                      ) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, torch.Tensor]]]]:
+    def window_logits(
+        self, hidden: torch.Tensor, windows: list[list[int]], firsts: list[int]
+    ) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, torch.Tensor]]]]:
         """(window index, its blocks), a block being the float32 logits of `row_block` of the positions first..T-2
         and the tokens they predict: a large vocabulary's logits are never held for a whole window."""
         with self.head() as (norm, head):
             for w, (ids, first) in enumerate(zip(windows, firsts)):
-                yield w, self._blocks(norm, head, hidden[w, first:-1], torch.tensor(ids[first + 1:]))
+                yield w, self._blocks(norm, head, hidden[w, first:-1], torch.tensor(ids[first + 1 :]))
 
     @torch.inference_mode()
     def _blocks(self, norm, head, h: torch.Tensor, targets: torch.Tensor):
         for a in range(0, len(h), self.row_block):
-            yield head(norm(h[a:a + self.row_block].to(self.device))).float().cpu(), targets[a:a + self.row_block]
+            yield head(norm(h[a : a + self.row_block].to(self.device))).float().cpu(), targets[a : a + self.row_block]
 
 
-def streamed_logits(path: str | Path, windows: list[list[int]], firsts: list[int], *, device: str = "cpu",
-                    kv_scheme=None) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, torch.Tensor]]]]:
+def streamed_logits(
+    path: str | Path, windows: list[list[int]], firsts: list[int], *, device: str = "cpu", kv_scheme=None
+) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, torch.Tensor]]]]:
     """The layer-streamed equivalent of running `reference.window_logits` on each window of a loaded model."""
     from qconv.eval.kvsim import kv_simulation
 
     if len({len(w) for w in windows}) > 1:
-        raise QconvError("streamed evaluation needs windows of one length", where="--window",
-                         fix="this is a bug: text.make_windows makes equal windows")
+        raise QconvError(
+            "streamed evaluation needs windows of one length",
+            where="--window",
+            fix="this is a bug: text.make_windows makes equal windows",
+        )
     sm = StreamedModel.open(path, device)
     with kv_simulation(sm.model, kv_scheme):
         hidden = sm.run_layers(sm.embed(windows))

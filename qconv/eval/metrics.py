@@ -60,6 +60,7 @@ def kld_topk(ref: RefWindow, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 @dataclass
 class TokenStats:
     """Per-token values gathered window by window (numpy, float64)."""
+
     kld: list[np.ndarray] = field(default_factory=list)
     kld_hi: list[np.ndarray] = field(default_factory=list)
     same_top: list[np.ndarray] = field(default_factory=list)
@@ -69,7 +70,7 @@ class TokenStats:
     def add(self, ref: RefWindow, logits_q: torch.Tensor, targets: torch.Tensor, chunk: int = 256) -> None:
         """One window; rows go `chunk` at a time so a large vocabulary never needs [n, V] float64 at once."""
         for a in range(0, len(targets), chunk):
-            self._add(ref.rows(a, a + chunk), logits_q[a:a + chunk], targets[a:a + chunk])
+            self._add(ref.rows(a, a + chunk), logits_q[a : a + chunk], targets[a : a + chunk])
 
     def _add(self, ref: RefWindow, logits_q: torch.Tensor, targets: torch.Tensor) -> None:
         logq = torch.log_softmax(logits_q.float(), dim=-1)
@@ -105,18 +106,30 @@ def summarize(stats: TokenStats) -> dict:
     q = np.quantile(kld, [0.5, 0.9, 0.99, 0.999])
     return {
         "tokens": n,
-        "kld_mean": kmean, "kld_se": kse,
-        "kld_median": float(q[0]), "kld_p90": float(q[1]), "kld_p99": float(q[2]), "kld_p999": float(q[3]),
-        "kld_max": float(kld.max()), "kld_min": float(kld.min()),
+        "kld_mean": kmean,
+        "kld_se": kse,
+        "kld_median": float(q[0]),
+        "kld_p90": float(q[1]),
+        "kld_p99": float(q[2]),
+        "kld_p999": float(q[3]),
+        "kld_max": float(kld.max()),
+        "kld_min": float(kld.min()),
         # exact mean KLD lies in [kld_mean, kld_mean + kld_bound] (0 for a full reference)
         "kld_bound": float((a["kld_hi"] - kld).mean()),
-        "top1": top1, "top1_se": top1_se,
-        "ppl_base": float(np.exp(nb)), "ppl_base_se": float(np.exp(nb) * nb_se),
-        "ppl_q": float(np.exp(nq)), "ppl_q_se": float(np.exp(nq) * nq_se),
-        "ln_ppl_ratio": lnr, "ln_ppl_ratio_se": lnr_se,
-        "ppl_ratio": float(np.exp(lnr)), "ppl_ratio_se": float(np.exp(lnr) * lnr_se),
+        "top1": top1,
+        "top1_se": top1_se,
+        "ppl_base": float(np.exp(nb)),
+        "ppl_base_se": float(np.exp(nb) * nb_se),
+        "ppl_q": float(np.exp(nq)),
+        "ppl_q_se": float(np.exp(nq) * nq_se),
+        "ln_ppl_ratio": lnr,
+        "ln_ppl_ratio_se": lnr_se,
+        "ppl_ratio": float(np.exp(lnr)),
+        "ppl_ratio_se": float(np.exp(lnr) * lnr_se),
         "cor_ln_ppl": float(np.corrcoef(a["nll_q"], a["nll_base"])[0, 1]),
-        "dp_mean": dp_mean, "dp_se": dp_se, "dp_rms": float(np.sqrt((dp ** 2).mean())),
+        "dp_mean": dp_mean,
+        "dp_se": dp_se,
+        "dp_rms": float(np.sqrt((dp**2).mean())),
     }
 
 

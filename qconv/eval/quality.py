@@ -52,8 +52,11 @@ def cached_source(path: str | Path, num_parameters: int | None = None) -> Source
     folder, meta = cache_meta(path)
     n = meta.get("num_parameters") or num_parameters
     if not n:
-        raise QconvError("the reference cache records no parameter count (made by an older qconv)",
-                         where=str(folder), fix="recompute it with `qconv eval ARTIFACT --reference MODEL`")
+        raise QconvError(
+            "the reference cache records no parameter count (made by an older qconv)",
+            where=str(folder),
+            fix="recompute it with `qconv eval ARTIFACT --reference MODEL`",
+        )
     return Source(path=folder, sha256=meta.get("source_sha256", ""), num_parameters=int(n), cache=True)
 
 
@@ -76,28 +79,40 @@ def resolve_reference(reference: str | Path | None, manifest) -> Source:
         return cached
     spec = str(reference) if reference else (manifest.source.id if manifest else None)
     if not spec:
-        raise QconvError("no reference model: the artifact's qconv.json names no source", where="--reference",
-                         fix="pass --reference SOURCE (the full-precision model folder, hub id or .gguf)")
+        raise QconvError(
+            "no reference model: the artifact's qconv.json names no source",
+            where="--reference",
+            fix="pass --reference SOURCE (the full-precision model folder, hub id or .gguf)",
+        )
     try:
         src = resolve_source(spec, revision=None if reference else manifest.source.revision)
     except QconvError as e:
-        raise QconvError(f"reference model not available: {e.what}", where=f"--reference {spec}",
-                         fix=e.fix or "pass --reference with the full-precision source model") from e
+        raise QconvError(
+            f"reference model not available: {e.what}",
+            where=f"--reference {spec}",
+            fix=e.fix or "pass --reference with the full-precision source model",
+        ) from e
     same = manifest is not None and not reference
     sha = manifest.source.sha256 if same and manifest.source.sha256 else src.info().sha256
     nparams = manifest.source.num_parameters if same and manifest.source.num_parameters else 0
     return Source(path=src.path, sha256=sha, num_parameters=nparams or safetensors_stats(src.path)[0])
 
 
-def _run(logit_source: LogitSource, ref: Reference, windows: Windows, kv_scheme=None,
-         a8_roles: tuple[str, ...] = ()) -> tuple[dict, np.ndarray]:
+def _run(
+    logit_source: LogitSource, ref: Reference, windows: Windows, kv_scheme=None, a8_roles: tuple[str, ...] = ()
+) -> tuple[dict, np.ndarray]:
     from tqdm.auto import tqdm
 
     stats = TokenStats()
     n = len(windows.ids)
     desc = f"eval{'+' + kv_scheme.name if kv_scheme else ''}{'+a8' if a8_roles else ''}"
-    for i, blocks in tqdm(logit_source.logits(windows, list(range(n)), kv_scheme, a8_roles), total=n,
-                          desc=desc, unit="window", leave=False):
+    for i, blocks in tqdm(
+        logit_source.logits(windows, list(range(n)), kv_scheme, a8_roles),
+        total=n,
+        desc=desc,
+        unit="window",
+        leave=False,
+    ):
         ref_i, a = ref.window(i), 0
         for logits, targets in blocks:
             stats.add(ref_i.rows(a, a + len(targets)), logits, targets)
@@ -105,8 +120,9 @@ def _run(logit_source: LogitSource, ref: Reference, windows: Windows, kv_scheme=
     return summarize(stats), stats.arrays()["kld"]
 
 
-def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
-            fwd: Forward | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+def measure(
+    artifact_dir: str | Path, source: Source, settings: EvalSettings, fwd: Forward | None = None
+) -> tuple[dict, dict[str, np.ndarray]]:
     """The report dict (no verdicts yet) and the per-token KLD arrays by section, for the plot. `fwd` picks the
     device and whole-model or layer-streamed forward (default: streamed when a model does not fit)."""
     from transformers import AutoTokenizer
@@ -116,8 +132,7 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
     # a cached reference has no model beside it: the artifact carries the source's tokenizer, and every cached
     # window's token-id hash is checked against what it gives
     tok = AutoTokenizer.from_pretrained(artifact_dir if source.cache else source.path)
-    windows = make_windows(tok, text, window=settings.window, max_tokens=settings.max_tokens,
-                           stride=settings.stride)
+    windows = make_windows(tok, text, window=settings.window, max_tokens=settings.max_tokens, stride=settings.stride)
     fwd = fwd or Forward()
     if source.cache:
         from transformers import AutoConfig
@@ -126,8 +141,15 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
         ref = open_cached(source.path, windows, text_sha256=text.sha256, vocab_size=vocab, topk=settings.ref_topk)
     else:
         ref_source = LogitSource(source.path, fwd, source.num_parameters, "reference model")
-        ref = build_reference(source.path, windows, source_sha256=source.sha256, text_sha256=text.sha256,
-                              topk=settings.ref_topk, logit_source=ref_source, num_parameters=source.num_parameters)
+        ref = build_reference(
+            source.path,
+            windows,
+            source_sha256=source.sha256,
+            text_sha256=text.sha256,
+            topk=settings.ref_topk,
+            logit_source=ref_source,
+            num_parameters=source.num_parameters,
+        )
         ref_source.close()
     kv = get_scheme(settings.kv, settings.kv_form) if settings.kv else None
     art = LogitSource(artifact_dir, fwd, source.num_parameters, "artifact")
@@ -142,13 +164,29 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
     report = {
         "schema": 1,
         "artifact": str(Path(artifact_dir).resolve()),
-        "source": {"path": str(source.path), "sha256": source.sha256, "num_parameters": source.num_parameters,
-                   "kind": "cached reference log-probs" if source.cache else "model"},
+        "source": {
+            "path": str(source.path),
+            "sha256": source.sha256,
+            "num_parameters": source.num_parameters,
+            "kind": "cached reference log-probs" if source.cache else "model",
+        },
         "settings": asdict(settings),
-        "text": {"label": text.label, "sha256": text.sha256, "tokens_scored": windows.num_scored,
-                 "windows": len(windows.ids), "window": windows.window, "stride": windows.stride},
-        "reference": {"storage": ref.storage, "topk": ref.topk, "vocab_size": ref.vocab_size,
-                      "describe": ref.describe(), "cache": str(ref.folder), "given_as_cache": source.cache},
+        "text": {
+            "label": text.label,
+            "sha256": text.sha256,
+            "tokens_scored": windows.num_scored,
+            "windows": len(windows.ids),
+            "window": windows.window,
+            "stride": windows.stride,
+        },
+        "reference": {
+            "storage": ref.storage,
+            "topk": ref.topk,
+            "vocab_size": ref.vocab_size,
+            "describe": ref.describe(),
+            "cache": str(ref.folder),
+            "given_as_cache": source.cache,
+        },
         "bits_per_weight": 8 * nbytes / source.num_parameters,
         "artifact_bytes": nbytes,
         "kv_scheme": kv.name if kv else None,
@@ -156,7 +194,7 @@ def measure(artifact_dir: str | Path, source: Source, settings: EvalSettings,
         "forward": {"streamed": art.streamed, "device": art.device},
         **sections,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
-                   f"{'cuda ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}",
+        f"{'cuda ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "elapsed_s": round(time.time() - t0, 1),
     }

@@ -13,7 +13,6 @@ has the full-precision model) can stand in for the model: open_cached checks it 
 
 from __future__ import annotations
 
-
 import hashlib
 import json
 import logging
@@ -49,21 +48,26 @@ class RefWindow:
 
     @staticmethod
     def cat(parts: list[RefWindow]) -> RefWindow:
-        return RefWindow(**{k: torch.cat([vars(p)[k] for p in parts]) for k, v in vars(parts[0]).items()
-                            if v is not None})
+        return RefWindow(
+            **{k: torch.cat([vars(p)[k] for p in parts]) for k, v in vars(parts[0]).items() if v is not None}
+        )
 
     def top1(self) -> torch.Tensor:
         return self.topk_idx[:, 0] if self.logp is None else self.logp.argmax(-1)
 
 
-def ref_window_from_logits(logits: torch.Tensor, targets: torch.Tensor, topk: int | None,
-                           chunk: int = 256) -> RefWindow:
+def ref_window_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, topk: int | None, chunk: int = 256
+) -> RefWindow:
     """logits [n, V] of the positions scored, targets [n] the tokens that follow them; `chunk` rows at a time, so
     that a large vocabulary's float32 temporaries stay a block's (248,320 x 2,048 is 2 GB each)."""
     parts = []
     for a in range(0, len(targets), chunk):
-        logp = torch.log_softmax(logits[a:a + chunk].float(), dim=-1)
-        part = {"entropy": -(logp.exp() * logp).sum(-1), "target_logp": logp.gather(-1, targets[a:a + chunk, None])[:, 0]}
+        logp = torch.log_softmax(logits[a : a + chunk].float(), dim=-1)
+        part = {
+            "entropy": -(logp.exp() * logp).sum(-1),
+            "target_logp": logp.gather(-1, targets[a : a + chunk, None])[:, 0],
+        }
         if topk:
             part["topk_logp"], part["topk_idx"] = logp.topk(topk, dim=-1, sorted=True)
         else:
@@ -75,6 +79,7 @@ def ref_window_from_logits(logits: torch.Tensor, targets: torch.Tensor, topk: in
 @dataclass
 class Reference:
     """A cache folder of reference windows; `window(i)` loads one from disk."""
+
     folder: Path
     storage: str  # "full" | "topk"
     topk: int | None
@@ -88,8 +93,10 @@ class Reference:
     def describe(self) -> str:
         if self.storage == "full":
             return f"full log-probs of all {self.vocab_size} tokens, stored fp16"
-        return (f"top-{self.topk} log-probs (fp32) + tail mass of {self.vocab_size} tokens, with exact entropy and "
-                "next-token log-prob; KLD is bracketed per token (stated as kld_bound)")
+        return (
+            f"top-{self.topk} log-probs (fp32) + tail mass of {self.vocab_size} tokens, with exact entropy and "
+            "next-token log-prob; KLD is bracketed per token (stated as kld_bound)"
+        )
 
 
 def choose_storage(vocab_size: int, topk: int | None) -> tuple[str, int | None]:
@@ -97,8 +104,11 @@ def choose_storage(vocab_size: int, topk: int | None) -> tuple[str, int | None]:
     if topk is None:
         topk = 0 if vocab_size <= FULL_VOCAB_MAX else DEFAULT_TOPK
     if topk < 0 or topk >= vocab_size:
-        raise QconvError(f"--ref-topk {topk} is outside 0..{vocab_size - 1}", where="--ref-topk",
-                         fix="use 0 for full log-probs or a k smaller than the vocabulary")
+        raise QconvError(
+            f"--ref-topk {topk} is outside 0..{vocab_size - 1}",
+            where="--ref-topk",
+            fix="use 0 for full log-probs or a k smaller than the vocabulary",
+        )
     return ("topk", topk) if topk else ("full", None)
 
 
@@ -107,7 +117,7 @@ def window_logits(model, ids: list[int], first: int) -> tuple[torch.Tensor, torc
     """Logits of positions first..len-2 and the tokens they predict, for one window."""
     x = torch.tensor([ids], device=model.device)
     logits = model(input_ids=x, use_cache=False, logits_to_keep=0).logits[0, first:-1].float().cpu()
-    return logits, x[0, first + 1:].cpu()
+    return logits, x[0, first + 1 :].cpu()
 
 
 def ids_sha256(ids: list[int]) -> str:
@@ -117,14 +127,32 @@ def ids_sha256(ids: list[int]) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 
-def reference_key(source_sha256: str, text_sha256: str, window: int, stride: int, storage: str,
-                  topk: int | None) -> str:
-    return sha256_json({"source": source_sha256, "text": text_sha256, "window": window, "stride": stride,
-                        "storage": storage, "topk": topk, "v": 1})[:32]
+def reference_key(
+    source_sha256: str, text_sha256: str, window: int, stride: int, storage: str, topk: int | None
+) -> str:
+    return sha256_json(
+        {
+            "source": source_sha256,
+            "text": text_sha256,
+            "window": window,
+            "stride": stride,
+            "storage": storage,
+            "topk": topk,
+            "v": 1,
+        }
+    )[:32]
 
 
-def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text_sha256: str,
-                    logit_source, topk: int | None = None, num_parameters: int | None = None) -> Reference:
+def build_reference(
+    source_dir: str | Path,
+    windows,
+    *,
+    source_sha256: str,
+    text_sha256: str,
+    logit_source,
+    topk: int | None = None,
+    num_parameters: int | None = None,
+) -> Reference:
     """Reference for `windows` (text.Windows), computing only the windows not cached yet, from `logit_source`
     (forward.LogitSource over the source model)."""
     from safetensors.torch import save_file
@@ -136,14 +164,28 @@ def build_reference(source_dir: str | Path, windows, *, source_sha256: str, text
     key = reference_key(source_sha256, text_sha256, windows.window, windows.stride, storage, k)
     folder = qconv_home() / "reference" / key
     folder.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(folder / "meta.json", {"source_sha256": source_sha256, "text_sha256": text_sha256,
-                                             "window": windows.window, "stride": windows.stride,
-                                             "storage": storage, "topk": k, "vocab_size": vocab,
-                                             "num_parameters": num_parameters})
+    write_json_atomic(
+        folder / "meta.json",
+        {
+            "source_sha256": source_sha256,
+            "text_sha256": text_sha256,
+            "window": windows.window,
+            "stride": windows.stride,
+            "storage": storage,
+            "topk": k,
+            "vocab_size": vocab,
+            "num_parameters": num_parameters,
+        },
+    )
     missing = [i for i, ids in enumerate(windows.ids) if _recorded_ids(folder, i) != ids_sha256(ids)]
     if missing:
-        log.info("reference logits: computing %d of %d windows (%s) into %s", len(missing), len(windows.ids),
-                 storage if not k else f"top-{k}", folder)
+        log.info(
+            "reference logits: computing %d of %d windows (%s) into %s",
+            len(missing),
+            len(windows.ids),
+            storage if not k else f"top-{k}",
+            folder,
+        )
         for i, blocks in _progress(logit_source.logits(windows, missing), "reference", len(missing)):
             rw = RefWindow.cat([ref_window_from_logits(logits, targets, k) for logits, targets in blocks])
             tmp = folder / f".window_{i:05d}.{os.getpid()}.tmp"
@@ -165,8 +207,11 @@ def cache_meta(path: str | Path) -> tuple[Path, dict]:
     try:
         return p, json.loads((p / "meta.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise QconvError(f"cannot read the reference cache's meta.json: {e}", where=str(p),
-                         fix="pass a reference cache folder as qconv wrote it (QCONV_HOME/reference/<key>)") from e
+        raise QconvError(
+            f"cannot read the reference cache's meta.json: {e}",
+            where=str(p),
+            fix="pass a reference cache folder as qconv wrote it (QCONV_HOME/reference/<key>)",
+        ) from e
 
 
 def _recorded_ids(folder: Path, i: int) -> str | None:
@@ -184,26 +229,43 @@ def open_cached(path: str | Path, windows, *, text_sha256: str, vocab_size: int,
     """A reference cache used without its model: it must have been computed on this text, with these windows and
     this tokenizer (every window's token-id hash), for this vocabulary, in the storage asked for."""
     folder, meta = cache_meta(path)
-    fix = ("compute the reference on the same text/--window/--max-tokens with the full-precision model "
-           "(`qconv eval ARTIFACT --reference MODEL`), or pass the settings the cache was made with")
-    for key, want in (("text_sha256", text_sha256), ("window", windows.window), ("stride", windows.stride),
-                      ("vocab_size", vocab_size)):
+    fix = (
+        "compute the reference on the same text/--window/--max-tokens with the full-precision model "
+        "(`qconv eval ARTIFACT --reference MODEL`), or pass the settings the cache was made with"
+    )
+    for key, want in (
+        ("text_sha256", text_sha256),
+        ("window", windows.window),
+        ("stride", windows.stride),
+        ("vocab_size", vocab_size),
+    ):
         if meta.get(key) != want:
-            raise QconvError(f"reference cache {key} is {meta.get(key)!r}, this evaluation needs {want!r}",
-                             where=str(folder), fix=fix)
+            raise QconvError(
+                f"reference cache {key} is {meta.get(key)!r}, this evaluation needs {want!r}",
+                where=str(folder),
+                fix=fix,
+            )
     if topk is not None and (topk or None) != meta.get("topk"):
-        raise QconvError(f"reference cache stores {meta.get('storage')} (topk {meta.get('topk')}), --ref-topk asked "
-                         f"for {topk}", where=str(folder), fix="drop --ref-topk to use the cache as stored")
+        raise QconvError(
+            f"reference cache stores {meta.get('storage')} (topk {meta.get('topk')}), --ref-topk asked for {topk}",
+            where=str(folder),
+            fix="drop --ref-topk to use the cache as stored",
+        )
     for i, ids in enumerate(windows.ids):
         recorded = _recorded_ids(folder, i)
         if recorded is None and not (folder / f"window_{i:05d}.safetensors").is_file():
-            raise QconvError(f"reference cache has no window {i} (this text needs {len(windows.ids)} windows)",
-                             where=str(folder), fix=fix)
+            raise QconvError(
+                f"reference cache has no window {i} (this text needs {len(windows.ids)} windows)",
+                where=str(folder),
+                fix=fix,
+            )
         if recorded != ids_sha256(ids):
             raise QconvError(
                 f"reference cache window {i} was computed on other tokens than this text gives with the artifact's "
                 "tokenizer" + ("" if recorded else " (it records none: made by an older qconv)"),
-                where=str(folder / f"window_{i:05d}.safetensors"), fix=fix)
+                where=str(folder / f"window_{i:05d}.safetensors"),
+                fix=fix,
+            )
     return Reference(folder=folder, storage=meta["storage"], topk=meta.get("topk"), vocab_size=vocab_size)
 
 

@@ -11,16 +11,34 @@ from qconv.eval.metrics import format_llamacpp
 from qconv.fsutil import write_json_atomic, write_text_atomic
 
 REPORT_JSON, REPORT_MD, REPORT_PNG = "report.json", "report.md", "kld.png"
-SUMMARY_KEYS = ("tokens", "kld_mean", "kld_se", "kld_median", "kld_p99", "kld_max", "kld_bound", "top1",
-                "ppl_base", "ppl_q", "ppl_ratio", "ln_ppl_ratio")
+SUMMARY_KEYS = (
+    "tokens",
+    "kld_mean",
+    "kld_se",
+    "kld_median",
+    "kld_p99",
+    "kld_max",
+    "kld_bound",
+    "top1",
+    "ppl_base",
+    "ppl_q",
+    "ppl_ratio",
+    "ln_ppl_ratio",
+)
 
 
 def summary(report: dict) -> dict:
     """The compact record that goes into qconv.json's `quality` (and that `check` regresses against)."""
-    out = {"report": REPORT_JSON, "text": report["text"], "settings": report["settings"],
-           "reference": {k: report["reference"][k] for k in ("storage", "topk")},
-           "kv_scheme": report.get("kv_scheme"), "kv_form": report.get("kv_form"), "tier": report.get("tier"),
-           "bits_per_weight": report.get("bits_per_weight")}
+    out = {
+        "report": REPORT_JSON,
+        "text": report["text"],
+        "settings": report["settings"],
+        "reference": {k: report["reference"][k] for k in ("storage", "topk")},
+        "kv_scheme": report.get("kv_scheme"),
+        "kv_form": report.get("kv_form"),
+        "tier": report.get("tier"),
+        "bits_per_weight": report.get("bits_per_weight"),
+    }
     for section in SECTIONS:
         if report.get(section):
             out[section] = {k: report[section][k] for k in SUMMARY_KEYS}
@@ -32,28 +50,36 @@ def summary(report: dict) -> dict:
 
 
 def _row(name: str, s: dict) -> str:
-    return (f"| {name} | {s['kld_mean']:.4f} ± {s['kld_se']:.4f} | {s['kld_median']:.4f} | {s['kld_p90']:.4f} | "
-            f"{s['kld_p99']:.4f} | {s['kld_p999']:.4f} | {s['kld_max']:.4f} | {100 * s['top1']:.2f}% | "
-            f"{s['ppl_base']:.3f} | {s['ppl_q']:.3f} | {s['ln_ppl_ratio']:.4f} | {s['ppl_ratio']:.4f} |")
+    return (
+        f"| {name} | {s['kld_mean']:.4f} ± {s['kld_se']:.4f} | {s['kld_median']:.4f} | {s['kld_p90']:.4f} | "
+        f"{s['kld_p99']:.4f} | {s['kld_p999']:.4f} | {s['kld_max']:.4f} | {100 * s['top1']:.2f}% | "
+        f"{s['ppl_base']:.3f} | {s['ppl_q']:.3f} | {s['ln_ppl_ratio']:.4f} | {s['ppl_ratio']:.4f} |"
+    )
 
 
-TABLE_HEAD = ("| model | mean KLD | median | p90 | p99 | p99.9 | max | same top | PPL base | PPL Q | "
-              "ln(PPL_Q/PPL_base) | PPL ratio |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+TABLE_HEAD = (
+    "| model | mean KLD | median | p90 | p99 | p99.9 | max | same top | PPL base | PPL Q | "
+    "ln(PPL_Q/PPL_base) | PPL ratio |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def render_md(report: dict) -> str:
     t, ref = report["text"], report["reference"]
     model = report.get("reference_model")  # a build from a quantized checkpoint says what it measured against
     lines = [f"Reference: {model['note']}.", ""] if model else []
-    lines += [f"# Quality report: {Path(report['artifact']).name}", "",
-             f"- source: `{report['source']['path']}` ({report['source']['num_parameters'] / 1e6:.1f}M parameters, "
-             f"sha256 {report['source']['sha256'][:16]}…)",
-             f"- text: `{t['label']}` — {t['tokens_scored']} tokens scored in {t['windows']} windows of {t['window']}"
-             f" (stride {t['stride']}), sha256 {t['sha256'][:16]}…",
-             f"- reference: {ref['describe']}" + (f"; read from the cache `{ref['cache']}` (no reference model run)"
-                                                  if ref.get("given_as_cache") else ""),
-             f"- bits per weight: {report['bits_per_weight']:.2f} (tensor bytes × 8 / source parameters)",
-             f"- machine: {report['machine']}, {report['date']}, {report['elapsed_s']} s", ""]
+    lines += [
+        f"# Quality report: {Path(report['artifact']).name}",
+        "",
+        f"- source: `{report['source']['path']}` ({report['source']['num_parameters'] / 1e6:.1f}M parameters, "
+        f"sha256 {report['source']['sha256'][:16]}…)",
+        f"- text: `{t['label']}` — {t['tokens_scored']} tokens scored in {t['windows']} windows of {t['window']}"
+        f" (stride {t['stride']}), sha256 {t['sha256'][:16]}…",
+        f"- reference: {ref['describe']}"
+        + (f"; read from the cache `{ref['cache']}` (no reference model run)" if ref.get("given_as_cache") else ""),
+        f"- bits per weight: {report['bits_per_weight']:.2f} (tensor bytes × 8 / source parameters)",
+        f"- machine: {report['machine']}, {report['date']}, {report['elapsed_s']} s",
+        "",
+    ]
     tier = report.get("tier") or {}
     if tier:
         lines += [f"**Gate tier:** {tier.get('note') or tier.get('name')}", ""]
@@ -64,8 +90,11 @@ def render_md(report: dict) -> str:
         roles = ", ".join(report["settings"].get("a8_roles") or ())
         lines.append(_row(f"weights + int8 activations ({roles})", report["weights_a8"]))
     if report["weights"].get("kld_bound", 0) > 0:
-        lines += ["", f"Top-k reference: the exact mean KLD lies in [mean, mean + {report['weights']['kld_bound']:.5f}]"
-                      " (per-token bracket, see qconv/eval/metrics.py)."]
+        lines += [
+            "",
+            f"Top-k reference: the exact mean KLD lies in [mean, mean + {report['weights']['kld_bound']:.5f}]"
+            " (per-token bracket, see qconv/eval/metrics.py).",
+        ]
     if report.get("tasks"):
         lines += ["", "| task | metric | original | quantized | recovery |", "|---|---|---|---|---|"]
         for name, r in report["tasks"]["results"].items():
@@ -76,8 +105,14 @@ def render_md(report: dict) -> str:
         lines += [f"- {'✅' if v['passed'] else '❌'} {v['message']}" for v in report["verdicts"]] or ["- no gates"]
     lines += ["", "## llama.cpp-style statistics (weights only)", "", "```", format_llamacpp(report["weights"]), "```"]
     if report.get("weights_kv"):
-        lines += ["", f"## weights + KV ({report['kv_scheme']}, {_kv_form(report)})", "", "```", format_llamacpp(report["weights_kv"]),
-                  "```"]
+        lines += [
+            "",
+            f"## weights + KV ({report['kv_scheme']}, {_kv_form(report)})",
+            "",
+            "```",
+            format_llamacpp(report["weights_kv"]),
+            "```",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -7,13 +7,12 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+from qconv.artifact import Artifact
 from qconv.errors import GateFailure, QconvError
 from qconv.eval.forward import Forward
 from qconv.eval.gates import Verdict, apply_gates, regressions, tier_info, write_junit
-from qconv.eval.quality import (EvalSettings, Source, cached_source, measure, resolve_reference,
-                                safetensors_stats)
+from qconv.eval.quality import EvalSettings, Source, cached_source, measure, resolve_reference, safetensors_stats
 from qconv.eval.report import REPORT_JSON, summary, write_reports
-from qconv.artifact import Artifact
 from qconv.manifest import verify_files
 from qconv.modelfiles import check_weight_files
 from qconv.recipes.recipe import Recipe, load_recipe
@@ -41,8 +40,11 @@ def with_profile(settings: EvalSettings, recipe: Recipe, profile: str | None) ->
     if profile is None:
         return settings
     if profile not in recipe.profiles:
-        raise QconvError(f"unknown profile {profile!r} in recipe {recipe.name}", where="--profile",
-                         fix=f"use one of {', '.join(recipe.profiles)}")
+        raise QconvError(
+            f"unknown profile {profile!r} in recipe {recipe.name}",
+            where="--profile",
+            fix=f"use one of {', '.join(recipe.profiles)}",
+        )
     return replace(settings, a8_roles=tuple(recipe.profiles[profile].w4a8))
 
 
@@ -57,23 +59,37 @@ def _judge(report: dict, recipe: Recipe, extra: list[Verdict] = ()) -> dict:
 
 def _tasks_need_model(source: Source, tasks) -> None:
     if tasks and source.cache:
-        raise QconvError("--tasks compare against the reference model, and a reference cache has none",
-                         where="--reference", fix="pass the full-precision model as --reference to run tasks")
+        raise QconvError(
+            "--tasks compare against the reference model, and a reference cache has none",
+            where="--reference",
+            fix="pass the full-precision model as --reference to run tasks",
+        )
 
 
 def _with_tasks(report: dict, artifact: Path, source: Source, tasks, limit, task_data, max_gen_toks=None) -> dict:
     if tasks:
         from qconv.eval.tasks import run_tasks
 
-        report["tasks"] = run_tasks(source.path, artifact, tasks, limit=limit, task_data=task_data,
-                                    max_gen_toks=max_gen_toks)
+        report["tasks"] = run_tasks(
+            source.path, artifact, tasks, limit=limit, task_data=task_data, max_gen_toks=max_gen_toks
+        )
     return report
 
 
-def evaluate(artifact: str | Path, settings: EvalSettings, *, reference: str | None = None,
-             recipe: str | None = None, tasks: list[str] | None = None, limit: int | None = None,
-             task_data: dict[str, str] | None = None, max_gen_toks: int | None = None,
-             out: str | Path | None = None, fwd: Forward | None = None, profile: str | None = None) -> dict:
+def evaluate(
+    artifact: str | Path,
+    settings: EvalSettings,
+    *,
+    reference: str | None = None,
+    recipe: str | None = None,
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    task_data: dict[str, str] | None = None,
+    max_gen_toks: int | None = None,
+    out: str | Path | None = None,
+    fwd: Forward | None = None,
+    profile: str | None = None,
+) -> dict:
     """`qconv eval`: measure, judge by the recipe's tier gates (reported, not raised), write reports to `out`."""
     artifact = Path(artifact)
     art = Artifact.open(artifact)
@@ -107,22 +123,37 @@ def load_recorded(against: str | Path | None, art: Artifact) -> dict | None:
         else:
             other = Artifact.open(p)
             if not (other.quality and other.quality.measured):
-                raise QconvError(f"{against} records no quality report", where="--against",
-                                 fix="pass an artifact built with quality gates, or its report.json")
+                raise QconvError(
+                    f"{against} records no quality report",
+                    where="--against",
+                    fix="pass an artifact built with quality gates, or its report.json",
+                )
             return other.quality.data
     if not p.is_file():
-        raise QconvError(f"--against not found: {against}", where="--against",
-                         fix="pass an artifact folder or a report.json")
+        raise QconvError(
+            f"--against not found: {against}", where="--against", fix="pass an artifact folder or a report.json"
+        )
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise QconvError(f"{p} is not valid JSON: {e}", where="--against", fix="pass a report.json") from e
 
 
-def check(artifact: str | Path, *, against: str | None = None, junit: str | None = None,
-          reference: str | None = None, recipe: str | None = None, text: str | None = None,
-          window: int | None = None, max_tokens: int | None = None, kv: str | None = None,
-          out: str | Path | None = None, fwd: Forward | None = None, profile: str | None = None) -> dict:
+def check(
+    artifact: str | Path,
+    *,
+    against: str | None = None,
+    junit: str | None = None,
+    reference: str | None = None,
+    recipe: str | None = None,
+    text: str | None = None,
+    window: int | None = None,
+    max_tokens: int | None = None,
+    kv: str | None = None,
+    out: str | Path | None = None,
+    fwd: Forward | None = None,
+    profile: str | None = None,
+) -> dict:
     """`qconv check`: verify files, re-measure with the recorded settings, apply gates and regression tolerances.
     Raises GateFailure (exit 1) naming every failed gate with its measured value."""
     artifact = Path(artifact)
@@ -131,20 +162,31 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
     manifest = art.manifest
     rec = load_recipe(recipe) if recipe else art.require_recipe()
     recorded_settings = art.quality.settings if art.quality else {}
-    settings = EvalSettings(**{**recorded_settings, **{k: v for k, v in dict(
-        text=text, window=window, max_tokens=max_tokens, kv=kv).items() if v is not None}})
+    settings = EvalSettings(
+        **{
+            **recorded_settings,
+            **{k: v for k, v in dict(text=text, window=window, max_tokens=max_tokens, kv=kv).items() if v is not None},
+        }
+    )
     if not settings.text:
         settings = replace(settings, text=rec.quality.text)
     if not settings.text:
-        raise QconvError("no held-out text to measure on: the artifact records none and the recipe sets none",
-                         where="--text", fix="pass --text FILE_OR_HF_DATASET_ID")
+        raise QconvError(
+            "no held-out text to measure on: the artifact records none and the recipe sets none",
+            where="--text",
+            fix="pass --text FILE_OR_HF_DATASET_ID",
+        )
     if settings.kv == "auto":
         settings = replace(settings, kv=auto_kv(rec))
     settings = with_profile(settings, rec, profile)
     recorded = load_recorded(against, art)
     problems = verify_files(artifact, manifest)
-    files = Verdict("files", "files match qconv.json", not problems, message="files: " + (
-        "all match qconv.json" if not problems else "; ".join(problems[:5]) + " — FAILED"))
+    files = Verdict(
+        "files",
+        "files match qconv.json",
+        not problems,
+        message="files: " + ("all match qconv.json" if not problems else "; ".join(problems[:5]) + " — FAILED"),
+    )
     source = resolve_reference(reference, manifest)
     report, klds = measure(artifact, source, settings, fwd)
     extra = [files] + (regressions(report, recorded, rec.quality.regression) if recorded else [])
@@ -155,17 +197,30 @@ def check(artifact: str | Path, *, against: str | None = None, junit: str | None
         write_junit(junit, [Verdict(**v) for v in report["verdicts"]])
     failed = [v["message"] for v in report["verdicts"] if not v["passed"]]
     if failed:
-        err = GateFailure(f"quality check failed for {artifact} ({report['tier'].get('name')} tier):\n  "
-                          + "\n  ".join(failed), fix="inspect report.md; rebuild or relax the recipe's gates")
+        err = GateFailure(
+            f"quality check failed for {artifact} ({report['tier'].get('name')} tier):\n  " + "\n  ".join(failed),
+            fix="inspect report.md; rebuild or relax the recipe's gates",
+        )
         err.report = report
         raise err
     return report
 
 
-def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Recipe, *, text: str | None = None,
-                   kv: str | None = "auto", source_sha256: str | None = None, num_parameters: int | None = None,
-                   tasks: list[str] | None = None, limit: int | None = None, fwd: Forward | None = None,
-                   final: str | Path | None = None, annotate=None) -> dict:
+def quality_report(
+    source_dir: str | Path,
+    artifact_dir: str | Path,
+    recipe: Recipe,
+    *,
+    text: str | None = None,
+    kv: str | None = "auto",
+    source_sha256: str | None = None,
+    num_parameters: int | None = None,
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    fwd: Forward | None = None,
+    final: str | Path | None = None,
+    annotate=None,
+) -> dict:
     """For `qconv build`: measure the fresh artifact, write report.json/report.md/kld.png into it, return the
     summary for qconv.json (`passed` False when a gate failed; the caller marks the manifest and exits 1).
     `final`: the folder the build's temp folder becomes, the path the reports name; `annotate(report)` adds the
@@ -175,8 +230,9 @@ def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Rec
     if not text:
         return {"passed": None, "note": "no held-out text (recipe quality.text or --eval-text): not measured"}
     q = recipe.quality
-    settings = EvalSettings(text=text, window=q.window, max_tokens=q.max_tokens,
-                            kv=auto_kv(recipe) if kv == "auto" else kv)
+    settings = EvalSettings(
+        text=text, window=q.window, max_tokens=q.max_tokens, kv=auto_kv(recipe) if kv == "auto" else kv
+    )
     source = cached_source(source_dir, num_parameters)
     if source is None:
         if not source_sha256:
@@ -184,8 +240,11 @@ def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Rec
             from qconv.fsutil import sha256_json
 
             source_sha256 = sha256_json(source_files(Path(source_dir)))
-        source = Source(path=Path(source_dir), sha256=source_sha256,
-                        num_parameters=num_parameters or safetensors_stats(source_dir)[0])
+        source = Source(
+            path=Path(source_dir),
+            sha256=source_sha256,
+            num_parameters=num_parameters or safetensors_stats(source_dir)[0],
+        )
     _tasks_need_model(source, tasks)
     report, klds = measure(artifact_dir, source, settings, fwd)
     report = _judge(_with_tasks(report, Path(artifact_dir), source, tasks, limit, None), recipe)
@@ -200,5 +259,7 @@ def quality_report(source_dir: str | Path, artifact_dir: str | Path, recipe: Rec
 def gate_failure(quality_summary: dict) -> GateFailure:
     """The error `qconv build` raises after marking the manifest failed."""
     msgs = [v["message"] for v in quality_summary.get("verdicts", [])]
-    return GateFailure("quality gates failed:\n  " + "\n  ".join(msgs),
-                       fix="see report.md in the artifact; pass --no-gates to keep it anyway")
+    return GateFailure(
+        "quality gates failed:\n  " + "\n  ".join(msgs),
+        fix="see report.md in the artifact; pass --no-gates to keep it anyway",
+    )

@@ -28,11 +28,15 @@ def _shipped_config(name: str, yaml_path: Path, task_data: dict[str, str], max_g
 
     path = task_data.get(name) or os.environ.get(f"QCONV_TASK_DATA_{name.upper()}")
     if not path:
-        raise QconvError(f"task {name} needs a local data file", where="--tasks",
-                         fix=f"pass --task-data {name}=PATH (or set QCONV_TASK_DATA_{name.upper()})")
+        raise QconvError(
+            f"task {name} needs a local data file",
+            where="--tasks",
+            fix=f"pass --task-data {name}=PATH (or set QCONV_TASK_DATA_{name.upper()})",
+        )
     if not Path(path).is_file():
-        raise QconvError(f"data file for task {name} not found: {path}", where="--task-data",
-                         fix="pass an existing file")
+        raise QconvError(
+            f"data file for task {name} not found: {path}", where="--task-data", fix="pass an existing file"
+        )
     cfg = load_yaml(yaml_path)
     cfg["dataset_kwargs"]["data_files"] = {"test": str(Path(path).resolve())}
     if max_gen_toks and "generation_kwargs" in cfg:
@@ -55,8 +59,11 @@ def resolve_tasks(names: list[str], task_data: dict[str, str] | None = None, max
         known = set(TaskManager().all_tasks)
         unknown = [n for n in others if n not in known]
         if unknown:
-            raise QconvError(f"unknown task(s): {', '.join(unknown)}", where="--tasks",
-                             fix=f"use a shipped task ({', '.join(sorted(shipped))}) or an lm-eval task name")
+            raise QconvError(
+                f"unknown task(s): {', '.join(unknown)}",
+                where="--tasks",
+                fix=f"use a shipped task ({', '.join(sorted(shipped))}) or an lm-eval task name",
+            )
         specs += others
     return specs
 
@@ -72,16 +79,20 @@ def _lm(path: Path, batch_size: int):
 
     from qconv.convert.hfmodel import load_causal_lm
 
-    return HFLM(pretrained=load_causal_lm(path, device="auto"), tokenizer=AutoTokenizer.from_pretrained(path),
-                batch_size=batch_size), None
+    return HFLM(
+        pretrained=load_causal_lm(path, device="auto"),
+        tokenizer=AutoTokenizer.from_pretrained(path),
+        batch_size=batch_size,
+    ), None
 
 
 def _evaluate(path: Path, specs: list, limit: int | None, batch_size: int) -> tuple[dict, str]:
     import lm_eval
 
     model, model_args = _lm(path, batch_size)
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=specs, limit=limit,
-                                  log_samples=False, bootstrap_iters=0)
+    out = lm_eval.simple_evaluate(
+        model=model, model_args=model_args, tasks=specs, limit=limit, log_samples=False, bootstrap_iters=0
+    )
     return out, "vllm" if isinstance(model, str) else "hf"
 
 
@@ -97,9 +108,16 @@ def _primary(name: str, metrics: dict) -> str:
     return next(k for k in metrics if "," in k and "_stderr" not in k)
 
 
-def run_tasks(source: Path, artifact: Path, names: list[str], *, limit: int | None = None,
-              task_data: dict[str, str] | None = None, max_gen_toks: int | None = None,
-              batch_size: int = 32) -> dict:
+def run_tasks(
+    source: Path,
+    artifact: Path,
+    names: list[str],
+    *,
+    limit: int | None = None,
+    task_data: dict[str, str] | None = None,
+    max_gen_toks: int | None = None,
+    batch_size: int = 32,
+) -> dict:
     """Each task on both models; `max_gen_toks` caps generation in shipped tasks (short CPU smoke runs)."""
     specs = resolve_tasks(names, task_data, max_gen_toks)
     base, backend = _evaluate(source, specs, limit, batch_size)
@@ -112,6 +130,12 @@ def run_tasks(source: Path, artifact: Path, names: list[str], *, limit: int | No
         b, q = float(bm[key]), float(qm[key])
         hib = higher.get(key.split(",")[0], True)
         ratio = (q / b if b else None) if hib else (b / q if q else None)
-        results[name] = {"metric": key, "higher_is_better": hib, "base": b, "quantized": q, "recovery": ratio,
-                         "samples": base.get("n-samples", {}).get(name, {}).get("effective")}
+        results[name] = {
+            "metric": key,
+            "higher_is_better": hib,
+            "base": b,
+            "quantized": q,
+            "recovery": ratio,
+            "samples": base.get("n-samples", {}).get(name, {}).get("effective"),
+        }
     return {"limit": limit, "max_gen_toks": max_gen_toks, "backend": backend, "results": results}

@@ -26,6 +26,7 @@ class HeldOutText:
 class Windows:
     """Token windows of one text. Window i covers ids[i*stride : i*stride + window]; the first window scores
     every position, later ones only their last `stride` positions (the rest is context already scored)."""
+
     ids: list[list[int]]
     window: int
     stride: int
@@ -47,14 +48,23 @@ def _from_dataset(spec: str) -> str:
     try:
         ds = datasets.load_dataset(name, config or None, split=split or "test")
     except Exception as e:  # noqa: BLE001 - datasets raises many types for "not found / offline"
-        raise QconvError(f"cannot load held-out text {spec!r}: {type(e).__name__}: {e}", where="--text",
-                         fix="pass a local text file, or an HF dataset id as org/name[:config][@split] "
-                             "that is reachable or already cached") from e
-    col = "text" if "text" in ds.column_names else next(
-        (c for c in ds.column_names if ds.features[c].dtype == "string"), None)
+        raise QconvError(
+            f"cannot load held-out text {spec!r}: {type(e).__name__}: {e}",
+            where="--text",
+            fix="pass a local text file, or an HF dataset id as org/name[:config][@split] "
+            "that is reachable or already cached",
+        ) from e
+    col = (
+        "text"
+        if "text" in ds.column_names
+        else next((c for c in ds.column_names if ds.features[c].dtype == "string"), None)
+    )
     if col is None:
-        raise QconvError(f"dataset {spec!r} has no text column (columns: {ds.column_names})", where="--text",
-                         fix="pass a dataset with a `text` column, or a local text file")
+        raise QconvError(
+            f"dataset {spec!r} has no text column (columns: {ds.column_names})",
+            where="--text",
+            fix="pass a dataset with a `text` column, or a local text file",
+        )
     return "\n".join(ds[col])
 
 
@@ -69,22 +79,30 @@ def load_text(spec: str | Path) -> HeldOutText:
             raw = "\n".join(json.loads(line).get("text", "") for line in raw.splitlines() if line.strip())
         return HeldOutText(label=str(p), text=raw)
     if p.exists() or str(spec).startswith((".", "/", "~")) or p.suffix in (".txt", ".jsonl", ".md"):
-        raise QconvError(f"held-out text file not found: {spec}", where="--text",
-                         fix="pass an existing text file or an HF dataset id (org/name[:config][@split])")
+        raise QconvError(
+            f"held-out text file not found: {spec}",
+            where="--text",
+            fix="pass an existing text file or an HF dataset id (org/name[:config][@split])",
+        )
     return HeldOutText(label=str(spec), text=_from_dataset(str(spec)))
 
 
-def make_windows(tokenizer, text: HeldOutText, *, window: int, max_tokens: int | None = None,
-                 stride: int | None = None) -> Windows:
+def make_windows(
+    tokenizer, text: HeldOutText, *, window: int, max_tokens: int | None = None, stride: int | None = None
+) -> Windows:
     stride = stride or window
     if window < 2 or not 0 < stride <= window:
-        raise QconvError(f"bad window/stride {window}/{stride}", where="--window",
-                         fix="use window >= 2 and 0 < stride <= window")
+        raise QconvError(
+            f"bad window/stride {window}/{stride}", where="--window", fix="use window >= 2 and 0 < stride <= window"
+        )
     ids = tokenizer(text.text, add_special_tokens=False)["input_ids"]
     if max_tokens:
         ids = ids[:max_tokens]
     if len(ids) < window:
-        raise QconvError(f"held-out text has {len(ids)} tokens, shorter than one window of {window}",
-                         where=text.label, fix="pass a longer text or a smaller --window")
+        raise QconvError(
+            f"held-out text has {len(ids)} tokens, shorter than one window of {window}",
+            where=text.label,
+            fix="pass a longer text or a smaller --window",
+        )
     starts = range(0, len(ids) - window + 1, stride)
-    return Windows(ids=[ids[s:s + window] for s in starts], window=window, stride=stride)
+    return Windows(ids=[ids[s : s + window] for s in starts], window=window, stride=stride)

@@ -150,8 +150,10 @@ def install(loc: Location, rev: str, fill: Callable[[Path], None], info: dict) -
     if not (final / MANIFEST).is_file():
         with atomic_dir(final, force=True) as tmp:
             fill(tmp)
-    write_json_atomic(slot / "source.json", {**asdict(loc), "revision": rev,
-                                             "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **info})
+    write_json_atomic(
+        slot / "source.json",
+        {**asdict(loc), "revision": rev, "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **info},
+    )
     switch_symlink(slot / "current", f"revs/{rev}")
     remove_old_revisions(slot)
     return final
@@ -229,10 +231,15 @@ def resolve_artifact(name_or_path: str | Path) -> Path:
     if hit:
         return hit
     if loc and (src := read_source(slot_dir(loc))) and not _same(src[0], loc):
-        raise QconvError(f"the cached {target!r} came from {src[0].describe()}, not from {loc.describe()}",
-                         where=str(slot_dir(loc)), fix=f"pull it again: `qconv pull {target}`")
-    raise QconvError(f"no artifact {target!r}: not a folder and not in the cache ({artifacts_root()})",
-                     fix=f"pull it first: `qconv pull {target}`, or pass the artifact folder")
+        raise QconvError(
+            f"the cached {target!r} came from {src[0].describe()}, not from {loc.describe()}",
+            where=str(slot_dir(loc)),
+            fix=f"pull it again: `qconv pull {target}`",
+        )
+    raise QconvError(
+        f"no artifact {target!r}: not a folder and not in the cache ({artifacts_root()})",
+        fix=f"pull it first: `qconv pull {target}`, or pass the artifact folder",
+    )
 
 
 @contextlib.contextmanager
@@ -252,8 +259,10 @@ def hold_artifact(name_or_path: str | Path) -> Iterator[Path]:
                 finally:
                     fcntl.flock(f, fcntl.LOCK_UN)
                 return
-    raise QconvError(f"{name_or_path}: the cached artifact kept changing while it was being opened",
-                     fix="wait for the running `qconv pull` to finish")
+    raise QconvError(
+        f"{name_or_path}: the cached artifact kept changing while it was being opened",
+        fix="wait for the running `qconv pull` to finish",
+    )
 
 
 @dataclass
@@ -272,6 +281,7 @@ def list_cached() -> list[CachedArtifact]:
         if slot.name.startswith(".") or src is None or not (cur := current(src[0])):
             continue
         size = sum(p.stat().st_size for p in cur.rglob("*") if p.is_file())
-        out.append(CachedArtifact(src[1].get("name") or slot.name, cur, size,
-                                  {**src[1], "location": src[0].describe()}))
+        out.append(
+            CachedArtifact(src[1].get("name") or slot.name, cur, size, {**src[1], "location": src[0].describe()})
+        )
     return out

@@ -7,10 +7,16 @@ from dataclasses import asdict
 
 import click
 
-INSECURE_OPT = click.option("--insecure", is_flag=True,
-                            help="Allow plain http:// for URLs and the index (only on a network you trust).")
-INDEX_OPT = click.option("--index", "index", metavar="URL_OR_PATH", default=None,
-                         help="Artifact index to use instead of the shipped one (env QCONV_INDEX).")
+INSECURE_OPT = click.option(
+    "--insecure", is_flag=True, help="Allow plain http:// for URLs and the index (only on a network you trust)."
+)
+INDEX_OPT = click.option(
+    "--index",
+    "index",
+    metavar="URL_OR_PATH",
+    default=None,
+    help="Artifact index to use instead of the shipped one (env QCONV_INDEX).",
+)
 
 
 @click.command()
@@ -27,8 +33,9 @@ def pull(target: str, revision: str | None, offline: bool, quiet: bool, index: s
     resolves to."""
     from qconv.hub.pull import pull as do_pull
 
-    click.echo(str(do_pull(target, revision=revision, offline=offline, index=index, progress=not quiet,
-                           insecure=insecure)))
+    click.echo(
+        str(do_pull(target, revision=revision, offline=offline, index=index, progress=not quiet, insecure=insecure))
+    )
 
 
 def _table(rows: list[list[str]]) -> None:
@@ -50,12 +57,20 @@ def list_cmd(remote: bool, index: str | None, insecure: bool) -> None:
         from qconv.hub.index import load_index
 
         for e in load_index(index, insecure=insecure).artifacts:
-            rows.append([e.name, e.recipe, f"{e.total_size() / 1e9:.2f} GB", e.location.describe(),
-                         "yes" if cache.current(e.location) else "no"])
+            rows.append(
+                [
+                    e.name,
+                    e.recipe,
+                    f"{e.total_size() / 1e9:.2f} GB",
+                    e.location.describe(),
+                    "yes" if cache.current(e.location) else "no",
+                ]
+            )
     else:
         for a in cache.list_cached():
-            rows.append([a.name, a.meta.get("recipe", "?"), f"{a.size / 1e9:.2f} GB", a.meta.get("location", "?"),
-                         str(a.path)])
+            rows.append(
+                [a.name, a.meta.get("recipe", "?"), f"{a.size / 1e9:.2f} GB", a.meta.get("location", "?"), str(a.path)]
+            )
     if len(rows) == 1:
         click.echo("no artifacts in the index" if remote else "no pulled artifacts (see `qconv list --remote`)")
         return
@@ -96,11 +111,20 @@ def index() -> None:
 
 @index.command("add")
 @click.argument("artifact_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--index", "index_file", type=click.Path(dir_okay=False), default=None,
-              help="Index file to add to (created if missing); without it the entry is printed.")
-@click.option("--location", default=None, metavar="LOC",
-              help="Where the artifact is served: hf:ORG/NAME[@REV], http(s)://.../NAME, file://... or a folder "
-                   "(default: this folder).")
+@click.option(
+    "--index",
+    "index_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Index file to add to (created if missing); without it the entry is printed.",
+)
+@click.option(
+    "--location",
+    default=None,
+    metavar="LOC",
+    help="Where the artifact is served: hf:ORG/NAME[@REV], http(s)://.../NAME, file://... or a folder "
+    "(default: this folder).",
+)
 @click.option("--name", default=None, help="Artifact name (default: the folder name).")
 @click.option("--card", default="", help="One-paragraph description.")
 def index_add(artifact_dir: str, index_file: str | None, location: str | None, name: str | None, card: str) -> None:

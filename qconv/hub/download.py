@@ -16,17 +16,19 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from collections.abc import Callable
 
 from qconv.errors import QconvError
 from qconv.fsutil import CHUNK, open_nofollow, os_error, sha256_file
 
 log = logging.getLogger(__name__)
 
-LINK_FIX = ("remove the link (not the file it points to) and pull again; a link there is damage, or was planted by "
-            "someone who can write to the cache")
+LINK_FIX = (
+    "remove the link (not the file it points to) and pull again; a link there is damage, or was planted by "
+    "someone who can write to the cache"
+)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 READ_CHUNK = 1 << 16
 
@@ -47,13 +49,26 @@ class Want:
 def check_file_name(name: str, where: str) -> str:
     """Refuse names that could write outside the artifact folder, and pickle weights (they execute code on load)."""
     parts = PurePosixPath(name).parts
-    if (not name or "\\" in name or "\0" in name or name.startswith("/") or ":" in name
-            or any(p in ("..", ".") for p in parts) or name != PurePosixPath(name).as_posix()):
-        raise QconvError(f"refusing file name {name!r}: it escapes the artifact folder", where=where,
-                         fix="the artifact or index is malformed or malicious; do not use it")
+    if (
+        not name
+        or "\\" in name
+        or "\0" in name
+        or name.startswith("/")
+        or ":" in name
+        or any(p in ("..", ".") for p in parts)
+        or name != PurePosixPath(name).as_posix()
+    ):
+        raise QconvError(
+            f"refusing file name {name!r}: it escapes the artifact folder",
+            where=where,
+            fix="the artifact or index is malformed or malicious; do not use it",
+        )
     if name.lower().endswith(PICKLE_SUFFIXES):
-        raise QconvError(f"refusing pickle weights {name!r}", where=where,
-                         fix="qconv only loads safetensors; ask the publisher for a safetensors artifact")
+        raise QconvError(
+            f"refusing pickle weights {name!r}",
+            where=where,
+            fix="qconv only loads safetensors; ask the publisher for a safetensors artifact",
+        )
     return name
 
 
@@ -63,8 +78,11 @@ MANIFEST_CAP = 8 << 20  # an unhashed qconv.json larger than this is refused, no
 def check_scheme(url: str, insecure: bool) -> str:
     """Plain http:// lets anyone on the path swap bytes and the hashes that vouch for them: opt in explicitly."""
     if url.startswith("http://") and not insecure:
-        raise QconvError(f"refusing plain http:// URL {url}", where=url,
-                         fix="use https://, or pass --insecure if this network is trusted (e.g. a local mirror)")
+        raise QconvError(
+            f"refusing plain http:// URL {url}",
+            where=url,
+            fix="use https://, or pass --insecure if this network is trusted (e.g. a local mirror)",
+        )
     return url
 
 
@@ -84,8 +102,17 @@ def _end(size: int | None, start: int, content_length: int) -> int | None:
     return min(ends) if ends else None
 
 
-def http_fetch(url: str, part: Path, size: int | None, *, cap: int | None = None, insecure: bool = False,
-               retries: int = 3, backoff: float = 0.2, progress: bool = True) -> None:
+def http_fetch(
+    url: str,
+    part: Path,
+    size: int | None,
+    *,
+    cap: int | None = None,
+    insecure: bool = False,
+    retries: int = 3,
+    backoff: float = 0.2,
+    progress: bool = True,
+) -> None:
     """Download `url` into `part`, resuming from its current length with a Range request; retry cut connections.
 
     Writes never pass the declared `size` (or `cap` when the size is unknown) nor the response's Content-Length; a
@@ -115,9 +142,21 @@ def http_fetch(url: str, part: Path, size: int | None, *, cap: int | None = None
                 if unhashed_cap is not None and end is not None and end > unhashed_cap:
                     _too_big(part, url, unhashed_cap)
                 stop = end if unhashed_cap is None else min(end or unhashed_cap, unhashed_cap)
-                pos = _write_body(r, part, start, stop, tqdm(total=size, initial=start, unit="B", unit_scale=True,
-                                                             desc=part.name[:-5], leave=False,
-                                                             disable=None if progress else True))
+                pos = _write_body(
+                    r,
+                    part,
+                    start,
+                    stop,
+                    tqdm(
+                        total=size,
+                        initial=start,
+                        unit="B",
+                        unit_scale=True,
+                        desc=part.name[:-5],
+                        leave=False,
+                        disable=None if progress else True,
+                    ),
+                )
                 if unhashed_cap is not None and pos >= unhashed_cap and r.read1(1):
                     _too_big(part, url, unhashed_cap)
                 if end is not None and pos < end:
@@ -127,21 +166,28 @@ def http_fetch(url: str, part: Path, size: int | None, *, cap: int | None = None
             if e.code == 416 and have:  # our .part is stale (longer than the file): start over
                 part.unlink()
                 continue
-            raise QconvError(f"download failed: HTTP {e.code} {e.reason}", where=url,
-                             fix="check the index location or URL") from e
+            raise QconvError(
+                f"download failed: HTTP {e.code} {e.reason}", where=url, fix="check the index location or URL"
+            ) from e
         except (OSError, http.client.HTTPException) as e:  # network only: local write errors raised QconvError
             attempt += 1
             if attempt > retries:
-                raise QconvError(f"download interrupted: {e!r}", where=url,
-                                 fix="run `qconv pull` again: it resumes from the partial file") from e
+                raise QconvError(
+                    f"download interrupted: {e!r}",
+                    where=url,
+                    fix="run `qconv pull` again: it resumes from the partial file",
+                ) from e
             log.warning("download of %s interrupted (%r); resuming (%d/%d)", url, e, attempt, retries)
             time.sleep(backoff * attempt)
 
 
 def _too_big(part: Path, url: str, cap: int):
     part.unlink(missing_ok=True)
-    raise QconvError(f"refusing a {part.name.removesuffix('.part')} larger than {cap / 1e6:.0f} MB that no trusted "
-                     "hash vouches for", where=url, fix="this location does not serve a qconv artifact")
+    raise QconvError(
+        f"refusing a {part.name.removesuffix('.part')} larger than {cap / 1e6:.0f} MB that no trusted hash vouches for",
+        where=url,
+        fix="this location does not serve a qconv artifact",
+    )
 
 
 def _write_body(r, part: Path, start: int, stop: int | None, bar) -> int:
@@ -177,8 +223,13 @@ def _local(part: Path, needed: int | None):
     except OSError as e:
         if isinstance(e, (ConnectionError, TimeoutError)):
             raise
-        raise os_error(e, f"writing {part.name.removesuffix('.part')}", part.parent, needed=needed or None,
-                       retry_hint="run `qconv pull` again: the finished part of the file is kept") from e
+        raise os_error(
+            e,
+            f"writing {part.name.removesuffix('.part')}",
+            part.parent,
+            needed=needed or None,
+            retry_hint="run `qconv pull` again: the finished part of the file is kept",
+        ) from e
 
 
 def local_fetch(root: Path, name: str, part: Path) -> None:
@@ -186,8 +237,11 @@ def local_fetch(root: Path, name: str, part: Path) -> None:
     src = root / name
     for p in [src, *src.relative_to(root).parents][:-1]:
         if (root / p).is_symlink():
-            raise QconvError(f"refusing {name}: {root / p} is a symbolic link; an artifact's files are regular files "
-                             "inside it", where=str(root), fix="copy the real files into the artifact folder")
+            raise QconvError(
+                f"refusing {name}: {root / p} is a symbolic link; an artifact's files are regular files inside it",
+                where=str(root),
+                fix="copy the real files into the artifact folder",
+            )
     if not src.is_file():
         raise QconvError(f"missing file {name}", where=str(src), fix="the source folder is incomplete")
     fd = open_nofollow(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "pulling", LINK_FIX)
@@ -210,9 +264,11 @@ def fetch_verified(fetch: Callable[[Path, bool], None], dest: Path, want: Want) 
         part.unlink()
         if attempt == 0:
             log.warning("%s: sha256 %s does not match the expected %s; fetching it again", want.name, got, want.sha256)
-    raise IntegrityError(f"{want.name}: downloaded sha256 {got} != expected {want.sha256} (fetched twice)",
-                         where=str(dest), fix="the published file is corrupt or was tampered with; do not use it "
-                                              "and tell the publisher")
+    raise IntegrityError(
+        f"{want.name}: downloaded sha256 {got} != expected {want.sha256} (fetched twice)",
+        where=str(dest),
+        fix="the published file is corrupt or was tampered with; do not use it and tell the publisher",
+    )
 
 
 def join_url(base: str, name: str) -> str:

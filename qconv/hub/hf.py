@@ -55,11 +55,16 @@ def _hub_error(e: Exception, repo: str, rev: str | None) -> QconvError:
     if isinstance(e, RevisionNotFoundError):
         return QconvError(f"no revision {rev!r} in Hugging Face repo {repo}", where=where, fix="check --revision")
     if isinstance(e, (RepositoryNotFoundError, GatedRepoError)):
-        return QconvError(f"Hugging Face repo {repo} not found or not accessible", where=where,
-                          fix="check the repo id; for a private or gated repo set HF_TOKEN (or `hf auth login`)")
-    return QconvError(f"cannot download from Hugging Face repo {repo}: {e}", where=where,
-                      fix="check the network, HF_ENDPOINT and HF_TOKEN, then run `qconv pull` again: completed "
-                          "files are kept")
+        return QconvError(
+            f"Hugging Face repo {repo} not found or not accessible",
+            where=where,
+            fix="check the repo id; for a private or gated repo set HF_TOKEN (or `hf auth login`)",
+        )
+    return QconvError(
+        f"cannot download from Hugging Face repo {repo}: {e}",
+        where=where,
+        fix="check the network, HF_ENDPOINT and HF_TOKEN, then run `qconv pull` again: completed files are kept",
+    )
 
 
 def resolve(repo: str, revision: str | None) -> tuple[str, dict[str, HubFile]]:
@@ -71,10 +76,15 @@ def resolve(repo: str, revision: str | None) -> tuple[str, dict[str, HubFile]]:
     except Exception as e:
         raise _hub_error(e, repo, revision) from e
     if not COMMIT_RE.match(info.sha or ""):
-        raise QconvError(f"the Hub answered revision {revision or 'main'} with no commit sha ({info.sha!r})",
-                         where=repo, fix="HF_ENDPOINT does not point at a Hub-compatible server")
-    return info.sha, {s.rfilename: HubFile(s.rfilename, s.size, s.blob_id, s.lfs.sha256 if s.lfs else None)
-                      for s in info.siblings or []}
+        raise QconvError(
+            f"the Hub answered revision {revision or 'main'} with no commit sha ({info.sha!r})",
+            where=repo,
+            fix="HF_ENDPOINT does not point at a Hub-compatible server",
+        )
+    return info.sha, {
+        s.rfilename: HubFile(s.rfilename, s.size, s.blob_id, s.lfs.sha256 if s.lfs else None)
+        for s in info.siblings or []
+    }
 
 
 def _quiet_tqdm():
@@ -92,9 +102,17 @@ def download(repo: str, commit: str, names: list[str], *, force: bool = False, p
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo, revision=commit, cache_dir=hf_cache_dir(), endpoint=endpoint(),
-                                      allow_patterns=[glob.escape(n) for n in names], force_download=force,
-                                      tqdm_class=None if progress else _quiet_tqdm()))
+        return Path(
+            snapshot_download(
+                repo,
+                revision=commit,
+                cache_dir=hf_cache_dir(),
+                endpoint=endpoint(),
+                allow_patterns=[glob.escape(n) for n in names],
+                force_download=force,
+                tqdm_class=None if progress else _quiet_tqdm(),
+            )
+        )
     except Exception as e:
         if isinstance(e, OSError) and is_disk_error(e):
             raise
@@ -113,8 +131,11 @@ def check_metadata(want: dict[str, Want], hub: dict[str, HubFile], where: str) -
         elif h.lfs_sha256 is not None and h.lfs_sha256 != w.sha256:
             problems.append(f"{w.name}: the Hub's LFS sha256 {h.lfs_sha256} != qconv.json's {w.sha256}")
     if problems:
-        raise IntegrityError("the Hub's file metadata and qconv.json disagree:\n  " + "\n  ".join(problems),
-                             where=where, fix="the artifact's qconv.json does not describe this commit; do not use it")
+        raise IntegrityError(
+            "the Hub's file metadata and qconv.json disagree:\n  " + "\n  ".join(problems),
+            where=where,
+            fix="the artifact's qconv.json does not describe this commit; do not use it",
+        )
 
 
 def file_problem(path: Path, want: Want, hub: HubFile) -> str | None:
@@ -138,8 +159,9 @@ def forget(snapshot: Path, names: list[str]) -> None:
         link.unlink(missing_ok=True)
 
 
-def fetch_checked(repo: str, commit: str, want: dict[str, Want], hub: dict[str, HubFile], where: str, *,
-                  progress: bool = True) -> Path:
+def fetch_checked(
+    repo: str, commit: str, want: dict[str, Want], hub: dict[str, HubFile], where: str, *, progress: bool = True
+) -> Path:
     """Download `want` at `commit`, check each file, re-fetch the bad ones once; IntegrityError if still bad."""
     snap = download(repo, commit, list(want), progress=progress)
     bad = {n: p for n in want if (p := file_problem(snap / n, want[n], hub[n]))}
@@ -149,9 +171,11 @@ def fetch_checked(repo: str, commit: str, want: dict[str, Want], hub: dict[str, 
         bad = {n: p for n in bad if (p := file_problem(snap / n, want[n], hub[n]))}
     if bad:
         forget(snap, list(bad))
-        raise IntegrityError("downloaded bytes do not match the Hub's own hashes (fetched twice):\n  "
-                             + "\n  ".join(bad.values()), where=where,
-                             fix="the server (or HF_ENDPOINT mirror) serves altered files; do not use them")
+        raise IntegrityError(
+            "downloaded bytes do not match the Hub's own hashes (fetched twice):\n  " + "\n  ".join(bad.values()),
+            where=where,
+            fix="the server (or HF_ENDPOINT mirror) serves altered files; do not use them",
+        )
     return snap
 
 

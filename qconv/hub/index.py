@@ -73,8 +73,11 @@ class Index:
 
 def check_name(name: str, where: str) -> str:
     if not NAME_RE.match(name):
-        raise QconvError(f"invalid artifact name {name!r}", where=where,
-                         fix="use letters, digits, '.', '_' and '-' only (it becomes a cache folder name)")
+        raise QconvError(
+            f"invalid artifact name {name!r}",
+            where=where,
+            fix="use letters, digits, '.', '_' and '-' only (it becomes a cache folder name)",
+        )
     return name
 
 
@@ -83,7 +86,7 @@ def parse_location(spec: str) -> Location:
     if spec.startswith(("http://", "https://")):
         return Location("url", spec.rstrip("/"))
     if spec.startswith("file://"):
-        return Location("path", str(Path(spec[len("file://"):]).resolve()))
+        return Location("path", str(Path(spec[len("file://") :]).resolve()))
     if spec.startswith("hf:"):
         repo, _, rev = spec[3:].lstrip("/").partition("@")
         if not HF_ID_RE.match(repo):
@@ -96,8 +99,11 @@ def _req(d: dict, key: str, typ: type | tuple, where: str):
     if key not in d:
         raise QconvError(f"missing key {key!r}", where=where, fix="see qconv/hub/index.json for the schema")
     if not isinstance(d[key], typ):
-        raise QconvError(f"key {key!r} has type {type(d[key]).__name__}", where=where,
-                         fix=f"it must be {getattr(typ, '__name__', typ)}")
+        raise QconvError(
+            f"key {key!r} has type {type(d[key]).__name__}",
+            where=where,
+            fix=f"it must be {getattr(typ, '__name__', typ)}",
+        )
     return d[key]
 
 
@@ -113,8 +119,9 @@ def entry_from_dict(d: dict, where: str) -> IndexEntry:
     loc = _req(d, "location", dict, where)
     kind = _req(loc, "kind", str, f"{where}.location")
     if kind not in LOCATION_KINDS:
-        raise QconvError(f"unknown location kind {kind!r}", where=f"{where}.location",
-                         fix=f"use one of {', '.join(LOCATION_KINDS)}")
+        raise QconvError(
+            f"unknown location kind {kind!r}", where=f"{where}.location", fix=f"use one of {', '.join(LOCATION_KINDS)}"
+        )
     files = {}
     for fname, f in _req(d, "files", dict, where).items():
         fw = f"{where}.files[{fname}]"
@@ -124,20 +131,26 @@ def entry_from_dict(d: dict, where: str) -> IndexEntry:
         files[fname] = FileEntry(sha, size)
     src = _req(d, "source", dict, where)
     return IndexEntry(
-        name=name, recipe=_req(d, "recipe", str, where),
+        name=name,
+        recipe=_req(d, "recipe", str, where),
         source=SourceRef(_req(src, "id", str, f"{where}.source"), src.get("revision")),
         location=Location(kind, _req(loc, "uri", str, f"{where}.location"), loc.get("revision")),
-        files=files, card=_opt(d, "card", str, "", where), quality=_opt(d, "quality", dict, {}, where))
+        files=files,
+        card=_opt(d, "card", str, "", where),
+        quality=_opt(d, "quality", dict, {}, where),
+    )
 
 
 def index_from_dict(d: Any, where: str) -> Index:
     if not isinstance(d, dict):
         raise QconvError("index is not a JSON object", where=where, fix="see qconv/hub/index.json for the schema")
     if d.get("schema_version") != INDEX_SCHEMA_VERSION:
-        raise QconvError(f"unsupported index schema_version {d.get('schema_version')!r}", where=where,
-                         fix=f"this qconv reads schema_version {INDEX_SCHEMA_VERSION}; upgrade qconv or the index")
-    entries = [entry_from_dict(e, f"{where}:artifacts[{i}]")
-               for i, e in enumerate(_req(d, "artifacts", list, where))]
+        raise QconvError(
+            f"unsupported index schema_version {d.get('schema_version')!r}",
+            where=where,
+            fix=f"this qconv reads schema_version {INDEX_SCHEMA_VERSION}; upgrade qconv or the index",
+        )
+    entries = [entry_from_dict(e, f"{where}:artifacts[{i}]") for i, e in enumerate(_req(d, "artifacts", list, where))]
     names = [e.name for e in entries]
     if dups := sorted({n for n in names if names.count(n) > 1}):
         raise QconvError(f"duplicate artifact names {dups}", where=where, fix="each name may appear once")
@@ -165,10 +178,13 @@ def load_index(spec: str | None = None, *, offline: bool = False, insecure: bool
             if len(text) > INDEX_CAP:
                 raise QconvError(f"artifact index larger than {INDEX_CAP >> 20} MB", where=spec)
         else:
-            text = Path(spec[len("file://"):] if spec.startswith("file://") else spec).expanduser().read_text()
+            text = Path(spec[len("file://") :] if spec.startswith("file://") else spec).expanduser().read_text()
     except (OSError, urllib.error.URLError, UnicodeDecodeError) as e:
-        raise QconvError(f"cannot read the artifact index: {e}", where=spec,
-                         fix="check --index / QCONV_INDEX, or use `qconv pull --offline NAME` for cached artifacts") from e
+        raise QconvError(
+            f"cannot read the artifact index: {e}",
+            where=spec,
+            fix="check --index / QCONV_INDEX, or use `qconv pull --offline NAME` for cached artifacts",
+        ) from e
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -176,8 +192,9 @@ def load_index(spec: str | None = None, *, offline: bool = False, insecure: bool
     return index_from_dict(data, spec)
 
 
-def entry_for_artifact(artifact_dir: str | Path, location: Location, name: str | None = None,
-                       card: str = "") -> IndexEntry:
+def entry_for_artifact(
+    artifact_dir: str | Path, location: Location, name: str | None = None, card: str = ""
+) -> IndexEntry:
     """An index entry describing a verified local artifact, as it will be served from `location`."""
     from qconv.hub.verify import verify_artifact
 
@@ -186,8 +203,15 @@ def entry_for_artifact(artifact_dir: str | Path, location: Location, name: str |
     m = report.manifest
     name = check_name(name or Path(artifact_dir).resolve().name, str(artifact_dir))
     files = {k: FileEntry(**v) for k, v in file_table(artifact_dir).items() if k in m.files or k == "qconv.json"}
-    return IndexEntry(name=name, recipe=m.recipe.name, source=SourceRef(m.source.id, m.source.revision),
-                      location=location, files=files, card=card, quality=m.quality.data if m.quality else {})
+    return IndexEntry(
+        name=name,
+        recipe=m.recipe.name,
+        source=SourceRef(m.source.id, m.source.revision),
+        location=location,
+        files=files,
+        card=card,
+        quality=m.quality.data if m.quality else {},
+    )
 
 
 def add_to_index_file(index_file: str | Path, entry: IndexEntry) -> Index:

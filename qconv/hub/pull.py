@@ -60,8 +60,9 @@ def _is_folder(s: str) -> bool:
     return s.startswith("file://") or Path(s).expanduser().is_dir()
 
 
-def resolve_target(target: str, revision: str | None = None, index: str | None = None,
-                   insecure: bool = False) -> PullSource:
+def resolve_target(
+    target: str, revision: str | None = None, index: str | None = None, insecure: bool = False
+) -> PullSource:
     if _is_url(target) or _is_folder(target):
         if revision:
             raise QconvError("--revision applies to Hugging Face repos only", where=target)
@@ -81,16 +82,26 @@ def resolve_target(target: str, revision: str | None = None, index: str | None =
         return PullSource(target, loc, entry)
     if HF_ID_RE.match(target):
         return PullSource(target, Location("hf", target, revision))
-    raise QconvError(f"unknown artifact {target!r}: not in the index and not a Hugging Face id (org/name)",
-                     fix="see `qconv list --remote`, pass --index URL_OR_PATH, or pull ORG/NAME, a URL or a folder")
+    raise QconvError(
+        f"unknown artifact {target!r}: not in the index and not a Hugging Face id (org/name)",
+        fix="see `qconv list --remote`, pass --index URL_OR_PATH, or pull ORG/NAME, a URL or a folder",
+    )
 
 
 def fetcher(loc: Location, *, progress: bool, retries: int, insecure: bool) -> Callable[[Want], Fetch]:
     """For each wanted file of a url/path location, a function that fills a `.part` path."""
     if loc.kind == "url":
-        return lambda w: lambda part, _refetch: http_fetch(
-            join_url(loc.uri, w.name), part, w.size if w.sha256 else None, cap=None if w.sha256 else MANIFEST_CAP,
-            insecure=insecure, retries=retries, progress=progress)
+        return lambda w: (
+            lambda part, _refetch: http_fetch(
+                join_url(loc.uri, w.name),
+                part,
+                w.size if w.sha256 else None,
+                cap=None if w.sha256 else MANIFEST_CAP,
+                insecure=insecure,
+                retries=retries,
+                progress=progress,
+            )
+        )
     return lambda w: lambda part, _refetch: local_fetch(Path(loc.uri), w.name, part)
 
 
@@ -102,8 +113,11 @@ def expected_files(src: PullSource, manifest: Manifest) -> dict[str, Want]:
         listed = {n: (f.sha256, f.size) for n, f in src.entry.files.items() if n != MANIFEST}
         if listed != {n: (w.sha256, w.size) for n, w in want.items()}:
             diff = sorted(set(listed.items()) ^ {(n, (w.sha256, w.size)) for n, w in want.items()})
-            raise IntegrityError(f"the index and the artifact's {MANIFEST} disagree on files: {diff[:4]}",
-                                 where=src.location.describe(), fix="the index is stale or the artifact was replaced")
+            raise IntegrityError(
+                f"the index and the artifact's {MANIFEST} disagree on files: {diff[:4]}",
+                where=src.location.describe(),
+                fix="the index is stale or the artifact was replaced",
+            )
     return want
 
 
@@ -129,9 +143,14 @@ def _fetch_manifest(src: PullSource, staging: Path, fetch_for: Callable[[Want], 
 
 
 def _warn_untrusted(src: PullSource) -> None:
-    log.warning("WARNING: %s has no trusted hash: no index entry and no Hub metadata vouch for %s. Its files match "
-                "its own %s, which whoever serves it could have written. Pull it through an index (`qconv index "
-                "add` writes one) or from the Hub to have it checked.", src.name, src.location.describe(), MANIFEST)
+    log.warning(
+        "WARNING: %s has no trusted hash: no index entry and no Hub metadata vouch for %s. Its files match "
+        "its own %s, which whoever serves it could have written. Pull it through an index (`qconv index "
+        "add` writes one) or from the Hub to have it checked.",
+        src.name,
+        src.location.describe(),
+        MANIFEST,
+    )
 
 
 def _space_needed(want: dict[str, Want], have: Callable[[str], int]) -> int:
@@ -144,6 +163,7 @@ def _partial_size(staging: Path) -> Callable[[str], int]:
             if p.is_file():
                 return p.stat().st_size
         return 0
+
     return have
 
 
@@ -168,8 +188,7 @@ def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool
         shutil.rmtree(staging, ignore_errors=True)
         return cache.install(loc, rev, lambda tmp: None, info)
     check_space(staging, _space_needed(want, _partial_size(staging)), f"pulling {src.name}")
-    log.info("pulling %s from %s (%d files, %.1f MB)", src.name, loc.describe(), len(want),
-             manifest.total_size() / 1e6)
+    log.info("pulling %s from %s (%d files, %.1f MB)", src.name, loc.describe(), len(want), manifest.total_size() / 1e6)
     for w in want.values():
         fetch_verified(fetch_for(w), staging / w.name, w)
 
@@ -192,8 +211,11 @@ def _pull_hub(src: PullSource, *, progress: bool) -> Path:
         log.info("%s is already in the cache at commit %s", src.name, commit)
         return cache.install(loc, commit, lambda tmp: None, {"name": src.name, "requested": loc.revision})
     if MANIFEST not in hub:
-        raise QconvError(f"Hugging Face repo {loc.uri} has no {MANIFEST} at commit {commit}", where=where,
-                         fix="it is not a qconv artifact; build one from it with `qconv build --model ORG/NAME`")
+        raise QconvError(
+            f"Hugging Face repo {loc.uri} has no {MANIFEST} at commit {commit}",
+            where=where,
+            fix="it is not a qconv artifact; build one from it with `qconv build --model ORG/NAME`",
+        )
     h = hub[MANIFEST]
     listed = _listed_manifest(src)
     mwant = Want(MANIFEST, listed.sha256 if listed else (h.lfs_sha256 or ""), h.size or 0)
@@ -204,9 +226,17 @@ def _pull_hub(src: PullSource, *, progress: bool) -> Path:
     check_space(cache.hf_cache_dir(), _space_needed(want, lambda n: 0), f"pulling {src.name}")
     log.info("pulling %s from %s (%d files, %.1f MB)", src.name, where, len(want), manifest.total_size() / 1e6)
     snap = hf.fetch_checked(loc.uri, commit, want, hub, where, progress=progress)
-    final = cache.install(loc, commit, lambda tmp: hf.link_into(snap, [*want, MANIFEST], tmp),
-                          {"name": src.name, "requested": loc.revision, "manifest_sha256": sha256_file(snap / MANIFEST),
-                           "recipe": manifest.recipe.name})
+    final = cache.install(
+        loc,
+        commit,
+        lambda tmp: hf.link_into(snap, [*want, MANIFEST], tmp),
+        {
+            "name": src.name,
+            "requested": loc.revision,
+            "manifest_sha256": sha256_file(snap / MANIFEST),
+            "recipe": manifest.recipe.name,
+        },
+    )
     hf.drop_download_cache(loc.uri)
     return final
 
@@ -215,13 +245,23 @@ def _offline(target: str) -> Path:
     try:
         return cache.resolve_artifact(target)
     except QconvError as e:
-        raise QconvError(f"{target!r} is not in the cache and --offline forbids downloading",
-                         where=str(cache.artifacts_root()), fix=f"run `qconv pull {target}` with network access first"
-                         ) from e
+        raise QconvError(
+            f"{target!r} is not in the cache and --offline forbids downloading",
+            where=str(cache.artifacts_root()),
+            fix=f"run `qconv pull {target}` with network access first",
+        ) from e
 
 
-def pull(target: str, *, revision: str | None = None, offline: bool = False, index: str | None = None,
-         progress: bool = True, retries: int = 3, insecure: bool = False) -> Path:
+def pull(
+    target: str,
+    *,
+    revision: str | None = None,
+    offline: bool = False,
+    index: str | None = None,
+    progress: bool = True,
+    retries: int = 3,
+    insecure: bool = False,
+) -> Path:
     """Pull `target` into the cache and return its verified revision folder."""
     if offline:
         return _offline(target)
@@ -241,6 +281,10 @@ def pull(target: str, *, revision: str | None = None, offline: bool = False, ind
     except OSError as e:
         if not is_disk_error(e):
             raise
-        raise os_error(e, f"pulling {src.name}", cache.artifacts_root(),
-                       retry_hint="run `qconv pull` again: finished files are kept") from e
+        raise os_error(
+            e,
+            f"pulling {src.name}",
+            cache.artifacts_root(),
+            retry_hint="run `qconv pull` again: finished files are kept",
+        ) from e
     return final

@@ -28,11 +28,17 @@ def model_card(manifest: Manifest, repo_id: str) -> str:
         front.append(f"base_model: {base}")
     front.append("---")
     out = front + [
-        "", f"# {name}", "",
+        "",
+        f"# {name}",
+        "",
         f"Quantized with qconv from `{src.id}`"
-        + (f" (revision `{src.revision}`)" if src.revision else "") + f" using recipe `{manifest.recipe.name}`.", "",
-        "## Provenance", "",
-        "| | |", "|---|---|",
+        + (f" (revision `{src.revision}`)" if src.revision else "")
+        + f" using recipe `{manifest.recipe.name}`.",
+        "",
+        "## Provenance",
+        "",
+        "| | |",
+        "|---|---|",
         f"| source | `{src.id}` |",
         f"| source revision | `{src.revision or '-'}` |",
         f"| source architecture | `{src.architecture or '-'}` |",
@@ -40,7 +46,10 @@ def model_card(manifest: Manifest, repo_id: str) -> str:
         f"| recipe | `{manifest.recipe.name}` (sha256 `{manifest.recipe.sha256[:16]}`) |",
         f"| status | `{manifest.status}` |",
         f"| size | {manifest.total_size() / 1e9:.2f} GB in {len(manifest.files)} files |",
-        "", "## Quality", ""]
+        "",
+        "## Quality",
+        "",
+    ]
     rows = quality_rows(manifest.quality.data if manifest.quality else None)
     if rows:
         out += ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
@@ -48,10 +57,21 @@ def model_card(manifest: Manifest, repo_id: str) -> str:
         out.append("No quality report was recorded for this artifact.")
     if manifest.requires:
         out += ["", "## Requirements", ""] + [
-            f"- {r.feature}{_scope(r)}: needs {r.needs} — {r.reason}" for r in manifest.requires]
-    out += ["", "## Serving", "", "```bash",
-            f"qconv pull {repo_id}", f"qconv serve {repo_id}", "```", "", *_vllm_lines(manifest, repo_id),
-            f"`{MANIFEST}` lists the sha256 of every file; `qconv verify` rechecks them after download.", ""]
+            f"- {r.feature}{_scope(r)}: needs {r.needs} — {r.reason}" for r in manifest.requires
+        ]
+    out += [
+        "",
+        "## Serving",
+        "",
+        "```bash",
+        f"qconv pull {repo_id}",
+        f"qconv serve {repo_id}",
+        "```",
+        "",
+        *_vllm_lines(manifest, repo_id),
+        f"`{MANIFEST}` lists the sha256 of every file; `qconv verify` rechecks them after download.",
+        "",
+    ]
     return "\n".join(out)
 
 
@@ -66,8 +86,15 @@ def _vllm_lines(manifest: Manifest, repo_id: str) -> list[str]:
     if any(r.needs.lower() in NEEDS_RUNTIME for r in everywhere):
         return ["vLLM cannot run this artifact (see Requirements): serve it with `qconv serve`.", ""]
     if everywhere:
-        return ["Or with vLLM 0.32 and the qconv-vllm plugin (`qconv runtime install` makes that environment; "
-                "stock vLLM cannot load it, see Requirements):", "", "```bash", f"vllm serve {repo_id}", "```", ""]
+        return [
+            "Or with vLLM 0.32 and the qconv-vllm plugin (`qconv runtime install` makes that environment; "
+            "stock vLLM cannot load it, see Requirements):",
+            "",
+            "```bash",
+            f"vllm serve {repo_id}",
+            "```",
+            "",
+        ]
     return ["Or with vLLM (compressed-tensors is read natively):", "", "```bash", f"vllm serve {repo_id}", "```", ""]
 
 
@@ -88,8 +115,15 @@ def _staged(artifact_dir: Path, names: list[str], card: str):
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def push(artifact_dir: str | Path, repo_id: str, *, revision: str | None = None, private: bool = False,
-         create_pr: bool = False, token: str | None = None) -> str:
+def push(
+    artifact_dir: str | Path,
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    private: bool = False,
+    create_pr: bool = False,
+    token: str | None = None,
+) -> str:
     """Verify, then create the repo (if needed) and upload folder + card in one commit. Returns the commit URL."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
@@ -102,10 +136,18 @@ def push(artifact_dir: str | Path, repo_id: str, *, revision: str | None = None,
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         with _staged(path, [*report.manifest.files, MANIFEST], card) as stage:
-            info = api.upload_folder(repo_id=repo_id, folder_path=stage, repo_type="model", revision=revision,
-                                     create_pr=create_pr,
-                                     commit_message=f"qconv push: {report.manifest.recipe.name} artifact")
+            info = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=stage,
+                repo_type="model",
+                revision=revision,
+                create_pr=create_pr,
+                commit_message=f"qconv push: {report.manifest.recipe.name} artifact",
+            )
     except (HfHubHTTPError, OSError) as e:
-        raise QconvError(f"push to {repo_id} failed: {e}", where=repo_id,
-                         fix="check the repo id, your HF token (`hf auth login`) and network") from e
+        raise QconvError(
+            f"push to {repo_id} failed: {e}",
+            where=repo_id,
+            fix="check the repo id, your HF token (`hf auth login`) and network",
+        ) from e
     return str(getattr(info, "commit_url", info))

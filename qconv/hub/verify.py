@@ -22,9 +22,11 @@ class VerifyReport:
 
     def raise_for_problems(self) -> None:
         if self.problems:
-            raise IntegrityError(f"{len(self.problems)} file(s) do not match qconv.json:\n  " +
-                                 "\n  ".join(self.problems), where=str(self.path),
-                                 fix="re-pull (`qconv pull NAME`) or rebuild the artifact")
+            raise IntegrityError(
+                f"{len(self.problems)} file(s) do not match qconv.json:\n  " + "\n  ".join(self.problems),
+                where=str(self.path),
+                fix="re-pull (`qconv pull NAME`) or rebuild the artifact",
+            )
 
 
 def verify_artifact(artifact_dir: str | Path) -> VerifyReport:
@@ -50,11 +52,13 @@ def quality_rows(quality: dict[str, Any] | None, prefix: str = "") -> list[tuple
 
 def summary_lines(report: VerifyReport) -> list[str]:
     m = report.manifest
-    lines = [f"artifact: {report.path}",
-             f"source:   {m.source.id}" + (f"@{m.source.revision}" if m.source.revision else ""),
-             f"recipe:   {m.recipe.name} (sha256 {m.recipe.sha256[:12]})",
-             f"status:   {m.status}",
-             f"files:    {len(m.files)}, {m.total_size() / 1e6:.1f} MB"]
+    lines = [
+        f"artifact: {report.path}",
+        f"source:   {m.source.id}" + (f"@{m.source.revision}" if m.source.revision else ""),
+        f"recipe:   {m.recipe.name} (sha256 {m.recipe.sha256[:12]})",
+        f"status:   {m.status}",
+        f"files:    {len(m.files)}, {m.total_size() / 1e6:.1f} MB",
+    ]
     rows = quality_rows(m.quality.data if m.quality else None)
     if rows:
         width = max(len(k) for k, _ in rows)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from qconv.kv.store import EXACT_DTYPE, SlotKVStore
+
 # Bound on the float32 elements one encode/decode step touches at once (a 128K-token cache does not fit twice in RAM).
 CHUNK_ELEMS = 1 << 22
 
@@ -70,11 +71,12 @@ class KVScheme:
         step = max(1, CHUNK_ELEMS // (self.tile * d))
         out = torch.empty(kf.shape[0], self.record_bytes(d), dtype=torch.uint8, device=k.device)
         for i in range(0, kf.shape[0], step):
-            out[i:i + step] = self._encode(kf[i:i + step].float(), vf[i:i + step].float())
+            out[i : i + step] = self._encode(kf[i : i + step].float(), vf[i : i + step].float())
         return out.reshape(*lead, -1)
 
-    def decode(self, rec: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float32
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(
+        self, rec: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """uint8 [..., n_tiles, record_bytes] -> (k, v), each [..., n_tiles, tile, D] in `dtype`."""
         lead = rec.shape[:-1]
         flat = rec.reshape(-1, rec.shape[-1])
@@ -82,12 +84,22 @@ class KVScheme:
         v = torch.empty_like(k)
         step = max(1, CHUNK_ELEMS // (self.tile * head_dim))
         for i in range(0, flat.shape[0], step):
-            kd, vd = self._decode(flat[i:i + step], head_dim)
-            k[i:i + step], v[i:i + step] = kd, vd
+            kd, vd = self._decode(flat[i : i + step], head_dim)
+            k[i : i + step], v[i : i + step] = kd, vd
         return k.reshape(*lead, self.tile, head_dim), v.reshape(*lead, self.tile, head_dim)
 
-    def new_store(self, *, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int,
-                  dtype: torch.dtype, device=None, decoded_cache_bytes: int = 0):
+    def new_store(
+        self,
+        *,
+        layers: int,
+        max_batch: int,
+        max_len: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device=None,
+        decoded_cache_bytes: int = 0,
+    ):
         """The runtime's KVStore (qconv.runtime.cache) holding this scheme's packed records per (layer, slot);
         decoded_cache_bytes > 0 lets reads reuse decoded closed tiles (a speed cache, outside the memory bound)."""
         return SlotKVStore(self, layers, max_batch, heads, head_dim, dtype, device, decoded_cache_bytes)

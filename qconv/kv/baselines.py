@@ -33,6 +33,7 @@ class BF16(KVScheme):
 class FP8(KVScheme):
     """float8 e4m3 with one scale per tensor (K and V separately): amax/448 of the data it is calibrated on.
     The store fixes the scales on its first append (the prompt); later values beyond them saturate at +-448."""
+
     k_scale: float | None = None
     v_scale: float | None = None
 
@@ -60,6 +61,7 @@ class FP8(KVScheme):
 class IntGroup(KVScheme):
     """Symmetric integer codes per token, one fp16 scale per group of `group` channels (None: the whole row).
     bits=8: int8 per token (scale = amax/127). bits=4: q4_0-like (scale = signed max / -8, codes q+8 in [0, 15])."""
+
     bits: int = 8
     group: int | None = None
 
@@ -98,5 +100,6 @@ class IntGroup(KVScheme):
 
 def kivi(k_bits: int, v_bits: int, tile: int = 128) -> TileScheme:
     """KIVI-style: K per channel and V per token over the same tiles as KVarN, without rotation or normalization."""
-    return TileScheme(name=f"kivi_k{k_bits}v{v_bits}_g{tile}", tile=tile, k_bits=k_bits, v_bits=v_bits,
-                      rotate=False, balance=False)
+    return TileScheme(
+        name=f"kivi_k{k_bits}v{v_bits}_g{tile}", tile=tile, k_bits=k_bits, v_bits=v_bits, rotate=False, balance=False
+    )

@@ -11,8 +11,12 @@ import click
 @click.option("--card-gib", type=float, default=None, help="Card memory in GiB (overrides the card table).")
 @click.option("--recipe", default=None, help="Recipe name or YAML (default: the artifact's, else 3090).")
 @click.option("--profile", default=None, help="Check only this profile (default: all of the recipe's).")
-@click.option("--draft-len", type=int, default=None,
-              help="Extra GDN state slots per sequence for speculative decoding (default: num_speculative_tokens).")
+@click.option(
+    "--draft-len",
+    type=int,
+    default=None,
+    help="Extra GDN state slots per sequence for speculative decoding (default: num_speculative_tokens).",
+)
 def plan(model, card, card_gib, recipe, profile, draft_len):
     """What MODEL_OR_ARTIFACT needs on a card: weights, KV bytes per token per scheme, GDN state, max context and
     concurrent sequences per profile. Exits 2 if a profile does not fit."""

@@ -69,14 +69,15 @@ def balance(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor
 def rtn_rows(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric round-to-nearest per row: (codes uint8, step, row min)."""
     lo, hi = torch.aminmax(y, dim=-1)
-    step = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-10)
-    q = ((y - lo.unsqueeze(-1)) / step.unsqueeze(-1)).round_().clamp_(0, 2 ** bits - 1)
+    step = ((hi - lo) / (2**bits - 1)).clamp_min(1e-10)
+    q = ((y - lo.unsqueeze(-1)) / step.unsqueeze(-1)).round_().clamp_(0, 2**bits - 1)
     return q.to(torch.uint8), step, lo
 
 
 @dataclass(frozen=True)
 class TileScheme(KVScheme):
     """KVarN (rotate + balance) or its KIVI-style ablation (neither); sink tile and tile-in-progress stay fp16."""
+
     tile: int = 128
     sink: bool = True
     k_bits: int = 4

@@ -39,6 +39,7 @@ def bytes_fp16(b: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Layout:
     """Storage order and sizes of a record's fields; `size` includes the padding to `align` bytes."""
+
     fields: tuple[tuple[str, int], ...]
     align: int = 8
 
@@ -59,6 +60,6 @@ class Layout:
         """Records [..., size] -> named uint8 fields."""
         parts, off = {}, 0
         for name, nbytes in self.fields:
-            parts[name] = rec[..., off:off + nbytes]
+            parts[name] = rec[..., off : off + nbytes]
             off += nbytes
         return parts

@@ -13,18 +13,26 @@ from qconv.artifact import Artifact
 from qconv.calibrate.units import module_bytes
 from qconv.convert.layout import plan_model
 from qconv.errors import QconvError
-from qconv.modelfiles import read_model_config
-from qconv.kv.store import EXACT_DTYPE
 from qconv.kv.schemes import GPU_RUNTIME, NO_GPU_RUNTIME, get_kv_scheme
+from qconv.kv.store import EXACT_DTYPE
+from qconv.modelfiles import read_model_config
 from qconv.recipes.recipe import Profile, Recipe, load_recipe
 
 GIB = 1 << 30
 # Nominal memory per card (GiB). --card-gib overrides.
 CARDS: dict[str, tuple[str, float]] = {
-    "3060": ("RTX 3060 12GB", 12), "4060ti": ("RTX 4060 Ti 16GB", 16), "4080": ("RTX 4080", 16),
-    "3090": ("RTX 3090", 24), "4090": ("RTX 4090", 24), "5090": ("RTX 5090", 32),
-    "a6000": ("RTX A6000", 48), "l40s": ("L40S", 48), "a100-40": ("A100 40GB", 40), "a100-80": ("A100 80GB", 80),
-    "h100-80": ("H100 80GB", 80), "h200": ("H200", 141),
+    "3060": ("RTX 3060 12GB", 12),
+    "4060ti": ("RTX 4060 Ti 16GB", 16),
+    "4080": ("RTX 4080", 16),
+    "3090": ("RTX 3090", 24),
+    "4090": ("RTX 4090", 24),
+    "5090": ("RTX 5090", 32),
+    "a6000": ("RTX A6000", 48),
+    "l40s": ("L40S", 48),
+    "a100-40": ("A100 40GB", 40),
+    "a100-80": ("A100 80GB", 80),
+    "h100-80": ("H100 80GB", 80),
+    "h200": ("H200", 141),
 }
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 COMPARE = ("bf16", "fp8_e4m3", "kvarn_k4v4_g128", "kvarn_k4v2_g128")
@@ -49,9 +57,14 @@ def model_dims(config: dict) -> ModelDims:
     full = sum(t == "full_attention" for t in types)
     linear = sum(t == "linear_attention" for t in types)
     hd = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
-    d = ModelDims(full, tc.get("num_key_value_heads") or tc["num_attention_heads"], hd, linear,
-                  mtp_layers=int(tc.get("mtp_num_hidden_layers") or 0),
-                  max_position=tc.get("max_position_embeddings", 0))
+    d = ModelDims(
+        full,
+        tc.get("num_key_value_heads") or tc["num_attention_heads"],
+        hd,
+        linear,
+        mtp_layers=int(tc.get("mtp_num_hidden_layers") or 0),
+        max_position=tc.get("max_position_embeddings", 0),
+    )
     if linear:
         nk, nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
         dk, dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
@@ -136,8 +149,16 @@ def _max_context(usable: int, kv_tok: int, fixed: int) -> int:
     return max(0, (usable - fixed) // kv_tok) if kv_tok else 0
 
 
-def fit_profile(name: str, p: Profile, dims: ModelDims, recipe: Recipe, w_resident: int, card_gib: float,
-                draft_len: int, uses_mtp: bool) -> ProfileFit:
+def fit_profile(
+    name: str,
+    p: Profile,
+    dims: ModelDims,
+    recipe: Recipe,
+    w_resident: int,
+    card_gib: float,
+    draft_len: int,
+    uses_mtp: bool,
+) -> ProfileFit:
     usable = int(card_gib * GIB * p.gpu_memory_utilization - recipe.card.reserve_gib * GIB) - w_resident
     ssm = dims.config_ssm_dtype if p.mamba_ssm_cache_dtype == "auto" else p.mamba_ssm_cache_dtype
     state = dims.linear_layers * (dims.conv_elems * 2 + dims.recurrent_elems * DTYPE_BYTES[ssm])
@@ -150,8 +171,11 @@ def fit_profile(name: str, p: Profile, dims: ModelDims, recipe: Recipe, w_reside
         per_head = s.bytes_per_token_per_head(dims.head_dim)
         exact = s.max_exact_tokens() * 2 * dims.head_dim * EXACT_DTYPE.itemsize
         draft_layers = dims.mtp_layers if uses_mtp else 0
-        return (round(dims.full_layers * dims.kv_heads * per_head), round(draft_layers * dims.kv_heads * per_head),
-                (dims.full_layers + draft_layers) * dims.kv_heads * exact)
+        return (
+            round(dims.full_layers * dims.kv_heads * per_head),
+            round(draft_layers * dims.kv_heads * per_head),
+            (dims.full_layers + draft_layers) * dims.kv_heads * exact,
+        )
 
     tok, draft_tok, exact = kv(p.kv_cache)
     fit = ProfileFit(name, p, tok, draft_tok, exact, state, slots, block, usable)
@@ -161,35 +185,70 @@ def fit_profile(name: str, p: Profile, dims: ModelDims, recipe: Recipe, w_reside
     return fit
 
 
-def plan_fit(model: str | Path, *, card: str = "3090", card_gib: float | None = None, recipe: str | None = None,
-             profile: str | None = None, draft_len: int | None = None) -> FitReport:
+def plan_fit(
+    model: str | Path,
+    *,
+    card: str = "3090",
+    card_gib: float | None = None,
+    recipe: str | None = None,
+    profile: str | None = None,
+    draft_len: int | None = None,
+) -> FitReport:
     """`qconv plan`: read the folder (artifact, model or config only), pick recipe and card, fit every profile."""
     folder = Path(model).expanduser()
     if not (folder / "config.json").is_file():
-        raise QconvError(f"no config.json in {folder}", where="MODEL_OR_ARTIFACT",
-                         fix="pass a model folder, an artifact folder or a config-only folder")
+        raise QconvError(
+            f"no config.json in {folder}",
+            where="MODEL_OR_ARTIFACT",
+            fix="pass a model folder, an artifact folder or a config-only folder",
+        )
     config = read_model_config(folder)
     art = Artifact.find(folder)
     rec = load_recipe(recipe) if recipe else art.require_recipe() if art is not None else load_recipe("3090")
     if card_gib is None:
         if card.lower() not in CARDS:
-            raise QconvError(f"unknown card {card!r}", where="--card",
-                             fix=f"use one of {', '.join(CARDS)} or give the memory with --card-gib N")
+            raise QconvError(
+                f"unknown card {card!r}",
+                where="--card",
+                fix=f"use one of {', '.join(CARDS)} or give the memory with --card-gib N",
+            )
         card_name, card_gib = CARDS[card.lower()]
     else:
         card_name = card if card.lower() not in CARDS else CARDS[card.lower()][0]
         if card_gib <= 0:
             raise QconvError(f"--card-gib must be > 0, got {card_gib}", where="--card-gib")
     if profile is not None and profile not in rec.profiles:  # before the (slow) weight estimate
-        raise QconvError(f"unknown profile {profile!r} in recipe {rec.name}", where="--profile",
-                         fix=f"use one of {', '.join(rec.profiles)}")
-    return build_report(str(folder), config, rec, *weights(folder, config, rec, art), card_name, card_gib,
-                        profile=profile, draft_len=draft_len)
+        raise QconvError(
+            f"unknown profile {profile!r} in recipe {rec.name}",
+            where="--profile",
+            fix=f"use one of {', '.join(rec.profiles)}",
+        )
+    return build_report(
+        str(folder),
+        config,
+        rec,
+        *weights(folder, config, rec, art),
+        card_name,
+        card_gib,
+        profile=profile,
+        draft_len=draft_len,
+    )
 
 
-def build_report(label: str, config: dict, rec: Recipe, total: int, vision: int, mtp: int, source: str,
-                 card_name: str, card_gib: float, *, profile: str | None = None,
-                 draft_len: int | None = None) -> FitReport:
+def build_report(
+    label: str,
+    config: dict,
+    rec: Recipe,
+    total: int,
+    vision: int,
+    mtp: int,
+    source: str,
+    card_name: str,
+    card_gib: float,
+    *,
+    profile: str | None = None,
+    draft_len: int | None = None,
+) -> FitReport:
     """The fit of every (or one) profile of `rec` for a model of `config` whose weight files total `total` bytes."""
     dims = model_dims(config)
     spec = rec.speculative
@@ -203,31 +262,60 @@ def build_report(label: str, config: dict, rec: Recipe, total: int, vision: int,
         resident = total - (vision if p.language_model_only else 0) - (0 if uses_mtp else mtp)
         fits.append(fit_profile(name, p, dims, rec, resident, card_gib, draft_len, uses_mtp))
     resident = total - vision - (0 if uses_mtp else mtp)
-    spec_s = "none" if spec.method == "none" else (
-        f"{spec.method}: {spec.num_speculative_tokens} drafted tokens (lookup block up to {spec.lookup.max_block})"
-        + (f", {draft_len} extra GDN state slot(s) per sequence" if dims.linear_layers else ""))
-    return FitReport(label, card_name, card_gib, rec.card.reserve_gib, dims,
-                     Weights(total, resident, source, vision, mtp if uses_mtp else 0), spec_s, fits)
+    spec_s = (
+        "none"
+        if spec.method == "none"
+        else (
+            f"{spec.method}: {spec.num_speculative_tokens} drafted tokens (lookup block up to {spec.lookup.max_block})"
+            + (f", {draft_len} extra GDN state slot(s) per sequence" if dims.linear_layers else "")
+        )
+    )
+    return FitReport(
+        label,
+        card_name,
+        card_gib,
+        rec.card.reserve_gib,
+        dims,
+        Weights(total, resident, source, vision, mtp if uses_mtp else 0),
+        spec_s,
+        fits,
+    )
 
 
-def profile_fit_lines(config: dict, recipe: Recipe, total_bytes: int, vision_bytes: int = 0,
-                      mtp_bytes: int = 0) -> list[str]:
+def profile_fit_lines(
+    config: dict, recipe: Recipe, total_bytes: int, vision_bytes: int = 0, mtp_bytes: int = 0
+) -> list[str]:
     """One line per profile on the recipe's own card, for `qconv build --dry-run`."""
-    r = build_report("", config, recipe, total_bytes, vision_bytes, mtp_bytes, "estimate", recipe.card.name,
-                     recipe.card.memory_gib)
-    return [f"profile {f.name} on {r.card} ({r.card_gib:g} GiB): {f.profile.kv_cache} KV at "
-            f"{f.profile.context_length:,} tokens needs {_gib(f.need)} of {_gib(f.usable)} left for KV + state -> "
-            + (f"fits ({f.runtime})" if f.fits else "DOES NOT FIT" if f.runtime else f"NOT SERVABLE: {NO_GPU_RUNTIME}")
-            + f"; one sequence reaches {f.max_context[f.profile.kv_cache]:,} tokens" for f in r.profiles]
+    r = build_report(
+        "", config, recipe, total_bytes, vision_bytes, mtp_bytes, "estimate", recipe.card.name, recipe.card.memory_gib
+    )
+    return [
+        f"profile {f.name} on {r.card} ({r.card_gib:g} GiB): {f.profile.kv_cache} KV at "
+        f"{f.profile.context_length:,} tokens needs {_gib(f.need)} of {_gib(f.usable)} left for KV + state -> "
+        + (f"fits ({f.runtime})" if f.fits else "DOES NOT FIT" if f.runtime else f"NOT SERVABLE: {NO_GPU_RUNTIME}")
+        + f"; one sequence reaches {f.max_context[f.profile.kv_cache]:,} tokens"
+        for f in r.profiles
+    ]
 
 
-def int8_headroom(config: dict, recipe: Recipe, total_bytes: int, vision_bytes: int = 0,
-                  mtp_bytes: int = 0) -> tuple[int, ProfileFit]:
+def int8_headroom(
+    config: dict, recipe: Recipe, total_bytes: int, vision_bytes: int = 0, mtp_bytes: int = 0
+) -> tuple[int, ProfileFit]:
     """`selection.budget: auto`: the bytes the recipe's card has left once the weights (`total_bytes`, uniform W4)
     and the first (default) profile's KV cache at its context length plus the recurrent state are placed, after
     the reserve — the slack of that profile's fit, never negative. Promoting at most this much keeps it fitting."""
-    r = build_report("", config, recipe, total_bytes, vision_bytes, mtp_bytes, "estimate", recipe.card.name,
-                     recipe.card.memory_gib, profile=next(iter(recipe.profiles)))
+    r = build_report(
+        "",
+        config,
+        recipe,
+        total_bytes,
+        vision_bytes,
+        mtp_bytes,
+        "estimate",
+        recipe.card.name,
+        recipe.card.memory_gib,
+        profile=next(iter(recipe.profiles)),
+    )
     fit = r.profiles[0]
     return max(0, fit.usable - fit.need), fit
 
@@ -248,16 +336,26 @@ def render(r: FitReport) -> str:
         + (f"; {d.linear_layers} Gated-DeltaNet layers" if d.linear_layers else ""),
         "KV bytes per token (full-attention layers, K+V):",
     ]
-    listed = (*COMPARE, *(f.profile.kv_cache for f in r.profiles), "kvarn_k4v4_g256", "kvarn_k4v2_g256", "int4_g32",
-              "kivi_k4v4_g128")
+    listed = (
+        *COMPARE,
+        *(f.profile.kv_cache for f in r.profiles),
+        "kvarn_k4v4_g256",
+        "kvarn_k4v2_g256",
+        "int4_g32",
+        "kivi_k4v4_g128",
+    )
     for s in dict.fromkeys(listed):
         sch = get_kv_scheme(s)
         b = d.full_layers * d.kv_heads * sch.bytes_per_token_per_head(d.head_dim)
-        lines.append(f"  {s:<17} {b:>10,.0f} B  ({sch.bits_per_element(d.head_dim):.3f} bits/elem, "
-                     f"{bf16 / b:.2f}x smaller than bf16)")
+        lines.append(
+            f"  {s:<17} {b:>10,.0f} B  ({sch.bits_per_element(d.head_dim):.3f} bits/elem, "
+            f"{bf16 / b:.2f}x smaller than bf16)"
+        )
     if d.linear_layers:
-        lines.append(f"GDN state per sequence slot: {d.linear_layers} layers x (conv {d.conv_elems:,} elems x 2 B + "
-                     f"recurrent {d.recurrent_elems:,} elems x 4 B fp32 or 2 B fp16)")
+        lines.append(
+            f"GDN state per sequence slot: {d.linear_layers} layers x (conv {d.conv_elems:,} elems x 2 B + "
+            f"recurrent {d.recurrent_elems:,} elems x 4 B fp32 or 2 B fp16)"
+        )
     lines.append(f"speculative: {r.speculative}")
     for f in r.profiles:
         p = f.profile
@@ -270,8 +368,11 @@ def render(r: FitReport) -> str:
             f"  KV {f.kv_per_token:,} B/token"
             + (f" + MTP drafter {f.draft_kv_per_token:,} B/token" if f.draft_kv_per_token else "")
             + (f" + {_gib(f.kv_exact_bytes)} exact fp16 tokens" if f.kv_exact_bytes else "")
-            + (f"; GDN state {f.state_bytes:,} B x {f.state_slots} slots = {_gib(f.state_bytes * f.state_slots)}"
-               if f.state_bytes else "")
+            + (
+                f"; GDN state {f.state_bytes:,} B x {f.state_slots} slots = {_gib(f.state_bytes * f.state_slots)}"
+                if f.state_bytes
+                else ""
+            )
             + (f"; draft block {f.draft_block} tokens" if f.draft_block else ""),
             f"  per sequence at {p.context_length:,} tokens: {_gib(f.per_seq(p.context_length))}; "
             f"needs {_gib(f.need)} for {p.max_num_seqs} -> "
@@ -280,8 +381,8 @@ def render(r: FitReport) -> str:
             f"  max context for one sequence: {f.max_context[p.kv_cache]:,} tokens"
             + (f" (model limit {d.max_position:,})" if d.max_position else "")
             + f"; max sequences at {p.context_length:,}: {f.max_seqs}",
-            "  one sequence, same settings, other KV caches: " + ", ".join(
-                f"{s} {n:,} ({n / max(1, f.max_context['bf16']):.2f}x bf16)" for s, n in f.max_context.items()),
+            "  one sequence, same settings, other KV caches: "
+            + ", ".join(f"{s} {n:,} ({n / max(1, f.max_context['bf16']):.2f}x bf16)" for s, n in f.max_context.items()),
         ]
     return "\n".join(lines)
 
@@ -291,17 +392,24 @@ def check_fits(r: FitReport) -> None:
     bad = [f for f in r.profiles if not f.fits]
     if not bad:
         return
-    if (none := [f for f in bad if f.runtime is None]):
+    if none := [f for f in bad if f.runtime is None]:
         f = none[0]
         served = ", ".join(k for k in GPU_RUNTIME)
-        raise QconvError(f"profile {f.name}: {f.profile.kv_cache} KV cache on {r.card}: {NO_GPU_RUNTIME}",
-                         where="--profile", fix=f"use a KV cache a GPU runtime serves ({served})")
+        raise QconvError(
+            f"profile {f.name}: {f.profile.kv_cache} KV cache on {r.card}: {NO_GPU_RUNTIME}",
+            where="--profile",
+            fix=f"use a KV cache a GPU runtime serves ({served})",
+        )
     what = "; ".join(f"{f.name} needs {_gib(f.need)} for KV + state, {_gib(max(0, f.usable))} is left" for f in bad)
     if bad[0].usable <= 0:
-        fix = (f"the weights ({_gib(r.weights.resident)}) and the {r.reserve_gib:g} GiB reserve already fill the card: "
-               "use a larger card (--card / --card-gib) or a smaller recipe")
+        fix = (
+            f"the weights ({_gib(r.weights.resident)}) and the {r.reserve_gib:g} GiB reserve already fill the card: "
+            "use a larger card (--card / --card-gib) or a smaller recipe"
+        )
     else:
         best = max(bad[0].max_context.items(), key=lambda kv: kv[1])
-        fix = (f"lower context_length to at most {bad[0].max_context[bad[0].profile.kv_cache]:,}, use a smaller KV "
-               f"cache ({best[0]} reaches {best[1]:,} tokens), or a larger card")
+        fix = (
+            f"lower context_length to at most {bad[0].max_context[bad[0].profile.kv_cache]:,}, use a smaller KV "
+            f"cache ({best[0]} reaches {best[1]:,} tokens), or a larger card"
+        )
     raise QconvError(f"profile does not fit on {r.card} ({r.card_gib:g} GiB): {what}", where="--profile", fix=fix)

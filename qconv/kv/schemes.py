@@ -23,12 +23,17 @@ def _runnable(name: str) -> KVScheme:
     return kvarn(k, v, g)
 
 
-_SCHEMES: dict[str, KVScheme] = {s.name: s for s in (
-    *map(_runnable, KV_SCHEMES),
-    IntGroup("int8_token", bits=8),  # simulated by `qconv eval --kv` only
-    IntGroup("int4_g32", bits=4, group=32),
-    kivi(4, 4), kivi(4, 2), kivi(2, 2),
-)}
+_SCHEMES: dict[str, KVScheme] = {
+    s.name: s
+    for s in (
+        *map(_runnable, KV_SCHEMES),
+        IntGroup("int8_token", bits=8),  # simulated by `qconv eval --kv` only
+        IntGroup("int4_g32", bits=4, group=32),
+        kivi(4, 4),
+        kivi(4, 2),
+        kivi(2, 2),
+    )
+}
 KV_SCHEME_NAMES = tuple(_SCHEMES)
 # The KVarN presets the qconv-vllm plugin serves inside vLLM (its FEATURES name them as `kv-cache:<preset>`; the
 # g256 tiles do not split into whole bytes per token at head_dim 64, so vLLM's per-token page sizing cannot hold them).
@@ -40,6 +45,5 @@ NO_GPU_RUNTIME = "no GPU runtime runs it (qconv's own engine only, on the CPU)"
 
 def get_kv_scheme(name: str) -> KVScheme:
     if name not in _SCHEMES:
-        raise QconvError(f"unknown KV scheme {name!r}", where="--kv",
-                         fix=f"use one of {', '.join(KV_SCHEME_NAMES)}")
+        raise QconvError(f"unknown KV scheme {name!r}", where="--kv", fix=f"use one of {', '.join(KV_SCHEME_NAMES)}")
     return _SCHEMES[name]

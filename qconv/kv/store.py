@@ -25,8 +25,7 @@ class PackedKV:
     only the tiles closed since the previous one; tiles past the cap are decoded on every read as before. That
     buffer is a speed cache outside the memory bound: `decoded_nbytes` reports it, `nbytes` does not."""
 
-    def __init__(self, scheme, head_dim: int, *, keep_last_tile: bool = False, decoded_tiles: int = 0,
-                 device=None):
+    def __init__(self, scheme, head_dim: int, *, keep_last_tile: bool = False, decoded_tiles: int = 0, device=None):
         self.scheme, self.head_dim, self.keep_last_tile, self.device = scheme, head_dim, keep_last_tile, device
         self.decoded_tiles = decoded_tiles
         self.dec: tuple[torch.Tensor, torch.Tensor] | None = None  # [..., capacity tokens, D] each
@@ -51,7 +50,7 @@ class PackedKV:
         elif self.n_tiles + n > self.records.shape[-2]:
             grow = max(self.n_tiles + n, 2 * self.records.shape[-2]) - self.records.shape[-2]
             self.records = torch.cat([self.records, self.records.new_empty(*rec.shape[:-2], grow, rec.shape[-1])], -2)
-        self.records[..., self.n_tiles:self.n_tiles + n, :] = rec
+        self.records[..., self.n_tiles : self.n_tiles + n, :] = rec
         self.n_tiles += n
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -67,11 +66,11 @@ class PackedKV:
             self.sink, k, v = (k[..., :g, :], v[..., :g, :]), k[..., g:, :], v[..., g:, :]
         n = k.shape[-2] // g
         if n:
-            tk, tv = k[..., :n * g, :].unflatten(-2, (n, g)), v[..., :n * g, :].unflatten(-2, (n, g))
+            tk, tv = k[..., : n * g, :].unflatten(-2, (n, g)), v[..., : n * g, :].unflatten(-2, (n, g))
             self._put(self.scheme.encode(tk, tv))
             if self.keep_last_tile:
                 self.last = (tk[..., -1, :, :].clone(), tv[..., -1, :, :].clone())
-        self.cur = (k[..., n * g:, :], v[..., n * g:, :])
+        self.cur = (k[..., n * g :, :], v[..., n * g :, :])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """All held tokens as (k, v) [..., length, D]."""
@@ -91,14 +90,14 @@ class PackedKV:
         def put(pk: torch.Tensor, pv: torch.Tensor) -> None:
             nonlocal pos
             t = min(pk.shape[-2], n - pos)
-            k[..., pos:pos + t, :], v[..., pos:pos + t, :] = pk[..., :t, :], pv[..., :t, :]
+            k[..., pos : pos + t, :], v[..., pos : pos + t, :] = pk[..., :t, :], pv[..., :t, :]
             pos += t
 
         if self.sink is not None:
             put(*self.sink)
         m = self._decode_cached(k.dtype)
         if m:
-            put(self.dec[0][..., :m * g, :], self.dec[1][..., :m * g, :])
+            put(self.dec[0][..., : m * g, :], self.dec[1][..., : m * g, :])
         last = min(self.n_tiles, m + -(-max(0, n - pos) // g))  # only the tiles that reach into the first n
         if last > m:
             kd, vd = self.scheme.decode(self.records[..., m:last, :], self.head_dim, k.dtype)
@@ -119,12 +118,12 @@ class PackedKV:
             new = [torch.empty(*lead, cap, self.head_dim, dtype=dtype, device=self.records.device) for _ in (0, 1)]
             if self.n_dec:
                 for x, old in zip(new, self.dec):
-                    x[..., :self.n_dec * g, :] = old[..., :self.n_dec * g, :]
+                    x[..., : self.n_dec * g, :] = old[..., : self.n_dec * g, :]
             self.dec = (new[0], new[1])
         if self.n_dec < m:
-            kd, vd = self.scheme.decode(self.records[..., self.n_dec:m, :], self.head_dim, dtype)
-            self.dec[0][..., self.n_dec * g:m * g, :] = kd.flatten(-3, -2)
-            self.dec[1][..., self.n_dec * g:m * g, :] = vd.flatten(-3, -2)
+            kd, vd = self.scheme.decode(self.records[..., self.n_dec : m, :], self.head_dim, dtype)
+            self.dec[0][..., self.n_dec * g : m * g, :] = kd.flatten(-3, -2)
+            self.dec[1][..., self.n_dec * g : m * g, :] = vd.flatten(-3, -2)
             self.n_dec = m
         return m
 
@@ -140,15 +139,17 @@ class PackedKV:
         g, s0 = self.scheme.tile, self._sink_len
         q_end = s0 + self.n_tiles * g
         if n >= q_end:
-            self.cur = (self.cur[0][..., :n - q_end, :], self.cur[1][..., :n - q_end, :])
+            self.cur = (self.cur[0][..., : n - q_end, :], self.cur[1][..., : n - q_end, :])
         elif n >= s0:
             i, off = divmod(n - s0, g)
             if self.last is not None and i == self.n_tiles - 1:
                 tk, tv = self.last
             else:
                 self.lossy_rollbacks += 1
-                tk, tv = (x[..., 0, :, :].to(EXACT_DTYPE) for x in
-                          self.scheme.decode(self.records[..., i:i + 1, :], self.head_dim))
+                tk, tv = (
+                    x[..., 0, :, :].to(EXACT_DTYPE)
+                    for x in self.scheme.decode(self.records[..., i : i + 1, :], self.head_dim)
+                )
             self.n_tiles, self.last = i, None
             self.cur = (tk[..., :off, :], tv[..., :off, :])
         else:
@@ -160,7 +161,7 @@ class PackedKV:
     @property
     def nbytes(self) -> int:
         """Bytes the held tokens occupy: records in use plus exact fp16 tokens (the rollback copy not counted)."""
-        rec = self.records[..., :self.n_tiles, :].numel() if self.records is not None else 0
+        rec = self.records[..., : self.n_tiles, :].numel() if self.records is not None else 0
         exact = sum(x.numel() * x.element_size() for pair in (self.sink, self.cur) if pair is not None for x in pair)
         return rec + exact
 
@@ -168,8 +169,17 @@ class PackedKV:
 class SlotKVStore:
     """qconv.runtime.cache.KVStore over PackedKV: one packed sequence per (layer, slot); heads are batched."""
 
-    def __init__(self, scheme, layers: int, max_batch: int, heads: int, head_dim: int,
-                 dtype: torch.dtype, device=None, decoded_cache_bytes: int = 0):
+    def __init__(
+        self,
+        scheme,
+        layers: int,
+        max_batch: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device=None,
+        decoded_cache_bytes: int = 0,
+    ):
         """decoded_cache_bytes: total budget for decoded closed tiles (see PackedKV), split evenly over the
         (layer, slot) sequences; 0 (default) decodes every closed tile on every read."""
         self.scheme, self.heads, self.head_dim, self.dtype, self.device = scheme, heads, head_dim, dtype, device
@@ -178,8 +188,9 @@ class SlotKVStore:
         self.seqs = [[self._new() for _ in range(max_batch)] for _ in range(layers)]
 
     def _new(self) -> PackedKV:
-        return PackedKV(self.scheme, self.head_dim, keep_last_tile=True, decoded_tiles=self.decoded_tiles,
-                        device=self.device)
+        return PackedKV(
+            self.scheme, self.head_dim, keep_last_tile=True, decoded_tiles=self.decoded_tiles, device=self.device
+        )
 
     def write(self, layer: int, slots: list[int], starts: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [B, T, H, D], appended at starts[b] of slots[b] (a start below the held length truncates first)."""

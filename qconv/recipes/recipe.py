@@ -15,12 +15,31 @@ from qconv.fsutil import sha256_json
 from qconv.recipes.schema import from_dict, shorten, to_dict
 
 # Roles a recipe assigns schemes to. Fused groups are one role: vLLM fuses them into one layer with one scheme.
-ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_ab", "gdn_out",
-         "embed", "lm_head", "mtp", "vision")
+ROLES = (
+    "attn_qkv",
+    "attn_o",
+    "mlp_gate_up",
+    "mlp_down",
+    "gdn_qkvz",
+    "gdn_ab",
+    "gdn_out",
+    "embed",
+    "lm_head",
+    "mtp",
+    "vision",
+)
 KEEP = "bf16"  # the scheme name meaning "leave in the source dtype"
 RECIPE_CAP = 1 << 20  # bytes; a recipe is a few KB
-KV_SCHEMES = ("bf16", "fp8_e4m3", "kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64",
-              "kvarn_k4v2_g256", "kvarn_k4v4_g256")  # runnable by a profile; qconv.kv.schemes builds them from here
+KV_SCHEMES = (
+    "bf16",
+    "fp8_e4m3",
+    "kvarn_k4v2_g128",
+    "kvarn_k4v4_g128",
+    "kvarn_k4v2_g64",
+    "kvarn_k4v4_g64",
+    "kvarn_k4v2_g256",
+    "kvarn_k4v4_g256",
+)  # runnable by a profile; qconv.kv.schemes builds them from here
 
 
 @dataclass
@@ -32,7 +51,9 @@ class QuantArgs:
     dynamic: bool = False
 
     def validate(self):
-        if self.strategy == "group" and (not self.group_size or self.group_size <= 0 or self.group_size & (self.group_size - 1)):
+        if self.strategy == "group" and (
+            not self.group_size or self.group_size <= 0 or self.group_size & (self.group_size - 1)
+        ):
             yield "group_size", f"group strategy needs a positive power-of-two group_size, got {self.group_size!r}"
 
 
@@ -43,9 +64,14 @@ class Scheme:
 
     def validate(self):
         if not self.weights.symmetric and (self.weights.bits != 4 or self.activations is not None):
-            yield "weights.symmetric", ("zero points (symmetric: false) are for int4 weight-only schemes: vLLM 0.32 "
-                                        "runs them as uint4 (Marlin on GPUs, CPUWNA16 on CPU) and has no kernel for "
-                                        "8-bit or weight+activation zero points; use symmetric: true")
+            yield (
+                "weights.symmetric",
+                (
+                    "zero points (symmetric: false) are for int4 weight-only schemes: vLLM 0.32 "
+                    "runs them as uint4 (Marlin on GPUs, CPUWNA16 on CPU) and has no kernel for "
+                    "8-bit or weight+activation zero points; use symmetric: true"
+                ),
+            )
 
     @property
     def label(self) -> str:
@@ -62,11 +88,15 @@ REMOVED_ACTORDERS = ("group", "dynamic")
 
 @dataclass
 class Quantizer:
-    algorithm: Literal["gptq", "rtn", "awq+gptq"] = "gptq"  # awq+gptq: AWQ smoothing (llmcompressor's mappings), then GPTQ
+    algorithm: Literal["gptq", "rtn", "awq+gptq"] = (
+        "gptq"  # awq+gptq: AWQ smoothing (llmcompressor's mappings), then GPTQ
+    )
     dampening_frac: float = 0.01
     block_size: int = 128
     actorder: str | None = None  # GPTQ column order: weight (= static) | null (none)
-    observer: Literal["minmax", "mse"] = "minmax"  # weight scales: min/max, or mse (search shrunk ranges for least error)
+    observer: Literal["minmax", "mse"] = (
+        "minmax"  # weight scales: min/max, or mse (search shrunk ranges for least error)
+    )
     # When a group size does not divide a layer's in_features, try these (largest first) and record the choice.
     group_size_fallback: list[int] = field(default_factory=lambda: [128, 64, 32])
 
@@ -76,9 +106,14 @@ class Quantizer:
 
     def validate(self):
         if self.actorder in REMOVED_ACTORDERS:
-            yield "actorder", (f"actorder {self.actorder!r} cannot be built: compressed-tensors 0.19 (the build's) "
-                               "removed it, QuantizationArgs.validate_actorder rejects it for every scheme and group "
-                               "size; use 'weight' (the same GPTQ column order, no g_idx at runtime) or null")
+            yield (
+                "actorder",
+                (
+                    f"actorder {self.actorder!r} cannot be built: compressed-tensors 0.19 (the build's) "
+                    "removed it, QuantizationArgs.validate_actorder rejects it for every scheme and group "
+                    "size; use 'weight' (the same GPTQ column order, no g_idx at runtime) or null"
+                ),
+            )
         elif self.actorder is not None and self.actorder not in ACTORDERS:
             yield "actorder", f"bad value {self.actorder!r}; allowed: 'weight', 'static' (an alias), null"
         elif self.actorder is not None and not self.gptq:
@@ -107,6 +142,7 @@ class Calibration:
 class SelectionRules:
     """A recipe's `selection:` section: which units may be upgraded (int4 g64/g32 steps, INT8) by measured
     sensitivity under what budget (0 = uniform 4-bit). Its result is qconv.calibrate.select.Selection."""
+
     # bytes ("0", "1500000000"), with unit ("1.5GB", "300MiB"), percent of the artifact ("5%"), or "auto": what the
     # card has left after the weights, the first profile's KV cache + recurrent state and the reserve
     budget: str = "0"
@@ -117,14 +153,19 @@ class SelectionRules:
     # with `auto`: never promote past this many bits per weight over the whole artifact (None: the card decides).
     # A model far smaller than the card it is built for would otherwise be promoted to INT8 throughout.
     max_bpw: float | None = None
-    candidates: list[str] = field(default_factory=lambda: ["attn_qkv", "attn_o", "mlp_gate_up", "mlp_down",
-                                                           "gdn_qkvz", "gdn_out"])
+    candidates: list[str] = field(
+        default_factory=lambda: ["attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_out"]
+    )
 
     def validate(self):
-        if self.budget.strip() != "auto" and not re.fullmatch(r"\s*-?\d+(\.\d+)?\s*(%|[kKMGT]i?B|B)?\s*",
-                                                              self.budget):
-            yield "budget", (f"bad budget {self.budget!r}; use bytes (1500000000), a size (1.5GB, 300MiB), a percent "
-                             "(5%) or auto (what the card has left after the first profile)")
+        if self.budget.strip() != "auto" and not re.fullmatch(r"\s*-?\d+(\.\d+)?\s*(%|[kKMGT]i?B|B)?\s*", self.budget):
+            yield (
+                "budget",
+                (
+                    f"bad budget {self.budget!r}; use bytes (1500000000), a size (1.5GB, 300MiB), a percent "
+                    "(5%) or auto (what the card has left after the first profile)"
+                ),
+            )
         if self.max_bpw is not None and not 1 <= self.max_bpw <= 16:
             yield "max_bpw", f"must be between 1 and 16 bits per weight, got {self.max_bpw}"
         for c in self.candidates:
@@ -221,6 +262,7 @@ class Gates:
 class GateTier:
     """Gates for one model class. The tier whose min_params the model reaches (largest first) applies, and the
     report names it: a 135M model is judged by small-model gates, never silently by the 27B's."""
+
     name: str
     min_params: float
     weights: Gates = field(default_factory=Gates)
@@ -230,6 +272,7 @@ class GateTier:
 @dataclass
 class Regression:
     """Tolerances for `qconv check --against`: how much worse than the recorded report is still a pass."""
+
     mean_kld_rel: float = 0.10
     p99_kld_rel: float = 0.20
     top1_abs: float = 0.01
@@ -278,17 +321,25 @@ class Recipe:
         by_label: dict[str, Scheme] = {}
         for name, sc in self.schemes.items():  # a decision records the label, group size and symmetric, nothing else
             other = by_label.setdefault(sc.label, sc)
-            if other is not sc and (other.activations != sc.activations or
-                                    other.weights.strategy != sc.weights.strategy):
-                yield f"schemes.{name}", (f"shares the label {sc.label} with another scheme but differs in more "
-                                          "than group_size and symmetric; schemes of one bit width may differ in "
-                                          "those only")
+            if other is not sc and (
+                other.activations != sc.activations or other.weights.strategy != sc.weights.strategy
+            ):
+                yield (
+                    f"schemes.{name}",
+                    (
+                        f"shares the label {sc.label} with another scheme but differs in more "
+                        "than group_size and symmetric; schemes of one bit width may differ in "
+                        "those only"
+                    ),
+                )
         if self.selection.scheme not in self.schemes:
             yield "selection.scheme", f"unknown scheme {self.selection.scheme!r}; defined: {', '.join(self.schemes)}"
         for step in self.selection.steps:
             if step not in self.schemes or step == self.selection.scheme:
-                yield "selection.steps", (f"step {step!r} is not a scheme other than selection.scheme; defined: "
-                                          f"{', '.join(self.schemes)}")
+                yield (
+                    "selection.steps",
+                    (f"step {step!r} is not a scheme other than selection.scheme; defined: {', '.join(self.schemes)}"),
+                )
         if self.profiles and self.default_profile not in self.profiles:
             yield "default_profile", f"{self.default_profile!r} is not a profile; profiles: {', '.join(self.profiles)}"
 
@@ -334,8 +385,11 @@ class _NoAliasLoader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise QconvError(f"recipe uses a YAML alias (*{event.anchor}) at line {event.start_mark.line + 1}",
-                             where=self.name, fix="write the value out, or share settings with `extends:`")
+            raise QconvError(
+                f"recipe uses a YAML alias (*{event.anchor}) at line {event.start_mark.line + 1}",
+                where=self.name,
+                fix="write the value out, or share settings with `extends:`",
+            )
         return super().compose_node(parent, index)
 
 
@@ -345,8 +399,9 @@ def _parse_recipe(text: str, source: str):
     try:
         return loader.get_single_data()
     except yaml.YAMLError as e:
-        raise QconvError(f"recipe is not valid YAML: {shorten(str(e), 300)}", where=source,
-                         fix="fix the YAML syntax") from e
+        raise QconvError(
+            f"recipe is not valid YAML: {shorten(str(e), 300)}", where=source, fix="fix the YAML syntax"
+        ) from e
     except RecursionError as e:
         raise QconvError("recipe is nested too deeply", where=source, fix="fix the YAML") from e
     finally:
@@ -357,21 +412,29 @@ def _recipe_data(name_or_path: str, chain: tuple[str, ...]) -> tuple[dict, str]:
     text, source = _recipe_text(name_or_path)
     data = _parse_recipe(text, source)
     if chain and not isinstance(data, dict):
-        raise QconvError(f"`extends:` names {source}, which is not a recipe (a YAML mapping); it holds a "
-                         f"{type(data).__name__}", where=f"{chain[-1]}: extends", fix="name a recipe or a recipe's YAML path")
+        raise QconvError(
+            f"`extends:` names {source}, which is not a recipe (a YAML mapping); it holds a {type(data).__name__}",
+            where=f"{chain[-1]}: extends",
+            fix="name a recipe or a recipe's YAML path",
+        )
     if not isinstance(data, dict) or "extends" not in data:
         return data, source
     base = data.pop("extends")
     if not isinstance(base, (str, int)) or isinstance(base, bool):
-        raise QconvError(f"bad extends: {shorten(base)}", where=f"{source}: extends", fix="name a recipe or a YAML path")
+        raise QconvError(
+            f"bad extends: {shorten(base)}", where=f"{source}: extends", fix="name a recipe or a YAML path"
+        )
     base = str(base)
     if base.endswith((".yaml", ".yml")) and not Path(base).is_absolute() and Path(source).is_file():
         base = str(Path(source).parent / base)  # a user's variant names its base relative to itself
     chain = (*chain, str(Path(source).resolve()) if Path(source).is_file() else name_or_path)
     key = str(Path(base).resolve()) if Path(base).is_file() else base
     if key in chain:
-        raise QconvError(f"recipes extend each other in a cycle: {' -> '.join([*chain, key])}",
-                         where=f"{source}: extends", fix="break the cycle")
+        raise QconvError(
+            f"recipes extend each other in a cycle: {' -> '.join([*chain, key])}",
+            where=f"{source}: extends",
+            fix="break the cycle",
+        )
     parent, _ = _recipe_data(base, chain)
     return _merge(parent, data), source
 
@@ -382,16 +445,24 @@ def _recipe_text(name_or_path: str) -> tuple[str, str]:
         if not p.is_file():
             raise QconvError(f"recipe file not found: {p}", where="--recipe", fix="check the path")
         if p.stat().st_size > RECIPE_CAP:
-            raise QconvError(f"recipe file is {p.stat().st_size} bytes; a recipe is a few KB", where=str(p),
-                             fix="pass a recipe YAML file")
+            raise QconvError(
+                f"recipe file is {p.stat().st_size} bytes; a recipe is a few KB",
+                where=str(p),
+                fix="pass a recipe YAML file",
+            )
         try:
             text, source = p.read_text(), str(p)
         except UnicodeDecodeError as e:
-            raise QconvError("recipe is not a text file (not UTF-8)", where=str(p), fix="pass a recipe YAML file") from e
+            raise QconvError(
+                "recipe is not a text file (not UTF-8)", where=str(p), fix="pass a recipe YAML file"
+            ) from e
     else:
         res = resources.files("qconv.recipes") / f"{name_or_path}.yaml"
         if not res.is_file():
-            raise QconvError(f"unknown recipe {name_or_path!r}", where="--recipe",
-                             fix=f"use one of {', '.join(builtin_recipes())} (see `qconv recipes list`) or a path to a YAML file")
+            raise QconvError(
+                f"unknown recipe {name_or_path!r}",
+                where="--recipe",
+                fix=f"use one of {', '.join(builtin_recipes())} (see `qconv recipes list`) or a path to a YAML file",
+            )
         text, source = res.read_text(), f"recipe {name_or_path}"
     return text, source

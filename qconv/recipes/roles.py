@@ -8,8 +8,12 @@ from qconv.errors import QconvError
 
 # model_type -> family. One recipe serves every type of a family.
 FAMILIES = {
-    "llama": "llama", "qwen2": "llama", "qwen3": "llama", "mistral": "llama",
-    "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
+    "llama": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "mistral": "llama",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
 }
 
 # Checked in order; the first match wins (MTP and vision first: their inner layers look like the trunk's).

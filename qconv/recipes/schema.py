@@ -34,7 +34,9 @@ def _type_name(tp) -> str:
         return f"mapping of {_type_name(typing.get_args(tp)[1])}"
     if dataclasses.is_dataclass(tp):
         return f"mapping with keys {[f.name for f in dataclasses.fields(tp)]}"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
 
 
 def shorten(value: Any, limit: int = 80) -> str:
@@ -44,7 +46,7 @@ def shorten(value: Any, limit: int = 80) -> str:
         text = _REPR.repr(value)
     except (RecursionError, ValueError):  # ValueError: an integer too long to print
         text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _key(k: Any) -> str:
@@ -80,10 +82,15 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            close = difflib.get_close_matches(value[:80], [str(a) for a in allowed], n=1) if isinstance(
-                value, str) else []
-            _fail(source, path, f"bad value {shorten(value)}; allowed: {', '.join(repr(a) for a in allowed)}",
-                  f"did you mean {close[0]!r}?" if close else None)
+            close = (
+                difflib.get_close_matches(value[:80], [str(a) for a in allowed], n=1) if isinstance(value, str) else []
+            )
+            _fail(
+                source,
+                path,
+                f"bad value {shorten(value)}; allowed: {', '.join(repr(a) for a in allowed)}",
+                f"did you mean {close[0]!r}?" if close else None,
+            )
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -94,8 +101,10 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
         if not isinstance(value, dict):
             _fail(source, path, f"expected a mapping, got {shorten(value)}")
         kt, vt = typing.get_args(tp)
-        return {convert(kt, k, path, source, strict): convert(vt, v, f"{path}.{_key(k)}", source, strict)
-                for k, v in value.items()}
+        return {
+            convert(kt, k, path, source, strict): convert(vt, v, f"{path}.{_key(k)}", source, strict)
+            for k, v in value.items()
+        }
     if dataclasses.is_dataclass(tp):
         return value if isinstance(tp, type) and isinstance(value, tp) else from_dict(tp, value, path, source, strict)
     if tp is bool:
@@ -137,15 +146,22 @@ def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: 
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown and not strict:
-        log.warning("%s: ignoring keys this qconv does not know: %s", source,
-                    ", ".join(f"{path}.{k}" if path else str(k) for k in unknown))
+        log.warning(
+            "%s: ignoring keys this qconv does not know: %s",
+            source,
+            ", ".join(f"{path}.{k}" if path else str(k) for k in unknown),
+        )
         data = {k: v for k, v in data.items() if k in fields}
     elif unknown:
         k = unknown[0]
         close = difflib.get_close_matches(shorten(k), list(fields), n=1)
         where = f"{path}.{_key(k)}" if path else _key(k)
-        _fail(source, where, f"unknown key {shorten(k)}; allowed keys here: {', '.join(fields)}",
-              f"did you mean {close[0]!r}?" if close else "remove it")
+        _fail(
+            source,
+            where,
+            f"unknown key {shorten(k)}; allowed keys here: {', '.join(fields)}",
+            f"did you mean {close[0]!r}?" if close else "remove it",
+        )
     kwargs = {}
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name

@@ -27,8 +27,9 @@ class KVStore(Protocol):
 class DenseKV:
     """Unquantized ("bf16": the model's own dtype) preallocated [max_batch, H, max_len, D] tensors per layer."""
 
-    def __init__(self, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype,
-                 device=None):
+    def __init__(
+        self, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype, device=None
+    ):
         shape = (max_batch, heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
@@ -37,14 +38,14 @@ class DenseKV:
         """k, v: [B, T, H, D] for rows appended at starts[b] of slots[b]."""
         T = k.shape[1]
         for b, (s, p) in enumerate(zip(slots, starts)):
-            self.k[layer][s, :, p:p + T] = k[b].transpose(0, 1)
-            self.v[layer][s, :, p:p + T] = v[b].transpose(0, 1)
+            self.k[layer][s, :, p : p + T] = k[b].transpose(0, 1)
+            self.v[layer][s, :, p : p + T] = v[b].transpose(0, 1)
 
     def read(self, layer, slots, length):
         kc, vc = self.k[layer], self.v[layer]
         s0 = slots[0]
         if slots == list(range(s0, s0 + len(slots))):  # contiguous: a view, no copy
-            return kc[s0:s0 + len(slots), :, :length], vc[s0:s0 + len(slots), :, :length]
+            return kc[s0 : s0 + len(slots), :, :length], vc[s0 : s0 + len(slots), :, :length]
         idx = torch.tensor(slots, device=kc.device)
         return kc[idx, :, :length], vc[idx, :, :length]
 
@@ -52,16 +53,18 @@ class DenseKV:
         return None
 
 
-def make_kv_store(scheme: str, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int,
-                  dtype: torch.dtype, device=None) -> KVStore | None:
+def make_kv_store(
+    scheme: str, layers: int, max_batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype, device=None
+) -> KVStore | None:
     """bf16 (unquantized): dense tensors; any other scheme: the packed store of qconv.kv's registry, the same
     codec `qconv eval --kv` measures."""
     if layers == 0:
         return None
     if scheme == "bf16":
         return DenseKV(layers, max_batch, max_len, heads, head_dim, dtype, device)
-    return get_kv_scheme(scheme).new_store(layers=layers, max_batch=max_batch, max_len=max_len, heads=heads,
-                                           head_dim=head_dim, dtype=dtype, device=device)
+    return get_kv_scheme(scheme).new_store(
+        layers=layers, max_batch=max_batch, max_len=max_len, heads=heads, head_dim=head_dim, dtype=dtype, device=device
+    )
 
 
 @dataclass
@@ -90,16 +93,33 @@ class ModelCache:
     records: dict[int, GDNRecord] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, c: RuntimeConfig, max_batch: int, max_len: int, dtype: torch.dtype, device=None,
-               kv_scheme: str = "bf16", kv_layers: int | None = None) -> ModelCache:
+    def create(
+        cls,
+        c: RuntimeConfig,
+        max_batch: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device=None,
+        kv_scheme: str = "bf16",
+        kv_layers: int | None = None,
+    ) -> ModelCache:
         """The cache of a model with config `c`; `kv_layers` set: that many attention layers alone (the MTP head)."""
         gdn = 0 if kv_layers is not None else len(c.linear_layers)
         kv_layers = len(c.full_layers) if kv_layers is None else kv_layers
         kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, dtype, device)
         conv_dim = 2 * c.linear_num_k_heads * c.linear_k_head_dim + c.linear_num_v_heads * c.linear_v_head_dim
         conv = [torch.zeros(max_batch, conv_dim, c.conv_kernel - 1, dtype=dtype, device=device) for _ in range(gdn)]
-        rec = [torch.zeros(max_batch, c.linear_num_v_heads, c.linear_k_head_dim, c.linear_v_head_dim,
-                           dtype=torch.float32, device=device) for _ in range(gdn)]
+        rec = [
+            torch.zeros(
+                max_batch,
+                c.linear_num_v_heads,
+                c.linear_k_head_dim,
+                c.linear_v_head_dim,
+                dtype=torch.float32,
+                device=device,
+            )
+            for _ in range(gdn)
+        ]
         return cls(max_batch, max_len, torch.zeros(max_batch, dtype=torch.long), kv, conv, rec)
 
     def reset(self, slots: list[int]) -> None:
@@ -132,21 +152,26 @@ class ModelCache:
         w = layers[0][2].shape[2]
         for row, (slot, start) in enumerate(zip(slots, starts)):
             self.records[slot] = GDNRecord(
-                start=start + T - w, n=w, conv_win=[rec[0][row] for rec in layers],
-                state0=[rec[1][row] for rec in layers], qkvgb=[tuple(t[row] for t in rec[2:]) for rec in layers])
+                start=start + T - w,
+                n=w,
+                conv_win=[rec[0][row] for rec in layers],
+                state0=[rec[1][row] for rec in layers],
+                qkvgb=[tuple(t[row] for t in rec[2:]) for rec in layers],
+            )
 
     def _rollback_gdn(self, s: int, n: int) -> None:
         r = self.records.get(s)
         if r is None or not r.start <= n <= r.start + r.n:
             lo = "nothing" if r is None else f"{r.start}..{r.start + r.n}"
-            raise QconvError(f"cannot roll slot {s} back to {n} tokens: the recurrent state can return to {lo}",
-                             fix=f"roll back only into the last forward's final {self.max_rollback} tokens")
+            raise QconvError(
+                f"cannot roll slot {s} back to {n} tokens: the recurrent state can return to {lo}",
+                fix=f"roll back only into the last forward's final {self.max_rollback} tokens",
+            )
         m = n - r.start
         k1 = self.conv[0].shape[-1]
         for i in range(len(self.conv)):
-            self.conv[i][s].copy_(r.conv_win[i][:, m:m + k1])
+            self.conv[i][s].copy_(r.conv_win[i][:, m : m + k1])
             q, k, v, g, beta = (x[None, :, :m] for x in r.qkvgb[i])
             _, state = recurrent_gated_delta(q, k, v, g, beta, r.state0[i][None].clone())
             self.rec[i][s].copy_(state[0])
         r.n = m
-

@@ -18,14 +18,16 @@ from qconv.runtime.spec import SPEC_MODES, SpecConfig
 def _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop=()) -> GenerationConfig:
     """Sampling from the options; speculation from the artifact's `speculative` block, --spec / --max-block over it."""
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_tokens < 1:
-        raise QconvError("bad sampling settings", fix="need temperature >= 0, 0 < top-p <= 1, top-k >= 0, "
-                                                      "max-tokens >= 1")
+        raise QconvError(
+            "bad sampling settings", fix="need temperature >= 0, 0 < top-p <= 1, top-k >= 0, max-tokens >= 1"
+        )
     if max_block is not None and not 0 <= max_block <= 15:
         raise QconvError(f"--max-block {max_block} out of range", fix="use 0..15")
     sc = SpecConfig.of_artifact(path)
     sc = replace(sc, method=spec or sc.method, max_block=sc.max_block if max_block is None else max_block)
-    return GenerationConfig(max_tokens=max_tokens, sampling=SamplingParams(temperature, top_p, top_k), seed=seed,
-                            stop=tuple(stop), spec=sc)
+    return GenerationConfig(
+        max_tokens=max_tokens, sampling=SamplingParams(temperature, top_p, top_k), seed=seed, stop=tuple(stop), spec=sc
+    )
 
 
 @click.command("generate")
@@ -34,22 +36,52 @@ def _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_blo
 @click.option("--chat", "chat_text", help="One user message, through the model's chat template.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stats", is_flag=True, help="Print tokens/step, acceptance and speed to stderr at the end.")
-@click.option("--dequantize", is_flag=True,
-              help="Artifact: dequantize on load (float32, or bf16 with --dtype bfloat16) instead of running its "
-                   "int4 Linears through the CPU int kernels (bf16).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
-              help="auto: bf16 for an artifact with the CPU int kernels, else float32.")
+@click.option(
+    "--dequantize",
+    is_flag=True,
+    help="Artifact: dequantize on load (float32, or bf16 with --dtype bfloat16) instead of running its "
+    "int4 Linears through the CPU int kernels (bf16).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="auto: bf16 for an artifact with the CPU int kernels, else float32.",
+)
 @click.option("--max-tokens", default=256, show_default=True, help="Most new tokens.")
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
 @click.option("--seed", default=0, show_default=True)
-@click.option("--spec", type=click.Choice(list(SPEC_MODES)), default=None,
-              help="Speculative decoding [default: the artifact's speculative config, else lookup].")
-@click.option("--max-block", type=int, default=None,
-              help="Most draft tokens verified per step [default: the artifact's, else 15].")
-def generate(model, prompt, chat_text, stop, stats, dequantize, dtype, max_tokens, temperature, top_p, top_k, seed,
-             spec, max_block):
+@click.option(
+    "--spec",
+    type=click.Choice(list(SPEC_MODES)),
+    default=None,
+    help="Speculative decoding [default: the artifact's speculative config, else lookup].",
+)
+@click.option(
+    "--max-block",
+    type=int,
+    default=None,
+    help="Most draft tokens verified per step [default: the artifact's, else 15].",
+)
+def generate(
+    model,
+    prompt,
+    chat_text,
+    stop,
+    stats,
+    dequantize,
+    dtype,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    spec,
+    max_block,
+):
     """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
     from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
     from qconv.runtime.loader import load_for_runtime, load_tokenizer

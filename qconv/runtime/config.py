@@ -60,8 +60,11 @@ class RuntimeConfig:
 def model_dir(path: str | Path) -> Path:
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise QconvError("not a model folder or qconv artifact (no config.json)", where=str(path),
-                         fix="pass the folder written by `qconv build` or an HF model folder")
+        raise QconvError(
+            "not a model folder or qconv artifact (no config.json)",
+            where=str(path),
+            fix="pass the folder written by `qconv build` or an HF model folder",
+        )
     read_model_config(path)  # damaged files are one clear error here, not a traceback from the loader
     check_weight_files(path)
     return path
@@ -111,22 +114,39 @@ def load_config(path: str | Path, *, has_mtp: bool = False) -> RuntimeConfig:
     if mt == "qwen3_5":  # multimodal wrapper: text weights live under model.language_model.
         hf, prefix = top.get_text_config(), "model.language_model."
     if mt not in LLAMA_FAMILY + QWEN35_FAMILY:
-        raise QconvError(f"model_type {mt!r} is not supported by the bundled runtime", where=str(path),
-                         fix=f"supported: {', '.join(LLAMA_FAMILY + QWEN35_FAMILY)}")
+        raise QconvError(
+            f"model_type {mt!r} is not supported by the bundled runtime",
+            where=str(path),
+            fix=f"supported: {', '.join(LLAMA_FAMILY + QWEN35_FAMILY)}",
+        )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     inv_freq, rscale, rdim = _rope(hf, head_dim)
     qwen35 = mt in QWEN35_FAMILY
     n = hf.num_hidden_layers
     cfg = RuntimeConfig(
-        family="qwen3_5" if qwen35 else "llama", model_type=mt, vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size, num_layers=n,
-        num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads, head_dim=head_dim,
-        rms_eps=hf.rms_norm_eps, max_position_embeddings=hf.max_position_embeddings,
-        eos_token_ids=_eos_ids(path, top, hf), tie_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
+        family="qwen3_5" if qwen35 else "llama",
+        model_type=mt,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=n,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        head_dim=head_dim,
+        rms_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        eos_token_ids=_eos_ids(path, top, hf),
+        tie_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(hf, "attention_bias", mt == "qwen2")),
-        qk_norm=mt in ("qwen3",) + QWEN35_FAMILY, attn_output_gate=qwen35, norm_offset=1.0 if qwen35 else 0.0,
-        rotary_dim=rdim, layer_types=list(getattr(hf, "layer_types", None) or ["full_attention"] * n),
-        has_mtp=has_mtp, weight_prefix=prefix, inv_freq=inv_freq, rope_scaling=rscale,
+        qk_norm=mt in ("qwen3",) + QWEN35_FAMILY,
+        attn_output_gate=qwen35,
+        norm_offset=1.0 if qwen35 else 0.0,
+        rotary_dim=rdim,
+        layer_types=list(getattr(hf, "layer_types", None) or ["full_attention"] * n),
+        has_mtp=has_mtp,
+        weight_prefix=prefix,
+        inv_freq=inv_freq,
+        rope_scaling=rscale,
     )
     if qwen35:
         cfg.linear_num_k_heads, cfg.linear_num_v_heads = hf.linear_num_key_heads, hf.linear_num_value_heads

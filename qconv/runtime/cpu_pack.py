@@ -11,9 +11,13 @@ from torch import nn
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN's bf16 linear path exists on this CPU (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU
     refuses the reorder)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 class PackedLinear(nn.Module):
@@ -37,4 +41,3 @@ def pack_linears(model: nn.Module) -> nn.Module:
         else:
             pack_linears(child)
     return model
-

@@ -24,10 +24,10 @@ class TextStream:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _advance(self, final: bool) -> None:
-        before = self._decode(self.ids[self.prefix:self.read])
-        after = self._decode(self.ids[self.prefix:])
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):  # no half UTF-8 character
-            self.text += after[len(before):]
+            self.text += after[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
 
     def _emit(self, final: bool) -> str:
@@ -36,7 +36,7 @@ class TextStream:
         self.stopped = bool(hits)
         if end <= self.sent:
             return ""
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = self.text[self.sent : end], end
         return out
 
     def push(self, ids: Sequence[int]) -> str:

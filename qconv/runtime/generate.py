@@ -52,9 +52,13 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens, "forwards": self.forwards,
-            "tokens_per_step": round(self.tokens_per_step, 4), "prefill_s": round(self.prefill_s, 4),
-            "decode_s": round(self.decode_s, 4), "decode_tok_s": round(self.decode_tok_s, 2),
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "forwards": self.forwards,
+            "tokens_per_step": round(self.tokens_per_step, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "decode_tok_s": round(self.decode_tok_s, 2),
             "acceptance_per_position": [round(a / d, 4) for a, d in zip(self.accepted, self.drafted) if d],
         }
 
@@ -65,8 +69,9 @@ def _forward(model, tokens: list[int], cache, need_hidden: bool):
     return (out[0][0], out[1][0]) if need_hidden else (out[0], None)
 
 
-def generate_tokens(model, prompt: list[int], cfg: GenerationConfig,
-                    stats: GenerationStats | None = None) -> Generator[int]:
+def generate_tokens(
+    model, prompt: list[int], cfg: GenerationConfig, stats: GenerationStats | None = None
+) -> Generator[int]:
     """Yield the new token ids for one prompt. Lossless: with temperature 0 the output equals plain greedy
     decoding token for token (fp32); with sampling it follows the target's processed distribution exactly."""
     if not prompt:
@@ -80,8 +85,10 @@ def generate_tokens(model, prompt: list[int], cfg: GenerationConfig,
     spare = spec.max_block + 1  # cache rows a verify forward writes past the sequence
     limit = getattr(model.config, "max_position_embeddings", len(prompt) + cfg.max_tokens)
     if len(prompt) + cfg.max_tokens > limit:
-        raise QconvError(f"prompt ({len(prompt)}) + max tokens ({cfg.max_tokens}) exceed the model's context "
-                         f"({limit})", fix="shorten the prompt or lower --max-tokens")
+        raise QconvError(
+            f"prompt ({len(prompt)}) + max tokens ({cfg.max_tokens}) exceed the model's context ({limit})",
+            fix="shorten the prompt or lower --max-tokens",
+        )
     cache = model.new_cache(1, len(prompt) + cfg.max_tokens + spare)
     stats.prompt_tokens += len(prompt)
     seq = list(prompt)
@@ -136,6 +143,9 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise QconvError("this tokenizer has no chat template", fix="use --prompt instead of --chat")
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])

@@ -42,16 +42,25 @@ class IntWeight:
 
 def int_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
     """The CPU int4 kernel exists and the model computes in bf16 (with fp32 activations it is ~50x slower)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-            and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"))
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+    )
 
 
 def int4_supported(w: IntWeight, in_features: int) -> bool:
     """The kernel's layout wants N % 16 == 0; bf16 must hold the scales exactly (else the kernel's weights would
     differ from the checkpoint's)."""
-    return (w.bits == 4 and w.group in INT4_GROUPS and in_features % w.group == 0 and w.q.shape[1] == in_features
-            and w.q.shape[0] % 16 == 0 and torch.equal(w.scale.to(torch.bfloat16).float(), w.scale.float()))
+    return (
+        w.bits == 4
+        and w.group in INT4_GROUPS
+        and in_features % w.group == 0
+        and w.q.shape[1] == in_features
+        and w.q.shape[0] % 16 == 0
+        and torch.equal(w.scale.to(torch.bfloat16).float(), w.scale.float())
+    )
 
 
 class Int4Linear(nn.Module):

@@ -33,8 +33,11 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise QconvError("no *.safetensors in model folder", where=str(path),
-                         fix="pass a folder saved with save_pretrained(safe_serialization=True)")
+        raise QconvError(
+            "no *.safetensors in model folder",
+            where=str(path),
+            fix="pass a folder saved with save_pretrained(safe_serialization=True)",
+        )
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(f))
@@ -57,7 +60,7 @@ def our_int_weights(path: Path, tensors: dict[str, torch.Tensor], cfg: RuntimeCo
 
 def _our_name(name: str, cfg: RuntimeConfig) -> str | None:
     if name.startswith(cfg.weight_prefix):
-        name = name[len(cfg.weight_prefix):]
+        name = name[len(cfg.weight_prefix) :]
     elif name.startswith("model.") and cfg.weight_prefix != "model.":
         return None  # vision tower etc. of a multimodal checkpoint
     elif name.startswith("lm_head.") and cfg.tie_embeddings:
@@ -66,7 +69,7 @@ def _our_name(name: str, cfg: RuntimeConfig) -> str | None:
         return None
     name = name.replace(".self_attn.", ".mixer.").replace(".linear_attn.", ".mixer.")
     if name.startswith("mtp.layers.0."):  # our MTP head holds one block
-        name = "mtp.block." + name[len("mtp.layers.0."):]
+        name = "mtp.block." + name[len("mtp.layers.0.") :]
     return name
 
 
@@ -120,8 +123,9 @@ def runtime_dtype(path, dequantize: bool = False, requested: str | None = None) 
     return torch.bfloat16 if use_int else torch.float32
 
 
-def load_model(path, *, dtype: torch.dtype = torch.float32, pack: bool | None = None,
-               int_kernels: bool | None = None) -> Transformer:
+def load_model(
+    path, *, dtype: torch.dtype = torch.float32, pack: bool | None = None, int_kernels: bool | None = None
+) -> Transformer:
     """A plain HF folder (llama/qwen2/qwen3/qwen3_5) or a qconv artifact -> our Transformer, eval mode.
 
     pack: repack Linear weights into oneDNN's layout for faster CPU decode (default: on CPU when available).
@@ -131,8 +135,10 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, pack: bool | None = 
     if int_kernels is None:
         int_kernels = int_kernels_available(torch.device("cpu"), dtype)
     elif int_kernels and not int_kernels_available(torch.device("cpu"), dtype):
-        raise QconvError(f"int kernels need bfloat16 on a CPU torch with the int4 kernel (got {dtype})",
-                         fix="load with dtype=torch.bfloat16, or int_kernels=False")
+        raise QconvError(
+            f"int kernels need bfloat16 on a CPU torch with the int4 kernel (got {dtype})",
+            fix="load with dtype=torch.bfloat16, or int_kernels=False",
+        )
     raw = read_safetensors(path)
     qcfg = quantization_config(path)
     tensors = dequantize_tensors(qcfg, raw, dtype, where=str(path)) if qcfg else raw
@@ -144,8 +150,10 @@ def load_model(path, *, dtype: torch.dtype = torch.float32, pack: bool | None = 
         model = (Qwen35Transformer if cfg.family == "qwen3_5" else Transformer)(cfg)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
-        raise QconvError(f"checkpoint does not match the {cfg.model_type} model: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}", where=str(path))
+        raise QconvError(
+            f"checkpoint does not match the {cfg.model_type} model: missing {missing[:4]}, unexpected {unexpected[:4]}",
+            where=str(path),
+        )
     packed = pack if pack is not None else packing_available(model.device, dtype)
     if packed:
         pack_linears(model)

@@ -57,8 +57,10 @@ class Step:
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
         if length > cache.max_len:
-            raise QconvError(f"sequence of {length} tokens exceeds the cache's max_len {cache.max_len}",
-                             fix="create the cache with a larger max_len")
+            raise QconvError(
+                f"sequence of {length} tokens exceeds the cache's max_len {cache.max_len}",
+                fix="create the cache with a larger max_len",
+            )
         pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
         freqs = pos[..., None].float() * cfg.inv_freq.to(device)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -112,8 +114,9 @@ class Attention(nn.Module):
             gate = gate.reshape(B, T, self.nh * self.hd)
         v = v.view(B, T, self.nkv, self.hd)
         if self.q_norm is None and gate is None:  # q and k are adjacent in the fused output: rotate them at once
-            q, k = rotate(qkv[..., :self.q_size + self.kv_size].view(B, T, -1, self.hd), st).split(
-                [self.nh, self.nkv], dim=2)
+            q, k = rotate(qkv[..., : self.q_size + self.kv_size].view(B, T, -1, self.hd), st).split(
+                [self.nh, self.nkv], dim=2
+            )
         else:
             q, k = q.reshape(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd)
             if self.q_norm is not None:
@@ -122,8 +125,9 @@ class Attention(nn.Module):
         kv = st.cache.kv
         kv.write(self.kv_index, st.slots, st.starts, k, v)
         keys, values = kv.read(self.kv_index, st.slots, st.length)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=st.mask,
-                                           enable_gqa=self.nh != self.nkv)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=st.mask, enable_gqa=self.nh != self.nkv
+        )
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         if gate is not None:
             o = o * torch.sigmoid(gate)

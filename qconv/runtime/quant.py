@@ -9,8 +9,15 @@ import torch
 from qconv.errors import QconvError
 from qconv.runtime.int_linear import IntWeight
 
-QPARAM_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_global_scale",
-                   "input_global_scale", "weight_g_idx")
+QPARAM_SUFFIXES = (
+    "weight_packed",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "weight_global_scale",
+    "input_global_scale",
+    "weight_g_idx",
+)
 KV_SCALES = ("k_scale", "v_scale", "q_scale")
 
 
@@ -47,8 +54,11 @@ def _quantized_modules(qcfg: dict, tensors: dict[str, torch.Tensor], where: str)
     from compressed_tensors.utils.match import match_name
 
     if qcfg.get("quant_method") != "compressed-tensors":
-        raise QconvError(f"unsupported quantization method {qcfg.get('quant_method')!r}", where=where,
-                         fix="the bundled runtime loads compressed-tensors artifacts (qconv build) or plain folders")
+        raise QconvError(
+            f"unsupported quantization method {qcfg.get('quant_method')!r}",
+            where=where,
+            fix="the bundled runtime loads compressed-tensors artifacts (qconv build) or plain folders",
+        )
     config = QuantizationConfig.model_validate(qcfg)
     if config.quantization_status != "compressed":
         return None  # frozen/fake-quant checkpoints keep dense weights
@@ -63,8 +73,9 @@ def _quantized_modules(qcfg: dict, tensors: dict[str, torch.Tensor], where: str)
     return found
 
 
-def dequantize_tensors(qcfg: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                       where: str = "") -> dict[str, torch.Tensor]:
+def dequantize_tensors(
+    qcfg: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, where: str = ""
+) -> dict[str, torch.Tensor]:
     from compressed_tensors.compressors import BaseCompressor
 
     modules = _quantized_modules(qcfg, tensors, where)
@@ -73,8 +84,7 @@ def dequantize_tensors(qcfg: dict, tensors: dict[str, torch.Tensor], dtype: torc
     out = dict(tensors)
     for mod, scheme, fmt in modules:
         compressor = BaseCompressor.get_value_from_registry(fmt)
-        local = {p: out.pop(f"{mod}.{p}") for p in compressor.compression_param_names(scheme)
-                 if f"{mod}.{p}" in out}
+        local = {p: out.pop(f"{mod}.{p}") for p in compressor.compression_param_names(scheme) if f"{mod}.{p}" in out}
         local = {p: t.float() if t.is_floating_point() else t for p, t in local.items()}  # dequantize in fp32
         if "weight" not in local and f"{mod}.weight" in out:
             local["weight"] = out.pop(f"{mod}.weight")
@@ -94,9 +104,15 @@ def int_weights(qcfg: dict, tensors: dict[str, torch.Tensor], where: str = "") -
     out: dict[str, IntWeight] = {}
     for mod, scheme, fmt in _quantized_modules(qcfg, tensors, where) or []:
         args = scheme.weights
-        if (args is None or args.num_bits not in (4, 8) or not args.symmetric or args.type != "int"
-                or args.strategy not in ("group", "channel") or f"{mod}.weight_g_idx" in tensors
-                or f"{mod}.weight_scale" not in tensors):
+        if (
+            args is None
+            or args.num_bits not in (4, 8)
+            or not args.symmetric
+            or args.type != "int"
+            or args.strategy not in ("group", "channel")
+            or f"{mod}.weight_g_idx" in tensors
+            or f"{mod}.weight_scale" not in tensors
+        ):
             continue
         scale = tensors[f"{mod}.weight_scale"]
         if fmt == CompressionFormat.pack_quantized.value:

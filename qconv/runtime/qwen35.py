@@ -60,17 +60,18 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(B, T, self.hk, self.dk).repeat_interleave(rep, dim=2)
         v = v.reshape(B, T, self.hv, self.dv)
         q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))  # [B, H, T, D]
-        q, k = _l2norm(q) * self.dk ** -0.5, _l2norm(k)
+        q, k = _l2norm(q) * self.dk**-0.5, _l2norm(k)
         beta = b.float().sigmoid().transpose(1, 2)  # [B, H, T]
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).transpose(1, 2)
         state = _take(cache.rec[li], st.slots)
         w = min(T, cache.max_rollback)
         if w < T:  # run the part rollback can never return into separately, so the window's start state exists
-            out_head, state = gated_delta(q[:, :, :T - w], k[:, :, :T - w], v[:, :, :T - w], g[:, :, :T - w],
-                                          beta[:, :, :T - w], state)
-        tail = (q[:, :, T - w:], k[:, :, T - w:], v[:, :, T - w:], g[:, :, T - w:], beta[:, :, T - w:])
+            out_head, state = gated_delta(
+                q[:, :, : T - w], k[:, :, : T - w], v[:, :, : T - w], g[:, :, : T - w], beta[:, :, : T - w], state
+            )
+        tail = (q[:, :, T - w :], k[:, :, T - w :], v[:, :, T - w :], g[:, :, T - w :], beta[:, :, T - w :])
         if w > 0:
-            st.gdn[li] = (xcat[..., T - w:], state) + tail
+            st.gdn[li] = (xcat[..., T - w :], state) + tail
         out, state = gated_delta(*tail, state)
         if w < T:
             out = torch.cat([out_head, out], dim=2)

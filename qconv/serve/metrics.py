@@ -13,25 +13,34 @@ class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("qconv_requests", "Finished requests by finish reason.", ["status"], registry=r)
-        self.rejected = Counter("qconv_rejected_requests", "Requests refused with an HTTP error, by status.",
-                                ["code"], registry=r)
+        self.rejected = Counter(
+            "qconv_rejected_requests", "Requests refused with an HTTP error, by status.", ["code"], registry=r
+        )
         self.prompt_tokens = Counter("qconv_prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter("qconv_generation_tokens", "Tokens generated.", registry=r)
         self.decode_steps = Counter("qconv_decode_steps", "Batched decode forward passes.", registry=r)
-        self.step_tokens = Counter("qconv_step_tokens", "Tokens produced by decode steps (batch x accepted).",
-                                   registry=r)
+        self.step_tokens = Counter(
+            "qconv_step_tokens", "Tokens produced by decode steps (batch x accepted).", registry=r
+        )
         self.draft_tokens = Counter("qconv_spec_draft_tokens", "Speculative draft tokens proposed.", registry=r)
         self.accepted_tokens = Counter("qconv_spec_accepted_tokens", "Speculative draft tokens accepted.", registry=r)
         self.queue_depth = Gauge("qconv_queue_depth", "Requests waiting for a slot.", registry=r)
         self.running = Gauge("qconv_running_requests", "Requests in the running batch.", registry=r)
         Gauge("qconv_tokens_per_step", "Mean tokens produced per decode step.", registry=r).set_function(
-            lambda: self._ratio("qconv_step_tokens_total", "qconv_decode_steps_total"))
+            lambda: self._ratio("qconv_step_tokens_total", "qconv_decode_steps_total")
+        )
         Gauge("qconv_spec_acceptance_rate", "Accepted / proposed draft tokens.", registry=r).set_function(
-            lambda: self._ratio("qconv_spec_accepted_tokens_total", "qconv_spec_draft_tokens_total"))
-        self.e2e = Histogram("qconv_request_latency_seconds", "End-to-end request latency.", registry=r,
-                             buckets=LATENCY_BUCKETS)
-        self.ttft = Histogram("qconv_time_to_first_token_seconds", "Time from arrival to the first token.",
-                              registry=r, buckets=LATENCY_BUCKETS)
+            lambda: self._ratio("qconv_spec_accepted_tokens_total", "qconv_spec_draft_tokens_total")
+        )
+        self.e2e = Histogram(
+            "qconv_request_latency_seconds", "End-to-end request latency.", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.ttft = Histogram(
+            "qconv_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         self.batch = Histogram("qconv_batch_size", "Rows per decode step.", registry=r, buckets=BATCH_BUCKETS)
 
     def value(self, sample: str, **labels: str) -> float:

@@ -74,13 +74,30 @@ def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | E
     plan = native_plan(path, opts, art)
     tok = load_tokenizer(path)
     model = load_for_runtime(path)
-    log.warning("native engine: %s, %d slots x %d tokens, KV %s", describe_runtime(model), opts.max_batch,
-                plan.context_len, plan.kv_scheme)
+    log.warning(
+        "native engine: %s, %d slots x %d tokens, KV %s",
+        describe_runtime(model),
+        opts.max_batch,
+        plan.context_len,
+        plan.kv_scheme,
+    )
     plan.spec = plan.spec.for_model(model)
-    sched = Scheduler(model, tok, max_batch=opts.max_batch, max_len=plan.context_len,
-                      max_queue=opts.max_queue, kv_scheme=plan.kv_scheme, spec=plan.spec).start()
-    cfg = ServerConfig(opts.served_model_name or path.name, plan.context_len, opts.api_key,
-                       max_tokens=min(plan.max_tokens, plan.context_len), host=opts.host)
+    sched = Scheduler(
+        model,
+        tok,
+        max_batch=opts.max_batch,
+        max_len=plan.context_len,
+        max_queue=opts.max_queue,
+        kv_scheme=plan.kv_scheme,
+        spec=plan.spec,
+    ).start()
+    cfg = ServerConfig(
+        opts.served_model_name or path.name,
+        plan.context_len,
+        opts.api_key,
+        max_tokens=min(plan.max_tokens, plan.context_len),
+        host=opts.host,
+    )
     return create_app(sched, cfg), sched
 
 
@@ -89,8 +106,10 @@ def bind_warnings(host: str, api_key: str | None) -> list[str]:
     from qconv.serve.server import is_loopback
 
     if not is_loopback(host) and not api_key:
-        return [f"serving on {host} without an API key: anyone who can reach this address can use the model "
-                f"(set QCONV_API_KEY, or bind 127.0.0.1)"]
+        return [
+            f"serving on {host} without an API key: anyone who can reach this address can use the model "
+            f"(set QCONV_API_KEY, or bind 127.0.0.1)"
+        ]
     return []
 
 
@@ -103,9 +122,11 @@ def require_serve_extra() -> None:
 
     missing = [m for m in SERVE_EXTRA if importlib.util.find_spec(m) is None]
     if missing:
-        raise QconvError(f"qconv's own server needs {', '.join(missing)}, which this environment lacks",
-                         where="qconv serve", fix="pip install 'qconv[serve]' (in a checkout: bash scripts/setup.sh "
-                                                  "gguf,eval,serve)")
+        raise QconvError(
+            f"qconv's own server needs {', '.join(missing)}, which this environment lacks",
+            where="qconv serve",
+            fix="pip install 'qconv[serve]' (in a checkout: bash scripts/setup.sh gguf,eval,serve)",
+        )
 
 
 def run_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> None:

@@ -11,8 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field
 class APIError(Exception):
     """An error the HTTP layer answers as an OpenAI error body with this status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 

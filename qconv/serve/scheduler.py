@@ -13,8 +13,8 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -70,8 +70,17 @@ class GenRequest:
 
 
 class Scheduler:
-    def __init__(self, model, tokenizer, *, max_batch: int = 8, max_len: int = 2048, max_queue: int = 64,
-                 kv_scheme: str = "bf16", spec: SpecConfig = SpecConfig("none")):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_batch: int = 8,
+        max_len: int = 2048,
+        max_queue: int = 64,
+        kv_scheme: str = "bf16",
+        spec: SpecConfig = SpecConfig("none"),
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.max_len, self.max_queue = max_len, max_queue
         self.spec = spec  # each row drafts with its own speculator (spec.py), verified in the batched forward
@@ -199,7 +208,7 @@ class Scheduler:
         need_hidden = any(r.speculator is not None and r.speculator.needs_hidden for r in reqs)
         while rows := [r for r in reqs if fed[id(r)] < len(r.prompt_ids)]:
             T = min(len(r.prompt_ids) - fed[id(r)] for r in rows)
-            tokens = torch.tensor([r.prompt_ids[fed[id(r)]:fed[id(r)] + T] for r in rows], dtype=torch.long)
+            tokens = torch.tensor([r.prompt_ids[fed[id(r)] : fed[id(r)] + T] for r in rows], dtype=torch.long)
             out = self.model(tokens, self.cache, torch.tensor([r.slot for r in rows]), return_hidden=need_hidden)
             logits, h = out if need_hidden else (out, None)
             for i, r in enumerate(rows):
@@ -209,8 +218,7 @@ class Scheduler:
                 if fed[id(r)] == len(r.prompt_ids):
                     last[id(r)] = logits[i, -1]
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in reqs))
-        toks = [self._guard(r, self._first, r, last[id(r)], hidden[id(r)]) if r in self.active else None
-                for r in reqs]
+        toks = [self._guard(r, self._first, r, last[id(r)], hidden[id(r)]) if r in self.active else None for r in reqs]
         self._accept(reqs, toks)
 
     def _first(self, r: GenRequest, logits: torch.Tensor, hidden: list[torch.Tensor]) -> list[int]:
@@ -236,11 +244,16 @@ class Scheduler:
         T = 1 + max(map(len, drafts))
         rows = [[r.out_ids[-1], *d.tokens] + [r.out_ids[-1]] * (T - 1 - len(d)) for r, d in zip(batch, drafts)]
         need_hidden = any(r.speculator is not None and r.speculator.needs_hidden for r in batch)
-        out = self.model(torch.tensor(rows, dtype=torch.long), self.cache, torch.tensor(slots),
-                         return_hidden=need_hidden)
+        out = self.model(
+            torch.tensor(rows, dtype=torch.long), self.cache, torch.tensor(slots), return_hidden=need_hidden
+        )
         logits, hidden = out if need_hidden else (out, None)
-        toks = [self._guard(r, self._verify, r, d, logits[i, :len(d) + 1], None if hidden is None else hidden[i])
-                if r in self.active else None for i, (r, d) in enumerate(zip(batch, drafts))]
+        toks = [
+            self._guard(r, self._verify, r, d, logits[i, : len(d) + 1], None if hidden is None else hidden[i])
+            if r in self.active
+            else None
+            for i, (r, d) in enumerate(zip(batch, drafts))
+        ]
         kept = [(r, b, t) for r, b, t in zip(batch, before, toks) if t is not None]
         if kept and T > 1:
             self.cache.rollback([r.slot for r, _, _ in kept], [b + len(t) for _, b, t in kept])
@@ -294,8 +307,16 @@ class Scheduler:
             self.free.append(r.slot)
         if text is None:  # an error sends no text: decoding may be what failed
             text = r.text.finish() if r.text is not None and reason != "error" else ""
-        self._send(r, Event(text=text, finish_reason=reason, prompt_tokens=len(r.prompt_ids),
-                            completion_tokens=len(r.out_ids), error=error))
+        self._send(
+            r,
+            Event(
+                text=text,
+                finish_reason=reason,
+                prompt_tokens=len(r.prompt_ids),
+                completion_tokens=len(r.out_ids),
+                error=error,
+            ),
+        )
         self.metrics.finished(reason, time.monotonic() - r.arrival)
 
     def _send(self, r: GenRequest, ev: Event) -> None:

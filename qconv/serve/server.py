@@ -13,8 +13,8 @@ import ipaddress
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,7 +60,7 @@ def is_loopback(host: str) -> bool:
 def _host_of(header: str) -> str:
     """The host part of a Host header (`127.0.0.1:8000`, `[::1]:8000`, `localhost`)."""
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
+        return header[1 : header.find("]")] if "]" in header else header
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
@@ -81,16 +81,26 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         host = headers.get("host")
         if is_loopback(self.cfg.host) and host is not None and not is_loopback(_host_of(host)):
-            return await self._refuse(scope, receive, send, APIError(
-                400, f"Host {host!r} is not served: this server listens on loopback only", code="invalid_host"))
+            return await self._refuse(
+                scope,
+                receive,
+                send,
+                APIError(
+                    400, f"Host {host!r} is not served: this server listens on loopback only", code="invalid_host"
+                ),
+            )
         if scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         cap = self.cfg.body_cap
         too_big = APIError(413, f"request body larger than {cap} bytes", code="body_too_large")
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > cap):
-            return await self._refuse(scope, receive, send, too_big if length.isdigit() else
-                                      APIError(400, "bad Content-Length header", code="invalid_request"))
+            return await self._refuse(
+                scope,
+                receive,
+                send,
+                too_big if length.isdigit() else APIError(400, "bad Content-Length header", code="invalid_request"),
+            )
         body, more = bytearray(), True
         while more:
             msg = await receive()
@@ -153,14 +163,28 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(check_key)])
     async def models():
-        return {"object": "list", "data": [{"id": cfg.model_name, "object": "model", "created": 0,
-                                            "owned_by": "qconv", "max_model_len": cfg.context_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": cfg.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "qconv",
+                    "max_model_len": cfg.context_len,
+                }
+            ],
+        }
 
     async def start(body, prompt_ids: list[int], max_tokens: int | None) -> tuple[GenRequest, asyncio.Queue]:
         """Check the request against this server, and submit it; its events arrive on the returned queue."""
         if body.model != cfg.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
         if body.n != 1:
             raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
         for field in ("logprobs", "echo", "logit_bias"):
@@ -171,14 +195,19 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
         n = len(prompt_ids)
         want = max_tokens if max_tokens is not None else min(cfg.max_tokens or cfg.context_len, cfg.context_len - n)
         if n + want > cfg.context_len or want < 1:
-            raise APIError(400, f"This model's maximum context length is {cfg.context_len} tokens. However, you "
-                                f"requested {n + max(want, 1)} tokens ({n} in the prompt, {max(want, 1)} for the "
-                                f"completion). Please reduce the prompt or max_tokens.",
-                           param="max_tokens" if max_tokens else "messages", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {cfg.context_len} tokens. However, you "
+                f"requested {n + max(want, 1)} tokens ({n} in the prompt, {max(want, 1)} for the "
+                f"completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens" if max_tokens else "messages",
+                code="context_length_exceeded",
+            )
         sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0))
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        r = GenRequest(prompt_ids, want, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), sp, body.seed,
-                       body.stop_list())
+        r = GenRequest(
+            prompt_ids, want, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), sp, body.seed, body.stop_list()
+        )
         try:
             sched.submit(r)
         except QueueFull as e:
@@ -210,8 +239,11 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
             r.cancel()  # no-op once finished; frees the slot when the client left early
 
     def usage(ev: Event) -> dict:
-        return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-                "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+        return {
+            "prompt_tokens": ev.prompt_tokens,
+            "completion_tokens": ev.completion_tokens,
+            "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+        }
 
     async def respond(body, r, q, request, chat: bool):
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
@@ -261,13 +293,18 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                     yield sse(envelope(obj, choices=[], usage=usage(ev)))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     def too_long(n: int, unit: str, param: str) -> APIError:
         cap = cfg.prompt_chars if unit == "characters" else cfg.context_len
-        return APIError(400, f"the prompt is {n} {unit}; this server accepts at most {cap} (context "
-                             f"{cfg.context_len} tokens)", param=param, code="context_length_exceeded")
+        return APIError(
+            400,
+            f"the prompt is {n} {unit}; this server accepts at most {cap} (context {cfg.context_len} tokens)",
+            param=param,
+            code="context_length_exceeded",
+        )
 
     @app.post("/v1/completions", dependencies=[Depends(check_key)])
     async def completions(body: CompletionRequest, request: Request):
@@ -287,8 +324,12 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(check_key)])
     async def chat(body: ChatRequest, request: Request):
         if len(body.messages) > MAX_MESSAGES:
-            raise APIError(400, f"{len(body.messages)} messages; this server accepts at most {MAX_MESSAGES}",
-                           param="messages", code="too_many_messages")
+            raise APIError(
+                400,
+                f"{len(body.messages)} messages; this server accepts at most {MAX_MESSAGES}",
+                param="messages",
+                code="too_many_messages",
+            )
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         chars = sum(len(m["content"]) for m in msgs)
         if chars > cfg.prompt_chars:

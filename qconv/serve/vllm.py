@@ -73,16 +73,22 @@ def load_source(path: str | Path, recipe: str | None = None, art: Artifact | Non
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
-        raise QconvError(f"no config.json in {path}", where=str(path),
-                         fix="pass an artifact folder (qconv build --out) or an HF config folder with --recipe")
+        raise QconvError(
+            f"no config.json in {path}",
+            where=str(path),
+            fix="pass an artifact folder (qconv build --out) or an HF config folder with --recipe",
+        )
     config = json.loads(cfg_path.read_text())
     if recipe is None and art is ...:
         art = Artifact.find(path)
     if recipe is None and art is not None:
         return ServeSource(path, path.name, config, art.profiles, art.default_profile, art.speculative, art.requires)
     if recipe is None:
-        raise QconvError(f"{path} has no {MANIFEST}, so it carries no serving profiles", where=str(path),
-                         fix="pass --recipe NAME (e.g. --recipe 3090) to take the profiles from a recipe")
+        raise QconvError(
+            f"{path} has no {MANIFEST}, so it carries no serving profiles",
+            where=str(path),
+            fix="pass --recipe NAME (e.g. --recipe 3090) to take the profiles from a recipe",
+        )
     r = load_recipe(recipe)
     return ServeSource(path, path.name, config, r.profiles, r.default_profile, r.speculative, [])
 
@@ -114,21 +120,31 @@ def speculative_config(src: ServeSource, platform: str | None = None, tokens: in
     if method in ("mtp", "hybrid") and src.has_mtp:
         return {"method": "mtp", "num_speculative_tokens": n}
     if method == "mtp":
-        raise QconvError(f"speculative method mtp, but {src.name} has no MTP head (mtp_num_hidden_layers = 0)",
-                         fix="use a recipe with speculative.method lookup or none")
+        raise QconvError(
+            f"speculative method mtp, but {src.name} has no MTP head (mtp_num_hidden_layers = 0)",
+            fix="use a recipe with speculative.method lookup or none",
+        )
     lk = spec.lookup
     if method == "hybrid" and lk.after_saturated and lk.max_block > n:  # the stretch: the plugin's proposer
         name = f"StretchedLookup_k{n}_s{lk.after_saturated}_n{lk.ngram_min}_{lk.ngram_max}"
-        return {"method": "custom_class", "model": f"qconv_vllm.stretch.{name}",
-                "num_speculative_tokens": lk.max_block}
-    return {"method": "ngram", "num_speculative_tokens": n,
-            "prompt_lookup_max": lk.ngram_max, "prompt_lookup_min": lk.ngram_min}
+        return {"method": "custom_class", "model": f"qconv_vllm.stretch.{name}", "num_speculative_tokens": lk.max_block}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": n,
+        "prompt_lookup_max": lk.ngram_max,
+        "prompt_lookup_min": lk.ngram_min,
+    }
 
 
 # A recipe role's linears as vLLM names them (fused where vLLM fuses), for the plugin's W4A8 restriction
-VLLM_ROLE_MODULES = {"attn_qkv": r"\.self_attn\.qkv_proj$", "attn_o": r"\.self_attn\.o_proj$",
-                     "mlp_gate_up": r"\.mlp\.gate_up_proj$", "mlp_down": r"\.mlp\.down_proj$",
-                     "gdn_qkvz": r"\.linear_attn\.in_proj_qkvz$", "gdn_out": r"\.linear_attn\.out_proj$"}
+VLLM_ROLE_MODULES = {
+    "attn_qkv": r"\.self_attn\.qkv_proj$",
+    "attn_o": r"\.self_attn\.o_proj$",
+    "mlp_gate_up": r"\.mlp\.gate_up_proj$",
+    "mlp_down": r"\.mlp\.down_proj$",
+    "gdn_qkvz": r"\.linear_attn\.in_proj_qkvz$",
+    "gdn_out": r"\.linear_attn\.out_proj$",
+}
 W4A8_ENV = "QCONV_VLLM_W4A8"  # the plugin's: which Marlin linears take int8 input (a regex on the module name)
 
 
@@ -140,8 +156,10 @@ def profile_env(src: ServeSource, profile: str | None, platform: str | None) -> 
     if not p.w4a8:
         return {}, None
     if platform == "cpu":
-        return {}, (f"profile {name}: W4A8 ({', '.join(p.w4a8)}) runs on Marlin, which is CUDA-only; vLLM's CPU "
-                    "backend serves these linears W4A16")
+        return {}, (
+            f"profile {name}: W4A8 ({', '.join(p.w4a8)}) runs on Marlin, which is CUDA-only; vLLM's CPU "
+            "backend serves these linears W4A16"
+        )
     pattern = "|".join(f"(?:{VLLM_ROLE_MODULES[r]})" for r in p.w4a8)
     return {"VLLM_MARLIN_INPUT_DTYPE": "int8", W4A8_ENV: pattern}, None
 
@@ -162,10 +180,23 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
     """The argv that serves `src` under `profile` (pure: no vLLM needed)."""
     _, p = pick_profile(src, profile)  # typed and bounded when read (Profile.validate): no value becomes a flag
     kv = p.kv_cache
-    argv = [opts.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(src.model_dir),
-            "--served-model-name", src.name, "--host", opts.host, "--port", str(opts.port),
-            "--max-model-len", str(min(p.context_length, src.max_position_embeddings or 1 << 62)),
-            "--kv-cache-dtype", KV_TO_VLLM.get(kv, kv)]
+    argv = [
+        opts.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(src.model_dir),
+        "--served-model-name",
+        src.name,
+        "--host",
+        opts.host,
+        "--port",
+        str(opts.port),
+        "--max-model-len",
+        str(min(p.context_length, src.max_position_embeddings or 1 << 62)),
+        "--kv-cache-dtype",
+        KV_TO_VLLM.get(kv, kv),
+    ]
     if kv.startswith("kvarn_"):  # the plugin's backend: one block per tile; its fp16 first tile is per sequence
         argv += ["--block-size", str(kvarn_block_size(kv))] + ([] if src.hybrid else ["--no-enable-prefix-caching"])
     argv += ["--max-num-seqs", str(opts.max_num_seqs or p.max_num_seqs)]
@@ -195,8 +226,10 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise QconvError(f"vLLM exited with code {proc.returncode} before it was healthy",
-                             fix="read its log above; try another --profile or --backend native")
+            raise QconvError(
+                f"vLLM exited with code {proc.returncode} before it was healthy",
+                fix="read its log above; try another --profile or --backend native",
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -227,8 +260,15 @@ def _stop_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
     proc.wait()
 
 
-def run_vllm(argv: list[str], host: str, port: int, *, api_key: str | None = None,
-             health_timeout: float = 1800.0, env: dict[str, str] | None = None) -> int:
+def run_vllm(
+    argv: list[str],
+    host: str,
+    port: int,
+    *,
+    api_key: str | None = None,
+    health_timeout: float = 1800.0,
+    env: dict[str, str] | None = None,
+) -> int:
     """Start vLLM in its own session, wait for /health, then stay in the foreground forwarding SIGINT/SIGTERM to its
     process group; its exit code. Whatever way this returns, no vLLM process is left running."""
     proc = subprocess.Popen(argv, env=vllm_env(api_key, env), start_new_session=True)
@@ -242,8 +282,9 @@ def run_vllm(argv: list[str], host: str, port: int, *, api_key: str | None = Non
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            wait_healthy(proc, f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health",
-                         health_timeout)
+            wait_healthy(
+                proc, f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/health", health_timeout
+            )
         except QconvError:
             if stopping:  # stopped by the user while loading: not a failure of vLLM's
                 return proc.wait()

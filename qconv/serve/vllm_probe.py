@@ -75,8 +75,11 @@ def _run_probe(python: str, script: str, *args: str, timeout: float, env: dict |
     try:
         r = subprocess.run([python, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise QconvError(f"cannot run the vLLM interpreter {python}: {e}", where="--vllm-python",
-                         fix="pass --vllm-python PATH to a python with vLLM installed, or use --backend native") from e
+        raise QconvError(
+            f"cannot run the vLLM interpreter {python}: {e}",
+            where="--vllm-python",
+            fix="pass --vllm-python PATH to a python with vLLM installed, or use --backend native",
+        ) from e
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1]) if lines else {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
 
@@ -84,11 +87,20 @@ def _run_probe(python: str, script: str, *args: str, timeout: float, env: dict |
 def probe_vllm(python: str) -> VllmInfo:
     data = _run_probe(python, _PROBE, timeout=120)
     if "error" in data:
-        raise QconvError(f"vLLM is not usable from {python}: {data['error']}", where="--backend vllm",
-                         fix="install a runtime with `qconv runtime install` (or pass --vllm-python PATH to a python "
-                             "with vLLM), or serve with --backend native")
-    return VllmInfo(data["version"], data["archs"], data["kv_dtypes"], data.get("platform"), data.get("plugin"),
-                    data.get("plugin_error"))
+        raise QconvError(
+            f"vLLM is not usable from {python}: {data['error']}",
+            where="--backend vllm",
+            fix="install a runtime with `qconv runtime install` (or pass --vllm-python PATH to a python "
+            "with vLLM), or serve with --backend native",
+        )
+    return VllmInfo(
+        data["version"],
+        data["archs"],
+        data["kv_dtypes"],
+        data.get("platform"),
+        data.get("plugin"),
+        data.get("plugin_error"),
+    )
 
 
 def _accepts_kv(info: VllmInfo, kv: str) -> bool:
@@ -96,31 +108,45 @@ def _accepts_kv(info: VllmInfo, kv: str) -> bool:
     return info.kv_dtypes is None or KV_TO_VLLM.get(kv, kv) in info.kv_dtypes or KV_PREFIX + kv in info.features
 
 
-def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo,
-               features: tuple[str, ...] = ()) -> None:
+def check_vllm(src: ServeSource, profile: str | None, info: VllmInfo, features: tuple[str, ...] = ()) -> None:
     """Refuse, before a long load, what this vLLM cannot run, naming the profile that it can."""
     pname, p = pick_profile(src, profile)
     if src.architecture and info.archs is not None and src.architecture not in info.archs:
-        raise QconvError(f"vLLM {info.version} does not know the architecture {src.architecture}",
-                         where=str(src.model_dir), fix="upgrade vLLM (pip install -U vllm) or use --backend native")
+        raise QconvError(
+            f"vLLM {info.version} does not know the architecture {src.architecture}",
+            where=str(src.model_dir),
+            fix="upgrade vLLM (pip install -U vllm) or use --backend native",
+        )
     kv = p.kv_cache
     if not _accepts_kv(info, kv):
         ok = [n for n, q in src.profiles.items() if _accepts_kv(info, q.kv_cache)]
-        need = ("the qconv-vllm plugin, which adds the KVarN presets (`qconv runtime install`)"
-                if kv.startswith("kvarn_") else "a vLLM that accepts it")
+        need = (
+            "the qconv-vllm plugin, which adds the KVarN presets (`qconv runtime install`)"
+            if kv.startswith("kvarn_")
+            else "a vLLM that accepts it"
+        )
         fallback = f"use --profile {ok[0]} ({src.profiles[ok[0]].kv_cache} KV)" if ok else "no profile fits"
-        raise QconvError(f"profile {pname!r} needs KV cache dtype {kv}, which vLLM {info.version} does not accept "
-                         f"(needs {need})", where="--profile",
-                         fix=f"{fallback}, or serve this profile with --backend native")
+        raise QconvError(
+            f"profile {pname!r} needs KV cache dtype {kv}, which vLLM {info.version} does not accept (needs {need})",
+            where="--profile",
+            fix=f"{fallback}, or serve this profile with --backend native",
+        )
     for req in missing_for_vllm(src.requires, pname, set(features) | info.features, info.platform):
         feat = req.vllm_feature
         declare = f", or, if your vLLM is built to handle it, pass --vllm-feature {feat}" if feat else ""
-        plugin = (f"; the qconv-vllm plugin in that environment is not active ({info.plugin_error})"
-                  if info.plugin_error else "; that environment has no qconv-vllm plugin" if not info.plugin else "")
-        raise QconvError(f"{src.name}: {req.feature} needs {req.needs} ({req.reason})"
-                         + plugin, where="qconv.json requires",
-                         fix="install a runtime with the plugin (`qconv runtime install`), serve it with --backend "
-                             f"native, or rebuild with a recipe that keeps it bf16 (3090-vllm){declare}")
+        plugin = (
+            f"; the qconv-vllm plugin in that environment is not active ({info.plugin_error})"
+            if info.plugin_error
+            else "; that environment has no qconv-vllm plugin"
+            if not info.plugin
+            else ""
+        )
+        raise QconvError(
+            f"{src.name}: {req.feature} needs {req.needs} ({req.reason})" + plugin,
+            where="qconv.json requires",
+            fix="install a runtime with the plugin (`qconv runtime install`), serve it with --backend "
+            f"native, or rebuild with a recipe that keeps it bf16 (3090-vllm){declare}",
+        )
 
 
 # Run inside the vLLM interpreter: vLLM's own compressed-tensors parser on the artifact's quantization_config.
@@ -147,13 +173,16 @@ def check_quant_config(src: ServeSource, python: str, version: str) -> None:
         return
     data = _run_probe(python, _QUANT_PROBE, str(src.model_dir / "config.json"), timeout=600, env=vllm_env())
     if not data.get("ok"):
-        needs = "; ".join(f"{q.feature}: {q.needs}" for q in src.requires
-                          if q.vllm_feature and not q.vllm_feature.startswith(KV_PREFIX))
+        needs = "; ".join(
+            f"{q.feature}: {q.needs}"
+            for q in src.requires
+            if q.vllm_feature and not q.vllm_feature.startswith(KV_PREFIX)
+        )
         needs = f"; the artifact needs {needs}" if needs else ""
-        raise QconvError(f"vLLM {version} cannot load {src.name}: its compressed-tensors parser rejects the "
-                         f"quantization_config ({data['error']} at {data.get('at', 'import')}){needs}",
-                         where=str(src.model_dir / "config.json"),
-                         fix="serve it with --backend native, or rebuild with a recipe that stock vLLM loads "
-                             "(--recipe 3090-vllm keeps embed_tokens/lm_head bf16)")
-
-
+        raise QconvError(
+            f"vLLM {version} cannot load {src.name}: its compressed-tensors parser rejects the "
+            f"quantization_config ({data['error']} at {data.get('at', 'import')}){needs}",
+            where=str(src.model_dir / "config.json"),
+            fix="serve it with --backend native, or rebuild with a recipe that stock vLLM loads "
+            "(--recipe 3090-vllm keeps embed_tokens/lm_head bf16)",
+        )

@@ -14,8 +14,12 @@ __version__ = "0.1.0"
 TESTED = ("0.32",)  # vLLM major.minor series whose source these patches were read against
 # What the plugin adds, by the tokens qconv writes into an artifact's qconv.json `requires` (qconv/convert/requires.py)
 KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")  # = kvarn_codec.PRESETS
-FEATURES = ("quantized-embeddings", "quantized-tied-head", "wna16-8bit-cpu",
-            *(f"kv-cache:{name}" for name in KVARN_PRESETS))
+FEATURES = (
+    "quantized-embeddings",
+    "quantized-tied-head",
+    "wna16-8bit-cpu",
+    *(f"kv-cache:{name}" for name in KVARN_PRESETS),
+)
 UNTESTED_ENV = "QCONV_VLLM_ALLOW_UNTESTED"
 
 log = logging.getLogger("qconv_vllm")
@@ -38,7 +42,8 @@ def check_version(version: str) -> None:
     raise UnsupportedVllm(
         f"qconv-vllm {__version__} patches vLLM {', '.join(s + '.x' for s in TESTED)}, but vLLM {version} is "
         f"installed. Install the tested vLLM with `qconv runtime install` (or pip install 'vllm=={TESTED[-1]}.*'), "
-        f"or set {UNTESTED_ENV}=1 to try this vLLM anyway.")
+        f"or set {UNTESTED_ENV}=1 to try this vLLM anyway."
+    )
 
 
 def register() -> None:

@@ -106,8 +106,13 @@ def _cpu_lookup() -> None:
         if layer.weight_packed.device.type != "cpu":
             return orig(self, layer, input_)
         ids = input_.reshape(-1).long()
-        rows = dequantize_rows(layer.weight_packed[ids], layer.weight_scale[ids], self.num_bits, layer.hidden_size,
-                               layer.weight_scale.dtype)
+        rows = dequantize_rows(
+            layer.weight_packed[ids],
+            layer.weight_scale[ids],
+            self.num_bits,
+            layer.hidden_size,
+            layer.weight_scale.dtype,
+        )
         return rows.reshape(*input_.shape, layer.hidden_size)
 
     Method.embedding = embedding

@@ -44,11 +44,18 @@ def _kernel_class():
             if self.config.zero_points:
                 self._transform_param(layer, self.w_zp_name, lambda p: p.data.contiguous())
 
-        def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+        def apply_weights(
+            self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        ) -> torch.Tensor:
             w_q, w_s, w_zp = self._get_weight_params(layer)
-            w = dequantize_rows(w_q, w_s, self.config.weight_type.size_bits, self.in_features, x.dtype,
-                                w_zp if self.config.zero_points else None)
+            w = dequantize_rows(
+                w_q,
+                w_s,
+                self.config.weight_type.size_bits,
+                self.in_features,
+                x.dtype,
+                w_zp if self.config.zero_points else None,
+            )
             return torch.nn.functional.linear(x, w, bias)
 
     return QconvReferenceWNA16LinearKernel

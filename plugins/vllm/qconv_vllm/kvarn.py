@@ -30,8 +30,10 @@ def _require(ok: bool, what: str) -> None:
     if not ok:
         import vllm
 
-        raise PatchTargetMoved(f"qconv-vllm KVarN: {what} is not as in vLLM 0.32 (installed: vLLM {vllm.__version__});"
-                               " install the tested vLLM with `qconv runtime install`")
+        raise PatchTargetMoved(
+            f"qconv-vllm KVarN: {what} is not as in vLLM 0.32 (installed: vLLM {vllm.__version__});"
+            " install the tested vLLM with `qconv runtime install`"
+        )
 
 
 def _params(fn) -> list[str]:
@@ -47,20 +49,35 @@ def check_targets() -> None:
     from vllm.v1.attention import selector
     from vllm.v1.attention.backends import registry
 
-    _require(typing.get_origin(getattr(cache, "CacheDType", None)) is typing.Literal,
-             "vllm.config.cache.CacheDType (a Literal)")
-    _require("cache_dtype" in getattr(cache.CacheConfig, "__dataclass_fields__", {}),
-             "CacheConfig.cache_dtype (a pydantic dataclass field)")
-    _require(getattr(selector, "CacheDType", None) is cache.CacheDType or _is_patched(selector.CacheDType),
-             "vllm.v1.attention.selector.CacheDType")
-    _require(isinstance(getattr(torch_utils, "STR_DTYPE_TO_TORCH_DTYPE", None), dict),
-             "vllm.utils.torch_utils.STR_DTYPE_TO_TORCH_DTYPE")
-    _require(hasattr(getattr(arg_utils, "_compute_kwargs", None), "cache_clear"),
-             "vllm.engine.arg_utils._compute_kwargs (lru-cached)")
-    _require(_params(registry.register_backend)[:2] == ["backend", "class_path"]
-             and hasattr(registry.AttentionBackendEnum, "CUSTOM"), "attention backend registry (CUSTOM)")
-    _require(_params(current_platform.get_attn_backend_cls)[:2] == ["selected_backend", "attn_selector_config"],
-             f"{type(current_platform).__name__}.get_attn_backend_cls(selected_backend, attn_selector_config, ...)")
+    _require(
+        typing.get_origin(getattr(cache, "CacheDType", None)) is typing.Literal,
+        "vllm.config.cache.CacheDType (a Literal)",
+    )
+    _require(
+        "cache_dtype" in getattr(cache.CacheConfig, "__dataclass_fields__", {}),
+        "CacheConfig.cache_dtype (a pydantic dataclass field)",
+    )
+    _require(
+        getattr(selector, "CacheDType", None) is cache.CacheDType or _is_patched(selector.CacheDType),
+        "vllm.v1.attention.selector.CacheDType",
+    )
+    _require(
+        isinstance(getattr(torch_utils, "STR_DTYPE_TO_TORCH_DTYPE", None), dict),
+        "vllm.utils.torch_utils.STR_DTYPE_TO_TORCH_DTYPE",
+    )
+    _require(
+        hasattr(getattr(arg_utils, "_compute_kwargs", None), "cache_clear"),
+        "vllm.engine.arg_utils._compute_kwargs (lru-cached)",
+    )
+    _require(
+        _params(registry.register_backend)[:2] == ["backend", "class_path"]
+        and hasattr(registry.AttentionBackendEnum, "CUSTOM"),
+        "attention backend registry (CUSTOM)",
+    )
+    _require(
+        _params(current_platform.get_attn_backend_cls)[:2] == ["selected_backend", "attn_selector_config"],
+        f"{type(current_platform).__name__}.get_attn_backend_cls(selected_backend, attn_selector_config, ...)",
+    )
 
 
 def _is_patched(lit) -> bool:
@@ -69,7 +86,6 @@ def _is_patched(lit) -> bool:
 
 def _extend_cache_dtype() -> None:
     import pydantic
-
     from vllm.config import cache
     from vllm.engine import arg_utils
     from vllm.v1.attention import selector

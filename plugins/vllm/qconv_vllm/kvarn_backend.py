@@ -82,14 +82,16 @@ def _builder_cls():
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
             if vllm_config.cache_config.enable_prefix_caching:
-                raise ValueError("KVarN KV cache: prefix caching would share a quantized first tile that KVarN "
-                                 "keeps in fp16; start vLLM with --no-enable-prefix-caching")
+                raise ValueError(
+                    "KVarN KV cache: prefix caching would share a quantized first tile that KVarN "
+                    "keeps in fp16; start vLLM with --no-enable-prefix-caching"
+                )
             self.table = SlotTable(2 * vllm_config.scheduler_config.max_num_seqs + 8)
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> KVarNMetadata:
             cam = common_attn_metadata
             n = cam.num_reqs
-            qs = cam.query_start_loc_cpu[:n + 1].tolist()
+            qs = cam.query_start_loc_cpu[: n + 1].tolist()
             lens = cam.seq_lens[:n].tolist()
             table = cam.block_table_tensor[:n]
             keys = table[:, 0].tolist()
@@ -111,12 +113,24 @@ class KVarNAttentionImpl:
     closed records + fp16 tokens. Built by vLLM through the backend; subclassed from vLLM's AttentionImpl at
     import time of `backend_cls()` (this module imports without vLLM for the codec tests)."""
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto", logits_soft_cap=None,
-                 attn_type: str = "decoder", kv_sharing_target_layer_name=None, **kwargs):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap=None,
+        attn_type: str = "decoder",
+        kv_sharing_target_layer_name=None,
+        **kwargs,
+    ):
         if alibi_slopes is not None or sliding_window is not None or logits_soft_cap:
-            raise ValueError("KVarN attention supports plain causal attention only (no ALiBi, sliding window or "
-                             "logit soft-capping)")
+            raise ValueError(
+                "KVarN attention supports plain causal attention only (no ALiBi, sliding window or logit soft-capping)"
+            )
         self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
@@ -129,21 +143,23 @@ class KVarNAttentionImpl:
             self.stage = torch.zeros(capacity, 3, 2, self.num_kv_heads, g, d, dtype=torch.float16, device=device)
         return self.stage
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
-                output_block_scale=None):
+    def forward(
+        self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None, output_block_scale=None
+    ):
         if output is None:
-            output = torch.zeros(query.shape[0], self.num_heads * self.head_size, dtype=query.dtype,
-                                 device=query.device)
+            output = torch.zeros(
+                query.shape[0], self.num_heads * self.head_size, dtype=query.dtype, device=query.device
+            )
         if attn_metadata is None:  # profiling run: no cache yet
             return output.fill_(0)
         m: KVarNMetadata = attn_metadata
         stage = self._staging(m.capacity, query.device)
         pool = kv_cache.flatten(2)  # [tiles, kv heads, record bytes]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
-        q_all = query[:m.num_actual_tokens].view(-1, h, d)
-        k_all = key[:m.num_actual_tokens].view(-1, hk, d)
-        v_all = value[:m.num_actual_tokens].view(-1, hk, d)
-        out = output[:m.num_actual_tokens].view(-1, h, d)
+        q_all = query[: m.num_actual_tokens].view(-1, h, d)
+        k_all = key[: m.num_actual_tokens].view(-1, hk, d)
+        v_all = value[: m.num_actual_tokens].view(-1, hk, d)
+        out = output[: m.num_actual_tokens].view(-1, h, d)
         decode_only = query.is_cuda and all(b - a == 1 for a, b in zip(m.query_start, m.query_start[1:]))
         for i, slot in enumerate(m.slots):
             q0, q1 = m.query_start[i], m.query_start[i + 1]
@@ -155,10 +171,9 @@ class KVarNAttentionImpl:
                 stage[slot].zero_()
             exact = self._write(stage[slot], pool, blocks, start, m.written_before[i], k_all[q0:q1], v_all[q0:q1])
             if not decode_only:
-                out[q0:q1] = self._attend(stage[slot], pool, blocks, start, length, q_all[q0:q1],
-                                          exact).to(out.dtype)
+                out[q0:q1] = self._attend(stage[slot], pool, blocks, start, length, q_all[q0:q1], exact).to(out.dtype)
         if decode_only and m.slots:
-            out[:len(m.slots)] = self._decode_cuda(stage, pool, m, q_all[:len(m.slots)])
+            out[: len(m.slots)] = self._decode_cuda(stage, pool, m, q_all[: len(m.slots)])
         return output
 
     def _decode_cuda(self, stage, pool, m: KVarNMetadata, q):
@@ -170,8 +185,20 @@ class KVarNAttentionImpl:
         sink = lens.clamp(max=g)
         closed = (lens // g - 1).clamp(min=0)
         st = stage[torch.tensor(m.slots, device=dev)][:, [SINK, CUR]]  # [B, 2, 2 (k, v), hk, G, D]
-        return decode_attention(q, pool, m.block_table, closed, st[:, :, 0], st[:, :, 1], sink,
-                                lens - sink - closed * g, self.codec.k_bits, self.codec.v_bits, g, self.scale)
+        return decode_attention(
+            q,
+            pool,
+            m.block_table,
+            closed,
+            st[:, :, 0],
+            st[:, :, 1],
+            sink,
+            lens - sink - closed * g,
+            self.codec.k_bits,
+            self.codec.v_bits,
+            g,
+            self.scale,
+        )
 
     def _encode(self, k, v):
         if k.is_cuda:
@@ -188,7 +215,7 @@ class KVarNAttentionImpl:
         end = start + kv.shape[2]
         n_sink = max(0, min(end, g) - start)
         if n_sink:
-            st[SINK, :, :, start:start + n_sink] = kv[:, :, :n_sink]
+            st[SINK, :, :, start : start + n_sink] = kv[:, :, :n_sink]
         p0 = start + n_sink
         if p0 == end:
             return None
@@ -199,20 +226,21 @@ class KVarNAttentionImpl:
         exact = torch.cat([head, kv[:, :, n_sink:]], 2)
         n_full = exact.shape[2] // g
         if n_full:
-            tiles = exact[:, :, :n_full * g].unflatten(2, (n_full, g)).permute(0, 2, 1, 3, 4)  # [2, n, hk, G, D]
+            tiles = exact[:, :, : n_full * g].unflatten(2, (n_full, g)).permute(0, 2, 1, 3, 4)  # [2, n, hk, G, D]
             rec = self._encode(tiles[0].flatten(0, 1), tiles[1].flatten(0, 1))
-            pool[blocks[t0:t0 + n_full].long()] = rec.view(n_full, self.num_kv_heads, -1)
+            pool[blocks[t0 : t0 + n_full].long()] = rec.view(n_full, self.num_kv_heads, -1)
             st[LAST] = tiles[:, -1]
         rest = exact.shape[2] - n_full * g
-        st[CUR, :, :, :rest] = exact[:, :, n_full * g:]
+        st[CUR, :, :, :rest] = exact[:, :, n_full * g :]
         return exact
 
     def _dequant(self, rec):
         if rec.is_cuda:
             from qconv_vllm.kvarn_triton import dequant_tiles
 
-            k, v = dequant_tiles(rec.flatten(0, 1), self.head_size, self.codec.tile, self.codec.k_bits,
-                                 self.codec.v_bits)
+            k, v = dequant_tiles(
+                rec.flatten(0, 1), self.head_size, self.codec.tile, self.codec.k_bits, self.codec.v_bits
+            )
             return k.unflatten(0, rec.shape[:2]), v.unflatten(0, rec.shape[:2])
         return self.codec.decode(rec)
 
@@ -220,12 +248,12 @@ class KVarNAttentionImpl:
         """Decode-form attention of queries at positions start..length-1 -> [T, heads, D] float32."""
         g = self.codec.tile
         dev = q.device
-        parts_k, parts_v, pos, kind = [st[SINK, 0, :, :min(length, g)]], [st[SINK, 1, :, :min(length, g)]], [], []
+        parts_k, parts_v, pos, kind = [st[SINK, 0, :, : min(length, g)]], [st[SINK, 1, :, : min(length, g)]], [], []
         pos.append(torch.arange(min(length, g), device=dev))
         kind.append(torch.zeros(min(length, g), dtype=torch.long, device=dev))  # 0 sink, 1 quantized, 2 exact
         closed = max(0, length // g - 1)  # tiles 1..closed are records
         if closed:
-            kq, vq = self._dequant(pool[blocks[1:closed + 1].long()])  # [closed, hk, G, D]
+            kq, vq = self._dequant(pool[blocks[1 : closed + 1].long()])  # [closed, hk, G, D]
             parts_k.append(kq.transpose(0, 1).flatten(1, 2))
             parts_v.append(vq.transpose(0, 1).flatten(1, 2))
             pos.append(torch.arange(g, (closed + 1) * g, device=dev))
@@ -243,16 +271,17 @@ class KVarNAttentionImpl:
         hk, grp = self.num_kv_heads, self.num_heads // self.num_kv_heads
         out = torch.empty(q.shape[0], self.num_heads, self.head_size, dtype=torch.float32, device=dev)
         for c0 in range(0, q.shape[0], QUERY_CHUNK):
-            qc = q[c0:c0 + QUERY_CHUNK].float()
+            qc = q[c0 : c0 + QUERY_CHUNK].float()
             qpos = torch.arange(start + c0, start + c0 + qc.shape[0], device=dev)[:, None]
             closed_by_q = tile_end[None, :] <= qpos
-            seen = (kpos[None, :] <= qpos) & ((kkind[None, :] == 0) | ((kkind[None, :] == 1) & closed_by_q)
-                                             | ((kkind[None, :] == 2) & ~closed_by_q))
+            seen = (kpos[None, :] <= qpos) & (
+                (kkind[None, :] == 0) | ((kkind[None, :] == 1) & closed_by_q) | ((kkind[None, :] == 2) & ~closed_by_q)
+            )
             qh = qc.view(-1, hk, grp, self.head_size).permute(1, 2, 0, 3)  # [hk, grp, T, D]
             s = torch.matmul(qh, keys.unsqueeze(1).transpose(-1, -2)) * self.scale  # [hk, grp, T, S]
             s = s.masked_fill(~seen, float("-inf")).softmax(-1)
             o = torch.matmul(s, vals.unsqueeze(1))  # [hk, grp, T, D]
-            out[c0:c0 + qc.shape[0]] = o.permute(2, 0, 1, 3).reshape(qc.shape[0], self.num_heads, self.head_size)
+            out[c0 : c0 + qc.shape[0]] = o.permute(2, 0, 1, 3).reshape(qc.shape[0], self.num_heads, self.head_size)
         return out
 
 

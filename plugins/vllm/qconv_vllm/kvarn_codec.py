@@ -29,7 +29,7 @@ def _hadamard(d: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / d ** 0.5).float()
+    return (h / d**0.5).float()
 
 
 def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -40,13 +40,14 @@ def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
 @dataclass(frozen=True)
 class Codec:
     """One preset at one head_dim: the record's field sizes and the encode/decode of whole tiles."""
+
     k_bits: int
     v_bits: int
     tile: int
     head_dim: int
 
     @classmethod
-    def from_dtype(cls, name: str, head_dim: int) -> "Codec":
+    def from_dtype(cls, name: str, head_dim: int) -> Codec:
         m = PRESET.match(name)
         if m is None:
             raise ValueError(f"{name!r} is not a KVarN cache dtype (kvarn_k<bits>v<bits>_g<tile>)")
@@ -55,8 +56,16 @@ class Codec:
     @property
     def fields(self) -> tuple[tuple[str, int], ...]:
         d, g = self.head_dim, self.tile
-        return (("k_codes", d * g * self.k_bits // 8), ("k_a", 2 * d), ("k_z", 2 * d), ("k_r", 2 * g),
-                ("v_codes", g * d * self.v_bits // 8), ("v_c", 2 * d), ("v_a", 2 * g), ("v_z", 2 * g))
+        return (
+            ("k_codes", d * g * self.k_bits // 8),
+            ("k_a", 2 * d),
+            ("k_z", 2 * d),
+            ("k_r", 2 * g),
+            ("v_codes", g * d * self.v_bits // 8),
+            ("v_c", 2 * d),
+            ("v_a", 2 * g),
+            ("v_z", 2 * g),
+        )
 
     @property
     def record_bytes(self) -> int:
@@ -67,8 +76,10 @@ class Codec:
     def bytes_per_token(self) -> int:
         """Per token and head; exact for the presets (a tile's per-channel fields divide evenly over its tokens)."""
         if self.record_bytes % self.tile:
-            raise ValueError(f"a {self.tile}-token tile at head_dim {self.head_dim} does not split into whole bytes "
-                             "per token; use a tile size of at most 2 x head_dim")
+            raise ValueError(
+                f"a {self.tile}-token tile at head_dim {self.head_dim} does not split into whole bytes "
+                "per token; use a tile size of at most 2 x head_dim"
+            )
         return self.record_bytes // self.tile
 
     # --- encode -----------------------------------------------------------------------------------------------
@@ -89,7 +100,7 @@ class Codec:
     def split(self, rec: torch.Tensor) -> dict[str, torch.Tensor]:
         out, off = {}, 0
         for name, n in self.fields:
-            out[name] = rec[..., off:off + n]
+            out[name] = rec[..., off : off + n]
             off += n
         return out
 
@@ -150,8 +161,8 @@ def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
     u, v = _balance(x)
     y = x * torch.exp(-v).unsqueeze(-1) * torch.exp(-u).unsqueeze(-2)
     lo, hi = torch.aminmax(y, dim=-1)
-    step = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-10)
-    q = ((y - lo.unsqueeze(-1)) / step.unsqueeze(-1)).round_().clamp_(0, 2 ** bits - 1).to(torch.uint8)
+    step = ((hi - lo) / (2**bits - 1)).clamp_min(1e-10)
+    q = ((y - lo.unsqueeze(-1)) / step.unsqueeze(-1)).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
     ev = torch.exp(v)
     return _pack(q.flatten(-2), bits), _bytes(step * ev), _bytes(lo * ev), _bytes(torch.exp(u))
 

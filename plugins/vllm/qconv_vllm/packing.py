@@ -14,8 +14,14 @@ def unpack_int32(packed: torch.Tensor, bits: int, width: int) -> torch.Tensor:
     return codes.flatten(-2)[..., :width]
 
 
-def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, bits: int, width: int,
-                    dtype: torch.dtype, zero_point: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_rows(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    bits: int,
+    width: int,
+    dtype: torch.dtype,
+    zero_point: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Group (or channel: one scale column) dequantization of packed rows: (code - 2^(bits-1)) * scale when
     symmetric; with compressed-tensors' zero points (int32 words packed along the output dim, [rows*bits/32,
     groups]), (code - 2^(bits-1) - zero_point) * scale: the stored zero point is signed, the codes offset."""

@@ -17,8 +17,13 @@ import re
 from dataclasses import dataclass
 
 # What this proposer relies on in vLLM 0.32, checked at construction (check_targets)
-RUNNER_CALL = ("cast(Any, self.drafter).propose(", "sampled_token_ids,", "self.input_batch.num_tokens_no_spec,",
-               "self.input_batch.token_ids_cpu,", "slot_mappings=slot_mappings,")
+RUNNER_CALL = (
+    "cast(Any, self.drafter).propose(",
+    "sampled_token_ids,",
+    "self.input_batch.num_tokens_no_spec,",
+    "self.input_batch.token_ids_cpu,",
+    "slot_mappings=slot_mappings,",
+)
 MATCH_ARGS = ["origin_tokens", "min_ngram", "max_ngram", "max_model_len", "k"]
 
 
@@ -33,9 +38,11 @@ def check_targets() -> None:
     fn = getattr(ngram_proposer, "_find_longest_matched_ngram_and_propose_tokens", None)
     args = list(inspect.signature(getattr(fn, "py_func", fn)).parameters) if fn is not None else None
     if call not in src or args != MATCH_ARGS:
-        raise RuntimeError(f"qconv_vllm.stretch was written against vLLM 0.32's custom_class proposer call and "
-                           f"n-gram matcher; vLLM {vllm.__version__} changed them (runner call found: "
-                           f"{call in src}, matcher arguments: {args}). Use speculative method ngram or vLLM 0.32.")
+        raise RuntimeError(
+            f"qconv_vllm.stretch was written against vLLM 0.32's custom_class proposer call and "
+            f"n-gram matcher; vLLM {vllm.__version__} changed them (runner call found: "
+            f"{call in src}, matcher arguments: {args}). Use speculative method ngram or vLLM 0.32."
+        )
 
 
 @dataclass
@@ -76,15 +83,18 @@ class StretchedLookup:
         self.block = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         if not (1 <= self.k <= self.block and 1 <= self.ngram_min <= self.ngram_max):
-            raise ValueError(f"{type(self).__name__}: need 1 <= k <= num_speculative_tokens ({self.block}) and "
-                             "1 <= ngram_min <= ngram_max")
+            raise ValueError(
+                f"{type(self).__name__}: need 1 <= k <= num_speculative_tokens ({self.block}) and "
+                "1 <= ngram_min <= ngram_max"
+            )
         self.rows: dict[int, Row] = {}
 
     def _match(self, context, n: int):
         from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens
 
-        return _find_longest_matched_ngram_and_propose_tokens(context, self.ngram_min, self.ngram_max,
-                                                              self.max_model_len, n)
+        return _find_longest_matched_ngram_and_propose_tokens(
+            context, self.ngram_min, self.ngram_max, self.max_model_len, n
+        )
 
     def _streak(self, i: int, sampled: int, tokens: int) -> int:
         row = self.rows.get(i)

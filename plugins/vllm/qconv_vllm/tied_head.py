@@ -50,7 +50,7 @@ def _logits_from_packed_rows() -> None:
         out = torch.empty(flat.shape[0], vocab, dtype=x.dtype, device=x.device)
         for start in range(0, vocab, ROWS):
             ids = torch.arange(start, min(start + ROWS, vocab), device=layer.weight_packed.device)
-            out[:, start:start + len(ids)] = flat @ self.embedding(layer, ids).to(x.dtype).t()
+            out[:, start : start + len(ids)] = flat @ self.embedding(layer, ids).to(x.dtype).t()
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], vocab)

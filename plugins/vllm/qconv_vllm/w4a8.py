@@ -35,10 +35,15 @@ def apply() -> list[str]:
 
     mod = _module()
     orig = getattr(mod, "get_marlin_input_dtype", None)
-    if orig is None or list(inspect.signature(orig).parameters) != ["prefix"] or \
-            "get_marlin_input_dtype(self.layer_name)" not in inspect.getsource(mod):
-        raise RuntimeError(f"qconv_vllm.w4a8: vLLM {vllm.__version__}'s compressed-tensors WNA16 scheme no longer "
-                           "picks Marlin's input dtype through get_marlin_input_dtype(self.layer_name)")
+    if (
+        orig is None
+        or list(inspect.signature(orig).parameters) != ["prefix"]
+        or "get_marlin_input_dtype(self.layer_name)" not in inspect.getsource(mod)
+    ):
+        raise RuntimeError(
+            f"qconv_vllm.w4a8: vLLM {vllm.__version__}'s compressed-tensors WNA16 scheme no longer "
+            "picks Marlin's input dtype through get_marlin_input_dtype(self.layer_name)"
+        )
     pattern = os.environ.get(ENV)
     if not pattern:
         return []

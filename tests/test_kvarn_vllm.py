@@ -27,6 +27,20 @@ KV = "kvarn_k4v2_g128"
 TOLERANCE = 0.5
 
 
+def _record(name: str, **values) -> None:
+    """Keep what a run measured (also when pytest captures the printout): <cache>/measured/kvarn_vllm.json."""
+    import json
+
+    from tests.conftest import CACHE
+
+    path = CACHE / "measured" / "kvarn_vllm.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[name] = values
+    path.write_text(json.dumps(data, indent=1))
+    print(name, values)
+
+
 def _serve(art: Path, vllm_python: str, *extra: str, profile: str = "huge") -> ServerProcess:
     return ServerProcess(
         [
@@ -124,14 +138,13 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_pytho
         bf16_tokens = _cache_tokens(srv)
 
     text = chat.choices[0].message.content
-    print("vLLM + KVarN chat:", text)
     words = re.findall(r"[A-Za-z]{3,}", text)
     assert len(words) >= 5 and len(set(words)) >= 4, text  # sentences, not a collapsed repetition
 
     prompt_ids = tok(prompt).input_ids
     ours = _native_decode_logprobs(smollm2_3090, prompt_ids, ids, KV)
     worst = float((ours - torch.tensor(lps)).abs().max())
-    print(f"SmolLM2 huge ({KV}) in vLLM vs our engine's KVarN cache: largest log-prob difference {worst:.4f} nats")
+    _record("smollm2_vs_engine", kv=KV, prompt_tokens=len(prompt_ids), new_tokens=len(ids), worst_nats=worst, chat=text)
     assert worst <= TOLERANCE
 
     head_dim = 64
@@ -158,6 +171,7 @@ def test_tiny_hybrid_with_kvarn_requests_come_and_go(tmp_path, vllm_python):
         alone = [_complete(client, name, p, 12) for p in prompts]
         with cf.ThreadPoolExecutor(4) as ex:
             together = list(ex.map(lambda p: _complete(client, name, p, 12), prompts))
+    _record("hybrid_come_and_go", alone=[a for a, _ in alone], together=[t for t, _ in together])
     for (a_ids, a_lps), (t_ids, t_lps) in zip(alone, together):
         n = next((i for i, (x, y) in enumerate(zip(a_ids, t_ids)) if x != y), len(a_ids))
         assert torch.allclose(torch.tensor(a_lps[:n]), torch.tensor(t_lps[:n]), atol=0.05)
@@ -190,5 +204,5 @@ def test_long_prompt_passkey_no_nan_no_collapse(smollm2_3090, vllm_python, share
             assert all(lp is not None and lp == lp and lp > -1e4 for lp in lps)  # finite
             assert max(ids.count(t) for t in set(ids)) < 0.75 * len(ids), tok.decode(ids)  # no "!!!!" collapse
     assert len(tok(prompts[0]).input_ids) >= 64 * 64
-    print(f"passkey found (trials {keys}): bf16 {found['bf16']}, KVarN {found['kvarn_k4v2_g64']}")
+    _record("passkey", keys=keys, prompt_tokens=len(tok(prompts[0]).input_ids), found=found)
     assert all(k or not b for b, k in zip(found["bf16"], found["kvarn_k4v2_g64"]))

@@ -150,9 +150,8 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_pytho
     head_dim = 64
     predicted = 2 * head_dim * 2 / get_kv_scheme(KV).bytes_per_token_per_head(head_dim)  # bf16 B / KVarN B
     measured = kvarn_tokens / bf16_tokens
-    print(
-        f"vLLM cache tokens at VLLM_CPU_KVCACHE_SPACE=1: {KV} {kvarn_tokens:,}, bf16 {bf16_tokens:,}: "
-        f"{measured:.3f}x (planner's bytes ratio at head_dim {head_dim}: {predicted:.3f}x)"
+    _record(
+        "capacity", kv=KV, kvarn_tokens=kvarn_tokens, bf16_tokens=bf16_tokens, measured=measured, predicted=predicted
     )
     assert abs(measured / predicted - 1) <= 0.05
 

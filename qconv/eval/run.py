@@ -21,17 +21,23 @@ log = logging.getLogger(__name__)
 
 
 def auto_kv(recipe: Recipe) -> str | None:
-    """The most aggressive non-bf16 KV scheme among the recipe's profiles that we can simulate, in profile order."""
+    """The most aggressive (fewest bytes per token) non-bf16 KV scheme among the recipe's profiles that we can
+    simulate; the first such profile wins a tie."""
     from qconv.eval.kvsim import get_scheme
+    from qconv.kv.schemes import get_kv_scheme
 
     found = None
     for p in recipe.profiles.values():
-        if p.kv_cache != "bf16":
-            try:
-                get_scheme(p.kv_cache)
-                found = p.kv_cache
-            except QconvError:
-                log.info("KV scheme %s not available for simulation yet; skipped", p.kv_cache)
+        if p.kv_cache == "bf16":
+            continue
+        try:
+            get_scheme(p.kv_cache)
+        except QconvError:
+            log.info("KV scheme %s not available for simulation yet; skipped", p.kv_cache)
+            continue
+        size = get_kv_scheme(p.kv_cache).bytes_per_token_per_head(128)
+        if found is None or size < get_kv_scheme(found).bytes_per_token_per_head(128):
+            found = p.kv_cache
     return found
 
 

@@ -189,7 +189,7 @@ class BuildInfo:
     kept: list[str] = field(default_factory=list)
     requantized: list[str] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    notes: dict[str, str] = field(default_factory=dict)  # module -> why it was kept or copied as it was
     reference: str | None = None
     quality_reference: dict[str, Any] | None = None
 

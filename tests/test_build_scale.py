@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -339,6 +340,7 @@ def test_row_blocked_gptq_equals_whole_matrix(strategy, group, actorder):
     whole = base.quantize_weight(weights=w.clone(), hessians=h.clone(), **kw)
     orig, block_rows, hessian_ptrs = base.quantize_weight, [], []
 
+    @functools.wraps(orig)  # the patch table checks the target's signature: keep the original's
     def counting(weights, *a, **k):
         block_rows.append(weights.shape[1])
         hessian_ptrs.append((a[0] if a else k["hessians"]).data_ptr())
@@ -346,6 +348,7 @@ def test_row_blocked_gptq_equals_whole_matrix(strategy, group, actorder):
 
     factorize, factorized = gptq_quantize.factorize_hessian, []
 
+    @functools.wraps(factorize)
     def counting_factorize(*a):
         factorized.append(1)
         return factorize(*a)
@@ -647,7 +650,7 @@ def test_row_blocked_mse_search_chooses_the_same_scales(strategy, group):
     from llmcompressor.observers import mse_quant
 
     original, calls = mse_quant._calculate_error, []
-    mse_quant._calculate_error = lambda *a: calls.append(a[0].shape[1]) or original(*a)
+    mse_quant._calculate_error = functools.wraps(original)(lambda *a: calls.append(a[0].shape[1]) or original(*a))
     try:
         want = search()
         whole_calls = len(calls)

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_map
 
-from qconv.calibrate.sensitivity import Candidate, Scores, input_hessians, output_fisher, proxy_from, row_errors
+from qconv.calibrate.sensitivity import Scores, input_hessians, output_fisher, proxy_from, row_errors
+from qconv.calibrate.units import Unit
 from qconv.convert.stream import Spilled
 from qconv.errors import QconvError
 from qconv.eval.layerwise import StreamedModel, layer_output
@@ -26,7 +27,7 @@ from qconv.eval.layerwise import StreamedModel, layer_output
 HEAD_ROWS = 128  # positions per lm_head forward + backward: float32 logits, softmax and gradient are each rows x vocab
 
 
-def members_by_layer(units: list[Candidate], n_layers: int | None = None) -> dict[int, dict[str, str]]:
+def members_by_layer(units: list[Unit], n_layers: int | None = None) -> dict[int, dict[str, str]]:
     """layer index -> {member name: its name inside the layer}; every member must sit in a decoder layer (a
     streamed build checks this before it writes anything)."""
     from qconv.recipes.roles import _LAYER
@@ -58,7 +59,7 @@ def _frozen(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def streamed_proxy_scores(
-    path: str | Path, units: list[Candidate], ids: list[list[int]], spill: Path, device: str = "cpu"
+    path: str | Path, units: list[Unit], ids: list[list[int]], spill: Path, device: str = "cpu"
 ) -> Scores:
     """proxy_scores for the model at `path` read a layer at a time; the layers' inputs are spilled under `spill`."""
     sm = StreamedModel.open(path, device)

@@ -229,3 +229,30 @@ def tmpfs(tmp_path):
     yield mount
     for d in reversed(mounts):
         subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture
+def log_records():
+    """listen(name) -> the list of records logged to that logger during the test, from a handler on the logger itself
+    (caplog hangs on the root logger, whose handlers and level an earlier in-process build or library may have
+    rearranged in a full run)."""
+    import logging
+
+    attached = []
+
+    def listen(name: str) -> list:
+        records: list = []
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = records.append
+        logger = logging.getLogger(name)
+        attached.append((logger, handler, logger.level, logger.disabled))
+        logger.addHandler(handler)
+        logger.setLevel(logging.DEBUG)
+        logger.disabled = False
+        return records
+
+    yield listen
+    for logger, handler, level, disabled in attached:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = disabled

@@ -292,7 +292,7 @@ def test_warnings_for_exposed_bind_and_key_on_argv(tiny_qwen3, monkeypatch):
     from qconv.serve.native import bind_warnings
 
     assert bind_warnings("0.0.0.0", None) and not bind_warnings("0.0.0.0", "k") and not bind_warnings("127.0.0.1", None)
-    monkeypatch.setattr(native, "run_native", lambda path, opts: None)
+    monkeypatch.setattr(native, "run_native", lambda path, opts, art=None: None)
     r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", "native", "--api-key", "sekrit"])
     assert r.exit_code == 0 and "QCONV_API_KEY" in r.output
     r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", "native"], env={"QCONV_API_KEY": "sekrit"})

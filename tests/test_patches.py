@@ -152,10 +152,9 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
     assert called == expected - values, expected - values - called
 
 
-def test_gptq_batches_advance_the_progress_bar_without_parsing_library_logs(caplog):
+def test_gptq_batches_advance_the_progress_bar_without_parsing_library_logs(log_records):
     """The build's bar moves on qconv's own record from the GPTQ batch hand-over (row_blocked_gptq), not on a regex
     over llmcompressor's log text; its note names the layer."""
-    import logging
 
     import torch
     from llmcompressor.modifiers.gptq import base
@@ -165,9 +164,9 @@ def test_gptq_batches_advance_the_progress_bar_without_parsing_library_logs(capl
 
     lin = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
     qps = [{"scale": torch.ones(32, 1), "zero_point": torch.zeros(32, 1), "global_scale": None}]
-    caplog.set_level(logging.INFO, logger="qconv")
+    records = log_records("qconv.convert.stream")
     with torch.no_grad(), row_blocked_gptq(names={lin: "model.layers.3.mlp.up_proj"}):
         base.prepare_batch([lin], qps, {lin: torch.eye(64)}, {lin: torch.tensor(4)})
-    rec = next(r for r in caplog.records if r.name == "qconv.convert.stream" and "GPTQ" in r.getMessage())
+    rec = next(r for r in records if r.name == "qconv.convert.stream" and "GPTQ" in r.getMessage())
     assert {k: v for k, v in vars(rec).items() if k in progress.advance(0)} == progress.advance(1, "layer 3")
     assert not hasattr(progress, "_QUANTIZING")

@@ -180,10 +180,9 @@ def test_smollm2_int_kernels_decode(smollm2, tmp_path):
     assert min(secs["deq"], secs["deq2"]) > min(secs["int"], secs["int2"]), secs
 
 
-def test_serve_native_runs_as_generate_does(tiny_artifact, monkeypatch, caplog):
+def test_serve_native_runs_as_generate_does(tiny_artifact, monkeypatch, log_records):
     """Issue 30, point 3: `qconv serve --backend native` loads an artifact as `qconv generate` does (bf16, its int4
     Linears and int8 embedding through the CPU int kernels) and says so in its startup line."""
-    import logging
 
     import uvicorn
     from click.testing import CliRunner
@@ -194,13 +193,13 @@ def test_serve_native_runs_as_generate_does(tiny_artifact, monkeypatch, caplog):
     served = []
     monkeypatch.setattr(Scheduler, "start", lambda self: served.append(self) or self)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
-    with caplog.at_level(logging.INFO):
-        r = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--backend", "native"])
+    records = log_records("qconv.serve.native")
+    r = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--backend", "native"])
     assert r.exit_code == 0, r.output
     (sched,) = served
     model = sched.model
     assert model.norm.weight.dtype == torch.bfloat16
     n4 = len(_int4_modules(model))
     assert n4 == 4 * model.config.num_layers and isinstance(model.embed_tokens, Int8Embedding)
-    line = next(rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("native engine:"))
+    line = next(rec.getMessage() for rec in records if rec.getMessage().startswith("native engine:"))
     assert f"bfloat16, int4 kernels on {n4} Linears + int8 embedding lookup" in line

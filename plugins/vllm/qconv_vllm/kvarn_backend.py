@@ -95,10 +95,11 @@ def _builder_cls():
             lens = cam.seq_lens[:n].tolist()
             table = cam.block_table_tensor[:n]
             keys = table[:, 0].tolist()
+            in_batch = set(keys)
             slots, fresh, before = [], [], []
             for i in range(n):
                 start = lens[i] - (qs[i + 1] - qs[i])
-                slot, new = self.table.assign(keys[i], start, set(keys))
+                slot, new = self.table.assign(keys[i], start, in_batch)
                 slots.append(slot)
                 fresh.append(new or start == 0)
                 before.append(0 if new else self.table.written[slot])

@@ -71,6 +71,11 @@ def load_causal_lm(
     with _compressed_embeddings_loadable():
         model = cls.from_pretrained(path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **kwargs)
     if tied_packed:
+        from compressed_tensors.offload import remove_dispatch
+
+        # decompression leaves compressed-tensors' offload caches on the modules, which hand out a fresh tensor on
+        # each access, so an assigned weight would not be shared: take them off first (tensors on their devices)
+        remove_dispatch(model, onload_tensors=True)
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
         for c in {
             id(model.config): model.config,

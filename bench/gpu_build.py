@@ -159,6 +159,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "bench"))
     sys.path.insert(0, str(REPO))
     from build_memory import write_model
+    from qconv_cmd import build_args
     from scale_27b import CONFIG_27B, text_config
 
     from tests.tiny import CORPUS
@@ -188,20 +189,7 @@ def main() -> None:
     ]
     gpu_art, cpu_art = w / "art-gpu", w / "art-cpu"
     build = qconv(
-        [
-            "build",
-            "--recipe",
-            "3090",
-            "--model",
-            src2,
-            "--out",
-            gpu_art,
-            "--work-dir",
-            w / "work-gpu",
-            "--device",
-            "cuda",
-            *cal,
-        ],
+        build_args("3090", src2, gpu_art, "--work-dir", w / "work-gpu", "--device", "cuda", *cal),
         w / "build-gpu.log",
     )
     phases = layer_lines(w / "work-gpu" / "build.log")
@@ -241,20 +229,7 @@ def main() -> None:
         keep_head = w / "cpu-ref.yaml"
         keep_head.write_text('extends: "3090"\nname: 3090-cpu-ref\nroles: {lm_head: bf16}\n')
         result["cpu_reference"] = qconv(
-            [
-                "build",
-                "--recipe",
-                keep_head,
-                "--model",
-                src1,
-                "--out",
-                cpu_art,
-                "--work-dir",
-                w / "work-cpu",
-                "--device",
-                "cpu",
-                *cal,
-            ],
+            build_args(keep_head, src1, cpu_art, "--work-dir", w / "work-cpu", "--device", "cpu", *cal),
             w / "build-cpu.log",
         )
         result["compare"] = compare(gpu_art, cpu_art, src2)

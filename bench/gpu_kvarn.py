@@ -1,6 +1,6 @@
 """KVarN on a CUDA GPU (run where one is lent; the CPU tests run the same kernels in Triton's interpreter).
 
-`kernels` section: parity of the plugin's Triton kernels (plugins/vllm/qconv_vllm/kvarn_triton.py) with qconv.kv's
+`kernels` section: parity of the plugin's Triton kernels (plugins/vllm/qconv_vllm/kvarn_triton.py, kvarn_attention.py) with qconv.kv's
 codec on random tiles at D=256 G=128 (k4v2, k4v4), and decode_attention's time at 32K and 128K context in the 27B
 shape (Hq 24, Hkv 4, D 256, one sequence) against torch SDPA over fp16 K/V and over fp8 K/V cast to fp16 per call.
 `backend` section: the plugin's vLLM attention backend itself (KVarNAttentionImpl, the code vLLM calls per layer,
@@ -50,6 +50,7 @@ def _timed(fn, iters: int = 20) -> float:
 def _parity(kb: int, vb: int, dev: str) -> dict:
     from qconv.kv.kvarn import kvarn
     from qconv.kv.packing import unpack_bits
+    from qconv_vllm import kvarn_attention
     from qconv_vllm import kvarn_triton as kt
 
     scheme = kvarn(kb, vb, G)
@@ -73,7 +74,7 @@ def _parity(kb: int, vb: int, dev: str) -> dict:
     cur = torch.tensor([77, 5], device=dev, dtype=torch.int32)
     sk, sv = (x.view(2, 2, HKV, G, D) for x in _tiles(2 * 2 * HKV, dev))
     q = torch.randn(2, HQ, D, device=dev)
-    o = kt.decode_attention(q, pool, table, n_closed, sk, sv, sink, cur, kb, vb, G, D**-0.5)
+    o = kvarn_attention.decode_attention(q, pool, table, n_closed, sk, sv, sink, cur, kb, vb, G, D**-0.5)
     tk, tv = scheme.decode(pool.transpose(0, 1), D)  # [Hkv, 16, G, D]
     err = 0.0
     for b in range(2):
@@ -88,6 +89,7 @@ def _parity(kb: int, vb: int, dev: str) -> dict:
 
 
 def _speed(ctx: int, kb: int, vb: int, dev: str) -> dict:
+    from qconv_vllm import kvarn_attention
     from qconv_vllm import kvarn_triton as kt
 
     n_closed = ctx // G - 1  # sink + closed tiles; the tile being filled holds G/2 more tokens
@@ -100,7 +102,9 @@ def _speed(ctx: int, kb: int, vb: int, dev: str) -> dict:
     q = torch.randn(1, HQ, D, device=dev, dtype=torch.float16)
     length = G + n_closed * G + G // 2
     kvarn_us = _timed(
-        lambda: kt.decode_attention(q, pool, table, one(n_closed), sk, sv, one(G), one(G // 2), kb, vb, G, D**-0.5)
+        lambda: kvarn_attention.decode_attention(
+            q, pool, table, one(n_closed), sk, sv, one(G), one(G // 2), kb, vb, G, D**-0.5
+        )
     )
     kf = torch.randn(1, HKV, length, D, device=dev, dtype=torch.float16)
     vf = torch.randn_like(kf)

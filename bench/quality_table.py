@@ -20,6 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from qconv_cmd import QCONV, build_args  # noqa: E402  (bench/ is on sys.path: this script runs as bench/quality_table.py)
+
 DATA = REPO.parent / "shared" / "data"
 
 
@@ -45,27 +47,8 @@ def gguf_tensor_bytes(path: Path) -> int:
 def build_recipe(src: Path, out: Path, recipe: str = "3090", extra: tuple[str, ...] = ()) -> Path | None:
     if (out / "qconv.json").is_file():
         return out
-    cmd = [
-        sys.executable,
-        "-c",
-        "from qconv.cli import main; main()",
-        "build",
-        "--recipe",
-        recipe,
-        "--model",
-        str(src),
-        "--out",
-        str(out),
-        "--dataset",
-        str(DATA / "tinyshakespeare.txt"),
-        "--samples",
-        "32",
-        "--seq-len",
-        "512",
-        "--force",
-        "--no-gates",
-        *extra,
-    ]
+    cal = ("--dataset", DATA / "tinyshakespeare.txt", "--samples", 32, "--seq-len", 512)
+    cmd = [*QCONV, *build_args(recipe, src, out, *cal, "--force", "--no-gates", *extra)]
     r = subprocess.run(cmd, cwd=REPO)
     return out if r.returncode == 0 and (out / "qconv.json").is_file() else None
 

@@ -130,6 +130,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "bench"))
     sys.path.insert(0, str(REPO))
     from build_memory import write_model
+    from qconv_cmd import QCONV, streamed_build
 
     from tests.tiny import CORPUS
 
@@ -146,35 +147,14 @@ def main() -> None:
             params = total // 2
         else:
             params, total = write_model(src, depth, 0, cfg=text_config(args.config, depth, args.width_div, args.vocab))
-        qconv = [sys.executable, "-m", "qconv.cli"]
+        budget = ["--int8-budget", args.int8_budget] if args.int8_budget else []
         build = timed(
-            qconv
-            + [
-                "build",
-                "--recipe",
-                "3090",
-                "--model",
-                str(src),
-                "--out",
-                str(art),
-                "--dataset",
-                str(text),
-                "--samples",
-                str(args.samples),
-                "--seq-len",
-                str(args.seq_len),
-                "--stream",
-                "--force",
-                "--fresh",
-                "--work-dir",
-                str(work),
-                *(["--int8-budget", args.int8_budget] if args.int8_budget else []),
-            ],
+            streamed_build(src, art, text, args.samples, args.seq_len, work, *budget),
             args.work / f"build-{tag}.log",
         )
         window = min(args.window, args.eval_tokens)
         ev = timed(
-            qconv
+            QCONV
             + [
                 "eval",
                 str(art),

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from qconv.errors import QconvError
 from qconv.manifest import MANIFEST, Manifest, QualityReport, Requirement, read_manifest
-from qconv.recipes.recipe import Profile, Recipe, Speculative
+from qconv.recipes.recipe import Recipe
 from qconv.recipes.schema import from_dict
+from qconv.recipes.sections import Profile, Speculative
 
 
 @dataclass

@@ -24,11 +24,11 @@ COMMAND_MODULES = (
 
 
 class QconvGroup(click.Group):
-    """Turns QconvError (and a full disk or a refused write anywhere, through fsutil.disk_error) into one clear
+    """Turns QconvError (and a full disk or a refused write anywhere, through qconv.disk.disk_error) into one clear
     message and its exit code instead of a traceback."""
 
     def invoke(self, ctx):
-        from qconv.fsutil import disk_error
+        from qconv.disk import disk_error
 
         try:
             return super().invoke(ctx)

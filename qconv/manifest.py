@@ -17,8 +17,8 @@ from typing import Any
 from qconv.errors import QconvError
 from qconv.fsutil import file_table, find_links, write_json_atomic
 from qconv.modelfiles import read_json_object
-from qconv.recipes.recipe import Profile, Speculative
 from qconv.recipes.schema import SchemaError, coerce_fields, from_dict, shorten
+from qconv.recipes.sections import Profile, Speculative
 
 MANIFEST = "qconv.json"
 SCHEMA_VERSION = 1

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli_helpers import build_args
+
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("QCONV_TEST_CACHE", REPO / ".cache"))
 SHARED_DATA = Path(os.environ.get("QCONV_SHARED_DATA", REPO.parent / "shared" / "data"))
@@ -115,7 +117,7 @@ def _built_smollm2(gguf: Path, calib: Path, name: str, recipes: tuple[str, ...],
     if not (out / "qconv.json").is_file():
         r = CliRunner().invoke(
             main,
-            ["build", "--recipe", recipes[-1], "--model", str(gguf), "--out", str(out), "--dataset", str(calib), *args],
+            [*build_args(recipes[-1], gguf, out), "--dataset", str(calib), *args],
             catch_exceptions=False,
         )
         assert r.exit_code == 0, r.output

@@ -9,7 +9,8 @@ import pytest
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
 from qconv.manifest import KV_PREFIX, QUANTIZED_EMBEDDINGS, Manifest, QualityReport, RecipeInfo, Requirement, SourceInfo
-from qconv.recipes.recipe import Profile, load_recipe
+from qconv.recipes.recipe import load_recipe
+from qconv.recipes.sections import Profile
 from tests.eval_helpers import quality_summary
 
 

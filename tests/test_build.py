@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qconv.manifest import read_manifest, verify_files
-from tests.cli_helpers import FAST_CAL, run
+from tests.cli_helpers import FAST_CAL, build, run
 
 
 def no_partials(out: Path) -> bool:
@@ -142,7 +142,7 @@ def check_artifact(src: Path, art: Path, *, int4_roles: set[str], tol_rel: float
 @pytest.mark.slow
 def test_build_tiny_qwen3_5(tiny_qwen3_5, tmp_path, calib_txt):
     out = tmp_path / "A"
-    r = run("build", "--recipe", "3090", "--model", tiny_qwen3_5, "--out", out, "--dataset", calib_txt, *FAST_CAL)
+    r = build("3090", tiny_qwen3_5, out, "--dataset", calib_txt, *FAST_CAL)
     assert r.exit_code == 0, r.output
     qc, m = check_artifact(
         tiny_qwen3_5, out, tol_rel=0.4, min_top1=0.6, int4_roles={"self_attn", "mlp", "in_proj_(qkv|z)", "out_proj"}
@@ -160,7 +160,7 @@ def test_build_tiny_llama_tied_and_reproducible(tiny_llama, tmp_path, calib_txt)
     outs = []
     for name in ("A", "B"):
         out = tmp_path / name
-        r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *FAST_CAL)
+        r = build("3090", tiny_llama, out, "--dataset", calib_txt, *FAST_CAL)
         assert r.exit_code == 0, r.output
         outs.append(out)
     _, m = check_artifact(tiny_llama, outs[0], tol_rel=0.4, min_top1=0.6, int4_roles={"self_attn", "mlp"})
@@ -228,7 +228,7 @@ def test_bad_inputs(case, pattern, tmp_path, tiny_llama):
         bad = tmp_path / "bad.jsonl"
         bad.write_bytes(b"\xff\xfe{not json\n")
         extra = ["--dataset", bad]
-    r = run("build", "--recipe", recipe, "--model", model, "--out", out, *extra, *FAST_CAL)
+    r = build(recipe, model, out, *extra, *FAST_CAL)
     assert r.exit_code == 2, r.output
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and re.search(pattern, r.output), r.output

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qconv.manifest import read_manifest
-from tests.cli_helpers import FAST_CAL, REPO, run
+from tests.cli_helpers import FAST_CAL, REPO, build, run
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
@@ -51,22 +51,7 @@ def test_resolve_device(name, want):
 @no_cuda
 def test_device_cuda_without_gpu_exit_2_nothing_written(tiny_qwen3_5, tmp_path, calib_txt):
     out, work = tmp_path / "out", tmp_path / "work"
-    r = run(
-        "build",
-        "--recipe",
-        "3090",
-        "--model",
-        tiny_qwen3_5,
-        "--out",
-        out,
-        "--dataset",
-        calib_txt,
-        "--work-dir",
-        work,
-        *FAST_CAL,
-        "--device",
-        "cuda",
-    )
+    r = build("3090", tiny_qwen3_5, out, "--dataset", calib_txt, "--work-dir", work, *FAST_CAL, "--device", "cuda")
     assert r.exit_code == 2, r.output
     assert "--device cuda but torch" in r.output and "sees no CUDA device" in r.output and "fix:" in r.output
     assert r.output.count("sees no CUDA device") == 1

@@ -8,7 +8,7 @@ import pathlib
 from collections import Counter
 from pathlib import Path
 
-from tests.cli_helpers import FAST_CAL, run
+from tests.cli_helpers import FAST_CAL, build, run
 
 
 def _counting(monkeypatch, module, name: str, counts: Counter, key=lambda *a, **k: None):
@@ -39,13 +39,9 @@ def test_a_build_does_each_thing_once_and_serve_reads_its_manifest_once(tiny_lla
     for mod in (qconv.fsutil, qconv.convert.artifact):
         _counting(monkeypatch, mod, "sha256_file", counts, key=lambda p: str(p))
 
-    r = run(
-        "build",
-        "--recipe",
+    r = build(
         "3090",
-        "--model",
         tiny_llama,
-        "--out",
         out,
         "--dataset",
         calib_txt,

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from qconv.manifest import read_manifest
-from tests.cli_helpers import FAST_CAL, run
+from tests import cli_helpers
+from tests.cli_helpers import FAST_CAL, build, run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,21 +25,7 @@ def weight_shas(art: Path) -> dict[str, str]:
 
 
 def build_args(model, out, calib, work, *extra):
-    return [
-        "build",
-        "--recipe",
-        "3090",
-        "--model",
-        model,
-        "--out",
-        out,
-        "--dataset",
-        calib,
-        "--work-dir",
-        work,
-        *FAST_CAL,
-        *extra,
-    ]
+    return [*cli_helpers.build_args("3090", model, out), "--dataset", calib, "--work-dir", work, *FAST_CAL, *extra]
 
 
 # ---- budget parsing and selection (no weights) -------------------------------------------------------------
@@ -542,13 +529,9 @@ def test_streamed_build_refuses_candidates_outside_decoder_layers(tiny_qwen3_5, 
             "lm_head: w8a16", "lm_head: w4a16"
         )
     )
-    r = run(
-        "build",
-        "--recipe",
+    r = build(
         str(recipe),
-        "--model",
         tiny_qwen3_5,
-        "--out",
         tmp_path / "o",
         "--dataset",
         calib_txt,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tests import cli_helpers
 from tests.tiny import CORPUS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,13 +49,7 @@ def qconv_subprocess(*args, home: Path) -> subprocess.CompletedProcess:
 
 def build_args(model, out, texts, *extra):
     return [
-        "build",
-        "--recipe",
-        texts["recipe"],
-        "--model",
-        model,
-        "--out",
-        out,
+        *cli_helpers.build_args(texts["recipe"], model, out),
         "--dataset",
         texts["cal"],
         "--eval-text",

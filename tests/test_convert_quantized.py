@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from qconv.convert.quantized import detect_format
 from qconv.errors import QconvError
+from tests.cli_helpers import build_args
 from tests.conftest import CACHE, REPO
 from tests.quantized_sources import GROUP, reference_dense
 
@@ -163,7 +164,7 @@ def test_act_order(tiny_qwen3, tmp_path):
             continue
         for args in (
             ["convert", "quantized", str(src), str(tmp_path / "out-permuted")],
-            ["build", "--recipe", "3090", "--model", str(src), "--out", str(tmp_path / "out-permuted")],
+            build_args("3090", src, tmp_path / "out-permuted"),
         ):
             r = CliRunner().invoke(main, args)
             assert r.exit_code != 0 and "g_idx" in r.output and "13 more modules" in r.output, r.output
@@ -231,21 +232,7 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
         "if ln.startswith('VmHWM')][0])"
     )
     r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code,
-            "build",
-            "--recipe",
-            "3090",
-            "--model",
-            str(src),
-            "--out",
-            str(out),
-            "--eval-text",
-            str(text),
-            "--no-gates",
-        ],
+        [sys.executable, "-c", code, *build_args("3090", src, out), "--eval-text", str(text), "--no-gates"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -283,13 +270,7 @@ def test_build_from_gptq_qwen3_5(tiny_qwen3_5, tmp_path, shared_data):
             sys.executable,
             "-m",
             "qconv.cli",
-            "build",
-            "--recipe",
-            "3090",
-            "--model",
-            str(src),
-            "--out",
-            str(ref_out),
+            *build_args("3090", src, ref_out),
             "--eval-text",
             str(text),
             "--no-gates",
@@ -354,7 +335,7 @@ def test_build_from_quantized_records_true_requires(tiny_models, tmp_path, famil
     out = tmp_path / "art"
     r = CliRunner().invoke(
         __import__("qconv.cli", fromlist=["main"]).main,
-        ["build", "--recipe", "3090", "--model", str(src), "--out", str(out), "--no-gates"],
+        [*build_args("3090", src, out), "--no-gates"],
     )
     assert r.exit_code == 0, r.output
     m = read_manifest(out)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qconv.eval.quality import EvalSettings, Source, measure, safetensors_stats
-from tests.cli_helpers import run
+from tests.cli_helpers import SMALL_CAL, build, run
 from tests.tiny import CORPUS
 
 STATS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
@@ -28,23 +28,7 @@ def built(tiny_models, tmp_path_factory):
             cal = root / "cal.txt"
             cal.write_text(CORPUS * 20)
             out = root / "art"
-            r = run(
-                "build",
-                "--recipe",
-                "3090",
-                "--model",
-                src,
-                "--out",
-                out,
-                "--dataset",
-                cal,
-                "--samples",
-                "8",
-                "--seq-len",
-                "64",
-                "--work-dir",
-                root / "work",
-            )
+            r = build("3090", src, out, "--dataset", cal, *SMALL_CAL, "--work-dir", root / "work")
             assert r.exit_code == 0, r.output
             made[family] = (src, out)
         return made[family]

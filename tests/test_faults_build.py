@@ -20,6 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from qconv.fsutil import file_table
+from tests import cli_helpers
 from tests.cli_helpers import FAST_CAL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,21 +48,7 @@ def src(tiny_llama, tmp_path) -> Path:
 
 
 def build_args(src: Path, out: Path, work: Path, cal: Path, *extra) -> list:
-    return [
-        "build",
-        "--recipe",
-        "3090",
-        "--model",
-        src,
-        "--out",
-        out,
-        "--work-dir",
-        work,
-        "--dataset",
-        cal,
-        *FAST_CAL,
-        *extra,
-    ]
+    return [*cli_helpers.build_args("3090", src, out), "--work-dir", work, "--dataset", cal, *FAST_CAL, *extra]
 
 
 def stage_results(work: Path) -> list[str]:
@@ -437,13 +424,7 @@ def test_a_yaml_alias_bomb_is_refused_in_bounded_memory(tmp_path, src, calib_txt
             sys.executable,
             "-c",
             code,
-            "build",
-            "--recipe",
-            str(bomb),
-            "--model",
-            str(src),
-            "--out",
-            str(tmp_path / "out"),
+            *cli_helpers.build_args(bomb, src, tmp_path / "out"),
             "--dataset",
             str(calib_txt),
             "--dry-run",
@@ -481,19 +462,7 @@ def test_damaged_config_or_recipe_is_one_error_naming_the_file(case, src, tmp_pa
     out, work = tmp_path / "out", tmp_path / "work"
     for extra in (["--dry-run"], []):
         r = run(
-            "build",
-            "--recipe",
-            recipe,
-            "--model",
-            src,
-            "--out",
-            out,
-            "--work-dir",
-            work,
-            "--dataset",
-            calib_txt,
-            *FAST_CAL,
-            *extra,
+            *cli_helpers.build_args(recipe, src, out, "--work-dir", work, "--dataset", calib_txt, *FAST_CAL, *extra)
         )
         one_error(r, pattern)
         assert not out.exists() and stage_results(work) == []

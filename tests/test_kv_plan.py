@@ -7,7 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from qconv.cli import main
-from qconv.kv.plan import GIB, model_dims, plan_fit, profile_fit_lines, render
+from qconv.kv.fit_text import profile_fit_lines, render
+from qconv.kv.plan import GIB, model_dims, plan_fit
 from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, SourceInfo
 from qconv.recipes import load_recipe
 

@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "plugins" / "vllm"))
 from qconv.kv.kvarn import kvarn  # noqa: E402
 from qconv.kv.packing import bytes_fp16, unpack_bits  # noqa: E402
-from qconv_vllm import kvarn_triton as kt  # noqa: E402  (imports neither vLLM nor qconv)
+from qconv_vllm import kvarn_attention  # noqa: E402  (imports neither vLLM nor qconv)
+from qconv_vllm import kvarn_triton as kt  # noqa: E402
 
 ATTN_TOL = 1e-4
 CASES = [(64, 64, 4, 2), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 2), (256, 64, 4, 2), (256, 128, 4, 4)]
@@ -145,12 +146,12 @@ def test_decode_attention_matches_reference(d, g, kb, vb, hq, hkv, splits):
     # sequences: n_closed 0 with a short sink, partial current tiles at 0, mid and G-1 tokens
     args = _cache([0, 3, 1, 2], [0, g // 2, g - 1, 5], hq, hkv, d, g, kb, vb, seed=d + g)
     args[6][0] = 7  # sequence 0: only 7 sink tokens
-    out = kt.decode_attention(*args, kb, vb, g, d**-0.5, num_splits=splits)
+    out = kvarn_attention.decode_attention(*args, kb, vb, g, d**-0.5, num_splits=splits)
     ref = _reference_attention(*args, kb, vb, g, d**-0.5)
     assert out.shape == ref.shape and out.dtype == torch.float16
     err = float((out.float() - ref).abs().max())
     assert err < ATTN_TOL + 1e-3 * float(ref.abs().max()), err  # fp16 output: half an ulp at |out| ~ 1 is 5e-4
-    out32 = kt.decode_attention(args[0].float(), *args[1:], kb, vb, g, d**-0.5, num_splits=splits)
+    out32 = kvarn_attention.decode_attention(args[0].float(), *args[1:], kb, vb, g, d**-0.5, num_splits=splits)
     assert float((out32 - ref).abs().max()) < ATTN_TOL
 
 
@@ -160,7 +161,7 @@ def test_decode_attention_long_context_many_splits():
     args = _cache([64, 0], [17, 0], 2, 1, d, g, 4, 2, seed=3)
     ref = _reference_attention(*args, 4, 2, g, d**-0.5)
     for splits in (8, 24):
-        out = kt.decode_attention(args[0].float(), *args[1:], 4, 2, g, d**-0.5, num_splits=splits)
+        out = kvarn_attention.decode_attention(args[0].float(), *args[1:], 4, 2, g, d**-0.5, num_splits=splits)
         assert torch.isfinite(out).all()
         assert float((out - ref).abs().max()) < ATTN_TOL
 
@@ -169,7 +170,7 @@ def test_decode_attention_rejects_a_wrong_pool():
     args = list(_cache([1], [3], 2, 1, 64, 64, 4, 2, seed=0))
     args[1] = args[1][..., :-8]
     with pytest.raises(ValueError, match="pool must be uint8"):
-        kt.decode_attention(*args, 4, 2, 64, 0.125)
+        kvarn_attention.decode_attention(*args, 4, 2, 64, 0.125)
 
 
 def _smollm2_kv(smollm2: Path, text: str, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

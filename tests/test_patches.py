@@ -8,7 +8,7 @@ import pytest
 
 from qconv.convert import patches
 from qconv.errors import QconvError
-from tests.cli_helpers import FAST_CAL, run
+from tests.cli_helpers import FAST_CAL, build
 
 
 def test_every_target_matches_the_installed_libraries():
@@ -76,7 +76,7 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
     import torch
 
     from qconv.convert.hfmodel import load_causal_lm
-    from tests.test_quantizer_keys import variant
+    from tests.cli_helpers import recipe_variant
 
     swapped, called = set(), set()
     swap = patches.swap
@@ -98,13 +98,9 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
         return swap(**{n: counting(n, fn) for n, fn in replacements.items()})
 
     monkeypatch.setattr(patches, "swap", counted_swap)
-    r = run(
-        "build",
-        "--recipe",
+    r = build(
         "3090",
-        "--model",
         tiny_qwen3_5,
-        "--out",
         tmp_path / "streamed",
         "--dataset",
         calib_txt,
@@ -114,36 +110,12 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
         "--stream",
     )
     assert r.exit_code == 0, r.output
-    recipe = variant(tmp_path, "awq", quantizer={"algorithm": "awq+gptq"})  # tied, one packed INT8 table
-    r = run(
-        "build",
-        "--recipe",
-        recipe,
-        "--model",
-        tiny_llama,
-        "--out",
-        tmp_path / "tied",
-        "--dataset",
-        calib_txt,
-        "--work-dir",
-        tmp_path / "w2",
-        *FAST_CAL,
-    )
+    recipe = recipe_variant(tmp_path, "awq", quantizer={"algorithm": "awq+gptq"})  # tied, one packed INT8 table
+    r = build(recipe, tiny_llama, tmp_path / "tied", "--dataset", calib_txt, "--work-dir", tmp_path / "w2", *FAST_CAL)
     assert r.exit_code == 0, r.output
     load_causal_lm(tmp_path / "tied")
-    r = run(
-        "build",
-        "--recipe",
-        "cpu",
-        "--model",
-        tiny_llama,
-        "--out",
-        tmp_path / "w8a8",
-        "--dataset",
-        calib_txt,
-        "--work-dir",
-        tmp_path / "w3",
-        *FAST_CAL,
+    r = build(
+        "cpu", tiny_llama, tmp_path / "w8a8", "--dataset", calib_txt, "--work-dir", tmp_path / "w3", *FAST_CAL
     )  # int-quantized: compressed-tensors' naive compressor
     assert r.exit_code == 0, r.output
     expected = set(patches.TARGETS) - ({"pin_memory"} if torch.accelerator.is_available() else set())

@@ -4,25 +4,10 @@ own scheme and the --bpw target: each validated, each shown to reach llmcompress
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import yaml
-from click.testing import CliRunner
 
-FAST_CAL = ["--samples", "8", "--seq-len", "64"]
-
-
-def run(*args):
-    from qconv.cli import main
-
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-
-
-def variant(tmp_path: Path, name: str, **over) -> Path:
-    p = tmp_path / f"{name}.yaml"
-    p.write_text(yaml.safe_dump({"extends": "3090", **over}))
-    return p
+from tests.cli_helpers import SMALL_CAL, build, recipe_variant
 
 
 @pytest.mark.parametrize(
@@ -41,7 +26,7 @@ def test_quantizer_keys_validated(tmp_path, quantizer, expect):
     from qconv.recipes.schema import SchemaError
 
     with pytest.raises(SchemaError, match="(?s)" + expect):
-        load_recipe(str(variant(tmp_path, "bad", quantizer=quantizer)))
+        load_recipe(str(recipe_variant(tmp_path, "bad", quantizer=quantizer)))
 
 
 def test_tied_embeddings_and_scheme_labels_validated(tmp_path):
@@ -49,10 +34,10 @@ def test_tied_embeddings_and_scheme_labels_validated(tmp_path):
     from qconv.recipes.schema import SchemaError
 
     with pytest.raises(SchemaError, match=r"tied_embeddings: bad value 'share'; allowed: 'keep', 'untie'"):
-        load_recipe(str(variant(tmp_path, "t", tied_embeddings="share")))
+        load_recipe(str(recipe_variant(tmp_path, "t", tied_embeddings="share")))
     channel = {"weights": {"bits": 4, "symmetric": True, "strategy": "channel", "group_size": None}}
     with pytest.raises(SchemaError, match=r"schemes\.w4a16_g32: shares the label w4a16"):
-        load_recipe(str(variant(tmp_path, "s", schemes={"w4a16_g32": channel})))
+        load_recipe(str(recipe_variant(tmp_path, "s", schemes={"w4a16_g32": channel})))
 
 
 def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):
@@ -67,7 +52,7 @@ def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):
     config = read_config(tiny_llama)
     for actorder, observer, want in ((None, "minmax", None), ("weight", "mse", ActivationOrdering.WEIGHT)):
         recipe = load_recipe(
-            str(variant(tmp_path, f"a{actorder}", quantizer={"actorder": actorder, "observer": observer}))
+            str(recipe_variant(tmp_path, f"a{actorder}", quantizer={"actorder": actorder, "observer": observer}))
         )
         plan = plan_model(tiny_llama, config, recipe)
         groups, ignore = config_groups(plan.modules, recipe)
@@ -86,7 +71,7 @@ def test_awq_uses_llmcompressor_mappings_and_refuses_unknown(tiny_llama, tmp_pat
     from qconv.recipes.recipe import load_recipe
 
     model = load_causal_lm(tiny_llama)
-    recipe = load_recipe(str(variant(tmp_path, "awq", quantizer={"algorithm": "awq+gptq"})))
+    recipe = load_recipe(str(recipe_variant(tmp_path, "awq", quantizer={"algorithm": "awq+gptq"})))
     awq, gptq = modifiers(model, recipe, {}, [])
     assert type(awq).__name__ == "AWQModifier" and type(gptq).__name__ == "GPTQModifier"
     assert any("post_attention_layernorm" in m.smooth_layer for m in awq.mappings)
@@ -105,17 +90,13 @@ def test_observer_changes_the_weights(tiny_llama, tmp_path, calib_txt):
     packed = {}
     for obs in ("minmax", "mse"):
         out = tmp_path / obs
-        r = run(
-            "build",
-            "--recipe",
-            variant(tmp_path, obs, quantizer={"algorithm": "rtn", "actorder": None, "observer": obs}),
-            "--model",
+        r = build(
+            recipe_variant(tmp_path, obs, quantizer={"algorithm": "rtn", "actorder": None, "observer": obs}),
             tiny_llama,
-            "--out",
             out,
             "--dataset",
             calib_txt,
-            *FAST_CAL,
+            *SMALL_CAL,
             "--no-gates",
         )
         assert r.exit_code == 0, r.output
@@ -145,17 +126,13 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
     for tie in ("keep", "untie"):
         out = outs[tie] = tmp_path / tie
         roles = {"embed": "w4a16_g32", "lm_head": "w8a16"}
-        r = run(
-            "build",
-            "--recipe",
-            variant(tmp_path, tie, tied_embeddings=tie, roles=roles, **common),
-            "--model",
+        r = build(
+            recipe_variant(tmp_path, tie, tied_embeddings=tie, roles=roles, **common),
             tiny_llama,
-            "--out",
             out,
             "--dataset",
             calib_txt,
-            *FAST_CAL,
+            *SMALL_CAL,
             "--no-gates",
             "--int8-budget",
             "0",
@@ -205,37 +182,11 @@ def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
     with pytest.raises(QconvError, match=r"below the recipe's uniform plan"):
         bpw_budget(base - 0.5, plan)
     out = tmp_path / "bpw"
-    r = run(
-        "build",
-        "--recipe",
-        "3090",
-        "--model",
-        tiny_llama,
-        "--out",
-        out,
-        "--dataset",
-        calib_txt,
-        *FAST_CAL,
-        "--no-gates",
-        "--bpw",
-        f"{base + 0.5:.3f}",
-    )
+    r = build("3090", tiny_llama, out, "--dataset", calib_txt, *SMALL_CAL, "--no-gates", "--bpw", f"{base + 0.5:.3f}")
     assert r.exit_code == 0, r.output
     m = json.loads((out / "qconv.json").read_text())
     sel = m["selection"]
     assert sel["budget"].endswith("bpw") and sel["int8_units"] > 0
     assert 0 < sel["spent_bytes"] <= sel["budget_bytes"]
-    r = run(
-        "build",
-        "--recipe",
-        "3090",
-        "--model",
-        tiny_llama,
-        "--out",
-        tmp_path / "x",
-        "--bpw",
-        "5",
-        "--int8-budget",
-        "1MB",
-    )
+    r = build("3090", tiny_llama, tmp_path / "x", "--bpw", "5", "--int8-budget", "1MB")
     assert r.exit_code == 2 and "--bpw and --upgrade-budget" in r.output  # --int8-budget: the same option

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qconv.manifest import read_manifest, verify_files
-from tests.cli_helpers import run
+from tests.cli_helpers import SMALL_CAL, build, run
 from tests.tiny import CORPUS
 
 
@@ -30,23 +30,7 @@ def artifact(real_layout_27b, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("real3090")
     (root / "cal.txt").write_text(CORPUS * 20)
     out = root / "art"
-    r = run(
-        "build",
-        "--recipe",
-        "3090",
-        "--model",
-        real_layout_27b,
-        "--out",
-        out,
-        "--dataset",
-        root / "cal.txt",
-        "--samples",
-        "8",
-        "--seq-len",
-        "64",
-        "--work-dir",
-        root / "work",
-    )
+    r = build("3090", real_layout_27b, out, "--dataset", root / "cal.txt", *SMALL_CAL, "--work-dir", root / "work")
     assert r.exit_code == 0, r.output
     return out
 

@@ -35,7 +35,7 @@ def test_user_variant_relative_base_and_errors(tmp_path):
 
 def test_every_kvarn_preset_is_a_profile_choice():
     from qconv.kv import KV_SCHEME_NAMES
-    from qconv.recipes.recipe import KV_SCHEMES
+    from qconv.recipes.sections import KV_SCHEMES
 
     assert {n for n in KV_SCHEME_NAMES if n.startswith("kvarn_")} <= set(KV_SCHEMES)
 

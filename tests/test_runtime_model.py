@@ -51,24 +51,15 @@ def parity(path, prompt_len: int = 40, steps: int = 32, device: str = "cpu") -> 
 
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory):
-    """qwen2 (q/k/v biases) is not among the shared fixtures; a seeded random one, saved the same way."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """qwen2 (q/k/v biases) is not among the shared fixtures; a seeded random one, saved the same way, with every
+    parameter drawn (make_tiny_model leaves the biases at zero, which would hide a bias bug)."""
+    from transformers import AutoModelForCausalLM
 
-    from tests.tiny import make_tokenizer
+    from tests.tiny import make_tokenizer, tiny_config
 
     tok, out = make_tokenizer(), tmp_path_factory.mktemp("tiny_qwen2")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        Qwen2Config(
-            vocab_size=len(tok),
-            hidden_size=128,
-            intermediate_size=256,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=2,
-            tie_word_embeddings=True,
-        )
-    )
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2", len(tok)))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)

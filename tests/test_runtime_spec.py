@@ -230,7 +230,7 @@ def test_speculator_probes_when_it_drafts_nothing():
 
 
 def test_spec_config_from_the_artifact_block():
-    from qconv.recipes.recipe import Lookup, Speculative
+    from qconv.recipes.sections import Lookup, Speculative
 
     block = Speculative("hybrid", 4, Lookup(max_block=15, ngram_max=4, ngram_min=2))
     sc = SpecConfig.from_manifest(block)

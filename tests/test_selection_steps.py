@@ -13,7 +13,7 @@ from qconv.calibrate.select import Selection, select
 from qconv.calibrate.sensitivity import BASE, Scores
 from qconv.convert.layout import Option, Unit, apply_selection
 from qconv.manifest import ModuleDecision
-from tests.cli_helpers import run
+from tests.cli_helpers import build, run
 
 
 def _unit(name: str, k: int = 256, n: int = 256, int8_refusal: str = "") -> Unit:
@@ -123,13 +123,9 @@ def test_build_with_steps_writes_mixed_groups_and_a_prediction(tiny_llama, tmp_p
 
     out, text_file = tmp_path / "A", tmp_path / "held_out.txt"
     text_file.write_text(CORPUS[::-1] * 30)
-    r = run(
-        "build",
-        "--recipe",
+    r = build(
         _steps_recipe(tmp_path),
-        "--model",
         tiny_llama,
-        "--out",
         out,
         "--dataset",
         calib_txt,

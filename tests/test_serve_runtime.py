@@ -17,7 +17,7 @@ from qconv.cli import main
 from qconv.convert.requires import KV_PREFIX, QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU
 from qconv.errors import QconvError
 from qconv.manifest import RecipeInfo, Requirement, SourceInfo
-from qconv.recipes.recipe import Speculative
+from qconv.recipes.sections import Speculative
 from qconv.serve import runtimes, vllm
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from qconv.cli import main
 from qconv.errors import QconvError
 from qconv.manifest import Requirement
-from qconv.recipes.recipe import Profile, Speculative
 from qconv.recipes.schema import from_dict
+from qconv.recipes.sections import Profile, Speculative
 from qconv.serve import vllm, vllm_probe
 
 

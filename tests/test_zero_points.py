@@ -8,17 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 from click.testing import CliRunner
 
-FAST_CAL = ["--samples", "8", "--seq-len", "64"]
+from tests.cli_helpers import SMALL_CAL, build_args, recipe_variant
+
 ZP64 = {"weights": {"bits": 4, "symmetric": False, "strategy": "group", "group_size": 64}}
-
-
-def variant(tmp_path: Path, name: str, **over) -> Path:
-    p = tmp_path / f"{name}.yaml"
-    p.write_text(yaml.safe_dump({"extends": "3090", **over}))
-    return p
 
 
 @pytest.mark.parametrize(
@@ -41,7 +35,7 @@ def test_symmetric_validated(tmp_path, schemes, expect):
     from qconv.recipes.schema import SchemaError
 
     with pytest.raises(SchemaError, match=expect):
-        load_recipe(str(variant(tmp_path, "bad", schemes=schemes)))
+        load_recipe(str(recipe_variant(tmp_path, "bad", schemes=schemes)))
 
 
 def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
@@ -53,7 +47,9 @@ def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
-    recipe = load_recipe(str(variant(tmp_path, "zp", schemes={"w4a16_zp": ZP64}, roles={"mlp_down": "w4a16_zp"})))
+    recipe = load_recipe(
+        str(recipe_variant(tmp_path, "zp", schemes={"w4a16_zp": ZP64}, roles={"mlp_down": "w4a16_zp"}))
+    )
     plan = plan_model(tiny_llama, read_config(tiny_llama), recipe)
     by_role = {m.role: m for m in plan.modules}
     down, o = by_role["mlp_down"], by_role["attn_o"]
@@ -72,7 +68,7 @@ def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
 def build_zero_point_artifact(tmp_path: Path, tiny_llama: Path, calib_txt: Path) -> Path:
     from qconv.cli import main
 
-    recipe = variant(
+    recipe = recipe_variant(
         tmp_path,
         "zpall",
         schemes={"w4a16": {"weights": {"symmetric": False}}, "w4a16_g64": {"weights": {"symmetric": False}}},
@@ -80,19 +76,7 @@ def build_zero_point_artifact(tmp_path: Path, tiny_llama: Path, calib_txt: Path)
     out = tmp_path / "zp"
     r = CliRunner().invoke(
         main,
-        [
-            "build",
-            "--recipe",
-            str(recipe),
-            "--model",
-            str(tiny_llama),
-            "--out",
-            str(out),
-            "--dataset",
-            str(calib_txt),
-            *FAST_CAL,
-            "--no-gates",
-        ],
+        [*build_args(recipe, tiny_llama, out), "--dataset", str(calib_txt), *SMALL_CAL, "--no-gates"],
         catch_exceptions=False,
     )
     assert r.exit_code == 0, r.output

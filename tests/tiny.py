@@ -47,8 +47,9 @@ def make_tokenizer(vocab_size: int = VOCAB):
     return fast
 
 
-def _config(family: str, vocab: int):
-    from transformers import LlamaConfig, Qwen3_5TextConfig, Qwen3Config
+def tiny_config(family: str, vocab: int):
+    """The tiny transformers config of one family: every family shares the widths, the layer count and the ids."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab,
@@ -63,6 +64,8 @@ def _config(family: str, vocab: int):
     )
     if family == "llama":
         return LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True, **common)
+    if family == "qwen2":  # q/k/v biases
+        return Qwen2Config(num_hidden_layers=2, tie_word_embeddings=True, **common)
     if family == "qwen3":
         return Qwen3Config(num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, **common)
     if family == "qwen3_5":
@@ -116,7 +119,7 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
 
     tok = make_tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(family, len(tok)))
+    model = AutoModelForCausalLM.from_config(tiny_config(family, len(tok)))
     with torch.no_grad():  # seeded, explicit init so every family's weights have the same spread
         for p in model.parameters():
             if p.dim() == 2:

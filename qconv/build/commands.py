@@ -101,7 +101,7 @@ def _promotion_preview(dr, con) -> int:
 
 def _profile_fits(dr, extra: int = 0) -> list[str]:
     """Bytes left on the card per profile (weights + `extra` promoted bytes), from the KV/state planner."""
-    from qconv.kv.plan import profile_fit_lines
+    from qconv.kv.fit_text import profile_fit_lines
 
     roles = dr.plan.bytes_by_role()
     return profile_fit_lines(

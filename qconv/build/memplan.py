@@ -21,8 +21,9 @@ from qconv.convert.device import gptq_block_bytes
 from qconv.convert.layout import Plan
 from qconv.errors import QconvError
 from qconv.kv.plan import CARDS, GIB
-from qconv.recipes.recipe import KEEP, Recipe
+from qconv.recipes.recipe import Recipe
 from qconv.recipes.roles import _LAYER
+from qconv.recipes.sections import KEEP
 
 # CUDA context and the caching allocator's slack, kept off the card's memory before the phases are fitted.
 CUDA_OVERHEAD = GIB

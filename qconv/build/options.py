@@ -9,8 +9,8 @@ from pathlib import Path
 
 from qconv.build.workdir import default_work_dir
 from qconv.convert.layout import Plan
+from qconv.disk import check_out_folder
 from qconv.errors import QconvError
-from qconv.fsutil import check_out_folder
 from qconv.manifest import MANIFEST
 from qconv.paths import qconv_home
 from qconv.recipes.recipe import Recipe, load_recipe

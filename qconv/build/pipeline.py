@@ -28,8 +28,9 @@ from qconv.convert.layout import apply_selection, candidate_units, plan_model
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import resolve_source
+from qconv.disk import check_writable, disk_error
 from qconv.errors import QconvError
-from qconv.fsutil import atomic_dir, check_writable, disk_error, owned_temp_dir, sweep_stale
+from qconv.fsutil import atomic_dir, owned_temp_dir, sweep_stale
 from qconv.manifest import Manifest, RecipeInfo, tool_versions
 from qconv.recipes.recipe import Recipe
 

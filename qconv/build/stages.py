@@ -13,7 +13,8 @@ from qconv.calibrate.sensitivity import Scores
 from qconv.convert.artifact import copy_mtp, copy_side_files, write_index
 from qconv.convert.layout import Plan
 from qconv.convert.sources import ResolvedSource
-from qconv.fsutil import check_space, owned_temp_dir, sha256_file
+from qconv.disk import check_space
+from qconv.fsutil import owned_temp_dir, sha256_file
 from qconv.manifest import CalibrationInfo, SourceInfo
 
 log = logging.getLogger(__name__)

@@ -11,22 +11,20 @@ from pathlib import Path
 
 from qconv.convert.artifact import finalize, write_index
 from qconv.convert.quantized import (
-    Converted,
     QuantFormat,
     check_group_order,
-    copy_model_files,
     detect_format,
     quantization_config,
     quantization_config_of,
-    stream_convert,
-    write_config,
 )
+from qconv.convert.repack import Converted, copy_model_files, stream_convert, write_config
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir
 from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, tool_versions
-from qconv.recipes.recipe import KEEP, Recipe, Speculative
+from qconv.recipes.recipe import Recipe
 from qconv.recipes.roles import role_of
+from qconv.recipes.sections import KEEP, Speculative
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ from qconv.calibrate.units import Option, Unit, module_bytes
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
 from qconv.modelfiles import safetensors_header
-from qconv.recipes.recipe import KEEP, Recipe, Scheme
+from qconv.recipes.recipe import Recipe
 from qconv.recipes.roles import FUSED, family_of, role_of, text_config, unit_of
+from qconv.recipes.sections import KEEP, Scheme
 
 log = logging.getLogger(__name__)
 

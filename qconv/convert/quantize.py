@@ -15,8 +15,9 @@ from qconv.convert.device import LayerClock
 from qconv.convert.stream import MAX_SHARD_SIZE
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
-from qconv.recipes.recipe import KEEP, Recipe
+from qconv.recipes.recipe import Recipe
 from qconv.recipes.roles import _ROLE_PATTERNS
+from qconv.recipes.sections import KEEP
 
 log = logging.getLogger(__name__)
 

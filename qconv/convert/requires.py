@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from qconv.convert.layout import Plan
 from qconv.manifest import KV_PREFIX, QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU, Requirement
-from qconv.recipes.recipe import KEEP, Recipe
+from qconv.recipes.recipe import Recipe
+from qconv.recipes.sections import KEEP
 
 __all__ = [
     "KV_PREFIX",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from qconv.recipes.recipe import Gates, GateTier, Quality, Regression
+from qconv.recipes.quality import Gates, GateTier, Quality, Regression
 
 SECTIONS = ("weights", "weights_kv", "weights_a8")
 TIER_GATES = {"weights": "weights", "weights_kv": "weights_kv", "weights_a8": "weights_kv"}  # runtime quantization

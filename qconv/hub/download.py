@@ -20,8 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from qconv.disk import os_error
 from qconv.errors import QconvError
-from qconv.fsutil import CHUNK, open_nofollow, os_error, sha256_file
+from qconv.fsutil import CHUNK, open_nofollow, sha256_file
 
 log = logging.getLogger(__name__)
 

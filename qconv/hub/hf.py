@@ -16,8 +16,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from qconv.disk import is_disk_error
 from qconv.errors import QconvError
-from qconv.fsutil import CHUNK, is_disk_error, sha256_file
+from qconv.fsutil import CHUNK, sha256_file
 from qconv.hub.cache import hf_cache_dir
 from qconv.hub.download import IntegrityError, Want
 

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from qconv.disk import check_space, is_disk_error, os_error
 from qconv.errors import QconvError
-from qconv.fsutil import check_space, is_disk_error, os_error, refuse_links, sha256_file
+from qconv.fsutil import refuse_links, sha256_file
 from qconv.hub import cache, hf
 from qconv.hub.download import (
     LINK_FIX,

@@ -20,7 +20,8 @@ import click
 def plan(model, card, card_gib, recipe, profile, draft_len):
     """What MODEL_OR_ARTIFACT needs on a card: weights, KV bytes per token per scheme, GDN state, max context and
     concurrent sequences per profile. Exits 2 if a profile does not fit."""
-    from qconv.kv.plan import check_fits, plan_fit, render
+    from qconv.kv.fit_text import check_fits, render
+    from qconv.kv.plan import plan_fit
 
     report = plan_fit(model, card=card, card_gib=card_gib, recipe=recipe, profile=profile, draft_len=draft_len)
     click.echo(render(report))

@@ -8,7 +8,7 @@ from qconv.errors import QconvError
 from qconv.kv.base import KVScheme
 from qconv.kv.baselines import BF16, FP8, IntGroup, kivi
 from qconv.kv.kvarn import kvarn
-from qconv.recipes.recipe import KV_SCHEMES
+from qconv.recipes.sections import KV_SCHEMES
 
 _KVARN = re.compile(r"kvarn_k(\d+)v(\d+)_g(\d+)")
 

@@ -13,7 +13,7 @@ import torch
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
-from qconv.recipes.recipe import Speculative
+from qconv.recipes.sections import Speculative
 from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
 
 SPEC_MODES = ("none", "lookup", "mtp", "hybrid")

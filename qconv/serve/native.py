@@ -11,7 +11,7 @@ from types import EllipsisType
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
 from qconv.modelfiles import read_model_config
-from qconv.recipes.recipe import Speculative
+from qconv.recipes.sections import Speculative
 from qconv.runtime.config import model_dir
 from qconv.runtime.spec import SpecConfig
 

@@ -22,7 +22,8 @@ from types import EllipsisType
 from qconv.artifact import Artifact, choose_profile
 from qconv.errors import QconvError
 from qconv.manifest import MANIFEST, Requirement
-from qconv.recipes.recipe import Profile, Speculative, load_recipe
+from qconv.recipes.recipe import load_recipe
+from qconv.recipes.sections import Profile, Speculative
 
 # Architectures whose decoder mixes Gated-DeltaNet (mamba-style state) with attention: they take
 # --mamba-ssm-cache-dtype, and vLLM's prefix caching is off for them (wrong reuse of recurrent state).

@@ -179,7 +179,7 @@ class KVarNAttentionImpl:
 
     def _decode_cuda(self, stage, pool, m: KVarNMetadata, q):
         """A batch of single-token decodes on CUDA: one split-K Triton kernel over every sequence's cache."""
-        from qconv_vllm.kvarn_triton import decode_attention
+        from qconv_vllm.kvarn_attention import decode_attention
 
         g, dev = self.codec.tile, q.device
         lens = torch.tensor(m.seq_lens, device=dev)

@@ -1,6 +1,7 @@
-"""Triton kernels for the KVarN KV cache: encode full tiles into records, dequantize records, and decode attention
-over sink + quantized tiles + the tile being filled. Pure functions over tensors (no vLLM, no qconv import; constants and layout from kvarn_codec, the torch path), so the
-vLLM backend calls them on CUDA and the tests run them on CPU under TRITON_INTERPRET=1 against qconv.kv.kvarn.
+"""Triton kernels for the KVarN KV cache: encode full tiles into records and dequantize records, with the device
+helpers decode attention (kvarn_attention.py) shares. Pure functions over tensors (no vLLM, no qconv import;
+constants and layout from kvarn_codec, the torch path), so the vLLM backend calls them on CUDA and the tests run them
+on CPU under TRITON_INTERPRET=1 against qconv.kv.kvarn.
 
 Record of one (tile of G tokens, KV head): the byte layout of qconv.kv.kvarn.TileScheme.layout(D) -- fields k_codes
 [D x G codes], k_a [D], k_z [D], k_r [G], v_codes [G x D codes], v_c [D], v_a [G], v_z [G]; fp16 fields as raw bytes,
@@ -8,18 +9,12 @@ codes little-end-first, padded to 8 bytes (never to a power of two). K codes are
 
 - encode_tiles(k, v, k_bits, v_bits, iters=8) -> uint8 [N, record_bytes]; k, v fp16 [N, G, D], natural domain.
 - dequant_tiles(records, D, G, k_bits, v_bits, out_dtype=float32) -> (k, v) [N, G, D] in the NATURAL domain.
-- decode_attention(q, pool, block_table, n_closed, stage_k, stage_v, sink_len, cur_len, k_bits, v_bits, G, scale,
-  num_splits=None) -> [B, Hq, D] in q's dtype: one query per sequence, GQA, split-K over quantized tiles with a
-  log-sum-exp merge. pool uint8 [blocks, Hkv, record_bytes]; tile t (1..n_closed[b]) of sequence b is block
-  block_table[b, t] (so block_table has more than n_closed[b] columns); stage_k/v fp16 [B, 2, Hkv, G, D] hold the
-  exact sink (sink_len[b] tokens) and the tile being filled (cur_len[b] tokens). No host sync (CUDA-graph safe); a
-  sequence of length 0 gives zeros. Splits past n_closed[b] load nothing (the out-of-bounds split-K bug elsewhere).
+- decode_attention: kvarn_attention.py.
 
 Records follow kvarn.py op by op (the rotation is the same torch matmul; IEEE division and sqrt, round-half-even,
 libdevice exp/log on CUDA), but the kernel's sums run in another order than torch's BLAS: a scale can differ by one
-fp16 ulp and, rarely, a code by one step (rates in tests/test_kvarn_triton.py). Decode attention keeps fp32 partials
-(tf32x3 dots on CUDA); the Hadamard matrix is cached per (D, device), so the first call must not be inside a CUDA-graph
-capture.
+fp16 ulp and, rarely, a code by one step (rates in tests/test_kvarn_triton.py). The Hadamard matrix is cached per
+(D, device), so the first call must not be inside a CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -58,7 +53,7 @@ def hadamard(d: int, device: torch.device) -> torch.Tensor:
     return ref.hadamard(d, device)
 
 
-def _check(d: int, g: int, k_bits: int, v_bits: int) -> None:
+def check_shape(d: int, g: int, k_bits: int, v_bits: int) -> None:
     if d not in (64, 128, 256) or g not in (64, 128, 256) or k_bits not in (2, 4, 8) or v_bits not in (2, 4, 8):
         raise ValueError(
             f"KVarN kernels take head_dim and tile in 64/128/256 and 2/4/8-bit codes, "
@@ -66,7 +61,7 @@ def _check(d: int, g: int, k_bits: int, v_bits: int) -> None:
         )
 
 
-def _libdevice() -> bool:
+def use_libdevice() -> bool:
     """Interpret mode has no libdevice; compiled CUDA uses it for correctly rounded exp/log (tl.exp is approximate)."""
     return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
@@ -97,7 +92,7 @@ def _log(x, LIBDEV: tl.constexpr):
 
 
 @triton.jit
-def _unpack(base, rows, cols, ROW: tl.constexpr, BITS: tl.constexpr):
+def unpack_codes(base, rows, cols, ROW: tl.constexpr, BITS: tl.constexpr):
     """Codes [rows, cols] of a row-major [*, ROW] code matrix packed little-end-first at `base`, as float32."""
     f = rows[:, None] * ROW + cols[None, :]
     byte = tl.load(base + f // (8 // BITS)).to(tl.int32)
@@ -202,7 +197,7 @@ def _encode_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, F: tl.constexpr, ITERS: tl.
     )
 
 
-def _field_args(d: int, g: int, k_bits: int, v_bits: int) -> dict:
+def field_args(d: int, g: int, k_bits: int, v_bits: int) -> dict:
     """The kernels' constexpr F: (D, G, k bits, v bits, record bytes, byte offset of each field in storage order)."""
     o, rb = record_fields(d, g, k_bits, v_bits)
     return dict(F=(d, g, k_bits, v_bits, rb, *o.values()))
@@ -212,10 +207,10 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
     """Full tiles k, v fp16 [N, G, D] (natural domain) -> KVarN records uint8 [N, record_bytes]. The rotation is a
     torch matmul, the reference's own op (a [D, D] operand would not fit a Triton program's shared memory at D=256)."""
     n, g, d = k.shape
-    _check(d, g, k_bits, v_bits)
+    check_shape(d, g, k_bits, v_bits)
     if v.shape != k.shape:
         raise ValueError(f"encode_tiles: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    a = _field_args(d, g, k_bits, v_bits)
+    a = field_args(d, g, k_bits, v_bits)
     rec = torch.empty(n, a["F"][4], dtype=torch.uint8, device=k.device)
     if n:
         h = hadamard(d, k.device)
@@ -225,7 +220,7 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
             rec,
             rec.view(torch.float16),
             ITERS=iters,
-            LIBDEV=_libdevice(),
+            LIBDEV=use_libdevice(),
             num_warps=8,
             enable_fp_fusion=False,
             **a,
@@ -243,12 +238,12 @@ def _dequant_kernel(rec_ptr, rec16_ptr, k_ptr, v_ptr, F: tl.constexpr):
     d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
     kt = (
-        _unpack(rec + KC, d, g, G, KB) * tl.load(rec16 + KA // 2 + d).to(tl.float32)[:, None]
+        unpack_codes(rec + KC, d, g, G, KB) * tl.load(rec16 + KA // 2 + d).to(tl.float32)[:, None]
         + tl.load(rec16 + KZ // 2 + d).to(tl.float32)[:, None]
     )
     kt = kt * tl.load(rec16 + KR // 2 + g).to(tl.float32)[None, :]  # [D, G] rotated
     vt = (
-        _unpack(rec + VC, g, d, D, VB) * tl.load(rec16 + VA // 2 + g).to(tl.float32)[:, None]
+        unpack_codes(rec + VC, g, d, D, VB) * tl.load(rec16 + VA // 2 + g).to(tl.float32)[:, None]
         + tl.load(rec16 + VZ // 2 + g).to(tl.float32)[:, None]
     )
     vt = vt * tl.load(rec16 + VCOL // 2 + d).to(tl.float32)[None, :]  # [G, D] rotated
@@ -261,8 +256,8 @@ def dequant_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Records uint8 [N, record_bytes] -> (k, v) [N, G, D] in the natural (un-rotated) domain, like TileScheme.decode;
     natural so the prefill path can concatenate them with the exact fp16 sink and current tile."""
-    _check(D, G, k_bits, v_bits)
-    a = _field_args(D, G, k_bits, v_bits)
+    check_shape(D, G, k_bits, v_bits)
+    a = field_args(D, G, k_bits, v_bits)
     n = records.shape[0]
     if records.shape != (n, a["F"][4]) or records.dtype != torch.uint8:
         raise ValueError(
@@ -275,182 +270,3 @@ def dequant_tiles(
         _dequant_kernel[(n,)](rec, rec.view(torch.float16), k, v, num_warps=8, **a)
     h = hadamard(D, records.device)  # un-rotate with the reference's own op
     return (k @ h).to(out_dtype), (v @ h).to(out_dtype)
-
-
-# ---------------------------------------------------------------- decode attention
-@triton.jit
-def _online(sc, m, den):
-    """Online-softmax step for scores sc [BQ, T]: (new max, rescale of the old sums, probabilities, new den)."""
-    m_new = tl.maximum(m, tl.max(sc, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(sc - m_new[:, None])
-    return m_new, alpha, p, den * alpha + tl.sum(p, 1)
-
-
-@triton.jit
-def _exact_tile(q, k_ptr, v_ptr, n, m, den, acc, scale, D: tl.constexpr, BG: tl.constexpr, PREC: tl.constexpr):
-    """One fp16 tile (sink or tile being filled) with n valid tokens, natural domain, into acc, BG tokens a step."""
-    d = tl.arange(0, D)
-    for j in range(0, tl.cdiv(n, BG)):
-        g = j * BG + tl.arange(0, BG)
-        valid = g < n
-        offs = g[:, None] * D + d[None, :]
-        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        sc = tl.where(valid[None, :], tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
-        m, alpha, p, den = _online(sc, m, den)
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
-    return m, den, acc
-
-
-@triton.jit
-def _decode_kernel(
-    q_ptr,
-    qr_ptr,
-    pool_ptr,
-    pool16_ptr,
-    bt_ptr,
-    nc_ptr,
-    sk_ptr,
-    sv_ptr,
-    sink_ptr,
-    cur_ptr,
-    m_ptr,
-    den_ptr,
-    accn_ptr,
-    accr_ptr,
-    scale,
-    max_blocks,
-    S,
-    TPS,
-    HKV: tl.constexpr,
-    GQ: tl.constexpr,
-    BQ: tl.constexpr,
-    BG: tl.constexpr,
-    PREC: tl.constexpr,
-    F: tl.constexpr,
-):
-    """Program (sequence b, KV head h, split s): the GQ query heads of h over split s's quantized tiles; split 0
-    also takes the exact sink and tile being filled. Writes unnormalized partials (m, den, acc natural, acc rotated).
-    Tiles go BG tokens a step so no dot operand outgrows shared memory (a [256, 128] fp32 one would, at D=256)."""
-    D, G, KB, VB = F[0], F[1], F[2], F[3]  # head_dim, tile, bits; record bytes and field offsets:
-    RB, KC, KA, KZ, KR, VC, VCOL, VA, VZ = F[4], F[5], F[6], F[7], F[8], F[9], F[10], F[11], F[12]
-    b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
-    qi, d = tl.arange(0, BQ), tl.arange(0, D)
-    qmask = qi < GQ
-    qoffs = (b * HKV * GQ + h * GQ + qi)[:, None] * D + d[None, :]
-    q = tl.load(q_ptr + qoffs, mask=qmask[:, None], other=0.0)
-    qr = tl.load(qr_ptr + qoffs, mask=qmask[:, None], other=0.0)
-    m = tl.full([BQ], -1e30, tl.float32)  # finite: a split with no token leaves weight exp(-1e30 - M) = 0
-    den = tl.zeros([BQ], tl.float32)
-    acc_n = tl.zeros([BQ, D], tl.float32)
-    acc_r = tl.zeros([BQ, D], tl.float32)
-    if s == 0:
-        st = ((b * 2) * HKV + h) * G * D
-        m, den, acc_n = _exact_tile(
-            q, sk_ptr + st, sv_ptr + st, tl.load(sink_ptr + b), m, den, acc_n, scale, D, BG, PREC
-        )
-        st += HKV * G * D
-        m, den, acc_n = _exact_tile(
-            q, sk_ptr + st, sv_ptr + st, tl.load(cur_ptr + b), m, den, acc_n, scale, D, BG, PREC
-        )
-    t_lo = 1 + s * TPS
-    t_hi = tl.minimum(t_lo + TPS, tl.load(nc_ptr + b) + 1)  # tiles 1..n_closed only: nothing out of range is read
-    for t in range(t_lo, t_hi):
-        blk = tl.load(bt_ptr + b * max_blocks + t).to(tl.int64)
-        rec, rec16 = pool_ptr + (blk * HKV + h) * RB, pool16_ptr + (blk * HKV + h) * (RB // 2)
-        # K~[t, d] = (code a_d + z_d) r_t, rotated: score_t = r_t (sum_d code (qr_d a_d) + qr . z)
-        qa = qr * tl.load(rec16 + KA // 2 + d).to(tl.float32)[None, :]
-        qz = tl.sum(qr * tl.load(rec16 + KZ // 2 + d).to(tl.float32)[None, :], 1)
-        vc = tl.load(rec16 + VCOL // 2 + d).to(tl.float32)
-        for j in range(0, G // BG):
-            g = j * BG + tl.arange(0, BG)
-            sc = tl.dot(qa, _unpack(rec + KC, d, g, G, KB), input_precision=PREC) + qz[:, None]
-            sc = sc * tl.load(rec16 + KR // 2 + g).to(tl.float32)[None, :] * scale
-            m, alpha, p, den = _online(sc, m, den)
-            # V~[t, d] = (code a_t + z_t) c_d: sum_t p_t V~[t, d] = c_d (sum_t (p_t a_t) code + p . z)
-            pa = p * tl.load(rec16 + VA // 2 + g).to(tl.float32)[None, :]
-            pz = tl.sum(p * tl.load(rec16 + VZ // 2 + g).to(tl.float32)[None, :], 1)
-            pv = tl.dot(pa, _unpack(rec + VC, g, d, D, VB), input_precision=PREC)
-            acc_r = acc_r * alpha[:, None] + (pv + pz[:, None]) * vc[None, :]
-            acc_n = acc_n * alpha[:, None]  # the exact tiles' sum shares the running max (acc_r was 0 before them)
-    row = (b * HKV * GQ + h * GQ + qi) * S + s
-    tl.store(m_ptr + row, m, mask=qmask)
-    tl.store(den_ptr + row, den, mask=qmask)
-    tl.store(accn_ptr + row[:, None] * D + d[None, :], acc_n, mask=qmask[:, None])
-    tl.store(accr_ptr + row[:, None] * D + d[None, :], acc_r, mask=qmask[:, None])
-
-
-def decode_attention(
-    q: torch.Tensor,
-    pool: torch.Tensor,
-    block_table: torch.Tensor,
-    n_closed: torch.Tensor,
-    stage_k: torch.Tensor,
-    stage_v: torch.Tensor,
-    sink_len: torch.Tensor,
-    cur_len: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    G: int,
-    scale: float,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """Attention of one query per sequence over its whole KVarN cache (contract in the module docstring).
-
-    Splits come from block_table's width (a static shape, so no host sync): each takes ceil(width / splits) tiles;
-    partials merge here by log-sum-exp, and the rotated V sum is un-rotated once by H."""
-    bsz, hq, d = q.shape
-    _check(d, G, k_bits, v_bits)
-    hkv = pool.shape[1]
-    a = _field_args(d, G, k_bits, v_bits)
-    if hq % hkv or pool.shape[2] != a["F"][4] or pool.dtype != torch.uint8:
-        raise ValueError(
-            f"decode_attention: pool must be uint8 [blocks, Hkv, {a['F'][4]}] with Hq={hq} a multiple of "
-            f"Hkv, got {pool.dtype} {tuple(pool.shape)}"
-        )
-    if stage_k.shape != (bsz, 2, hkv, G, d) or stage_v.shape != stage_k.shape:
-        raise ValueError(
-            f"decode_attention: stage_k/v must be [{bsz}, 2, {hkv}, {G}, {d}], got "
-            f"{tuple(stage_k.shape)} / {tuple(stage_v.shape)}"
-        )
-    width = block_table.shape[1]
-    splits = num_splits or min(64, max(1, -(-width // 8)))
-    tps = max(1, -(-width // splits))
-    h = hadamard(d, q.device)
-    qf = q.float().contiguous()
-    gq = hq // hkv
-    m = torch.empty(bsz, hq, splits, dtype=torch.float32, device=q.device)
-    den, acc_n, acc_r = torch.empty_like(m), m.new_empty(bsz, hq, splits, d), m.new_empty(bsz, hq, splits, d)
-    pool = pool.contiguous()
-    _decode_kernel[(bsz, hkv, splits)](
-        qf,
-        (qf @ h).contiguous(),
-        pool,
-        pool.view(torch.float16),
-        block_table.to(torch.int32).contiguous(),
-        n_closed.to(torch.int32).contiguous(),
-        stage_k.contiguous(),
-        stage_v.contiguous(),
-        sink_len.to(torch.int32).contiguous(),
-        cur_len.to(torch.int32).contiguous(),
-        m,
-        den,
-        acc_n,
-        acc_r,
-        float(scale),
-        width,
-        splits,
-        tps,
-        HKV=hkv,
-        GQ=gq,
-        BQ=max(16, triton.next_power_of_2(gq)),
-        BG=min(G, 8192 // d),
-        PREC="ieee" if not _libdevice() else "tf32x3",
-        num_warps=8,
-        **a,
-    )
-    w = torch.exp(m - m.amax(-1, keepdim=True))  # [B, Hq, S]; empty splits weigh 0
-    total = (w * den).sum(-1, keepdim=True)
-    acc = (w.unsqueeze(-1) * acc_n).sum(-2) + (w.unsqueeze(-1) * acc_r).sum(-2) @ h
-    return (acc / total.clamp_min(1e-30)).to(q.dtype)

@@ -7,12 +7,15 @@ from pathlib import Path
 import yaml
 from click.testing import CliRunner
 
+from qconv.compute import compute_dtype
+
 REPO = Path(__file__).resolve().parents[1]
 # Calibration small enough for a tiny model. Uniform W4 unless a test asks for INT8: the 3090 recipe's budget `auto`
 # would promote every unit of a tiny model (the card has room to spare); a test's own --upgrade-budget (or its old
 # name --int8-budget, the same option) comes later on the command line and wins.
 FAST_CAL = ["--samples", "16", "--seq-len", "64", "--upgrade-budget", "0"]
 SMALL_CAL = ["--samples", "8", "--seq-len", "64"]  # smaller still, and the recipe's own upgrade budget
+CPU_COMPUTE = str(compute_dtype("cpu")).removeprefix("torch.")  # what eval reports it computed in on this CPU
 
 
 def run(*args):

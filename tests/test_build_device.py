@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qconv.manifest import read_manifest
-from tests.cli_helpers import FAST_CAL, REPO, build, run
+from tests.cli_helpers import CPU_COMPUTE, FAST_CAL, REPO, build, run
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
@@ -93,7 +93,7 @@ def test_device_cpu_build_is_todays_build(tiny_qwen3_5, tmp_path, calib_txt, tex
     m = read_manifest(tmp_path / "dev")
     assert m.build.device == "cpu"
     report = json.loads((tmp_path / "dev" / "report.json").read_text())
-    assert report["forward"] == {"streamed": True, "device": "cpu"}
+    assert report["forward"] == {"streamed": True, "device": "cpu", "compute_dtype": CPU_COMPUTE}
     log = (tmp_path / "w1" / "build.log").read_text()
     n = json.loads((tiny_qwen3_5 / "config.json").read_text())
     n = n.get("text_config", n)["num_hidden_layers"]

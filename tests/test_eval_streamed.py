@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qconv.eval.quality import EvalSettings, Source, measure, safetensors_stats
-from tests.cli_helpers import SMALL_CAL, build, run
+from tests.cli_helpers import CPU_COMPUTE, SMALL_CAL, build, run
 from tests.tiny import CORPUS
 
 STATS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
@@ -49,7 +49,7 @@ def _measure(
         EvalSettings(text=str(text), window=window, max_tokens=max_tokens, kv=kv, stride=window // 2),
         Forward(streamed=streamed, device="cpu"),
     )
-    assert report["forward"] == {"streamed": streamed, "device": "cpu"}
+    assert report["forward"] == {"streamed": streamed, "device": "cpu", "compute_dtype": CPU_COMPUTE}
     return report
 
 

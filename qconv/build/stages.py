@@ -70,10 +70,12 @@ def sensitivity(
     """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions.
     A streamed build (`streamed_from`: the source folder) scores a decoder layer at a time."""
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
+    from qconv.compute import compute_dtype, computing_in
     from qconv.convert.device import key_part, resolve_device
 
     ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
     device = resolve_device(opts.device)
+    dtype = compute_dtype(device)  # float32 on a CPU without native bf16: its bf16 backward is tens of times slower
     key = stage_key(
         "sensitivity",
         src_sha,
@@ -85,6 +87,7 @@ def sensitivity(
             for u in units
         ],
         *key_part(device),
+        str(dtype),
     )
     cached = work.load_json("sensitivity", key)
     if cached:
@@ -93,10 +96,11 @@ def sensitivity(
         from qconv.build.streamed_sensitivity import streamed_proxy_scores
 
         with owned_temp_dir(work.root, "qconv-sensitivity") as spill:
-            scores = streamed_proxy_scores(streamed_from, units, ids, spill, device=device)
+            scores = streamed_proxy_scores(streamed_from, units, ids, spill, device=device, dtype=dtype)
     else:
         fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
-        scores = fn(model_loader(), units, ids)
+        with computing_in(model_loader(), dtype) as model:
+            scores = fn(model, units, ids)
     work.save_json("sensitivity", key, asdict(scores))
     return scores
 

@@ -59,16 +59,22 @@ def _frozen(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def streamed_proxy_scores(
-    path: str | Path, units: list[Unit], ids: list[list[int]], spill: Path, device: str = "cpu"
+    path: str | Path,
+    units: list[Unit],
+    ids: list[list[int]],
+    spill: Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Scores:
-    """proxy_scores for the model at `path` read a layer at a time; the layers' inputs are spilled under `spill`."""
-    sm = StreamedModel.open(path, device)
+    """proxy_scores for the model at `path` read a layer at a time, computing in `dtype`; the layers' inputs are
+    spilled under `spill`."""
+    sm = StreamedModel.open(path, device, dtype=dtype)
     layers = sm.model.get_decoder().layers
     by_layer = members_by_layer(units, len(layers))
     first = {u.w4[0].name for u in units}
     lengths = sorted({len(r) for r in ids})
     extra = {t: {i: _trainable_copy(c) for i, c in sm.layer_inputs(t).items()} for t in lengths}
-    hidden = [sm.embed([r])[0] for r in ids]  # [T, H] bf16 each
+    hidden = [sm.embed([r])[0] for r in ids]  # [T, H] each, in dtype
     saved: list[list[Spilled]] = []
     rows: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     tokens = sum(len(r) for r in ids)

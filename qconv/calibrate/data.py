@@ -150,8 +150,11 @@ def _pack(texts: list[str], tokenizer, samples: int, seq_len: int, seed: int) ->
 def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int) -> list[list[int]]:
     """The model writes its own calibration text from neutral prompts (no data, no network needed).
 
-    Capped at 16 sequences of 256 new tokens: enough for GPTQ's Hessians on a demo, cheap on a CPU."""
+    Capped at 16 sequences of 256 new tokens: enough for GPTQ's Hessians on a demo, cheap on a CPU. Generated in
+    float32 where the device has no native bf16 (qconv.compute)."""
     import torch
+
+    from qconv.compute import compute_dtype, computing_in
 
     n, new = min(samples, 16), min(seq_len, 256)
     prompts = []
@@ -168,7 +171,7 @@ def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int) -> li
     try:
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         torch.manual_seed(seed)
-        with torch.no_grad():
+        with torch.no_grad(), computing_in(model, compute_dtype(model.device.type)):
             out = model.generate(
                 **enc,
                 do_sample=True,

@@ -31,23 +31,28 @@ class Forward:
         return resolve_device(self.device)
 
 
-def fits(num_parameters: int, device: str) -> bool:
-    """Whether a whole bf16 model of this size can be loaded on the device now."""
+def fits(num_parameters: int, device: str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a whole model of this size, computing in `dtype`, can be loaded on the device now."""
     free = free_bytes(device)
-    return not free or 2 * num_parameters <= FIT_FRACTION * free
+    return not free or dtype.itemsize * num_parameters <= FIT_FRACTION * free
 
 
 class LogitSource:
-    """Per-window logits of one model folder (a bf16 source or a compressed-tensors artifact)."""
+    """Per-window logits of one model folder (a bf16 source or a compressed-tensors artifact): its bf16 weights,
+    computed in bf16 where the device does that natively, else in float32 (qconv.compute)."""
 
     def __init__(self, path: str | Path, fwd: Forward, num_parameters: int, what: str):
+        from qconv.compute import compute_dtype
+
         self.path, self.device = Path(path), fwd.resolved_device()
-        self.streamed = fwd.streamed if fwd.streamed is not None else not fits(num_parameters, self.device)
+        self.dtype = compute_dtype(self.device)
+        self.streamed = fwd.streamed if fwd.streamed is not None else not fits(num_parameters, self.device, self.dtype)
         if self.streamed and fwd.streamed is None:
             log.info(
-                "%s (%.1f GB bf16) does not fit in %.1f GB free on %s: layer-streamed forward",
+                "%s (%.1f GB in %s) does not fit in %.1f GB free on %s: layer-streamed forward",
                 what,
-                2 * num_parameters / 1e9,
+                self.dtype.itemsize * num_parameters / 1e9,
+                str(self.dtype).removeprefix("torch."),
                 free_bytes(self.device) / 1e9,
                 self.device,
             )
@@ -77,12 +82,20 @@ class LogitSource:
 
             firsts = [windows.first_scored(i) for i in indices]
             for j, blocks in streamed_logits(
-                self.path, [windows.ids[i] for i in indices], firsts, device=self.device, kv_scheme=kv_scheme
+                self.path,
+                [windows.ids[i] for i in indices],
+                firsts,
+                device=self.device,
+                kv_scheme=kv_scheme,
+                dtype=self.dtype,
             ):
                 yield indices[j], blocks
             return
         if self._model is None:
+            from qconv.compute import upcast
+
             self._model = load_causal_lm(self.path, device=self.device or "auto")
+            upcast(self._model, self.dtype)  # the bf16 weights as loaded (dequantized in bf16), wider arithmetic
         with kv_simulation(self._model, kv_scheme), act8_simulation(self._model, a8_roles):
             for i in indices:
                 yield i, iter([window_logits(self._model, windows.ids[i], windows.first_scored(i))])

@@ -156,8 +156,11 @@ class _Recorder(torch.nn.Module):
         return hidden_states
 
 
-def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], device, where: str) -> None:
-    """Materialize a meta module from a state dict (all of it, nothing else), in bf16 on `device`."""
+def _load(
+    module: torch.nn.Module, tensors: dict[str, torch.Tensor], device, where: str, dtype: torch.dtype = torch.bfloat16
+) -> None:
+    """Materialize a meta module from a state dict (all of it, nothing else) on `device`: its floating tensors as
+    the bf16 model holds them, computed in `dtype` (qconv.compute)."""
     want = set(module.state_dict())
     missing, extra = want - set(tensors), set(tensors) - want
     if missing:
@@ -167,7 +170,10 @@ def _load(module: torch.nn.Module, tensors: dict[str, torch.Tensor], device, whe
             fix="the checkpoint does not match its config.json; re-download or rebuild it",
         )
     sd = {
-        k: tensors[k].to(device=device, dtype=torch.bfloat16 if tensors[k].is_floating_point() else None) for k in want
+        k: tensors[k].to(device=device, dtype=torch.bfloat16).to(dtype)
+        if tensors[k].is_floating_point()
+        else tensors[k].to(device)
+        for k in want
     }
     if extra:
         log.debug("%s: ignoring %d stored tensors the module does not use: %s", where, len(extra), sorted(extra)[:5])
@@ -185,10 +191,13 @@ class StreamedModel:
     ckpt: Checkpoint
     model: torch.nn.Module  # the full model, meta device (rotary buffers real)
     device: torch.device
+    dtype: torch.dtype = torch.bfloat16  # what the layers compute in (the weights are the bf16 model's either way)
     row_block: int = ROW_BLOCK
 
     @classmethod
-    def open(cls, path: str | Path, device: str | torch.device = "cpu") -> StreamedModel:
+    def open(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
+    ) -> StreamedModel:
         import transformers
 
         from qconv.convert.stream import rebuild_meta_buffers
@@ -199,10 +208,10 @@ class StreamedModel:
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config  # the weights come dequantized: build plain bf16 modules
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         rebuild_meta_buffers(model)
         model.eval()
-        return cls(Checkpoint.open(path), model, torch.device(device))
+        return cls(Checkpoint.open(path), model, torch.device(device), dtype)
 
     @property
     def config(self):
@@ -211,7 +220,7 @@ class StreamedModel:
     @contextlib.contextmanager
     def loaded(self, module: torch.nn.Module, where: str):
         """`module` with its weights read from the checkpoint, for the block's duration (then meta again)."""
-        _load(module, self.ckpt.read(self._prefix(module)), self.device, where)
+        _load(module, self.ckpt.read(self._prefix(module)), self.device, where, self.dtype)
         try:
             yield module
         finally:
@@ -225,7 +234,7 @@ class StreamedModel:
 
     @torch.inference_mode()
     def embed(self, windows: list[list[int]]) -> torch.Tensor:
-        """[W, T, H] bf16 on the CPU."""
+        """[W, T, H] in the model's compute dtype, on the CPU."""
         with self.loaded(self.model.get_input_embeddings(), "embedding") as emb:
             return torch.stack([emb(torch.tensor(ids, device=self.device)).cpu() for ids in windows])
 
@@ -236,9 +245,7 @@ class StreamedModel:
         real, seen = dec.layers, {}
         dec.layers = torch.nn.ModuleList([_Recorder(i, seen) for i in range(len(real))])
         try:
-            x = torch.zeros(
-                1, seq_len, self.config.get_text_config().hidden_size, dtype=torch.bfloat16, device=self.device
-            )
+            x = torch.zeros(1, seq_len, self.config.get_text_config().hidden_size, dtype=self.dtype, device=self.device)
             norm = dec.norm
             dec.norm = torch.nn.Identity()
             try:
@@ -271,9 +278,9 @@ class StreamedModel:
         prefix = self._prefix(head)
         if self.ckpt.resolve(prefix) is None:  # tied: the lm_head is the embedding
             prefix = self._prefix(self.model.get_input_embeddings())
-        _load(dec.norm, self.ckpt.read(self._prefix(dec.norm)), self.device, "final norm")
+        _load(dec.norm, self.ckpt.read(self._prefix(dec.norm)), self.device, "final norm", self.dtype)
         try:
-            _load(head, self.ckpt.read(prefix), self.device, "lm_head")
+            _load(head, self.ckpt.read(prefix), self.device, "lm_head", self.dtype)
             yield dec.norm, head
         finally:
             _free(dec.norm)
@@ -295,7 +302,13 @@ class StreamedModel:
 
 
 def streamed_logits(
-    path: str | Path, windows: list[list[int]], firsts: list[int], *, device: str = "cpu", kv_scheme=None
+    path: str | Path,
+    windows: list[list[int]],
+    firsts: list[int],
+    *,
+    device: str = "cpu",
+    kv_scheme=None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Iterator[tuple[int, Iterator[tuple[torch.Tensor, torch.Tensor]]]]:
     """The layer-streamed equivalent of running `reference.window_logits` on each window of a loaded model."""
     from qconv.eval.kvsim import kv_simulation
@@ -306,7 +319,7 @@ def streamed_logits(
             where="--window",
             fix="this is a bug: text.make_windows makes equal windows",
         )
-    sm = StreamedModel.open(path, device)
+    sm = StreamedModel.open(path, device, dtype=dtype)
     with kv_simulation(sm.model, kv_scheme):
         hidden = sm.run_layers(sm.embed(windows))
         yield from sm.window_logits(hidden, windows, firsts)

@@ -191,7 +191,11 @@ def measure(
         "artifact_bytes": nbytes,
         "kv_scheme": kv.name if kv else None,
         "kv_form": kv.form if kv else None,
-        "forward": {"streamed": art.streamed, "device": art.device},
+        "forward": {
+            "streamed": art.streamed,
+            "device": art.device,
+            "compute_dtype": str(art.dtype).removeprefix("torch."),  # bf16 weights; float32 where bf16 is emulated
+        },
         **sections,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
         f"{'cuda ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}",

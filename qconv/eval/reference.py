@@ -128,10 +128,18 @@ def ids_sha256(ids: list[int]) -> str:
 
 
 def reference_key(
-    source_sha256: str, text_sha256: str, window: int, stride: int, storage: str, topk: int | None
+    source_sha256: str,
+    text_sha256: str,
+    window: int,
+    stride: int,
+    storage: str,
+    topk: int | None,
+    compute_dtype: str = "bfloat16",
 ) -> str:
+    """The cache folder's name: every input of the reference logits, the dtype they were computed in included."""
     return sha256_json(
         {
+            **({"compute": compute_dtype} if compute_dtype != "bfloat16" else {}),  # bf16 keeps its older keys
             "source": source_sha256,
             "text": text_sha256,
             "window": window,
@@ -161,7 +169,8 @@ def build_reference(
     cfg = AutoConfig.from_pretrained(source_dir)
     vocab = cfg.get_text_config().vocab_size
     storage, k = choose_storage(vocab, topk)
-    key = reference_key(source_sha256, text_sha256, windows.window, windows.stride, storage, k)
+    compute = str(logit_source.dtype).removeprefix("torch.")
+    key = reference_key(source_sha256, text_sha256, windows.window, windows.stride, storage, k, compute)
     folder = qconv_home() / "reference" / key
     folder.mkdir(parents=True, exist_ok=True)
     write_json_atomic(
@@ -175,6 +184,7 @@ def build_reference(
             "topk": k,
             "vocab_size": vocab,
             "num_parameters": num_parameters,
+            "compute_dtype": compute,
         },
     )
     missing = [i for i, ids in enumerate(windows.ids) if _recorded_ids(folder, i) != ids_sha256(ids)]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from qconv.compute import bf16_native
 from qconv.errors import QconvError
 from qconv.modelfiles import read_model_config
 from qconv.runtime.config import RuntimeConfig, load_config
@@ -110,12 +111,6 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: RuntimeConfig, dty
     if pending:
         raise QconvError(f"checkpoint has incomplete fused projections: {sorted(pending)[:3]}")
     return sd
-
-
-def bf16_native() -> bool:
-    """This CPU computes bf16 natively (oneDNN's bf16 path: AVX512-BW/VL/DQ, AVX-NE-CONVERT, AMX). Elsewhere (an
-    AVX2-only CPU) torch emulates bf16 and the float32 dequantized path decodes faster (docs/BENCHMARKS.md)."""
-    return packing_available(torch.device("cpu"), torch.bfloat16)
 
 
 def runtime_dtype(path, dequantize: bool = False, requested: str | None = None) -> torch.dtype:

@@ -1,0 +1,64 @@
+"""The dtype model arithmetic runs in: bf16 where the hardware computes it, float32 where torch would emulate it.
+
+On an AVX2-only CPU torch has no native bf16 path: a bf16 forward is several times slower than float32, and a
+bf16 backward tens of times (docs/BENCHMARKS.md, "Compute dtype"). The build's sensitivity, its self-generated
+calibration and the evaluation's forwards therefore run such a CPU's bf16 weights in float32: the weights are the
+same numbers (bf16 -> float32 is exact), only the arithmetic is wider."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def bf16_native(device: str = "cpu") -> bool:
+    """This device computes bf16 natively: a CUDA GPU, or a CPU with oneDNN's bf16 path (AVX512-BW/VL/DQ,
+    AVX-NE-CONVERT, AMX)."""
+    if str(device).startswith("cuda"):
+        return True
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def compute_dtype(device: str = "cpu") -> torch.dtype:
+    """bf16 where `device` computes it natively, else float32."""
+    return torch.bfloat16 if bf16_native(device) else torch.float32
+
+
+def _half_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.dtype in HALF and t.device.type != "meta":
+            yield t
+
+
+def upcast(model: torch.nn.Module, dtype: torch.dtype) -> dict[int, torch.dtype]:
+    """Run `model`'s half-precision parameters and buffers in `dtype` from now on (nothing when `dtype` is a half
+    type); returns what each changed tensor was, for `restore`. Float32 buffers (rotary frequencies) stay as
+    they are, which `model.to(dtype)` would not guarantee."""
+    was: dict[int, torch.dtype] = {}
+    if dtype in HALF:
+        return was
+    for t in _half_tensors(model):
+        was[id(t)] = t.dtype
+        t.data = t.data.to(dtype)
+    return was
+
+
+def restore(model: torch.nn.Module, was: dict[int, torch.dtype]) -> None:
+    """Undo `upcast` (exact: a half value survives the round trip through float32)."""
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in was:
+            t.data = t.data.to(was[id(t)])
+
+
+@contextmanager
+def computing_in(model: torch.nn.Module, dtype: torch.dtype):
+    """`model` runs in `dtype` for the block, in its own dtypes again after it."""
+    was = upcast(model, dtype)
+    try:
+        yield model
+    finally:
+        restore(model, was)

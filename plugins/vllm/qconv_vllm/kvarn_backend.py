@@ -269,20 +269,28 @@ class KVarNAttentionImpl:
         vals = torch.cat([x.float() for x in parts_v], 1)
         kpos, kkind = torch.cat(pos), torch.cat(kind)
         tile_end = (kpos // g + 1) * g - 1  # position at which each key's tile closes
-        hk, grp = self.num_kv_heads, self.num_heads // self.num_kv_heads
         out = torch.empty(q.shape[0], self.num_heads, self.head_size, dtype=torch.float32, device=dev)
         for c0 in range(0, q.shape[0], QUERY_CHUNK):
             qc = q[c0 : c0 + QUERY_CHUNK].float()
-            qpos = torch.arange(start + c0, start + c0 + qc.shape[0], device=dev)[:, None]
-            closed_by_q = tile_end[None, :] <= qpos
-            seen = (kpos[None, :] <= qpos) & (
-                (kkind[None, :] == 0) | ((kkind[None, :] == 1) & closed_by_q) | ((kkind[None, :] == 2) & ~closed_by_q)
+            t = qc.shape[0]
+            lo, hi = start + c0, start + c0 + t - 1
+            # only the keys some query of the chunk reads: causal, a record once its tile closed by `hi`, an fp16
+            # copy while its tile is still open at `lo`
+            need = (kpos <= hi) & ((kkind == 0) | ((kkind == 1) & (tile_end <= hi)) | ((kkind == 2) & (tile_end > lo)))
+            idx = need.nonzero().squeeze(1)
+            kp, kk, te = kpos[idx][None, :], kkind[idx][None, :], tile_end[idx][None, :]
+            qpos = torch.arange(lo, hi + 1, device=dev)[:, None]
+            closed_by_q = te <= qpos
+            seen = (kp <= qpos) & ((kk == 0) | ((kk == 1) & closed_by_q) | ((kk == 2) & ~closed_by_q))
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qc.transpose(0, 1).unsqueeze(0),  # [1, heads, T, D]
+                keys[None, :, idx],
+                vals[None, :, idx],
+                attn_mask=seen,
+                scale=self.scale,
+                enable_gqa=True,
             )
-            qh = qc.view(-1, hk, grp, self.head_size).permute(1, 2, 0, 3)  # [hk, grp, T, D]
-            s = torch.matmul(qh, keys.unsqueeze(1).transpose(-1, -2)) * self.scale  # [hk, grp, T, S]
-            s = s.masked_fill(~seen, float("-inf")).softmax(-1)
-            o = torch.matmul(s, vals.unsqueeze(1))  # [hk, grp, T, D]
-            out[c0 : c0 + qc.shape[0]] = o.permute(2, 0, 1, 3).reshape(qc.shape[0], self.num_heads, self.head_size)
+            out[c0 : c0 + t] = o[0].transpose(0, 1)
         return out
 
 

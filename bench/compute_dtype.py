@@ -29,6 +29,14 @@ def timed(fn, repeats: int) -> float:
     return best
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=str(DEFAULT_MODEL))
@@ -56,7 +64,7 @@ def main() -> None:
             out[f"{name}_forward_backward_s"] = round(timed(backward, a.repeats), 3)
     out["forward_ratio"] = round(out["bf16_forward_s"] / out["fp32_forward_s"], 2)
     out["forward_backward_ratio"] = round(out["bf16_forward_backward_s"] / out["fp32_forward_backward_s"], 2)
-    out["machine"] = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    out["machine"] = f"{cpu_name()}, {torch.get_num_threads()} threads"
     print(json.dumps(out))
 
 

@@ -37,6 +37,17 @@ def fits(num_parameters: int, device: str, dtype: torch.dtype = torch.bfloat16) 
     return not free or dtype.itemsize * num_parameters <= FIT_FRACTION * free
 
 
+def load_for_eval(path: str | Path, device: str):
+    """The whole model as evaluation runs it: its bf16 weights as transformers loads them (an artifact dequantized
+    in bf16), computing in bf16 where `device` does so natively, else in float32 (qconv.compute)."""
+    from qconv.compute import compute_dtype, upcast
+    from qconv.convert.hfmodel import load_causal_lm
+
+    model = load_causal_lm(path, device=device)
+    upcast(model, compute_dtype(device))
+    return model
+
+
 class LogitSource:
     """Per-window logits of one model folder (a bf16 source or a compressed-tensors artifact): its bf16 weights,
     computed in bf16 where the device does that natively, else in float32 (qconv.compute)."""
@@ -64,7 +75,6 @@ class LogitSource:
         """For each window i: (i, its row blocks in order), a block being (logits [n, V] float32 of positions the
         window scores, the tokens they predict). Consume a window's blocks before asking for the next window.
         `a8_roles`: those roles' linears take int8 per-token inputs (actsim.py; whole-model forward only)."""
-        from qconv.convert.hfmodel import load_causal_lm
         from qconv.eval.actsim import act8_simulation
         from qconv.eval.kvsim import kv_simulation
         from qconv.eval.reference import window_logits
@@ -92,10 +102,7 @@ class LogitSource:
                 yield indices[j], blocks
             return
         if self._model is None:
-            from qconv.compute import upcast
-
-            self._model = load_causal_lm(self.path, device=self.device or "auto")
-            upcast(self._model, self.dtype)  # the bf16 weights as loaded (dequantized in bf16), wider arithmetic
+            self._model = load_for_eval(self.path, self.device)
         with kv_simulation(self._model, kv_scheme), act8_simulation(self._model, a8_roles):
             for i in indices:
                 yield i, iter([window_logits(self._model, windows.ids[i], windows.first_scored(i))])

@@ -77,10 +77,11 @@ def _lm(path: Path, batch_size: int):
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
-    from qconv.convert.hfmodel import load_causal_lm
+    from qconv.convert.device import resolve_device
+    from qconv.eval.forward import load_for_eval
 
     return HFLM(
-        pretrained=load_causal_lm(path, device="auto"),
+        pretrained=load_for_eval(path, resolve_device("auto")),
         tokenizer=AutoTokenizer.from_pretrained(path),
         batch_size=batch_size,
     ), None

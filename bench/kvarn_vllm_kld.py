@@ -35,8 +35,9 @@ def windows(art: str, text: str, n_tokens: int, window: int) -> list[list[int]]:
     return [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
-def score(art: str, kv: str, wins: list[list[int]]) -> torch.Tensor:
-    """log-probs [positions, vocab] (float32) of every window position but the last, under KV cache `kv`."""
+def score(art: str, kv: str, wins: list[list[int]], dtype: str = "auto") -> torch.Tensor:
+    """log-probs [positions, vocab] (float32) of every window position but the last, under KV cache `kv`, vLLM
+    computing in `dtype` (its --dtype)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -44,6 +45,7 @@ def score(art: str, kv: str, wins: list[list[int]]) -> torch.Tensor:
     llm = LLM(
         model=art,
         kv_cache_dtype=kv,
+        dtype=dtype,
         enforce_eager=True,
         enable_prefix_caching=False,
         max_num_seqs=1,
@@ -75,16 +77,22 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--qconv", default=os.environ.get("QCONV"), help="qconv's python, to run `qconv eval` too")
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM's activation dtype (auto: the checkpoint's bf16; float32: its reference cache is then float32 too)",
+    )
     a = ap.parse_args()
     t0 = time.time()
     wins = windows(a.artifact, a.text, a.tokens, a.window)
-    ref, kvq = score(a.artifact, "auto", wins), score(a.artifact, a.kv, wins)
+    ref, kvq = score(a.artifact, "auto", wins, a.dtype), score(a.artifact, a.kv, wins, a.dtype)
     kld = (ref.exp() * (ref - kvq)).sum(-1)
     res = {
         "artifact": a.artifact,
         "kv": a.kv,
         "tokens": len(wins) * a.window,
         "window": a.window,
+        "vllm_dtype": a.dtype,
         "vllm_kld_added": round(float(kld.mean()), 5),
         "vllm_top1": round(float((ref.argmax(-1) == kvq.argmax(-1)).float().mean()), 4),
     }
@@ -120,6 +128,7 @@ def main() -> None:
         rep = json.loads(r.stdout)
         res["qconv_eval_kld_added"] = round(rep["weights_kv"]["kld_mean"], 5)
         res["qconv_eval_weights_kld"] = round(rep["weights"]["kld_mean"], 5)
+        res["qconv_eval_compute_dtype"] = rep["forward"]["compute_dtype"]
         res["ratio"] = round(res["vllm_kld_added"] / res["qconv_eval_kld_added"], 3)
     res["wall_s"] = round(time.time() - t0, 1)
     print(json.dumps(res))

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from qconv import compute
-from tests.cli_helpers import run
+from tests.cli_helpers import SMALL_CAL, run
 
 
 class _Tiny(torch.nn.Module):
@@ -65,10 +65,7 @@ def test_build_sensitivity_computes_in_compute_dtype_and_gptq_in_bf16(
         out,
         "--dataset",
         calib_txt,
-        "--samples",
-        "8",
-        "--seq-len",
-        "64",
+        *SMALL_CAL,
         "--upgrade-budget",
         "8%",
         "--no-gates",

@@ -37,14 +37,14 @@ def fits(num_parameters: int, device: str, dtype: torch.dtype = torch.bfloat16) 
     return not free or dtype.itemsize * num_parameters <= FIT_FRACTION * free
 
 
-def load_for_eval(path: str | Path, device: str):
+def load_for_eval(path: str | Path, device: str, dtype: torch.dtype | None = None):
     """The whole model as evaluation runs it: its bf16 weights as transformers loads them (an artifact dequantized
-    in bf16), computing in bf16 where `device` does so natively, else in float32 (qconv.compute)."""
+    in bf16), computing in `dtype` (default: bf16 where `device` does so natively, else float32; qconv.compute)."""
     from qconv.compute import compute_dtype, upcast
     from qconv.convert.hfmodel import load_causal_lm
 
     model = load_causal_lm(path, device=device)
-    upcast(model, compute_dtype(device))
+    upcast(model, dtype or compute_dtype(device))
     return model
 
 
@@ -102,7 +102,7 @@ class LogitSource:
                 yield indices[j], blocks
             return
         if self._model is None:
-            self._model = load_for_eval(self.path, self.device)
+            self._model = load_for_eval(self.path, self.device, self.dtype)  # the dtype the report states
         with kv_simulation(self._model, kv_scheme), act8_simulation(self._model, a8_roles):
             for i in indices:
                 yield i, iter([window_logits(self._model, windows.ids[i], windows.first_scored(i))])

@@ -8,6 +8,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from qconv.compute import dtype_name
 from qconv.errors import QconvError
 from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
 from qconv.runtime.spec import SpecConfig
@@ -143,7 +144,7 @@ def run_bench(
     report = {
         "workload": workload,
         "model": str(path),
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "prompts": len(ids),
         "max_tokens": cfg.max_tokens,
         "spec": sc.method,

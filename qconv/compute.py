@@ -28,6 +28,11 @@ def compute_dtype(device: str = "cpu") -> torch.dtype:
     return torch.bfloat16 if bf16_native(device) else torch.float32
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """ "bfloat16" for torch.bfloat16: the spelling config.json, our records and the CLI use."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _half_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
     for t in [*model.parameters(), *model.buffers()]:
         if t.dtype in HALF and t.device.type != "meta":

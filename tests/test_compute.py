@@ -77,3 +77,21 @@ def test_build_sensitivity_computes_in_compute_dtype_and_gptq_in_bf16(
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         scales = {f.get_slice(k).get_dtype() for k in f.keys() if k.endswith("weight_scale")}
     assert scales == {"BF16"}
+
+
+def test_in_memory_or_streamed_counts_the_compute_dtype(monkeypatch):
+    """A whole-model build computes its bf16 weights in place in the compute dtype (sensitivity, self-generated
+    calibration, the quality forward): on a CPU without native bf16 they take twice the bytes, so a model that fits
+    in bf16 but not in float32 is streamed there."""
+    from qconv.build.options import BuildOptions, use_streaming
+    from qconv.convert import stream
+    from qconv.convert.layout import Plan
+
+    monkeypatch.setattr(stream, "available_ram", lambda: 20 * 10**9)
+    plan = Plan(family="llama", modules=[], other_bytes=0, source_bytes=6 * 10**9)  # 6 GB: 12 GB in float32
+    cpu = BuildOptions(recipe="3090", model="m", out="o", device="cpu")
+    monkeypatch.setattr(compute, "bf16_native", lambda device="cpu": True)
+    assert not use_streaming(cpu, plan)
+    monkeypatch.setattr(compute, "bf16_native", lambda device="cpu": False)
+    assert use_streaming(cpu, plan)
+    assert not use_streaming(BuildOptions(recipe="3090", model="m", out="o", device="cpu", stream=False), plan)

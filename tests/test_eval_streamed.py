@@ -161,18 +161,40 @@ def test_smollm2_3090_streamed_equals_whole(smollm2_3090, smollm2, shared_data, 
 
 def test_large_matrices_dequantize_in_row_blocks_to_the_same_bits(built, monkeypatch):
     """A big INT8 lm_head / W4 projection is dequantized a block of rows at a time (bounded temporaries); the
-    result equals compressed-tensors' whole-matrix dequantization bit for bit."""
+    result equals the whole-matrix dequantization bit for bit."""
     import torch
 
+    import qconv.convert.dequant as dequant
     import qconv.eval.layerwise as layerwise
 
     _, art = built("qwen3_5")
     ckpt = layerwise.Checkpoint.open(art)
     prefixes = ["lm_head.", "model.embed_tokens.", "model.layers.0.", "model.layers.1."]
     whole = {p: ckpt.read(p) for p in prefixes}
-    monkeypatch.setattr(layerwise, "DEQUANT_BLOCK_ROWS", 48)  # several blocks for every matrix here
+    monkeypatch.setattr(dequant, "BLOCK_ROWS", 48)  # several blocks for every matrix here
     for p in prefixes:
         got = ckpt.read(p)
         assert set(got) == set(whole[p]) and any(t.dim() == 2 and t.shape[0] > 48 for t in got.values())
         for k, t in whole[p].items():
             assert t.dtype == got[k].dtype and torch.equal(t, got[k]), (p, k)
+
+
+def test_one_dequantizer_equals_compressed_tensors_own(built):
+    """qconv.convert.dequant (the runtime's and the streamed eval's one dequantizer) gives compressed-tensors'
+    model-free dequantizer's bits for every module of an artifact with W4, INT8 and a quantized embedding."""
+    import torch
+    from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    from qconv.convert.dequant import dequantize_tensors
+    from qconv.modelfiles import read_model_config
+
+    _, art = built("qwen3_5")
+    raw = {}
+    for f in sorted(art.glob("*.safetensors")):
+        raw.update(load_file(f))
+    ours = dequantize_tensors(read_model_config(art)["quantization_config"], dict(raw), torch.bfloat16)
+    theirs = CompressedTensorsDequantizer(str(art), dtype=torch.bfloat16).process(dict(raw))
+    assert any(k.endswith("weight_packed") for k in raw) and set(ours) == set(theirs)
+    for k, t in theirs.items():
+        assert ours[k].dtype == t.dtype and torch.equal(ours[k], t), k

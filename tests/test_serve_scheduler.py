@@ -84,3 +84,44 @@ def test_queue_bound_and_limits(tiny_qwen3):
         sched.submit(mk())
     with pytest.raises(ValueError, match="> 32"):
         sched.submit(mk(40))
+
+
+def test_generate_and_serve_run_one_decode_loop(tiny_qwen3, monkeypatch):
+    """`qconv generate` and `qconv serve` drive the same engine loop (runtime/batch.py): every forward of either goes
+    through it, and a seeded, speculative, sampled request gives the same tokens on both."""
+    import qconv.runtime.batch as batch
+    from qconv.runtime.generate import GenerationConfig, generate_tokens
+    from qconv.runtime.loader import load_model, load_tokenizer
+
+    model, tok = load_model(tiny_qwen3), load_tokenizer(tiny_qwen3)
+    calls = {"model": 0, "loop": 0}
+
+    class Counted:
+        def __init__(self, m):
+            self.m, self.config, self.device = m, m.config, m.device
+
+        def new_cache(self, *a, **kw):
+            return self.m.new_cache(*a, **kw)
+
+        def __call__(self, *a, **kw):
+            calls["model"] += 1
+            return self.m(*a, **kw)
+
+    real = batch._forward
+
+    def loop_forward(*a, **kw):
+        calls["loop"] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(batch, "_forward", loop_forward)
+    sp, spec = SamplingParams(temperature=0.9, top_p=0.95), SpecConfig("lookup", max_block=3)
+    ids = tok(PROMPTS[0]).input_ids
+    alone = list(generate_tokens(Counted(model), ids, GenerationConfig(24, sp, seed=11, spec=spec)))
+    sched = Scheduler(Counted(model), tok, max_batch=2, max_len=256, spec=spec).start()
+    try:
+        req = GenRequest(ids, 24, None, sp, seed=11)
+        submit_and_wait(sched, [req], timeout=300)
+    finally:
+        sched.stop()
+    assert calls["model"] == calls["loop"] > 2
+    assert req.out_ids == alone

@@ -61,9 +61,15 @@ def work_root(opts: BuildOptions, src_id: str) -> Path:
 
 
 def use_streaming(opts: BuildOptions, plan: Plan) -> bool:
+    from qconv.compute import compute_dtype
+    from qconv.convert.device import resolve_device
     from qconv.convert.stream import should_stream
 
-    stream = opts.stream if opts.stream is not None else should_stream(plan.source_bytes)
+    if opts.stream is None:
+        device = "cuda" if opts.device == "cuda" else resolve_device(opts.device)  # a missing GPU is refused later
+        stream = should_stream(plan.source_bytes, compute_dtype(device))
+    else:
+        stream = opts.stream
     if stream and (plan.untie_embeddings or plan.tied_embeddings):
         if opts.stream:
             raise QconvError(

@@ -7,10 +7,15 @@ import logging
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qconv import progress
+from qconv.compute import dtype_name
 from qconv.convert import patches
 from qconv.memory import available_ram, pin_mmap_threshold
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +34,19 @@ SPILL_MIN_BYTES = 1 << 20
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def should_stream(source_bytes: int) -> bool:
+def should_stream(source_bytes: int, compute: torch.dtype | None = None) -> bool:
+    """Whether the whole model would take more than STREAM_FRACTION of free RAM in the dtype its whole-model stages
+    compute in (qconv.compute: its bf16 weights become float32, twice the bytes, on a CPU without native bf16)."""
+    import torch
+
+    compute = compute or torch.bfloat16
+    held = source_bytes * compute.itemsize // 2
     ram = available_ram()
-    if ram and source_bytes > STREAM_FRACTION * ram:
+    if ram and held > STREAM_FRACTION * ram:
         log.info(
-            "model (%.1f GB bf16) exceeds %.0f%% of free RAM (%.1f GB): streaming the build layer by layer",
-            source_bytes / 1e9,
+            "model (%.1f GB in %s) exceeds %.0f%% of free RAM (%.1f GB): streaming the build layer by layer",
+            held / 1e9,
+            dtype_name(compute),
             100 * STREAM_FRACTION,
             ram / 1e9,
         )
@@ -112,7 +124,7 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
                 {
                     "safetensors_file": str(files[full]),
                     "weight_name": full,
-                    "dtype": str(p.dtype).removeprefix("torch."),
+                    "dtype": dtype_name(p.dtype),
                 },
                 offload_dir,
             )

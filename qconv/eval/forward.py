@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from qconv.compute import dtype_name
 from qconv.convert.device import free_bytes, resolve_device
 from qconv.errors import QconvError
 
@@ -63,7 +64,7 @@ class LogitSource:
                 "%s (%.1f GB in %s) does not fit in %.1f GB free on %s: layer-streamed forward",
                 what,
                 self.dtype.itemsize * num_parameters / 1e9,
-                str(self.dtype).removeprefix("torch."),
+                dtype_name(self.dtype),
                 free_bytes(self.device) / 1e9,
                 self.device,
             )

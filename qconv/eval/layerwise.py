@@ -2,7 +2,7 @@
 
 The model is built on the meta device from its config (transformers' own classes: llama, qwen3, the qwen3_5 hybrid
 with its Gated-DeltaNet layers). Then, reading tensors from safetensors as they are needed (an artifact's
-compressed-tensors weights dequantized by compressed-tensors' own model-free dequantizer):
+compressed-tensors weights dequantized model-free by qconv.convert.dequant):
 1. the embedding turns every window into hidden states (kept on the CPU, bf16), then is dropped;
 2. each decoder layer in turn is loaded onto the device, every window is pushed through it, and it is dropped;
 3. the final norm and the lm_head score the windows, `row_block` positions at a time.
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from qconv.convert.dequant import dequantize_tensors
 from qconv.errors import QconvError
 from qconv.modelfiles import read_model_config
 
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 # checkpoint keeps the language model under model.language_model.*, which Qwen3_5ForCausalLM calls model.*.
 PREFIX_ALIASES = (("model.", "model.language_model."),)
 ROW_BLOCK = 512
-DEQUANT_BLOCK_ROWS = 8192
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Checkpoint:
 
     path: Path
     files: dict[str, Path]  # tensor name -> the shard that holds it
-    dequantizer: object | None = None
+    quantization: dict | None = None  # config.json's quantization_config, when compressed-tensors
     _prefix_map: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -57,19 +57,7 @@ class Checkpoint:
                 fix="layer streaming reads safetensors shards; convert the checkpoint first",
             )
         qcfg = read_model_config(path).get("quantization_config") or {}
-        deq = None
-        if qcfg.get("quant_method") == "compressed-tensors":
-            from compressed_tensors.config import CompressionFormat
-            from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
-
-            deq = CompressedTensorsDequantizer(str(path), dtype=torch.bfloat16)
-            # It infers each group's format as a Linear's would be (pack-quantized for any int scheme); artifacts
-            # built before INT8 groups were pack-quantized record int-quantized: use the format the artifact records.
-            for name, scheme in deq.quant_config.config_groups.items():
-                recorded = (qcfg.get("config_groups", {}).get(name) or {}).get("format")
-                if recorded:
-                    scheme.format = CompressionFormat(recorded)
-        return cls(path, files, deq)
+        return cls(path, files, qcfg if qcfg.get("quant_method") == "compressed-tensors" else None)
 
     def resolve(self, prefix: str) -> str | None:
         """The checkpoint's spelling of a module prefix ('model.layers.3.'), or None when nothing is stored there."""
@@ -99,44 +87,9 @@ class Checkpoint:
         for shard in sorted({self.files[n] for n in names}):
             with safe_open(str(shard), framework="pt") as f:
                 out.update({n: f.get_tensor(n) for n in names if self.files[n] == shard})
-        if self.dequantizer is not None:
-            out = self._dequantize(out)
+        if self.quantization is not None:
+            out = dequantize_tensors(self.quantization, out, torch.bfloat16, where=str(self.path))
         return {n[len(p) :]: t for n, t in out.items()}
-
-    def _dequantize(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """compressed-tensors' dequantizer, a block of rows at a time for a large matrix: it holds about twice the
-        bf16 result in temporaries (5 GB for a 248,320 x 5,120 INT8 lm_head); the rows of a group- or
-        channel-quantized weight dequantize independently."""
-        by_module: dict[str, dict[str, torch.Tensor]] = {}
-        for n, t in tensors.items():
-            mod, _, local = n.rpartition(".")
-            by_module.setdefault(mod, {})[local] = t
-        out = {}
-        for mod, local in by_module.items():
-            stored = local.get("weight_packed", local.get("weight"))
-            rows = stored.shape[0] if stored is not None and stored.dim() == 2 else 0
-            if (
-                rows <= DEQUANT_BLOCK_ROWS
-                or "weight_scale" not in local
-                or any(t.dim() == 2 and t.shape[0] != rows for t in local.values())
-            ):
-                out.update(self.dequantizer.process({f"{mod}.{k}": t for k, t in local.items()}))
-                continue
-            weight = None
-            for a in range(0, rows, DEQUANT_BLOCK_ROWS):
-                part = {f"{mod}.{k}": (t[a : a + DEQUANT_BLOCK_ROWS] if t.dim() == 2 else t) for k, t in local.items()}
-                if "weight_shape" in local:
-                    part[f"{mod}.weight_shape"] = torch.tensor(
-                        [min(DEQUANT_BLOCK_ROWS, rows - a), int(local["weight_shape"][1])]
-                    )
-                block = self.dequantizer.process(part)
-                w = block.pop(f"{mod}.weight")
-                if weight is None:
-                    weight = torch.empty(rows, w.shape[1], dtype=w.dtype)
-                    out.update(block)  # anything else the module stores (bias), once
-                weight[a : a + len(w)] = w
-            out[f"{mod}.weight"] = weight
-        return out
 
 
 def layer_output(out) -> torch.Tensor:

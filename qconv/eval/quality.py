@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qconv.compute import dtype_name
 from qconv.errors import QconvError
 from qconv.eval.forward import Forward, LogitSource
 from qconv.eval.kvsim import get_scheme
@@ -194,7 +195,7 @@ def measure(
         "forward": {
             "streamed": art.streamed,
             "device": art.device,
-            "compute_dtype": str(art.dtype).removeprefix("torch."),  # bf16 weights; float32 where bf16 is emulated
+            "compute_dtype": dtype_name(art.dtype),  # bf16 weights; float32 where bf16 is emulated
         },
         **sections,
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from qconv.compute import dtype_name
 from qconv.errors import QconvError
 from qconv.fsutil import sha256_json, write_json_atomic
 from qconv.paths import qconv_home
@@ -169,7 +170,7 @@ def build_reference(
     cfg = AutoConfig.from_pretrained(source_dir)
     vocab = cfg.get_text_config().vocab_size
     storage, k = choose_storage(vocab, topk)
-    compute = str(logit_source.dtype).removeprefix("torch.")
+    compute = dtype_name(logit_source.dtype)
     key = reference_key(source_sha256, text_sha256, windows.window, windows.stride, storage, k, compute)
     folder = qconv_home() / "reference" / key
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""Single-request generation: prefill, then per step draft -> verify all k+1 positions in one forward -> roll the
-cache back to the accepted length (spec.py drafts and verifies); counts forwards and acceptance per draft position."""
+"""Single-request generation: batch.py's prefill and decode steps on one row (per step draft -> verify all k+1
+positions in one forward -> roll the cache back to the accepted length); counts forwards and acceptance per draft
+position, and turns tokens into text."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from dataclasses import dataclass, field
 import torch
 
 from qconv.errors import QconvError
+from qconv.runtime.batch import Sequence, decode, prefill
 from qconv.runtime.detok import TextStream
 from qconv.runtime.sampling import SamplingParams
-from qconv.runtime.spec import Draft, SpecConfig, make_speculator, verify
+from qconv.runtime.spec import SpecConfig, make_speculator
 
 MAX_POS = 16  # draft positions counted in the statistics (max_block <= 15)
 
@@ -63,63 +65,43 @@ class GenerationStats:
         }
 
 
-def _forward(model, tokens: list[int], cache, need_hidden: bool):
-    x = torch.tensor([tokens], dtype=torch.long, device=model.device)
-    out = model(x, cache, return_hidden=need_hidden)
-    return (out[0][0], out[1][0]) if need_hidden else (out[0], None)
-
-
 def generate_tokens(
     model, prompt: list[int], cfg: GenerationConfig, stats: GenerationStats | None = None
 ) -> Generator[int]:
-    """Yield the new token ids for one prompt. Lossless: with temperature 0 the output equals plain greedy
-    decoding token for token (fp32); with sampling it follows the target's processed distribution exactly."""
+    """Yield the new token ids for one prompt (batch.py's loop, one row). Lossless: with temperature 0 the output
+    equals plain greedy decoding token for token (fp32); with sampling it follows the target's processed
+    distribution exactly."""
     if not prompt:
         raise QconvError("empty prompt", fix="pass at least one token")
     stats = stats if stats is not None else GenerationStats()
-    sp, spec = cfg.sampling, cfg.spec
-    gen = torch.Generator().manual_seed(cfg.seed)
-    speculator = make_speculator(spec, model, sp, gen)
-    need_hidden = bool(speculator is not None and speculator.needs_hidden)
-    eos = set(model.config.eos_token_ids)
-    spare = spec.max_block + 1  # cache rows a verify forward writes past the sequence
     limit = getattr(model.config, "max_position_embeddings", len(prompt) + cfg.max_tokens)
     if len(prompt) + cfg.max_tokens > limit:
         raise QconvError(
             f"prompt ({len(prompt)}) + max tokens ({cfg.max_tokens}) exceed the model's context ({limit})",
             fix="shorten the prompt or lower --max-tokens",
         )
-    cache = model.new_cache(1, len(prompt) + cfg.max_tokens + spare)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    seq = Sequence(list(prompt), cfg.max_tokens, cfg.sampling, gen, make_speculator(cfg.spec, model, cfg.sampling, gen))
+    eos = set(model.config.eos_token_ids)
+    max_len = len(prompt) + cfg.max_tokens + cfg.spec.max_block + 1  # a verify forward writes past the sequence
+    cache = model.new_cache(1, max_len)
     stats.prompt_tokens += len(prompt)
-    seq = list(prompt)
     with torch.inference_mode():
         t0 = time.perf_counter()
-        logits, hidden = _forward(model, prompt, cache, need_hidden)
-        new = verify(Draft(), logits[-1:], sp, gen)
+        (new,) = prefill(model, cache, [seq])
         stats.record_step(0, 0)
-        if speculator is not None:
-            speculator.begin(prompt, cache, 0, hidden, new[0])
         stats.prefill_s += time.perf_counter() - t0
         t_dec = time.perf_counter()
         try:
             while True:
                 for t in new:
-                    seq.append(t)
+                    seq.out_ids.append(t)
                     stats.new_tokens += 1
                     yield t
-                    if t in eos or len(seq) - len(prompt) >= cfg.max_tokens:
+                    if t in eos or len(seq.out_ids) >= cfg.max_tokens:
                         return
-                room = cfg.max_tokens - (len(seq) - len(prompt)) - 1
-                draft = speculator.draft(seq, room) if speculator is not None else Draft()
-                n_before = int(cache.lengths[0])
-                logits, hidden = _forward(model, [seq[-1]] + draft.tokens, cache, need_hidden)
-                new = verify(draft, logits, sp, gen)
-                n = len(new) - 1
-                if n < len(draft):
-                    cache.rollback([0], [n_before + 1 + n])
-                stats.record_step(len(draft), n)
-                if speculator is not None:
-                    speculator.verified(draft, new, hidden)
+                (draft,), (new,) = decode(model, cache, [seq], max_len)
+                stats.record_step(len(draft), len(new) - 1)
         finally:
             stats.decode_s += time.perf_counter() - t_dec
 

@@ -9,14 +9,15 @@ from pathlib import Path
 
 import torch
 
-from qconv.compute import bf16_native
+from qconv.compute import bf16_native, dtype_name
+from qconv.convert.dequant import dequantize_tensors
 from qconv.errors import QconvError
 from qconv.modelfiles import read_model_config
 from qconv.runtime.config import RuntimeConfig, load_config
 from qconv.runtime.cpu_pack import PackedLinear, pack_linears, packing_available
 from qconv.runtime.int_linear import Int4Linear, Int8Embedding, IntWeight, attach_int_kernels, int_kernels_available
 from qconv.runtime.model import Transformer
-from qconv.runtime.quant import dequantize_tensors, int_weights
+from qconv.runtime.quant import int_weights
 from qconv.runtime.qwen35 import Qwen35Transformer
 
 FUSED = {  # our name -> checkpoint names concatenated along the output dim, in order
@@ -175,7 +176,7 @@ def load_for_runtime(path, dequantize: bool = False, dtype: str | None = None) -
 
 def describe_runtime(model: Transformer) -> str:
     """One phrase for a startup line: the dtype and which weights run through the int kernels."""
-    dtype = str(model.norm.weight.dtype).removeprefix("torch.")
+    dtype = dtype_name(model.norm.weight.dtype)
     n4 = sum(isinstance(m, Int4Linear) for m in model.modules())
     n8 = sum(isinstance(m, Int8Embedding) for m in model.modules())
     kernels = [f"int4 kernels on {n4} Linears"] * bool(n4) + ["int8 embedding lookup"] * bool(n8)

@@ -1,6 +1,6 @@
 """Continuous batching: one thread owns the model and its cache. Requests join between decode steps (prefilled
-together into their own slots); each batched forward advances every active slot by its sampled token plus whatever
-of its own drafts (spec.py) verify. The HTTP layer submits a `GenRequest` with a thread-safe `emit` callback and
+together into their own slots); each batched forward (runtime/batch.py, the engine's one decode loop) advances every
+active slot by its sampled token plus whatever of its own drafts (spec.py) verify. The HTTP layer submits a `GenRequest` with a thread-safe `emit` callback and
 cancels by setting a flag the thread checks every step.
 
 A failure of one request (its seed, sampling, detokenizing) ends only that request; a failing forward ends its
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qconv.runtime.batch import decode, prefill
 from qconv.runtime.detok import TextStream
 from qconv.runtime.sampling import SamplingParams
-from qconv.runtime.spec import Draft, SpecConfig, Speculator, make_speculator, verify
+from qconv.runtime.spec import SpecConfig, Speculator, make_speculator
 from qconv.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -192,8 +193,7 @@ class Scheduler:
         self.metrics.running.set(len(self.active))
 
     def _prefill(self, reqs: list[GenRequest]) -> None:
-        """Prefill the joining requests together: rows must share T, so feed the shortest remaining prompt length
-        to every unfinished row per forward (one forward per distinct prompt length; one, when they match)."""
+        """Give the joining requests their slots and prefill them together (batch.prefill)."""
         for r in reqs:
             r.slot = self.free.pop(0)
             self.active.append(r)
@@ -202,76 +202,23 @@ class Scheduler:
         reqs = [r for r in reqs if r in self.active]
         if not reqs:
             return
-        fed = {id(r): 0 for r in reqs}
-        last: dict[int, torch.Tensor] = {}
-        hidden: dict[int, list[torch.Tensor]] = {id(r): [] for r in reqs}  # model drafters see every position
-        need_hidden = any(r.speculator is not None and r.speculator.needs_hidden for r in reqs)
-        while rows := [r for r in reqs if fed[id(r)] < len(r.prompt_ids)]:
-            T = min(len(r.prompt_ids) - fed[id(r)] for r in rows)
-            tokens = torch.tensor([r.prompt_ids[fed[id(r)] : fed[id(r)] + T] for r in rows], dtype=torch.long)
-            out = self.model(tokens, self.cache, torch.tensor([r.slot for r in rows]), return_hidden=need_hidden)
-            logits, h = out if need_hidden else (out, None)
-            for i, r in enumerate(rows):
-                fed[id(r)] += T
-                if need_hidden:
-                    hidden[id(r)].append(h[i])
-                if fed[id(r)] == len(r.prompt_ids):
-                    last[id(r)] = logits[i, -1]
+        first = prefill(self.model, self.cache, reqs, self._guard)
         self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in reqs))
-        toks = [self._guard(r, self._first, r, last[id(r)], hidden[id(r)]) if r in self.active else None for r in reqs]
-        self._accept(reqs, toks)
-
-    def _first(self, r: GenRequest, logits: torch.Tensor, hidden: list[torch.Tensor]) -> list[int]:
-        new = verify(Draft(), logits[None], r.sampling, r.generator or self.generator)
-        if r.speculator is not None:
-            r.speculator.begin(r.prompt_ids, self.cache, r.slot, torch.cat(hidden) if hidden else None, new[0])
-        return new
+        self._accept(reqs, first)
 
     def _setup(self, r: GenRequest) -> None:
-        if r.seed is not None:
-            r.generator = torch.Generator().manual_seed(r.seed)
+        r.generator = torch.Generator().manual_seed(r.seed) if r.seed is not None else self.generator
         r.text = TextStream(self.tokenizer, r.stop)
-        r.speculator = make_speculator(self.spec, self.model, r.sampling, r.generator or self.generator)
+        r.speculator = make_speculator(self.spec, self.model, r.sampling, r.generator)
 
     def _decode(self) -> None:
-        """One batched step. Each row also feeds its own drafts (rows padded to a common T); verification keeps
-        the accepted prefix plus the target's next token, and the cache rolls back the rest."""
+        """One batched step over every active slot (batch.decode), then the metrics and each row's new tokens."""
         batch = list(self.active)
-        slots = [r.slot for r in batch]
-        before = [int(self.cache.lengths[s]) for s in slots]
-        room = self.max_len - max(before) - 1  # every row writes T tokens, so T is bounded by the fullest slot
-        drafts = [self._guard(r, self._draft, r, room) or Draft() for r in batch]
-        T = 1 + max(map(len, drafts))
-        rows = [[r.out_ids[-1], *d.tokens] + [r.out_ids[-1]] * (T - 1 - len(d)) for r, d in zip(batch, drafts)]
-        need_hidden = any(r.speculator is not None and r.speculator.needs_hidden for r in batch)
-        out = self.model(
-            torch.tensor(rows, dtype=torch.long), self.cache, torch.tensor(slots), return_hidden=need_hidden
-        )
-        logits, hidden = out if need_hidden else (out, None)
-        toks = [
-            self._guard(r, self._verify, r, d, logits[i, : len(d) + 1], None if hidden is None else hidden[i])
-            if r in self.active
-            else None
-            for i, (r, d) in enumerate(zip(batch, drafts))
-        ]
-        kept = [(r, b, t) for r, b, t in zip(batch, before, toks) if t is not None]
-        if kept and T > 1:
-            self.cache.rollback([r.slot for r, _, _ in kept], [b + len(t) for _, b, t in kept])
+        drafts, toks = decode(self.model, self.cache, batch, self.max_len, self._guard)
         self.metrics.draft_tokens.inc(sum(map(len, drafts)))
         self.metrics.accepted_tokens.inc(sum(len(t) - 1 for t in toks if t is not None))
         self.metrics.step(len(batch), sum(len(t) for t in toks if t is not None))
         self._accept(batch, toks)
-
-    def _draft(self, r: GenRequest, room: int) -> Draft:
-        if r.speculator is None:
-            return Draft()
-        return r.speculator.draft(r.prompt_ids + r.out_ids, min(room, r.max_tokens - len(r.out_ids) - 1))
-
-    def _verify(self, r: GenRequest, draft: Draft, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
-        new = verify(draft, logits, r.sampling, r.generator or self.generator)
-        if r.speculator is not None:
-            r.speculator.verified(draft, new, hidden)
-        return new
 
     def _accept(self, batch: list[GenRequest], toks: list[list[int] | None]) -> None:
         now = time.monotonic()

@@ -90,7 +90,7 @@ def near_tie(path: Path, model, prompt: torch.Tensor, a: list[int], b: list[int]
     """Where two greedy runs first part: the fp32 dequantized model's logit gap between the two picks on the shared
     prefix, next to how far `model`'s (bf16) logits there are from fp32. gap < error: a near-tie that bf16 rounding
     decides, not a wrong computation."""
-    from qconv.runtime import load_model
+    from qconv.engine import load_model
 
     i = divergence(a, b)["first_divergence"]
     if i is None:
@@ -108,8 +108,8 @@ def near_tie(path: Path, model, prompt: torch.Tensor, a: list[int], b: list[int]
 
 
 def decode_bench(a) -> dict:
-    from qconv.runtime import load_model, load_tokenizer
-    from qconv.runtime.int_linear import Int4Linear
+    from qconv.engine import load_model, load_tokenizer
+    from qconv.engine.int_linear import Int4Linear
 
     path = Path(a.model) if a.model else DEFAULT_MODEL
     dtype = getattr(torch, a.dtype)
@@ -177,7 +177,7 @@ def _time_us(fn, n: int = 10, rounds: int = 5) -> float:
 def kernel_bench(rows=(1, 2, 4, 16, 64)) -> dict:
     """µs per matmul, bf16 activations: plain bf16 GEMM, oneDNN-packed bf16, int4 kernel, int8 (per-channel) kernel;
     and the group-64 int8 lm_head as 9 per-group int8 calls summed."""
-    from qconv.runtime.cpu_pack import packing_available
+    from qconv.engine.cpu_pack import packing_available
 
     pack = packing_available(torch.device("cpu"), torch.bfloat16)  # an AVX2-only CPU has no oneDNN bf16 path
     g = torch.Generator().manual_seed(0)

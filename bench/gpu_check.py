@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO))
 
 
 def spec_equal(path: Path, modes: tuple[str, ...], device: str, prompts: int = 6, new: int = 32) -> dict:
-    from qconv.runtime import load_model
-    from qconv.runtime.generate import GenerationConfig, generate_tokens
-    from qconv.runtime.spec import SpecConfig
+    from qconv.engine import load_model
+    from qconv.engine.generate import GenerationConfig, generate_tokens
+    from qconv.engine.spec import SpecConfig
 
     model = load_model(path).to(device)
     model.config.eos_token_ids = []  # random weights say eos early: run every token
@@ -47,7 +47,7 @@ def spec_equal(path: Path, modes: tuple[str, ...], device: str, prompts: int = 6
 
 
 def main() -> None:
-    from tests.test_runtime_model import parity
+    from tests.test_engine_model import parity
     from tests.tiny import make_tiny_model
 
     ap = argparse.ArgumentParser()

@@ -86,9 +86,9 @@ def vllm_runs(path: Path, ids: list[list[int]], a) -> dict:
 
 
 def engine_runs(path: Path, ids: list[list[int]], a) -> dict:
-    from qconv.runtime.generate import GenerationConfig, GenerationStats, generate_tokens
-    from qconv.runtime.loader import load_model
-    from qconv.runtime.spec import SpecConfig
+    from qconv.engine.generate import GenerationConfig, GenerationStats, generate_tokens
+    from qconv.engine.loader import load_model
+    from qconv.engine.spec import SpecConfig
 
     model = load_model(path).to("cuda")
     model.config.eos_token_ids = []  # random weights say eos early: run every token

@@ -42,8 +42,8 @@ def _generate(model, prompt: torch.Tensor, new: int, cache) -> tuple[list[int], 
 def decode_speed(a) -> dict:
     """Prefill a.prompt_tokens wikitext tokens, decode a.new tokens: the packed store per decoded-cache budget, and
     the runtime's dense uncompressed cache for reference."""
+    from qconv.engine import load_model, load_tokenizer
     from qconv.kv import get_kv_scheme
-    from qconv.runtime import load_model, load_tokenizer
 
     model = load_model(a.model, dtype=torch.float32)
     ids = load_tokenizer(a.model)(open(a.text).read()[: a.prompt_tokens * 8], add_special_tokens=False)["input_ids"]

@@ -21,10 +21,10 @@ sys.path.insert(0, str(REPO))
 
 from spec_workloads import run_bench  # noqa: E402
 
-from qconv.runtime.config import load_config  # noqa: E402
-from qconv.runtime.generate import GenerationConfig  # noqa: E402
-from qconv.runtime.loader import runtime_dtype  # noqa: E402
-from qconv.runtime.spec import SpecConfig  # noqa: E402
+from qconv.engine.config import load_config  # noqa: E402
+from qconv.engine.generate import GenerationConfig  # noqa: E402
+from qconv.engine.loader import engine_dtype  # noqa: E402
+from qconv.engine.spec import SpecConfig  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 FILES = {
@@ -162,7 +162,7 @@ def main() -> None:
             r["ours"]["tokens_per_step"] / replay["tokens_per_forward"], 3
         )
         if a.transformers:
-            dtype = runtime_dtype(a.model, a.dequantize, a.dtype)
+            dtype = engine_dtype(a.model, a.dequantize, a.dtype)
             t = transformers_run(Path(a.model), ids, a.max_tokens, spec.max_block, eos, dtype)
             r["transformers"] = t
             r["tokens_per_step_vs_transformers"] = round(r["ours"]["tokens_per_step"] / t["tokens_per_forward"], 3)

@@ -19,7 +19,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from spec_bench import transformers_lookup_replay  # noqa: E402
 
-from qconv.runtime.spec import Draft, DraftLength, HybridDrafter, PromptLookup, Speculator  # noqa: E402
+from qconv.engine.spec import Draft, DraftLength, HybridDrafter, PromptLookup, Speculator  # noqa: E402
 
 
 class Capped:

@@ -9,9 +9,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from qconv.compute import dtype_name
+from qconv.engine.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
+from qconv.engine.spec import SpecConfig
 from qconv.errors import QconvError
-from qconv.runtime.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
-from qconv.runtime.spec import SpecConfig
 
 WORKLOADS = ("copy", "code", "chat", "math")
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
@@ -120,12 +120,12 @@ def run_bench(
     device: str | None = None,
     keep_spec: bool = False,
 ) -> tuple[dict, list[list[int]], list[list[int]]]:
-    """One workload: our speculative vs plain decode. dtype as the CLI picks it (runtime_dtype). The MTP part of the
+    """One workload: our speculative vs plain decode. dtype as the CLI picks it (engine_dtype). The MTP part of the
     config is dropped for a model without the head unless `keep_spec` (the user asked for it). Returns the report,
     the prompts' token ids and our outputs (bench/spec_bench.py replays transformers' drafter on them)."""
     import torch
 
-    from qconv.runtime.loader import load_model, load_tokenizer, runtime_dtype
+    from qconv.engine.loader import engine_dtype, load_model, load_tokenizer
 
     if threads:
         torch.set_num_threads(threads)
@@ -134,7 +134,7 @@ def run_bench(
     texts = workload_texts(workload, Path(data), prompts)
     tok = load_tokenizer(path)
     ids = [encode_prompt(tok, t, chat=bool(getattr(tok, "chat_template", None))) for t in texts]
-    dtype = runtime_dtype(path, dequantize, dtype)
+    dtype = engine_dtype(path, dequantize, dtype)
     model = load_model(path, dtype=dtype, int_kernels=False if dequantize else None)
     if device:
         model = model.to(device)

@@ -44,7 +44,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    from qconv.runtime.loader import load_model
+    from qconv.engine.loader import load_model
 
     model = load_model(a.model, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)

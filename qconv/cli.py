@@ -17,7 +17,7 @@ COMMAND_MODULES = (
     "qconv.convert.commands",
     "qconv.eval.commands",
     "qconv.kv.commands",
-    "qconv.runtime.commands",
+    "qconv.engine.commands",
     "qconv.serve.commands",
     "qconv.hub.commands",
 )

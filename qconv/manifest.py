@@ -12,7 +12,7 @@ import platform
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from qconv.errors import QconvError
 from qconv.fsutil import file_table, find_links, write_json_atomic
@@ -135,14 +135,17 @@ class QualityReport:
 class SelectionRow:
     """One unit of the selection table: qconv.calibrate.select.Row adds the arithmetic, UnitRecord what is recorded."""
 
+    # qconv.json written before the fields were named for what they are (a unit's top option is not always 8-bit)
+    RENAMED: ClassVar[dict[str, str]] = {"bytes4": "base_bytes", "bytes8": "top_bytes"}
+
     unit: str
     role: str
     modules: int
-    bytes4: int
-    bytes8: int
+    base_bytes: int  # under the recipe's (4-bit) scheme
+    top_bytes: int  # under the selection's top scheme
     score: float | None
     decision: str  # "int8" (the 8-bit scheme) | "w4" (unchanged) | a step's scheme name | "refused: <why>"
-    chosen_bytes: int | None = None  # the unit's bytes under its decision (None: bytes4 / bytes8 by decision)
+    chosen_bytes: int | None = None  # the unit's bytes under its decision (None: base_bytes / top_bytes by decision)
 
 
 @dataclass

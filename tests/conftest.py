@@ -164,7 +164,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def llama(tiny_llama, one_thread):
     """The tiny llama loaded by qconv's runtime in fp32, on one thread."""
-    from qconv.runtime.loader import load_model
+    from qconv.engine.loader import load_model
 
     return load_model(tiny_llama, dtype=torch.float32)
 

@@ -72,16 +72,16 @@ def test_units_respect_fusion_and_greedy_order(tiny_qwen3_5):
 
     plan, units = _units(tiny_qwen3_5)
     by = {u.name: u for u in units}
-    assert "layers.0.gdn_qkvz" in by and len(by["layers.0.gdn_qkvz"].w4) == 2
-    assert "layers.1.attn_qkv" in by and len(by["layers.1.attn_qkv"].w4) == 3
+    assert "layers.0.gdn_qkvz" in by and len(by["layers.0.gdn_qkvz"].base) == 2
+    assert "layers.1.attn_qkv" in by and len(by["layers.1.attn_qkv"].base) == 3
     assert not any(u.name.startswith("mtp.") for u in units)  # mtp is kept bf16, never a candidate
     scores = Scores("proxy", {u.name: float(i) for i, u in enumerate(units)})
-    best = max(units, key=lambda u: scores.values[u.name] / (u.bytes8 - u.bytes4))
-    sel = select(units, scores, best.bytes8 - best.bytes4, budget="x", scheme="w8a16")
-    assert sel.chosen == [best.name] and sel.spent == best.bytes8 - best.bytes4
+    best = max(units, key=lambda u: scores.values[u.name] / (u.top_bytes - u.base_bytes))
+    sel = select(units, scores, best.top_bytes - best.base_bytes, budget="x", scheme="w8a16")
+    assert sel.chosen == [best.name] and sel.spent == best.top_bytes - best.base_bytes
     mods = {m.name: m for m in apply_selection(plan, units, sel.choices)}
-    assert {mods[m.name].bits for m in best.w4} == {8}
-    others = [m for u in units if u.name != best.name for m in u.w4]
+    assert {mods[m.name].bits for m in best.base} == {8}
+    others = [m for u in units if u.name != best.name for m in u.base]
     assert {mods[m.name].bits for m in others} == {4}
 
 
@@ -466,10 +466,10 @@ def test_model_kld_from_cached_layer_inputs_matches_full_forward(tiny_models, fa
         ref = [torch.log_softmax(model(torch.tensor([r])).logits[0], -1) for r in ids]
     u = units[-1]
     mods = dict(model.named_modules())
-    for m in u.w4:
+    for m in u.base:
         mods[m.name].weight.data.copy_(S.fake_quant(mods[m.name].weight, m))
     inputs = S._layer_inputs(model, ids)  # inputs before the unit's layer do not depend on it
-    start = S._layer_index(u.w4[0].name)
+    start = S._layer_index(u.base[0].name)
     assert start > 0
     full, part = S._mean_kld(model, ids, ref), S._mean_kld(model, ids, ref, start, inputs)
     assert full > 0 and abs(full - part) < 1e-6 * max(1.0, full)

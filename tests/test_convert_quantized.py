@@ -80,8 +80,8 @@ def _assert_lossless(src: Path, out: Path) -> int:
 
 
 def _generate(path: Path, dtype=torch.float32, n: int = 8) -> list[int]:
-    from qconv.runtime import load_model
-    from qconv.runtime.generate import GenerationConfig, generate_tokens
+    from qconv.engine import load_model
+    from qconv.engine.generate import GenerationConfig, generate_tokens
 
     model = load_model(path, dtype=dtype)
     return list(generate_tokens(model, [5, 17, 42, 9], GenerationConfig(max_tokens=n)))
@@ -175,7 +175,7 @@ def test_act_order(tiny_qwen3, tmp_path):
 def test_compressed_tensors_passthrough(tiny_qwen3, tmp_path):
     """A compressed-tensors source goes through byte for byte (llmcompressor-made, int4 g32 MLPs)."""
     from qconv.convert.imported import convert_quantized
-    from tests.test_runtime_model import _quantize
+    from tests.test_engine_model import _quantize
 
     src = _quantize(tiny_qwen3, tmp_path / "llmc", {"w4": (["re:.*mlp.*"], 4, 32)})
     convert_quantized(str(src), tmp_path / "out")
@@ -329,7 +329,7 @@ def test_build_from_quantized_records_true_requires(tiny_models, tmp_path, famil
     tied llama's INT8 table is also its head (the plugin's tied-head feature recorded), and stock vLLM's qwen3 model
     loads a quantized embed_tokens itself (no embedding entry)."""
     from qconv.manifest import QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, read_manifest
-    from tests.test_runtime_model import _quantize
+    from tests.test_engine_model import _quantize
 
     src = _quantize(tiny_models(family), tmp_path / "llmc", {"w4": (["re:.*mlp.*"], 4, 32)})
     out = tmp_path / "art"

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from qconv.runtime.sampling import SamplingParams
+from qconv.engine.sampling import SamplingParams
 from qconv.serve.native import NativeOptions, build_native
 from qconv.serve.scheduler import GenRequest, Scheduler
 from tests.sched_helpers import submit_and_wait
@@ -93,7 +93,7 @@ def test_out_of_range_fields_are_400_and_the_server_keeps_serving(server, model,
 def test_one_bad_request_ends_alone_in_the_scheduler(tiny_qwen3, bad):
     """Values the protocol now refuses, handed straight to the scheduler (a future field or a bug that slips
     through): only that request ends with an error; the others finish with what they produce alone."""
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
 
     tok = load_tokenizer(tiny_qwen3)
     sched = Scheduler(load_model(tiny_qwen3), tok, max_batch=4, max_len=256).start()
@@ -121,7 +121,7 @@ def test_one_bad_request_ends_alone_in_the_scheduler(tiny_qwen3, bad):
 
 
 def test_dead_scheduler_thread_refuses_new_work_with_503(tiny_qwen3):
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
     from qconv.serve.server import ServerConfig, create_app
 
     tok = load_tokenizer(tiny_qwen3)
@@ -185,7 +185,7 @@ class _SlowTokenizer:
 
 
 def test_tokenizing_does_not_stall_the_event_loop(tiny_qwen3):
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
     from qconv.serve.server import ServerConfig, create_app
 
     tok = _SlowTokenizer(load_tokenizer(tiny_qwen3))
@@ -206,7 +206,7 @@ def test_tokenizing_does_not_stall_the_event_loop(tiny_qwen3):
 
 
 def test_chat_without_max_tokens_is_capped_by_the_profile(tiny_qwen3):
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
     from qconv.serve.server import ServerConfig, create_app
 
     sched = Scheduler(load_model(tiny_qwen3), load_tokenizer(tiny_qwen3), max_batch=1, max_len=512).start()

@@ -93,7 +93,7 @@ def _cache_tokens(srv: ServerProcess) -> int:
 def _native_decode_logprobs(art: Path, prompt: list[int], out: list[int], kv: str) -> torch.Tensor:
     """Our engine (fp32) with the KV scheme's packed cache, one token a step (what each decode step reads, as
     vLLM's backend computes a prompt), scoring `out` after `prompt`."""
-    from qconv.runtime.loader import load_model
+    from qconv.engine.loader import load_model
 
     model = load_model(art, dtype=torch.float32)
     seq = prompt + out
@@ -113,8 +113,8 @@ def _long_text(shared_data: Path, tokenizer, n_tokens: int) -> str:
 
 
 def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_python, shared_data, monkeypatch):
+    from qconv.engine.loader import load_tokenizer
     from qconv.kv.schemes import get_kv_scheme
-    from qconv.runtime.loader import load_tokenizer
 
     # without the plugin the profile is refused before vLLM loads anything, with the fix named
     monkeypatch.setenv("VLLM_PLUGINS", "")
@@ -183,7 +183,7 @@ def test_tiny_hybrid_with_kvarn_requests_come_and_go(tmp_path, vllm_python):
 def test_long_prompt_passkey_no_nan_no_collapse(smollm2_3090, vllm_python, shared_data):
     """A prompt spanning 64+ tiles of 64 tokens; a passkey hidden early in it. KVarN finds it in every trial in which
     the bf16 cache finds it, and generates finite log-probs without collapsing onto one token."""
-    from qconv.runtime.loader import load_tokenizer
+    from qconv.engine.loader import load_tokenizer
 
     tok = load_tokenizer(smollm2_3090)
     filler = _long_text(shared_data, tok, 4300)

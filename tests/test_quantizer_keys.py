@@ -115,8 +115,8 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
     import torch
 
     from qconv.convert.hfmodel import load_causal_lm
+    from qconv.engine.loader import load_model
     from qconv.manifest import read_manifest
-    from qconv.runtime.loader import load_model
 
     int4_g32 = {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}
     common = dict(

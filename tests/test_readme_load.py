@@ -69,7 +69,7 @@ def _agrees_with_our_engine(hf, artifact) -> None:
     """The transformers model computes what qconv's engine computes from the same artifact: the README's bf16 model
     picks the same tokens, its documented fp32 form (`dtype="float32"`) gives the same logits."""
     import qconv
-    from qconv.runtime import load_model
+    from qconv.engine import load_model
 
     ours = load_model(artifact)
     toks = torch.randint(3, ours.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))

@@ -84,7 +84,7 @@ def test_build_keeps_vision_and_mtp_bytes_and_quantizes_text(real_layout_27b, ar
 
 def test_artifact_loads_in_transformers_and_our_engine(artifact):
     from qconv.convert.hfmodel import load_causal_lm
-    from qconv.runtime import load_model
+    from qconv.engine import load_model
 
     hf = load_causal_lm(artifact, device="cpu")
     ours = load_model(artifact)
@@ -142,7 +142,7 @@ def test_streamed_sensitivity_reads_the_real_layout(real_layout_27b, tmp_path):
 
     recipe = load_recipe("3090")
     units = candidate_units(plan_model(real_layout_27b, read_config(real_layout_27b), recipe), recipe)
-    assert units and all(".language_model.layers." in m.name for u in units for m in u.w4)
+    assert units and all(".language_model.layers." in m.name for u in units for m in u.base)
     ids = [list(range(5, 45)), list(range(50, 90))]
     want = proxy_scores(load_causal_lm(real_layout_27b).eval(), units, ids)
     got = streamed_proxy_scores(real_layout_27b, units, ids, tmp_path)

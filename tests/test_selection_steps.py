@@ -33,8 +33,8 @@ def _unit(name: str, k: int = 256, n: int = 256, int8_refusal: str = "") -> Unit
 
 def test_greedy_takes_the_best_gain_per_byte_across_schemes():
     a, b = _unit("a"), _unit("b")
-    g32 = a.steps[0].bytes - a.bytes4  # int4 g32 costs far less than int8 over the g128 base
-    i8 = a.bytes8 - a.bytes4
+    g32 = a.steps[0].bytes - a.base_bytes  # int4 g32 costs far less than int8 over the g128 base
+    i8 = a.top_bytes - a.base_bytes
     assert 0 < g32 < i8
     # a: g32 buys most of what int8 buys; b: only int8 helps
     scores = Scores(
@@ -58,6 +58,14 @@ def test_greedy_takes_the_best_gain_per_byte_across_schemes():
     back = Selection.from_dict(json.loads(json.dumps(sel.to_dict())))
     assert back.choices == sel.choices and back.spent == sel.spent and back.predicted_kld == sel.predicted_kld
     assert sel.to_dict()["step_units"] == {"w4a16_g32": 1}
+    # a qconv.json written before the unit sizes were named base/top (bytes4/bytes8) still reads, to the same sums
+    old = json.loads(json.dumps(sel.to_dict()).replace('"base_bytes"', '"bytes4"').replace('"top_bytes"', '"bytes8"'))
+    assert "bytes4" in old["units"][0] and Selection.from_dict(old).spent == sel.spent
+    from qconv.manifest import SelectionRecord
+    from qconv.recipes.schema import from_dict
+
+    rec = from_dict(SelectionRecord, old, "selection", "qconv.json")
+    assert [(u.base_bytes, u.top_bytes) for u in rec.units] == [(r.base_bytes, r.top_bytes) for r in sel.rows]
 
 
 def test_a_unit_refused_at_int8_can_still_take_a_step():
@@ -65,7 +73,7 @@ def test_a_unit_refused_at_int8_can_still_take_a_step():
     scores = Scores("proxy", {"u": 5.0}, 1, gains={"u": {"w4a16_g32": 4.0, "w8a16": 5.0}})
     sel = select([u], scores, 10**9, budget="x", scheme="w8a16")
     assert sel.choices == {"u": "w4a16_g32"}
-    mods = apply_selection(type("P", (), {"modules": u.w4})(), [u], sel.choices)
+    mods = apply_selection(type("P", (), {"modules": u.base})(), [u], sel.choices)
     assert mods[0].group_size == 32 and mods[0].bits == 4
     # scores from before steps existed (values only) move units to the 8-bit scheme alone
     v = _unit("v")
@@ -108,7 +116,7 @@ def test_candidate_units_carry_their_steps(tiny_llama, tmp_path):
     plan = plan_model(tiny_llama, read_config(tiny_llama), r)
     units = candidate_units(plan, r)
     assert units and all([o.scheme for o in u.options] == ["w4a16_g32", "w8a16"] for u in units)
-    assert all(u.bytes4 < u.steps[0].bytes < u.bytes8 for u in units)
+    assert all(u.base_bytes < u.steps[0].bytes < u.top_bytes for u in units)
     assert all(m.group_size == 32 for u in units for m in u.steps[0].members)
 
 
@@ -117,8 +125,8 @@ def test_build_with_steps_writes_mixed_groups_and_a_prediction(tiny_llama, tmp_p
     """A real build: the proxy scores every scheme, the budget buys int4 g32 for some units, the artifact's
     compressed-tensors config holds those groups, our engine loads it, and the report carries the predicted KLD
     next to the measured one."""
+    from qconv.engine.loader import load_model
     from qconv.manifest import read_manifest
-    from qconv.runtime.loader import load_model
     from tests.tiny import CORPUS
 
     out, text_file = tmp_path / "A", tmp_path / "held_out.txt"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from qconv.runtime.sampling import SamplingParams
-from qconv.runtime.spec import SpecConfig
+from qconv.engine.sampling import SamplingParams
+from qconv.engine.spec import SpecConfig
 from qconv.serve.scheduler import GenRequest, QueueFull, Scheduler
 from tests.sched_helpers import submit_and_wait
 
@@ -27,7 +27,7 @@ def _run(sched: Scheduler, prompts: list[str], max_tokens: int = 24, **kw) -> li
 
 
 def _scheduler(path, **kw) -> Scheduler:
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
 
     return Scheduler(load_model(path), load_tokenizer(path), max_batch=4, max_len=256, **kw).start()
 
@@ -74,7 +74,7 @@ def test_seeded_sampling_independent_of_batch(tiny_qwen3):
 
 
 def test_queue_bound_and_limits(tiny_qwen3):
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
 
     sched = Scheduler(load_model(tiny_qwen3), load_tokenizer(tiny_qwen3), max_batch=1, max_len=32, max_queue=2)
     mk = lambda n=4: GenRequest([5, 6, 7], n, lambda ev: None)  # noqa: E731
@@ -89,9 +89,9 @@ def test_queue_bound_and_limits(tiny_qwen3):
 def test_generate_and_serve_run_one_decode_loop(tiny_qwen3, monkeypatch):
     """`qconv generate` and `qconv serve` drive the same engine loop (runtime/batch.py): every forward of either goes
     through it, and a seeded, speculative, sampled request gives the same tokens on both."""
-    import qconv.runtime.batch as batch
-    from qconv.runtime.generate import GenerationConfig, generate_tokens
-    from qconv.runtime.loader import load_model, load_tokenizer
+    import qconv.engine.batch as batch
+    from qconv.engine.generate import GenerationConfig, generate_tokens
+    from qconv.engine.loader import load_model, load_tokenizer
 
     model, tok = load_model(tiny_qwen3), load_tokenizer(tiny_qwen3)
     calls = {"model": 0, "loop": 0}

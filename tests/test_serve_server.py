@@ -185,7 +185,7 @@ def test_disconnect_cancels_and_metrics(server, client, model):
 
 def test_full_queue_is_429(tiny_qwen3):
     """A scheduler whose queue holds nothing (and never runs) turns every request into a 429."""
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
     from qconv.serve.scheduler import Scheduler
     from qconv.serve.server import ServerConfig, create_app
 

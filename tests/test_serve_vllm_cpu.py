@@ -57,7 +57,7 @@ def _teacher_forced(model, prompt_ids: list[int], out_ids: list[int]) -> torch.T
 
 @pytest.mark.slow
 def test_vllm_cpu_serves_w8a8_artifact_and_agrees_with_native(tiny_qwen3, vllm_python, tmp_path):
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
 
     art = tmp_path / "tiny-qwen3-w8a8"
     extra = _build_w8a8(tiny_qwen3, art)

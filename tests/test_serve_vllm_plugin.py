@@ -63,7 +63,7 @@ def _agrees_with_native(
 ) -> float:
     """Our fp32 engine, fed vLLM's tokens: vLLM's greedy picks are our argmax up to a near-tie, and it scores them
     as we do. Returns the largest difference seen."""
-    from qconv.runtime.loader import load_model
+    from qconv.engine.loader import load_model
 
     model = load_model(art, dtype=torch.float32)
     worst = 0.0
@@ -85,7 +85,7 @@ def _metric(srv: ServerProcess, name: str) -> float:
 
 @pytest.mark.slow
 def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, vllm_python):
-    from qconv.runtime.loader import load_tokenizer
+    from qconv.engine.loader import load_tokenizer
 
     common = [str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python]
     with ServerProcess(
@@ -143,7 +143,7 @@ def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Pat
 
 def served_agrees_with_native(art: Path, vllm_python: str, max_tokens: int = 8) -> float:
     """Serve ART in vLLM (--backend vllm), take greedy tokens for PROMPTS, score them with our engine."""
-    from qconv.runtime.loader import load_tokenizer
+    from qconv.engine.loader import load_tokenizer
 
     with ServerProcess(
         [str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],

@@ -77,7 +77,7 @@ def test_without_the_plugin_the_tied_head_is_refused_before_load(smollm2_3090, v
 
 
 def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, vllm_python, monkeypatch):
-    from qconv.runtime.loader import load_tokenizer
+    from qconv.engine.loader import load_tokenizer
 
     monkeypatch.setenv("PYTHONPATH", PLUGIN_PATH)
     choice = _auto(smollm2_3090, vllm_python)

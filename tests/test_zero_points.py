@@ -90,8 +90,8 @@ def test_zero_point_build_writes_zero_points(tmp_path, tiny_llama, calib_txt):
     from safetensors import safe_open
 
     from qconv.convert.hfmodel import load_causal_lm
+    from qconv.engine.loader import load_model
     from qconv.manifest import read_manifest
-    from qconv.runtime.loader import load_model
 
     out = build_zero_point_artifact(tmp_path, tiny_llama, calib_txt)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]

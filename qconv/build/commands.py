@@ -82,7 +82,7 @@ def _promotion_preview(dr, con) -> int:
     by_role = defaultdict(list)
     for u in dr.units:
         if not u.refusal:
-            by_role[u.role].append(u.bytes8 - u.bytes4)
+            by_role[u.role].append(u.top_bytes - u.base_bytes)
     con.print(
         f"INT8 promotion candidates under {_gb(dr.budget_bytes)} (units ranked by the build's sensitivity "
         "proxy per extra byte; shapes only here):"

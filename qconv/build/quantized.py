@@ -56,7 +56,7 @@ def build_from_quantized(opts, recipe: Recipe, src: ResolvedSource) -> Manifest:
 
 def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Manifest, final: Path):
     """Quality report against the bf16 original when given, else against the source checkpoint (its lossless
-    import, which our runtime reads), and the report says which."""
+    import, which our engine reads), and the report says which."""
     text = eval_text(opts, recipe)
     if not text:
         manifest.build.quality_reference = None

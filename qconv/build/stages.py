@@ -83,7 +83,7 @@ def sensitivity(
         opts.sensitivity,
         sens_samples,
         [
-            (u.name, [asdict(m) for m in u.w4], [(o.scheme, [asdict(m) for m in o.members]) for o in u.options])
+            (u.name, [asdict(m) for m in u.base], [(o.scheme, [asdict(m) for m in o.members]) for o in u.options])
             for u in units
         ],
         *key_part(device),

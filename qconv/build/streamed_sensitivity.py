@@ -34,7 +34,7 @@ def members_by_layer(units: list[Unit], n_layers: int | None = None) -> dict[int
 
     out: dict[int, dict[str, str]] = {}
     for u in units:
-        for m in u.w4:
+        for m in u.base:
             hit = _LAYER.search(m.name)
             if m.name.startswith("mtp.") or hit is None or (n_layers is not None and int(hit.group(1)) >= n_layers):
                 raise QconvError(
@@ -71,7 +71,7 @@ def streamed_proxy_scores(
     sm = StreamedModel.open(path, device, dtype=dtype)
     layers = sm.model.get_decoder().layers
     by_layer = members_by_layer(units, len(layers))
-    first = {u.w4[0].name for u in units}
+    first = {u.base[0].name for u in units}
     lengths = sorted({len(r) for r in ids})
     extra = {t: {i: _trainable_copy(c) for i, c in sm.layer_inputs(t).items()} for t in lengths}
     hidden = [sm.embed([r])[0] for r in ids]  # [T, H] each, in dtype
@@ -94,9 +94,9 @@ def streamed_proxy_scores(
             with input_hessians(watched, hs):
                 hidden = [run(i, layer, h).to(h.device) for h in hidden]
             for u in units:
-                if u.w4[0].name in watched:
-                    weights = {m.name: layer.get_submodule(local[m.name]).weight.float() for m in u.w4}
-                    rows[u.name] = row_errors(u, weights, hs[u.w4[0].name] / tokens)
+                if u.base[0].name in watched:
+                    weights = {m.name: layer.get_submodule(local[m.name]).weight.float() for m in u.base}
+                    rows[u.name] = row_errors(u, weights, hs[u.base[0].name] / tokens)
 
     grads, predicted = [], 0
     with sm.head() as (norm, head):  # the loss gradient at the last hidden state, row blocks at a time

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from qconv.calibrate.sensitivity import BASE, Scores
 from qconv.calibrate.units import Unit
 from qconv.errors import QconvError
 from qconv.manifest import SelectionRow
+from qconv.recipes.schema import renamed
 
 _UNITS = {
     "": 1,
@@ -35,7 +36,7 @@ _UNITS = {
 class Row(SelectionRow):
     @property
     def extra(self) -> int:
-        return self.bytes8 - self.bytes4
+        return self.top_bytes - self.base_bytes
 
     @property
     def upgraded(self) -> bool:
@@ -45,7 +46,7 @@ class Row(SelectionRow):
     def spent(self) -> int:
         if not self.upgraded:
             return 0
-        return (self.chosen_bytes if self.chosen_bytes is not None else self.bytes8) - self.bytes4
+        return (self.chosen_bytes if self.chosen_bytes is not None else self.top_bytes) - self.base_bytes
 
 
 @dataclass
@@ -75,13 +76,13 @@ class Selection:
 
     @classmethod
     def from_dict(cls, d: dict) -> Selection:
-        fields = ("unit", "role", "modules", "bytes4", "bytes8", "score", "decision")
+        keys = {f.name for f in fields(Row)}
         return cls(
             budget=d["budget"],
             budget_bytes=d["budget_bytes"],
             scheme=d["scheme"],
             method=d["method"],
-            rows=[Row(**{k: r[k] for k in fields}, chosen_bytes=r.get("chosen_bytes")) for r in d["units"]],
+            rows=[Row(**{k: v for k, v in renamed(Row, r).items() if k in keys}) for r in d["units"]],
             predicted_kld=d.get("predicted_kld"),
         )
 
@@ -164,9 +165,9 @@ def select(
         left = budget_bytes
         for name in order:
             u = next(u for u in units if u.name == name)
-            if not u.refusal and u.bytes8 - u.bytes4 <= left:
-                level[name] = (scheme, u.bytes8 - u.bytes4, 0.0)
-                left -= u.bytes8 - u.bytes4
+            if not u.refusal and u.top_bytes - u.base_bytes <= left:
+                level[name] = (scheme, u.top_bytes - u.base_bytes, 0.0)
+                left -= u.top_bytes - u.base_bytes
     elif budget_bytes > 0:
         level = _greedy(ok, scores, budget_bytes, scheme)
     for u in units:
@@ -180,12 +181,12 @@ def select(
             Row(
                 unit=u.name,
                 role=u.role,
-                modules=len(u.w4),
-                bytes4=u.bytes4,
-                bytes8=u.bytes8,
+                modules=len(u.base),
+                base_bytes=u.base_bytes,
+                top_bytes=u.top_bytes,
                 score=score,
                 decision=decision,
-                chosen_bytes=u.bytes4 + extra if chosen else None,
+                chosen_bytes=u.base_bytes + extra if chosen else None,
             )
         )
     if scores is not None and scores.errors and all(u.name in scores.errors for u in units):
@@ -201,7 +202,7 @@ def _greedy(units: list[Unit], scores: Scores, budget: int, top: str) -> dict[st
         for u in units:
             _, cur_extra, cur_gain = level.get(u.name, ("", 0, 0.0))
             for o in u.options:
-                gain, extra = scores.gain(u.name, o.scheme, top), o.bytes - u.bytes4
+                gain, extra = scores.gain(u.name, o.scheme, top), o.bytes - u.base_bytes
                 if o.refusal or gain is None or extra <= cur_extra or extra - cur_extra > left:
                     continue
                 if u.name in level and gain <= cur_gain:
@@ -230,7 +231,7 @@ def format_table(selection: Selection, limit: int = 40) -> str:
     for r in rows[:limit]:
         score = f"{r.score:.4g}" if r.score is not None else "-"
         lines.append(
-            f"  {r.unit:40s} {r.role:12s} {score:>11s} {r.bytes4 / 1e6:8.3f} {r.extra / 1e6:9.3f}  {r.decision}"
+            f"  {r.unit:40s} {r.role:12s} {score:>11s} {r.base_bytes / 1e6:8.3f} {r.extra / 1e6:9.3f}  {r.decision}"
         )
     if len(rows) > limit:
         lines.append(f"  ... {len(rows) - limit} more units (all in qconv.json `selection`)")

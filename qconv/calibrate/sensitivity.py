@@ -193,7 +193,7 @@ def row_errors(u: Unit, weights: dict[str, torch.Tensor], h: torch.Tensor) -> di
 
     with torch.no_grad():
         return {
-            BASE: {m.name: per_row(m) for m in u.w4},
+            BASE: {m.name: per_row(m) for m in u.base},
             **{o.scheme: {m.name: per_row(m) for m in o.members} for o in u.options},
         }
 
@@ -219,10 +219,10 @@ def proxy_scores(model, units: list[Unit], ids: list[list[int]]) -> Scores:
     One forward + backward per sequence, the whole model in memory (qconv.build.streamed_sensitivity: a layer at a
     time)."""
     mods = dict(model.named_modules())
-    hs, tokens = capture_hessians(model, ids, {u.w4[0].name for u in units})
-    fs = capture_fisher(model, ids, {m.name for u in units for m in u.w4})
+    hs, tokens = capture_hessians(model, ids, {u.base[0].name for u in units})
+    fs = capture_fisher(model, ids, {m.name for u in units for m in u.base})
     rows = {
-        u.name: row_errors(u, {m.name: mods[m.name].weight.detach().float() for m in u.w4}, hs[u.w4[0].name])
+        u.name: row_errors(u, {m.name: mods[m.name].weight.detach().float() for m in u.base}, hs[u.base[0].name])
         for u in units
     }
     return proxy_from(units, rows, fs, tokens)
@@ -280,7 +280,7 @@ def model_kld_scores(
     mods = dict(model.named_modules())
     with torch.no_grad():
         ref = [torch.log_softmax(model(torch.tensor([r])).logits[0].float(), -1) for r in ids]
-    orig = {m.name: mods[m.name].weight.detach().clone() for u in units for m in u.w4}
+    orig = {m.name: mods[m.name].weight.detach().clone() for u in units for m in u.base}
 
     def put(members):
         for m in members:
@@ -288,20 +288,20 @@ def model_kld_scores(
 
     try:
         for u in units:
-            put(u.w8)
+            put(u.top)
         base = _mean_kld(model, ids, ref)
         inputs = _layer_inputs(model, ids)
         values, gains = {}, {}
         for u in tqdm(units, desc="sensitivity (model KLD)", unit="unit", disable=not progress, leave=False):
-            start = _layer_index(u.w4[0].name)
-            put(u.w4)
+            start = _layer_index(u.base[0].name)
+            put(u.base)
             at_base = _mean_kld(model, ids, ref, start, inputs)
             gains[u.name] = {u.options[-1].scheme: at_base - base}
             for o in u.options[:-1]:
                 put(o.members)
                 gains[u.name][o.scheme] = at_base - _mean_kld(model, ids, ref, start, inputs)
             values[u.name] = at_base - base
-            put(u.w8)
+            put(u.top)
     finally:
         for name, w in orig.items():
             mods[name].weight.data.copy_(w)

@@ -41,26 +41,26 @@ class Option:
 
 @dataclass
 class Unit:
-    """One selectable unit of the plan (a fused group or one projection): its members' 4-bit (current) decisions,
-    its decisions under the selection's 8-bit `scheme` (w8) and under each cheaper step (selection.steps);
-    qconv.calibrate.select chooses among them under the byte budget."""
+    """One selectable unit of the plan (a fused group or one projection): its members' decisions under the recipe
+    (`base`, 4-bit), under the selection's top `scheme` (`top`, normally INT8) and under each cheaper step short of
+    it (selection.steps: smaller int4 groups); qconv.calibrate.select chooses among them under the byte budget."""
 
     name: str
     role: str
-    w4: list[ModuleDecision]
-    w8: list[ModuleDecision]
-    refusal: str = ""  # why this unit cannot be INT8 in vLLM ("" when it can)
-    scheme: str = "w8a16"  # the recipe's name for the w8 decisions (selection.scheme)
-    steps: list[Option] = field(default_factory=list)  # upgrades short of w8, in selection.steps order
+    base: list[ModuleDecision]
+    top: list[ModuleDecision]
+    refusal: str = ""  # why this unit cannot take the top scheme in vLLM ("" when it can)
+    scheme: str = "w8a16"  # the recipe's name for the top decisions (selection.scheme)
+    steps: list[Option] = field(default_factory=list)  # upgrades short of the top scheme, in selection.steps order
 
     @property
-    def bytes4(self) -> int:
-        return sum(module_bytes(m) for m in self.w4)
+    def base_bytes(self) -> int:
+        return sum(module_bytes(m) for m in self.base)
 
     @property
-    def bytes8(self) -> int:
-        return sum(module_bytes(m) for m in self.w8)
+    def top_bytes(self) -> int:
+        return sum(module_bytes(m) for m in self.top)
 
     @property
     def options(self) -> list[Option]:
-        return [*self.steps, Option(self.scheme, self.w8, self.refusal)]
+        return [*self.steps, Option(self.scheme, self.top, self.refusal)]

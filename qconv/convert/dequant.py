@@ -1,6 +1,6 @@
 """Dequantize compressed-tensors weights model-free, with compressed-tensors' own compressors: each module matches its
 config group by name (class targets such as "Linear" inferred from the name, since no model is built) and is
-decompressed by the compressor of the format it is stored in. The one dequantizer of the package: the runtime's
+decompressed by the compressor of the format it is stored in. The one dequantizer of the package: the engine's
 loader and the layer-streamed eval both read weights through it (transformers' own loader is qconv.load_causal_lm's).
 A matrix taller than `block_rows` is done a block of rows at a time: compressed-tensors holds about twice the
 result in temporaries (5 GB for a 248,320 x 5,120 INT8 lm_head), and the rows of a group- or channel-quantized
@@ -61,7 +61,7 @@ def quantized_modules(qcfg: dict, tensors: dict[str, torch.Tensor], where: str):
         raise QconvError(
             f"unsupported quantization method {qcfg.get('quant_method')!r}",
             where=where,
-            fix="the bundled runtime loads compressed-tensors artifacts (qconv build) or plain folders",
+            fix="the bundled engine loads compressed-tensors artifacts (qconv build) or plain folders",
         )
     config = QuantizationConfig.model_validate(qcfg)
     if config.quantization_status != "compressed":

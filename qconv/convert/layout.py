@@ -343,8 +343,8 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
         unit = Unit(
             name=name,
             role=role,
-            w4=members,
-            w8=w8,
+            base=members,
+            top=w8,
             refusal=int8_refusal(role, w8, recipe, sel.scheme),
             scheme=sel.scheme,
         )
@@ -357,7 +357,7 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
                 ],
             )
             opt.refusal = _refusal(role, opt.members, recipe, step)
-            if opt.refusal or opt.bytes > unit.bytes4:
+            if opt.refusal or opt.bytes > unit.base_bytes:
                 unit.steps.append(opt)
         units.append(unit)
     return units

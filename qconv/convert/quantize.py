@@ -307,7 +307,7 @@ def quantize(
 def keep_tied(out: Path) -> None:
     """llmcompressor unties embeddings it quantizes and saves the (unquantized) head beside the packed table; a
     recipe that keeps them tied stores one copy: drop `lm_head.weight` and mark the config tied again, so
-    transformers and qconv's runtime build the head from the dequantized embed_tokens."""
+    transformers and qconv's engine build the head from the dequantized embed_tokens."""
     import json
 
     from safetensors.torch import load_file, save_file

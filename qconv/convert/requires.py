@@ -22,7 +22,8 @@ __all__ = [
     "missing_for_vllm",
     "requirements",
 ]
-NEEDS_RUNTIME = ("qconv", "qconv-runtime", "native")  # needs values that no vLLM satisfies
+# `needs` values only our engine meets (the last is its old name)
+NEEDS_ENGINE = ("qconv", "qconv-engine", "native", "qconv-runtime")
 PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
 # vLLM 0.32 models that pass their embed_tokens prefix to the quantization config themselves (Qwen2Model and
 # its Qwen3Model subclass): a quantized embedding loads there without the plugin.
@@ -89,7 +90,7 @@ def missing_for_vllm(
             continue
         if req.platform and platform and req.platform != platform:
             continue
-        if req.needs.lower() in NEEDS_RUNTIME:
+        if req.needs.lower() in NEEDS_ENGINE:
             out.append(req)
             continue
         feat = req.vllm_feature

@@ -1,10 +1,10 @@
 """KV-cache quantization simulated inside attention, to measure what a KV scheme costs on top of the weights.
 
-A scheme comes from qconv.kv's registry (`get_kv_scheme(name)`), the same codec the runtime's packed KV store runs.
+A scheme comes from qconv.kv's registry (`get_kv_scheme(name)`), the same codec the engine's packed KV store runs.
 We register one attention function per (scheme, form) with transformers' AttentionInterface (and sdpa's mask builder
 under the same name), so every full-attention layer — llama, qwen3, qwen3_5's full-attention layers — attends over
 the dequantized values; linear-attention layers hold no KV cache and are untouched. Two forms:
-- "decode" (default): what the runtime's decode steps read: a token is quantized once its tile has closed, the sink
+- "decode" (default): what the engine's decode steps read: a token is quantized once its tile has closed, the sink
   and the tile being filled stay exact (`KVScheme.decode_time`);
 - "prefill": every full tile quantized for every query (the pessimistic form: a query also sees its own tile
   quantized, as a prompt prefilled in one forward does).

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from qconv.convert.requires import NEEDS_RUNTIME
+from qconv.convert.requires import NEEDS_ENGINE
 from qconv.errors import QconvError
 from qconv.hub.verify import quality_rows, verify_artifact
 from qconv.manifest import MANIFEST, Manifest, Requirement
@@ -83,7 +83,7 @@ def _scope(r: Requirement) -> str:
 def _vllm_lines(manifest: Manifest, repo_id: str) -> list[str]:
     """How (and whether) vLLM runs it, from `requires`: stock vLLM only when nothing there applies everywhere."""
     everywhere = [r for r in manifest.requires if r.profile is None and r.platform is None]
-    if any(r.needs.lower() in NEEDS_RUNTIME for r in everywhere):
+    if any(r.needs.lower() in NEEDS_ENGINE for r in everywhere):
         return ["vLLM cannot run this artifact (see Requirements): serve it with `qconv serve`.", ""]
     if everywhere:
         return [

@@ -1,4 +1,4 @@
-"""The KV-scheme interface shared by simulated attention (`qconv eval --kv`), the packed runtime store and the planner.
+"""The KV-scheme interface shared by simulated attention (`qconv eval --kv`), the engine's packed store and the planner.
 
 A scheme is a codec for fixed-size records: `encode` turns `tile` consecutive tokens of K and V (per head) into one
 uint8 record, `decode` turns records back into K and V. Tile semantics live here, once, for every scheme: with
@@ -100,13 +100,13 @@ class KVScheme:
         device=None,
         decoded_cache_bytes: int = 0,
     ):
-        """The runtime's KVStore (qconv.runtime.cache) holding this scheme's packed records per (layer, slot);
+        """The engine's KVStore (qconv.engine.cache) holding this scheme's packed records per (layer, slot);
         decoded_cache_bytes > 0 lets reads reuse decoded closed tiles (a speed cache, outside the memory bound)."""
         return SlotKVStore(self, layers, max_batch, heads, head_dim, dtype, device, decoded_cache_bytes)
 
     # --- simulation ----------------------------------------------------------------------------------------------
     def decode_time(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What each position's own decode step reads from the runtime store (qconv.kv.store): token j quantized
+        """What each position's own decode step reads from the engine's store (qconv.kv.store): token j quantized
         once its tile has closed (filled) by the time position i is written, exact otherwise (the sink, the tile
         being filled). Returns keys and values [..., 2T, D] (`fake_quant` of the sequence, then the exact one)
         and a bool mask [T, 2T] saying which of the two copies query i attends to, causal included."""

@@ -1,8 +1,8 @@
 """Packed KV stores: what a runtime holds in memory for a scheme — the records, plus the few exact fp16 tokens.
 
 `PackedKV` holds one sequence (any leading dims: heads, or layers x heads) and is what benchmarks and tests drive.
-`SlotKVStore` adapts it to qconv.runtime.cache's KVStore protocol (write / read / truncate per layer and slot),
-so `make_kv_store("kvarn_k4v2_g128", ...)` in the runtime gets packed records through `scheme.new_store(...)`.
+`SlotKVStore` adapts it to qconv.engine.cache's KVStore protocol (write / read / truncate per layer and slot),
+so `make_kv_store("kvarn_k4v2_g128", ...)` in the engine gets packed records through `scheme.new_store(...)`.
 A store holds any qconv.kv.base.KVScheme (it only calls its codec), so it does not import base: base builds stores."""
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ class PackedKV:
 
 
 class SlotKVStore:
-    """qconv.runtime.cache.KVStore over PackedKV: one packed sequence per (layer, slot); heads are batched."""
+    """qconv.engine.cache.KVStore over PackedKV: one packed sequence per (layer, slot); heads are batched."""
 
     def __init__(
         self,

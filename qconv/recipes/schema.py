@@ -144,6 +144,7 @@ def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: 
         _fail(source, path, f"expected {_type_name(cls)}, got {shorten(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    data = renamed(cls, data)
     unknown = [k for k in data if k not in fields]
     if unknown and not strict:
         log.warning(
@@ -175,6 +176,12 @@ def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: 
         for problem in check() or ():
             _fail(source, f"{path}.{problem[0]}" if path else problem[0], problem[1])
     return obj
+
+
+def renamed(cls, data: dict) -> dict:
+    """`data` with the keys an older qconv wrote under `cls.RENAMED`'s old names given their current names."""
+    old = getattr(cls, "RENAMED", None) or {}
+    return {old.get(k, k) if old.get(k) not in data else k: v for k, v in data.items()}
 
 
 def coerce_fields(obj, source: str, path: str = "") -> None:

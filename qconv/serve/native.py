@@ -9,11 +9,11 @@ from pathlib import Path
 from types import EllipsisType
 
 from qconv.artifact import Artifact
+from qconv.engine.config import model_dir
+from qconv.engine.spec import SpecConfig
 from qconv.errors import QconvError
 from qconv.modelfiles import read_model_config
 from qconv.recipes.sections import Speculative
-from qconv.runtime.config import model_dir
-from qconv.runtime.spec import SpecConfig
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
 DEFAULT_MAX_TOKENS = 2048  # a chat request without max_tokens, when the profile names no `max_tokens` of its own
@@ -42,7 +42,7 @@ class NativePlan:
 
 
 def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> NativePlan:
-    """Context, runtime KV scheme and speculation from the artifact's manifest when it has one (`art`: the
+    """Context, KV scheme and speculation from the artifact's manifest when it has one (`art`: the
     artifact the caller opened already, None for a plain folder; `...`: open it here)."""
     cfg = read_model_config(path)
     max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
@@ -66,17 +66,17 @@ def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | Ellipsis
 def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...):
     """(FastAPI app, started Scheduler) for the model at `path`, loaded as `qconv generate` loads it (bf16 with the
     CPU int kernels for an artifact where torch has them)."""
-    from qconv.runtime.loader import describe_runtime, load_for_runtime, load_tokenizer
+    from qconv.engine.loader import describe_engine, load_for_engine, load_tokenizer
     from qconv.serve.scheduler import Scheduler
     from qconv.serve.server import ServerConfig, create_app
 
     path = model_dir(path)
     plan = native_plan(path, opts, art)
     tok = load_tokenizer(path)
-    model = load_for_runtime(path)
+    model = load_for_engine(path)
     log.warning(
         "native engine: %s, %d slots x %d tokens, KV %s",
-        describe_runtime(model),
+        describe_engine(model),
         opts.max_batch,
         plan.context_len,
         plan.kv_scheme,

@@ -1,5 +1,5 @@
 """Continuous batching: one thread owns the model and its cache. Requests join between decode steps (prefilled
-together into their own slots); each batched forward (runtime/batch.py, the engine's one decode loop) advances every
+together into their own slots); each batched forward (engine/batch.py, the engine's one decode loop) advances every
 active slot by its sampled token plus whatever of its own drafts (spec.py) verify. The HTTP layer submits a `GenRequest` with a thread-safe `emit` callback and
 cancels by setting a flag the thread checks every step.
 
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qconv.runtime.batch import decode, prefill
-from qconv.runtime.detok import TextStream
-from qconv.runtime.sampling import SamplingParams
-from qconv.runtime.spec import SpecConfig, Speculator, make_speculator
+from qconv.engine.batch import decode, prefill
+from qconv.engine.detok import TextStream
+from qconv.engine.sampling import SamplingParams
+from qconv.engine.spec import SpecConfig, Speculator, make_speculator
 from qconv.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from qconv.runtime.sampling import SamplingParams
+from qconv.engine.sampling import SamplingParams
 from qconv.serve.protocol import APIError, ChatRequest, CompletionRequest, validation_error
 from qconv.serve.scheduler import Event, GenRequest, QueueFull, Scheduler, SchedulerDown
 

@@ -11,14 +11,14 @@ import torch
 
 from qconv.compute import bf16_native, dtype_name
 from qconv.convert.dequant import dequantize_tensors
+from qconv.engine.config import EngineConfig, load_config
+from qconv.engine.cpu_pack import PackedLinear, pack_linears, packing_available
+from qconv.engine.int_linear import Int4Linear, Int8Embedding, IntWeight, attach_int_kernels, int_kernels_available
+from qconv.engine.model import Transformer
+from qconv.engine.quant import int_weights
+from qconv.engine.qwen35 import Qwen35Transformer
 from qconv.errors import QconvError
 from qconv.modelfiles import read_model_config
-from qconv.runtime.config import RuntimeConfig, load_config
-from qconv.runtime.cpu_pack import PackedLinear, pack_linears, packing_available
-from qconv.runtime.int_linear import Int4Linear, Int8Embedding, IntWeight, attach_int_kernels, int_kernels_available
-from qconv.runtime.model import Transformer
-from qconv.runtime.quant import int_weights
-from qconv.runtime.qwen35 import Qwen35Transformer
 
 FUSED = {  # our name -> checkpoint names concatenated along the output dim, in order
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -50,7 +50,7 @@ def quantization_config(path: Path) -> dict | None:
     return read_model_config(path).get("quantization_config") or None
 
 
-def our_int_weights(path: Path, tensors: dict[str, torch.Tensor], cfg: RuntimeConfig) -> dict[str, IntWeight]:
+def our_int_weights(path: Path, tensors: dict[str, torch.Tensor], cfg: EngineConfig) -> dict[str, IntWeight]:
     """The artifact's integer weights under our module names, fused like the dense ones; a fused projection whose
     parts differ in format (or are not all quantized) is left out and runs dense."""
     qcfg = quantization_config(path)
@@ -60,7 +60,7 @@ def our_int_weights(path: Path, tensors: dict[str, torch.Tensor], cfg: RuntimeCo
     return {name.removesuffix(".weight"): w for name, w in fused.items() if w is not None}
 
 
-def _our_name(name: str, cfg: RuntimeConfig) -> str | None:
+def _our_name(name: str, cfg: EngineConfig) -> str | None:
     if name.startswith(cfg.weight_prefix):
         name = name[len(cfg.weight_prefix) :]
     elif name.startswith("model.") and cfg.weight_prefix != "model.":
@@ -95,7 +95,7 @@ def _fuse(named, cat) -> tuple[dict, dict]:
     return out, pending
 
 
-def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: RuntimeConfig, dtype) -> dict[str, torch.Tensor]:
+def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: EngineConfig, dtype) -> dict[str, torch.Tensor]:
     def ours():
         for name, t in tensors.items():
             name = _our_name(name, cfg)
@@ -114,7 +114,7 @@ def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: RuntimeConfig, dty
     return sd
 
 
-def runtime_dtype(path, dequantize: bool = False, requested: str | None = None) -> torch.dtype:
+def engine_dtype(path, dequantize: bool = False, requested: str | None = None) -> torch.dtype:
     """The dtype the CLI runs a model in: `requested` ("float32" / "bfloat16") when given; else bf16 for a
     compressed artifact when the CPU int kernels exist and the CPU computes bf16 natively (its int4 Linears then run
     as int4), else float32 (dequantized on load). dequantize=True forces the float32 path."""
@@ -168,13 +168,13 @@ def load_model(
     return model.eval()
 
 
-def load_for_runtime(path, dequantize: bool = False, dtype: str | None = None) -> Transformer:
-    """The model as `qconv generate` and `qconv serve` run it: `runtime_dtype`'s dtype, and the CPU int kernels
+def load_for_engine(path, dequantize: bool = False, dtype: str | None = None) -> Transformer:
+    """The model as `qconv generate` and `qconv serve` run it: `engine_dtype`'s dtype, and the CPU int kernels
     unless `dequantize`."""
-    return load_model(path, dtype=runtime_dtype(path, dequantize, dtype), int_kernels=False if dequantize else None)
+    return load_model(path, dtype=engine_dtype(path, dequantize, dtype), int_kernels=False if dequantize else None)
 
 
-def describe_runtime(model: Transformer) -> str:
+def describe_engine(model: Transformer) -> str:
     """One phrase for a startup line: the dtype and which weights run through the int kernels."""
     dtype = dtype_name(model.norm.weight.dtype)
     n4 = sum(isinstance(m, Int4Linear) for m in model.modules())

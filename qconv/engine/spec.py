@@ -12,9 +12,9 @@ from typing import Protocol
 import torch
 
 from qconv.artifact import Artifact
+from qconv.engine.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
 from qconv.errors import QconvError
 from qconv.recipes.sections import Speculative
-from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
 
 SPEC_MODES = ("none", "lookup", "mtp", "hybrid")
 SURE_RUN = 8  # prompt lookup drafts the whole block on a match this long (PromptLookup)
@@ -80,7 +80,7 @@ class SpecConfig:
 
     @classmethod
     def from_manifest(cls, spec: Speculative | None, tokens: int | None = None) -> SpecConfig:
-        """The artifact's typed `speculative` block as the runtime runs it (None: the artifact records none);
+        """The artifact's typed `speculative` block as the engine runs it (None: the artifact records none);
         `tokens` overrides its k (the lookup block for method lookup; 0 = off). Methods our engine lacks (dflash:
         vLLM's) fall back to lookup."""
         if spec is None:

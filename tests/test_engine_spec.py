@@ -11,10 +11,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from qconv.runtime.detok import TextStream
-from qconv.runtime.generate import GenerationConfig, GenerationStats, generate_tokens, stream_text
-from qconv.runtime.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
-from qconv.runtime.spec import Draft, DraftLength, PromptLookup, SpecConfig, Speculator
+from qconv.engine.detok import TextStream
+from qconv.engine.generate import GenerationConfig, GenerationStats, generate_tokens, stream_text
+from qconv.engine.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
+from qconv.engine.spec import Draft, DraftLength, PromptLookup, SpecConfig, Speculator
 
 
 # --- a toy model with the runtime API: next-token logits depend on the last two tokens; rollback cuts lengths ---
@@ -205,7 +205,7 @@ class FixedHead:
 
 
 def test_hybrid_stretches_only_after_the_drafter_saturates():
-    from qconv.runtime.spec import HybridDrafter
+    from qconv.engine.spec import HybridDrafter
 
     hd = HybridDrafter(FixedHead([7, 8]), PromptLookup(1, 2), after_saturated=2)
     seq = [1, 7, 8, 5, 6, 1]  # after "1, 7, 8" lookup continues "5, 6, 1, ..."
@@ -416,7 +416,7 @@ def _prompts(tok, n):
 )
 def test_tiny_greedy_speculative_equals_plain(tiny_models, family, method, one_thread):
     """fp32, the tiny llama / qwen3 / qwen3_5 models: every drafter's greedy output is plain greedy's."""
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.loader import load_model, load_tokenizer
 
     path = tiny_models(family)
     model, tok = load_model(path), load_tokenizer(path)
@@ -425,8 +425,8 @@ def test_tiny_greedy_speculative_equals_plain(tiny_models, family, method, one_t
 
 
 def test_qwen35_rollback_at_every_accept_length(tiny_qwen3_5, one_thread, monkeypatch):
-    import qconv.runtime.generate as gen_mod
-    from qconv.runtime.loader import load_model, load_tokenizer
+    import qconv.engine.generate as gen_mod
+    from qconv.engine.loader import load_model, load_tokenizer
 
     model, tok = load_model(tiny_qwen3_5), load_tokenizer(tiny_qwen3_5)
     for ids in _prompts(tok, 4):
@@ -441,8 +441,8 @@ def test_qwen35_rollback_at_every_accept_length(tiny_qwen3_5, one_thread, monkey
 
 @pytest.mark.slow
 def test_smollm2_lookup_greedy_equals_plain(smollm2, shared_data, one_thread):
-    from qconv.runtime.generate import encode_prompt
-    from qconv.runtime.loader import load_model, load_tokenizer
+    from qconv.engine.generate import encode_prompt
+    from qconv.engine.loader import load_model, load_tokenizer
 
     model, tok = load_model(smollm2), load_tokenizer(smollm2)
     lines = [s.strip() for s in (shared_data / "tinyshakespeare.txt").read_text().split("\n\n")[1:80]]
@@ -547,7 +547,7 @@ def test_transformers_drafter_replay_reproduces_its_real_run(tiny_llama, one_thr
     forwards its real `generate(prompt_lookup_num_tokens=...)` run takes when both engines produce the same text."""
     from pathlib import Path
 
-    from qconv.runtime.loader import load_model
+    from qconv.engine.loader import load_model
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     from spec_bench import transformers_lookup_replay, transformers_run

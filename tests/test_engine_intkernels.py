@@ -1,4 +1,4 @@
-"""Artifacts through torch's CPU int kernels (qconv/runtime/int_linear.py) vs the dequantize-on-load path."""
+"""Artifacts through torch's CPU int kernels (qconv/engine/int_linear.py) vs the dequantize-on-load path."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from qconv.engine import load_model
+from qconv.engine.int_linear import Int4Linear, Int8Embedding, IntWeight, int4_supported, int_kernels_available
 from qconv.errors import QconvError
-from qconv.runtime import load_model
-from qconv.runtime.int_linear import Int4Linear, Int8Embedding, IntWeight, int4_supported, int_kernels_available
-from tests.test_runtime_model import _quantize, _tokens
+from tests.test_engine_model import _quantize, _tokens
 
 pytestmark = [
     pytest.mark.skipif(
@@ -66,7 +66,7 @@ def test_effective_weights_equal_dequantized(tiny_artifact):
     every = torch.arange(ints.config.vocab_size)
     assert torch.equal(ints.embed_tokens(every), dense.embed_tokens.weight)
     # the integers and scales handed to the kernels, in fp32, against compressed-tensors' own fp32 decompression
-    from qconv.runtime.loader import our_int_weights, read_safetensors
+    from qconv.engine.loader import our_int_weights, read_safetensors
 
     fp32 = load_model(tiny_artifact, pack=False)
     for name, iw in our_int_weights(tiny_artifact, read_safetensors(tiny_artifact), fp32.config).items():
@@ -130,19 +130,19 @@ def test_cli_dequantize_option(tiny_artifact, tiny_qwen3, monkeypatch):
     speculative benchmark (bench/spec_workloads.py) picks its dtype the same way."""
     from click.testing import CliRunner
 
-    import qconv.runtime.loader as loader
-    from qconv.runtime.commands import generate
-    from qconv.runtime.generate import GenerationConfig
+    import qconv.engine.loader as loader
+    from qconv.engine.commands import generate
+    from qconv.engine.generate import GenerationConfig
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
     from spec_workloads import run_bench
 
     monkeypatch.setattr(loader, "bf16_native", lambda: False)  # an AVX2-only CPU: bf16 emulated, float32 is faster
-    assert loader.runtime_dtype(tiny_artifact) == torch.float32
+    assert loader.engine_dtype(tiny_artifact) == torch.float32
     monkeypatch.setattr(loader, "bf16_native", lambda: True)  # AVX-512 / AMX (the int kernels run either way)
-    assert loader.runtime_dtype(tiny_artifact) == torch.bfloat16
-    assert loader.runtime_dtype(tiny_artifact, dequantize=True) == torch.float32
-    assert loader.runtime_dtype(tiny_qwen3) == torch.float32  # plain folders keep the float32 default
+    assert loader.engine_dtype(tiny_artifact) == torch.bfloat16
+    assert loader.engine_dtype(tiny_artifact, dequantize=True) == torch.float32
+    assert loader.engine_dtype(tiny_qwen3) == torch.float32  # plain folders keep the float32 default
     loaded = []
     real = loader.load_model
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
@@ -191,7 +191,7 @@ def test_serve_native_runs_as_generate_does(tiny_artifact, monkeypatch, log_reco
     import uvicorn
     from click.testing import CliRunner
 
-    import qconv.runtime.loader as loader
+    import qconv.engine.loader as loader
     from qconv.cli import main
     from qconv.serve.scheduler import Scheduler
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qconv.engine.batch import Sequence, decode, prefill
+from qconv.engine.detok import TextStream
+from qconv.engine.sampling import SamplingParams
+from qconv.engine.spec import SpecConfig, make_speculator
 from qconv.errors import QconvError
-from qconv.runtime.batch import Sequence, decode, prefill
-from qconv.runtime.detok import TextStream
-from qconv.runtime.sampling import SamplingParams
-from qconv.runtime.spec import SpecConfig, make_speculator
 
 MAX_POS = 16  # draft positions counted in the statistics (max_block <= 15)
 

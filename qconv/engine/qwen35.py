@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qconv.runtime.cache import ModelCache
-from qconv.runtime.config import RuntimeConfig
-from qconv.runtime.gdn import gated_delta
-from qconv.runtime.model import Attention, Block, RMSNorm, Step, Transformer
+from qconv.engine.cache import ModelCache
+from qconv.engine.config import EngineConfig
+from qconv.engine.gdn import gated_delta
+from qconv.engine.model import Attention, Block, RMSNorm, Step, Transformer
 
 
 def _take(buf: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class GatedDeltaNet(nn.Module):
     """Linear-attention mixer: causal depthwise conv over fused q/k/v, then the gated delta rule per v-head."""
 
-    def __init__(self, cfg: RuntimeConfig, state_index: int):
+    def __init__(self, cfg: EngineConfig, state_index: int):
         super().__init__()
         self.state_index = state_index
         self.hk, self.hv = cfg.linear_num_k_heads, cfg.linear_num_v_heads
@@ -83,7 +83,7 @@ class GatedDeltaNet(nn.Module):
 class MTPHead(nn.Module):
     """qwen3_5's multi-token-prediction layer; shares the target's embeddings and lm_head."""
 
-    def __init__(self, cfg: RuntimeConfig, target: Transformer):
+    def __init__(self, cfg: EngineConfig, target: Transformer):
         super().__init__()
         self.config = cfg
         self._target = [target]  # a list, so the target is not registered as a submodule
@@ -116,11 +116,11 @@ class MTPHead(nn.Module):
 
 
 class Qwen35Transformer(Transformer):
-    def __init__(self, cfg: RuntimeConfig):
+    def __init__(self, cfg: EngineConfig):
         super().__init__(cfg)
         self.mtp = MTPHead(cfg, self) if cfg.has_mtp else None
 
-    def make_mixer(self, cfg: RuntimeConfig, i: int) -> nn.Module:
+    def make_mixer(self, cfg: EngineConfig, i: int) -> nn.Module:
         if cfg.layer_types[i] == "linear_attention":
             return GatedDeltaNet(cfg, cfg.linear_layers.index(i))
         return Attention(cfg, cfg.full_layers.index(i))

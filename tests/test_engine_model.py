@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qconv.runtime import load_model
+from qconv.engine import load_model
 
 TOL = 1e-3  # max |logit difference| in fp32
 
@@ -82,7 +82,7 @@ def test_logit_parity_qwen2_biases(tiny_qwen2):
 
 def test_config_of_real_27b(config_27b):
     """The flagship's multimodal config: text weights under model.language_model., 16 full + 48 GDN layers."""
-    from qconv.runtime.config import load_config
+    from qconv.engine.config import load_config
 
     c = load_config(config_27b)
     assert (c.family, c.weight_prefix, c.rotary_dim) == ("qwen3_5", "model.language_model.", c.head_dim // 4)
@@ -161,8 +161,8 @@ def test_batched_slots_match_single(tiny_models, family):
 def test_runtime_kv_store_is_the_eval_codec():
     """fp8_e4m3 (and every other scheme) in the runtime cache is qconv.kv's codec: a prompt written to the runtime's
     store reads back exactly as `qconv eval --kv` simulates it (amax-scaled fp8, calibrated on that prompt)."""
+    from qconv.engine.cache import make_kv_store
     from qconv.kv import get_kv_scheme
-    from qconv.runtime.cache import make_kv_store
 
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 1, 70, 4, 32, generator=g) * 3  # [B, T, H, D]
@@ -356,7 +356,7 @@ def test_kvarn_store_plugs_into_cache(tiny_qwen3):
 
 def test_packing_only_where_onednn_runs_bf16(monkeypatch):
     """An AVX2-only CPU has oneDNN but not its bf16 linear path (the reorder raises): no packing there."""
-    from qconv.runtime import cpu_pack
+    from qconv.engine import cpu_pack
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)

@@ -10,10 +10,10 @@ from typing import Protocol
 
 import torch
 
+from qconv.engine.config import EngineConfig
+from qconv.engine.gdn import recurrent_gated_delta
 from qconv.errors import QconvError
 from qconv.kv import get_kv_scheme
-from qconv.runtime.config import RuntimeConfig
-from qconv.runtime.gdn import recurrent_gated_delta
 
 
 class KVStore(Protocol):
@@ -95,7 +95,7 @@ class ModelCache:
     @classmethod
     def create(
         cls,
-        c: RuntimeConfig,
+        c: EngineConfig,
         max_batch: int,
         max_len: int,
         dtype: torch.dtype,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from qconv.convert.dequant import quantized_modules
-from qconv.runtime.int_linear import IntWeight
+from qconv.engine.int_linear import IntWeight
 
 
 def int_weights(qcfg: dict, tensors: dict[str, torch.Tensor], where: str = "") -> dict[str, IntWeight]:

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qconv.engine.cache import ModelCache
+from qconv.engine.config import EngineConfig
 from qconv.errors import QconvError
-from qconv.runtime.cache import ModelCache
-from qconv.runtime.config import RuntimeConfig
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +52,7 @@ class Step:
     gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (cache.record_gdn)
 
     @classmethod
-    def begin(cls, cfg: RuntimeConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
+    def begin(cls, cfg: EngineConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
         slots = list(range(B)) if slots is None else [int(s) for s in slots]
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
@@ -92,7 +92,7 @@ def rotate(x: torch.Tensor, st: Step) -> torch.Tensor:
 class Attention(nn.Module):
     """GQA attention; options: q/k/v bias (qwen2), q/k RMSNorm (qwen3), sigmoid output gate from q_proj (qwen3_5)."""
 
-    def __init__(self, cfg: RuntimeConfig, kv_index: int):
+    def __init__(self, cfg: EngineConfig, kv_index: int):
         super().__init__()
         self.kv_index = kv_index
         self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -135,7 +135,7 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: RuntimeConfig, mixer: nn.Module):
+    def __init__(self, cfg: EngineConfig, mixer: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mixer = mixer
@@ -150,7 +150,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """The llama-family model. forward() appends tokens to cache slots and returns float32 logits."""
 
-    def __init__(self, cfg: RuntimeConfig):
+    def __init__(self, cfg: EngineConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -160,7 +160,7 @@ class Transformer(nn.Module):
         self.tied_head: nn.Module | None = None  # a packed copy of the tied embedding (cpu_pack.py)
         self.mtp = None
 
-    def make_mixer(self, cfg: RuntimeConfig, i: int) -> nn.Module:
+    def make_mixer(self, cfg: EngineConfig, i: int) -> nn.Module:
         return Attention(cfg, cfg.full_layers.index(i))
 
     @property

@@ -1,4 +1,4 @@
-"""RuntimeConfig: the handful of numbers our model code needs, read once from an HF config through transformers'
+"""EngineConfig: the handful of numbers our model code needs, read once from an HF config through transformers'
 own config classes (so defaults, rope parameters and family quirks match the reference implementation)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ QWEN35_FAMILY = ("qwen3_5", "qwen3_5_text")
 
 
 @dataclass
-class RuntimeConfig:
+class EngineConfig:
     family: str  # "llama" (llama/qwen2/qwen3) or "qwen3_5"
     model_type: str
     vocab_size: int
@@ -103,8 +103,8 @@ def _eos_ids(path: Path, *configs) -> list[int]:
     return ids
 
 
-def load_config(path: str | Path, *, has_mtp: bool = False) -> RuntimeConfig:
-    """Read `path/config.json`; raise QconvError for architectures this runtime does not implement."""
+def load_config(path: str | Path, *, has_mtp: bool = False) -> EngineConfig:
+    """Read `path/config.json`; raise QconvError for architectures this engine does not implement."""
     from transformers import AutoConfig
 
     path = model_dir(path)
@@ -115,7 +115,7 @@ def load_config(path: str | Path, *, has_mtp: bool = False) -> RuntimeConfig:
         hf, prefix = top.get_text_config(), "model.language_model."
     if mt not in LLAMA_FAMILY + QWEN35_FAMILY:
         raise QconvError(
-            f"model_type {mt!r} is not supported by the bundled runtime",
+            f"model_type {mt!r} is not supported by the bundled engine",
             where=str(path),
             fix=f"supported: {', '.join(LLAMA_FAMILY + QWEN35_FAMILY)}",
         )
@@ -123,7 +123,7 @@ def load_config(path: str | Path, *, has_mtp: bool = False) -> RuntimeConfig:
     inv_freq, rscale, rdim = _rope(hf, head_dim)
     qwen35 = mt in QWEN35_FAMILY
     n = hf.num_hidden_layers
-    cfg = RuntimeConfig(
+    cfg = EngineConfig(
         family="qwen3_5" if qwen35 else "llama",
         model_type=mt,
         vocab_size=hf.vocab_size,

@@ -1,5 +1,5 @@
 """The prefill and the decode step of our engine, over a batch of rows: the one decode loop that `qconv generate`
-(runtime/generate.py, one row) and `qconv serve` (serve/scheduler.py, continuous batching) both drive.
+(engine/generate.py, one row) and `qconv serve` (serve/scheduler.py, continuous batching) both drive.
 
 A row is anything with the attributes of `Sequence`. Each decode step feeds every row its last token plus its own
 drafts (spec.py), padded to a common length; verification keeps the accepted prefix and the target's next token,
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qconv.runtime.sampling import SamplingParams
-from qconv.runtime.spec import Draft, Speculator, verify
+from qconv.engine.sampling import SamplingParams
+from qconv.engine.spec import Draft, Speculator, verify
 
 
 @dataclass(eq=False)

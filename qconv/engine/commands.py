@@ -1,5 +1,5 @@
-"""CLI verb of the bundled runtime: `generate` (streaming, optionally speculative). A thin layer over
-qconv.runtime.generate; the speculative decoding benchmark is bench/spec_bench.py."""
+"""CLI verb of the bundled engine: `generate` (streaming, optionally speculative). A thin layer over
+qconv.engine.generate; the speculative decoding benchmark is bench/spec_bench.py."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import click
 
+from qconv.engine.config import model_dir
+from qconv.engine.generate import GenerationConfig
+from qconv.engine.sampling import SamplingParams
+from qconv.engine.spec import SPEC_MODES, SpecConfig
 from qconv.errors import QconvError
-from qconv.runtime.config import model_dir
-from qconv.runtime.generate import GenerationConfig
-from qconv.runtime.sampling import SamplingParams
-from qconv.runtime.spec import SPEC_MODES, SpecConfig
 
 
 def _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop=()) -> GenerationConfig:
@@ -83,8 +83,8 @@ def generate(
     max_block,
 ):
     """Generate from MODEL (a qconv artifact or HF folder), streaming to the terminal."""
-    from qconv.runtime.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
-    from qconv.runtime.loader import load_for_runtime, load_tokenizer
+    from qconv.engine.generate import GenerationStats, encode_prompt, generate_tokens, stream_text
+    from qconv.engine.loader import load_for_engine, load_tokenizer
 
     if (prompt is None) == (chat_text is None):
         raise QconvError("give exactly one of --prompt and --chat")
@@ -92,7 +92,7 @@ def generate(
     cfg = _gen_config(path, max_tokens, temperature, top_p, top_k, seed, spec, max_block, stop)
     tok = load_tokenizer(path)
     ids = encode_prompt(tok, chat_text if chat_text is not None else prompt, chat=chat_text is not None)
-    m = load_for_runtime(path, dequantize, dtype)
+    m = load_for_engine(path, dequantize, dtype)
     cfg = replace(cfg, spec=cfg.spec.for_model(m) if spec is None else cfg.spec)
     st = GenerationStats()
     for piece in stream_text(tok, generate_tokens(m, ids, cfg, st), cfg.stop):

@@ -171,21 +171,21 @@ def main() -> None:
             rows.append({"row": key, "label": label, "error": "build failed"})
             continue
         report, _ = measure(art, source, settings)
-        bpw = 8 * gguf_tensor_bytes(gguf_file) / n_params if gguf_file else report["bits_per_weight"]
-        s = report["weights"]
+        bpw = 8 * gguf_tensor_bytes(gguf_file) / n_params if gguf_file else report.bits_per_weight
+        s = report.weights
         rows.append(
             {
                 "row": key,
                 "label": label,
                 "bpw": round(bpw, 3),
-                "kld_mean": s["kld_mean"],
-                "kld_se": s["kld_se"],
-                "kld_p99": s["kld_p99"],
-                "top1": s["top1"],
-                "ppl_base": s["ppl_base"],
-                "ppl_q": s["ppl_q"],
-                "ln_ppl_ratio": s["ln_ppl_ratio"],
-                "tokens": s["tokens"],
+                "kld_mean": s.kld_mean,
+                "kld_se": s.kld_se,
+                "kld_p99": s.kld_p99,
+                "top1": s.top1,
+                "ppl_base": s.ppl_base,
+                "ppl_q": s.ppl_q,
+                "ln_ppl_ratio": s.ln_ppl_ratio,
+                "tokens": s.tokens,
                 "seconds": round(time.time() - t0, 1),
             }
         )

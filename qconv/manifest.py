@@ -77,7 +77,8 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class KldStats:
-    """One measured section (weights only, or weights + KV) of the quality summary (qconv.eval.report.SUMMARY_KEYS)."""
+    """One measured section of the quality summary: the subset of report.json's section (qconv.eval.record.MetricSummary)
+    that qconv.json keeps; its field names are qconv.eval.report.SUMMARY_KEYS."""
 
     tokens: int
     kld_mean: float
@@ -108,13 +109,14 @@ class QualityReport:
     bits_per_weight: float | None = None
     weights: KldStats | None = None
     weights_kv: KldStats | None = None
+    weights_a8: KldStats | None = None  # int8 activations simulated (`check --profile`)
     tasks: dict[str, Any] | None = None
     verdicts: list[dict[str, Any]] = field(default_factory=list)  # the failed gates
     passed: bool | None = None
     selection: dict[str, Any] | None = None  # predicted vs measured KLD of the INT8 selection
     note: str | None = None  # why nothing was measured
 
-    _SOMETIMES = ("weights", "weights_kv", "tasks", "selection", "note")
+    _SOMETIMES = ("weights", "weights_kv", "weights_a8", "tasks", "selection", "note")
 
     @classmethod
     def of(cls, d: dict, where: str = "quality") -> QualityReport:

@@ -258,6 +258,6 @@ def test_build_smollm2_from_gguf_beats_rtn(smollm2_3090, shared_data):
     rep = evaluate(
         out, EvalSettings(text=str(shared_data / "wikitext-2-raw-test.txt"), window=2048, max_tokens=8192, kv="bf16")
     )
-    w = rep["weights"]
-    print(f"SmolLM2 3090: mean KLD {w['kld_mean']:.4f}, top-1 {w['top1']:.4f}")
-    assert w["kld_mean"] < 0.588 and w["top1"] > 0.611
+    w = rep.weights
+    print(f"SmolLM2 3090: mean KLD {w.kld_mean:.4f}, top-1 {w.top1:.4f}")
+    assert w.kld_mean < 0.588 and w.top1 > 0.611

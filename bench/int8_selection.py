@@ -37,16 +37,17 @@ def smollm2() -> Path:
 
 
 def kld(art: Path, src: Path, text: Path, tokens: int) -> dict:
-    from qconv.eval.quality import EvalSettings, Source, measure, safetensors_stats
+    from qconv.eval.quality import Source, measure, safetensors_stats
+    from qconv.eval.record import EvalSettings
 
     report, _ = measure(
         art,
         Source(src, "bench-int8-" + src.name, safetensors_stats(src)[0]),
         EvalSettings(text=str(text), window=2048, max_tokens=tokens),
     )
-    w = report["weights"]
-    return {k: w[k] for k in ("kld_mean", "kld_se", "kld_p99", "top1", "ppl_ratio", "tokens")} | {
-        "artifact_bytes": report["artifact_bytes"]
+    w = report.weights
+    return {k: getattr(w, k) for k in ("kld_mean", "kld_se", "kld_p99", "top1", "ppl_ratio", "tokens")} | {
+        "artifact_bytes": report.artifact_bytes
     }
 
 

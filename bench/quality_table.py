@@ -89,7 +89,8 @@ def main() -> None:
     from qconv.convert.gguf import import_gguf
     from qconv.convert.sources import import_cached, source_files
     from qconv.eval.metrics import format_llamacpp
-    from qconv.eval.quality import EvalSettings, Source, measure, safetensors_stats
+    from qconv.eval.quality import Source, measure, safetensors_stats
+    from qconv.eval.record import EvalSettings
     from qconv.fsutil import sha256_json
     from qconv.paths import embedded_gguf
     from tests.eval_helpers import make_w4_artifact
@@ -171,21 +172,21 @@ def main() -> None:
             rows.append({"row": key, "label": label, "error": "build failed"})
             continue
         report, _ = measure(art, source, settings)
-        bpw = 8 * gguf_tensor_bytes(gguf_file) / n_params if gguf_file else report["bits_per_weight"]
-        s = report["weights"]
+        bpw = 8 * gguf_tensor_bytes(gguf_file) / n_params if gguf_file else report.bits_per_weight
+        s = report.weights
         rows.append(
             {
                 "row": key,
                 "label": label,
                 "bpw": round(bpw, 3),
-                "kld_mean": s["kld_mean"],
-                "kld_se": s["kld_se"],
-                "kld_p99": s["kld_p99"],
-                "top1": s["top1"],
-                "ppl_base": s["ppl_base"],
-                "ppl_q": s["ppl_q"],
-                "ln_ppl_ratio": s["ln_ppl_ratio"],
-                "tokens": s["tokens"],
+                "kld_mean": s.kld_mean,
+                "kld_se": s.kld_se,
+                "kld_p99": s.kld_p99,
+                "top1": s.top1,
+                "ppl_base": s.ppl_base,
+                "ppl_q": s.ppl_q,
+                "ln_ppl_ratio": s.ln_ppl_ratio,
+                "tokens": s.tokens,
                 "seconds": round(time.time() - t0, 1),
             }
         )

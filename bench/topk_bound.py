@@ -52,20 +52,20 @@ def main() -> None:
     exact = exact_sum / n  # float64 from the fp32 logits: no storage at all
     for k in ks:
         s = summarize(stats[k])
-        within = s["kld_mean"] - 1e-5 <= exact <= s["kld_mean"] + s["kld_bound"] + 1e-5
+        within = s.kld_mean - 1e-5 <= exact <= s.kld_mean + s.kld_bound + 1e-5
         rows.append(
             {
                 "k": k or "full-fp16",
-                "kld_mean": s["kld_mean"],
-                "bound": s["kld_bound"],
+                "kld_mean": s.kld_mean,
+                "bound": s.kld_bound,
                 "exact": exact,
-                "error": exact - s["kld_mean"],
+                "error": exact - s.kld_mean,
                 "within_bound": within,
             }
         )
         print(
-            f"k={k or 'full':>5}: estimate {s['kld_mean']:.5f}  stated bound +{s['kld_bound']:.5f}  "
-            f"exact {exact:.5f}  error {exact - s['kld_mean']:+.5f}  within: {within}"
+            f"k={k or 'full':>5}: estimate {s.kld_mean:.5f}  stated bound +{s.kld_bound:.5f}  "
+            f"exact {exact:.5f}  error {exact - s.kld_mean:+.5f}  within: {within}"
         )
     print(
         json.dumps(

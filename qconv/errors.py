@@ -1,5 +1,9 @@
 """Error types the CLI turns into exit codes: bad input is 2, a failed quality gate is 1."""
 
+from __future__ import annotations
+
+from typing import Any
+
 
 class QconvError(Exception):
     """A user-facing error: what went wrong, where, and how to fix it. Exit code 2."""
@@ -23,4 +27,4 @@ class GateFailure(QconvError):
     """A quality gate or regression check failed. Exit code 1."""
 
     exit_code = 1
-    report: dict | None = None  # the measurement behind the verdict, for `--json`
+    report: Any = None  # the measurement behind the verdict (a qconv.eval.record.EvalReport), for `--json`

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from qconv.errors import QconvError
 from qconv.fsutil import file_table, find_links, write_json_atomic
 from qconv.modelfiles import read_json_object
-from qconv.recipes.schema import SchemaError, coerce_fields, from_dict, shorten
+from qconv.recipes.schema import coerce_fields, from_dict, read_record, shorten
 from qconv.recipes.sections import Profile, Speculative
 
 MANIFEST = "qconv.json"
@@ -77,7 +77,8 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class KldStats:
-    """One measured section (weights only, or weights + KV) of the quality summary (qconv.eval.report.SUMMARY_KEYS)."""
+    """One measured section of the quality summary: the subset of report.json's section (qconv.eval.record.MetricSummary)
+    that qconv.json keeps; its field names are qconv.eval.report.SUMMARY_KEYS."""
 
     tokens: int
     kld_mean: float
@@ -108,13 +109,14 @@ class QualityReport:
     bits_per_weight: float | None = None
     weights: KldStats | None = None
     weights_kv: KldStats | None = None
+    weights_a8: KldStats | None = None  # int8 activations simulated (`check --profile`)
     tasks: dict[str, Any] | None = None
     verdicts: list[dict[str, Any]] = field(default_factory=list)  # the failed gates
     passed: bool | None = None
     selection: dict[str, Any] | None = None  # predicted vs measured KLD of the INT8 selection
     note: str | None = None  # why nothing was measured
 
-    _SOMETIMES = ("weights", "weights_kv", "tasks", "selection", "note")
+    _SOMETIMES = ("weights", "weights_kv", "weights_a8", "tasks", "selection", "note")
 
     @classmethod
     def of(cls, d: dict, where: str = "quality") -> QualityReport:
@@ -292,14 +294,8 @@ class Manifest:
                 fix="rebuild or re-pull the artifact with this qconv version",
             )
         d = {**d, **{k: None for k in ("speculative", "selection") if d.get(k) == {}}}  # `{}`: none recorded
-        try:
-            return from_dict(cls, d, "", where)
-        except SchemaError as e:
-            raise QconvError(
-                f"malformed manifest: {e.what}",
-                where=where,
-                fix="the artifact is damaged or was written by another qconv; rebuild or re-pull it",
-            ) from e
+        fix = "the artifact is damaged or was written by another qconv; rebuild or re-pull it"
+        return read_record(cls, d, where, "manifest", fix)
 
     def write(self, artifact_dir: str | Path) -> None:
         write_json_atomic(Path(artifact_dir) / MANIFEST, self.to_dict())

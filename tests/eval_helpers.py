@@ -107,35 +107,39 @@ def load_json(p: Path) -> dict:
     return json.loads(Path(p).read_text())
 
 
-def quality_summary(seed: int = 0, tokens: int = 256, kld: float = 0.02, passed: bool | None = True) -> dict:
-    """qconv.json's `quality` as a build writes it (qconv.eval.metrics.summarize, then qconv.eval.report.summary), from
-    seeded per-token statistics instead of a model run: for manifests in tests that measure nothing."""
-    from dataclasses import asdict
-
+def eval_report(seed: int = 0, tokens: int = 256, kld: float = 0.02, passed: bool | None = True):
+    """An EvalReport (qconv.eval.record) with metrics summarized from seeded per-token statistics instead of a model
+    run: for tests that judge or summarize a report without measuring one."""
     import numpy as np
 
     from qconv.eval.metrics import TokenStats, summarize
-    from qconv.eval.quality import EvalSettings
-    from qconv.eval.report import summary
+    from qconv.eval.record import EvalReport, EvalSettings, MeasuredSource, ReferenceInfo, TextInfo
 
     rng = np.random.default_rng(seed)
     k = rng.exponential(kld, tokens)
     nll = rng.exponential(2.0, tokens)
     stats = TokenStats([k], [k], [(rng.random(tokens) > kld).astype(np.float64)], [nll], [nll + k])
-    report = {
-        "text": {
-            "label": "t",
-            "sha256": "0" * 64,
-            "tokens_scored": tokens,
-            "windows": 1,
-            "window": tokens,
-            "stride": tokens,
-        },
-        "settings": asdict(EvalSettings("t", window=tokens)),
-        "reference": {"storage": "full", "topk": 0},
-        "weights": summarize(stats),
-        "bits_per_weight": 4.5,
-        "verdicts": [],
-        "passed": passed,
-    }
-    return json.loads(json.dumps(summary(report)))  # as read back from report.json
+    return EvalReport(
+        artifact="/a",
+        source=MeasuredSource(path="/s", sha256="0" * 64, num_parameters=1000, kind="model"),
+        settings=EvalSettings("t", window=tokens),
+        text=TextInfo(label="t", sha256="0" * 64, tokens_scored=tokens, windows=1, window=tokens, stride=tokens),
+        reference=ReferenceInfo(storage="full", topk=0, vocab_size=64, describe="full", cache="/c"),
+        bits_per_weight=4.5,
+        artifact_bytes=562,
+        weights=summarize(stats),
+        machine="test",
+        date="2026-01-01T00:00:00+00:00",
+        elapsed_s=0.0,
+        verdicts=[],
+        passed=passed,
+    )
+
+
+def quality_summary(seed: int = 0, tokens: int = 256, kld: float = 0.02, passed: bool | None = True) -> dict:
+    """qconv.json's `quality` as a build writes it (qconv.eval.report.summary of a report), from seeded per-token
+    statistics instead of a model run: for manifests in tests that measure nothing."""
+    from qconv.eval.report import summary
+
+    report = eval_report(seed, tokens, kld, passed)
+    return json.loads(json.dumps(summary(report).data))  # as read back from qconv.json

@@ -243,7 +243,7 @@ def test_build_smollm2_from_gguf_beats_rtn(smollm2_3090, shared_data):
     """SmolLM2 straight from the GGUF through the 3090 recipe (llama family, tied embeddings, hidden 576 -> g64 where
     128 does not divide). Must beat the round-to-nearest W4 g128 + int8-embedding anchor (KLD 0.588, top-1 61.1%),
     measured on the same text: the first 8,192 tokens of WikiText-2 test in windows of 2,048 (README, "Numbers")."""
-    from qconv.eval.quality import EvalSettings
+    from qconv.eval.record import EvalSettings
     from qconv.eval.run import evaluate
 
     out = smollm2_3090
@@ -258,6 +258,6 @@ def test_build_smollm2_from_gguf_beats_rtn(smollm2_3090, shared_data):
     rep = evaluate(
         out, EvalSettings(text=str(shared_data / "wikitext-2-raw-test.txt"), window=2048, max_tokens=8192, kv="bf16")
     )
-    w = rep["weights"]
-    print(f"SmolLM2 3090: mean KLD {w['kld_mean']:.4f}, top-1 {w['top1']:.4f}")
-    assert w["kld_mean"] < 0.588 and w["top1"] > 0.611
+    w = rep.weights
+    print(f"SmolLM2 3090: mean KLD {w.kld_mean:.4f}, top-1 {w.top1:.4f}")
+    assert w.kld_mean < 0.588 and w.top1 > 0.611

@@ -155,6 +155,7 @@ def test_quality_report_for_build(artifact, text_file, tiny_llama, tmp_path):
     """The build's entry point: reports land in the artifact, the summary carries tier, metrics and verdicts."""
     from dataclasses import replace
 
+    from qconv.eval.record import EvalReport
     from qconv.eval.run import quality_report
     from qconv.recipes.recipe import load_recipe
 
@@ -164,10 +165,11 @@ def test_quality_report_for_build(artifact, text_file, tiny_llama, tmp_path):
     recipe.quality = replace(recipe.quality, window=64, max_tokens=256)
     s = quality_report(tiny_llama, art, recipe, text=str(text_file), kv="fp8_e4m3")
     assert {"report.json", "report.md", "kld.png"} <= {p.name for p in art.iterdir()}
-    assert s["weights"]["tokens"] == 63 * 4 and s["weights_kv"]["kld_mean"] > 0
-    assert s["kv_scheme"] == "fp8_e4m3" and s["tier"]["name"].startswith("small")
-    assert isinstance(s["passed"], bool) and all(not v["passed"] for v in s["verdicts"])
-    assert quality_report(tiny_llama, art, recipe, text=None)["passed"] is None  # no text: unchecked
+    assert s.weights and s.weights.tokens == 63 * 4 and s.weights_kv and s.weights_kv.kld_mean > 0
+    assert s.kv_scheme == "fp8_e4m3" and s.tier and s.tier["name"].startswith("small")
+    assert isinstance(s.passed, bool) and all(not v["passed"] for v in s.verdicts)
+    assert EvalReport.read(art / "report.json").weights.kld_mean == s.weights.kld_mean
+    assert quality_report(tiny_llama, art, recipe, text=None).passed is None  # no text: unchecked
 
 
 def test_eval_against_cached_reference(artifact, evaluated, text_file, tmp_path):

@@ -14,6 +14,7 @@ from qconv.eval.gates import apply_gates, regressions, tier_info, write_junit
 from qconv.eval.kvsim import SimulatedKV, get_scheme, kv_simulation
 from qconv.eval.metrics import TokenStats, kld_topk, summarize
 from qconv.eval.reference import ref_window_from_logits, window_logits
+from qconv.eval.report import summary
 from qconv.eval.text import HeldOutText, load_text, make_windows
 from qconv.recipes.quality import Gates, GateTier, Quality, Regression
 from tests.tiny import CORPUS
@@ -58,14 +59,14 @@ def test_topk_reference_brackets_exact_kld(tiny_pair, k):
     stats = TokenStats()
     stats.add(ref_window_from_logits(base, targets, k), q, targets)
     s = summarize(stats)
-    assert s["kld_bound"] > 0
+    assert s.kld_bound > 0
     # the stated bound on the mean holds
-    assert s["kld_mean"] - tol <= exact.mean().item() <= s["kld_mean"] + s["kld_bound"] + tol
+    assert s.kld_mean - tol <= exact.mean().item() <= s.kld_mean + s.kld_bound + tol
     # the bound tightens as k grows and top-1 / PPL do not depend on k
     full = TokenStats()
     full.add(ref_window_from_logits(base, targets, None), q, targets)
     f = summarize(full)
-    assert s["top1"] == f["top1"] and s["ppl_base"] == pytest.approx(f["ppl_base"], rel=1e-6)
+    assert s.top1 == f.top1 and s.ppl_base == pytest.approx(f.ppl_base, rel=1e-6)
 
 
 def test_topk_bound_shrinks_with_k(tiny_pair):
@@ -74,7 +75,7 @@ def test_topk_bound_shrinks_with_k(tiny_pair):
     for k in (4, 64, 256):
         st = TokenStats()
         st.add(ref_window_from_logits(base, targets, k), q, targets)
-        bounds.append(summarize(st)["kld_bound"])
+        bounds.append(summarize(st).kld_bound)
     assert bounds[0] > bounds[1] > bounds[2]
 
 
@@ -84,10 +85,10 @@ def test_full_fp16_reference_matches_exact(tiny_pair):
     st.add(ref_window_from_logits(base, targets, None), q, targets, chunk=50)  # chunking must not matter
     s = summarize(st)
     exact = _exact_kld(base, q).numpy()
-    assert s["kld_mean"] == pytest.approx(exact.mean(), rel=2e-3)
-    assert s["kld_p99"] == pytest.approx(np.quantile(exact, 0.99), rel=5e-3)
-    assert s["tokens"] == len(targets) and s["kld_bound"] == 0
-    assert s["ppl_ratio"] == pytest.approx(np.exp(s["ln_ppl_ratio"]))
+    assert s.kld_mean == pytest.approx(exact.mean(), rel=2e-3)
+    assert s.kld_p99 == pytest.approx(np.quantile(exact, 0.99), rel=5e-3)
+    assert s.tokens == len(targets) and s.kld_bound == 0
+    assert s.ppl_ratio == pytest.approx(np.exp(s.ln_ppl_ratio))
 
 
 def test_text_errors(tmp_path, tiny_llama):
@@ -137,8 +138,14 @@ def test_unknown_kv_scheme():
 
 
 def _report(kld=0.1, p99=1.0, top1=0.8, ratio=1.1, kv=True):
-    s = {"kld_mean": kld, "kld_p99": p99, "top1": top1, "ppl_ratio": ratio}
-    return {"weights": s, "weights_kv": dict(s, kld_mean=kld * 1.2) if kv else None}
+    """An EvalReport (from a seeded quality summary) with the given weights metrics; weights + KV 20% worse."""
+    from dataclasses import replace
+
+    from tests.eval_helpers import eval_report
+
+    base = eval_report()
+    w = replace(base.weights, kld_mean=kld, kld_p99=p99, top1=top1, ppl_ratio=ratio)
+    return replace(base, weights=w, weights_kv=replace(w, kld_mean=kld * 1.2) if kv else None)
 
 
 def test_gates_regression_and_junit(tmp_path):
@@ -148,10 +155,10 @@ def test_gates_regression_and_junit(tmp_path):
     assert not v["weights_kv.max_mean_kld"].passed and "measured 0.1200" in v["weights_kv.max_mean_kld"].message
     assert "weights_kv.max_mean_kld" not in {x.name for x in apply_gates(_report(kv=False), tier)}
 
-    reg = regressions(_report(kld=0.12), _report(kld=0.1), Regression(mean_kld_rel=0.1))
+    reg = regressions(_report(kld=0.12), summary(_report(kld=0.1)), Regression(mean_kld_rel=0.1))
     failed = [r for r in reg if not r.passed]
     assert {r.name.split(" ")[0] for r in failed} == {"weights.kld_mean", "weights_kv.kld_mean"}
-    assert all(r.passed for r in regressions(_report(), _report(), Regression()))
+    assert all(r.passed for r in regressions(_report(), summary(_report()), Regression()))
 
     path = tmp_path / "j.xml"
     write_junit(path, list(v.values()))
@@ -163,5 +170,5 @@ def test_gates_regression_and_junit(tmp_path):
 def test_tier_info_says_outside_target_class():
     q = Quality(tiers=[GateTier("target", 7e9), GateTier("small", 0)])
     info = tier_info(q, 135_000_000)
-    assert info["name"] == "small" and not info["in_target_class"] and "outside" in info["note"]
-    assert tier_info(q, 27_000_000_000)["in_target_class"]
+    assert info.name == "small" and not info.in_target_class and info.note and "outside" in info.note
+    assert tier_info(q, 27_000_000_000).in_target_class

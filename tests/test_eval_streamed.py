@@ -4,12 +4,12 @@ picks it when the model does not fit in free memory or when asked."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from qconv.eval.quality import EvalSettings, Source, measure, safetensors_stats
+from qconv.eval.quality import Source, measure, safetensors_stats
+from qconv.eval.record import EvalReport, EvalSettings, ForwardInfo
 from tests.cli_helpers import CPU_COMPUTE, SMALL_CAL, build, run
 from tests.tiny import CORPUS
 
@@ -38,7 +38,7 @@ def built(tiny_models, tmp_path_factory):
 
 def _measure(
     art: Path, src: Path, text: Path, streamed: bool, home: Path, monkeypatch, kv=None, window=64, max_tokens=512
-) -> dict:
+) -> EvalReport:
     from qconv.eval.forward import Forward
 
     monkeypatch.setenv("QCONV_HOME", str(home))  # each path computes its own reference
@@ -49,15 +49,16 @@ def _measure(
         EvalSettings(text=str(text), window=window, max_tokens=max_tokens, kv=kv, stride=window // 2),
         Forward(streamed=streamed, device="cpu"),
     )
-    assert report["forward"] == {"streamed": streamed, "device": "cpu", "compute_dtype": CPU_COMPUTE}
+    assert report.forward == ForwardInfo(streamed=streamed, device="cpu", compute_dtype=CPU_COMPUTE)
     return report
 
 
-def assert_same(a: dict, b: dict, sections=("weights",), tol=1e-4) -> None:
+def assert_same(a: EvalReport, b: EvalReport, sections=("weights",), tol=1e-4) -> None:
     for sec in sections:
+        x, y = getattr(a, sec), getattr(b, sec)
         for k in STATS:
-            assert abs(a[sec][k] - b[sec][k]) <= tol, (sec, k, a[sec][k], b[sec][k])
-        assert a[sec]["tokens"] == b[sec]["tokens"]
+            assert abs(getattr(x, k) - getattr(y, k)) <= tol, (sec, k, getattr(x, k), getattr(y, k))
+        assert x.tokens == y.tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
@@ -66,7 +67,7 @@ def test_streamed_equals_whole_model(family, built, text_file, tmp_path, monkeyp
     kv = "fp8_e4m3" if family == "qwen3_5" else None  # KV simulation inside the streamed attention layers too
     whole = _measure(art, src, text_file, False, tmp_path / "whole", monkeypatch, kv=kv)
     streamed = _measure(art, src, text_file, True, tmp_path / "streamed", monkeypatch, kv=kv)
-    assert whole["weights"]["kld_mean"] > 0  # a real quantization cost is being compared
+    assert whole.weights.kld_mean > 0  # a real quantization cost is being compared
     assert_same(whole, streamed, ("weights", "weights_kv") if kv else ("weights",))
 
 
@@ -110,12 +111,12 @@ def test_cli_streams_when_the_model_does_not_fit(built, text_file, tmp_path, mon
     args = ["eval", art, "--reference", src, "--text", text_file, "--window", "64", "--max-tokens", "256"]
     r = run(*args, "--out", tmp_path / "auto")
     assert r.exit_code == 0, r.output
-    auto = json.loads((tmp_path / "auto" / "report.json").read_text())
-    assert auto["forward"]["streamed"] is True
+    auto = EvalReport.read(tmp_path / "auto" / "report.json")
+    assert auto.forward is not None and auto.forward.streamed is True
     r = run(*args, "--whole-model", "--out", tmp_path / "whole")
     assert r.exit_code == 0, r.output
-    whole = json.loads((tmp_path / "whole" / "report.json").read_text())
-    assert whole["forward"]["streamed"] is False
+    whole = EvalReport.read(tmp_path / "whole" / "report.json")
+    assert whole.forward is not None and whole.forward.streamed is False
     assert_same(auto, whole)
     monkeypatch.undo()
     monkeypatch.setenv("QCONV_HOME", str(tmp_path / "home"))
@@ -136,7 +137,8 @@ def test_cli_streams_when_the_model_does_not_fit(built, text_file, tmp_path, mon
         "--out",
         tmp_path / "check",
     )
-    assert json.loads((tmp_path / "check" / "report.json").read_text())["forward"]["streamed"] is True
+    checked = EvalReport.read(tmp_path / "check" / "report.json").forward
+    assert checked is not None and checked.streamed is True
 
 
 def test_bad_device_is_one_clear_error(built, text_file):
@@ -155,7 +157,9 @@ def test_smollm2_3090_streamed_equals_whole(smollm2_3090, smollm2, shared_data, 
     text = shared_data / "wikitext-2-raw-test.txt"
     whole = _measure(smollm2_3090, smollm2, text, False, tmp_path / "w", monkeypatch, window=1024, max_tokens=4096)
     streamed = _measure(smollm2_3090, smollm2, text, True, tmp_path / "s", monkeypatch, window=1024, max_tokens=4096)
-    print("SmolLM2 3090 whole vs streamed:", {k: (whole["weights"][k], streamed["weights"][k]) for k in STATS})
+    print(
+        "SmolLM2 3090 whole vs streamed:", {k: (getattr(whole.weights, k), getattr(streamed.weights, k)) for k in STATS}
+    )
     assert_same(whole, streamed)
 
 

@@ -385,7 +385,7 @@ def _truncate(folder: Path) -> Path:
 def test_serve_eval_and_check_refuse_a_truncated_weight_file(tiny_qwen3, tmp_path):
     """One error naming the file (exit 2) before any library reads it: serve (native), eval, check."""
     from qconv.errors import QconvError
-    from qconv.eval.quality import EvalSettings
+    from qconv.eval.record import EvalSettings
     from qconv.eval.run import check, evaluate
     from tests.cli_helpers import run as cli
     from tests.hub_server import make_artifact

@@ -4,15 +4,15 @@ from a quantized checkpoint, quantized.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from qconv.build.workdir import WorkDir, stage_key
 from qconv.errors import GateFailure
 from qconv.eval.forward import Forward
+from qconv.eval.record import EvalReport
 from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG, render_md
 from qconv.eval.report import summary as summary_of
 from qconv.eval.run import gate_failure, quality_report
@@ -36,10 +36,10 @@ def eval_text(opts, recipe: Recipe) -> str | None:
     return text or None
 
 
-def record(manifest: Manifest, summary: dict, gates: bool) -> GateFailure | None:
+def record(manifest: Manifest, summary: QualityReport, gates: bool) -> GateFailure | None:
     """The quality summary into the manifest (its `quality` and `status`); the gate failure to raise, if any."""
-    manifest.quality = QualityReport.of(summary)
-    passed = summary.get("passed")
+    manifest.quality = summary
+    passed = summary.passed
     manifest.status = "ok" if passed else ("failed" if passed is False else "unchecked")
     return gate_failure(summary) if passed is False and gates else None
 
@@ -81,13 +81,10 @@ def measure(
     else:
         _copy_files(qdir, artifact, REPORTS)
         summary = summary_of(_name_final_path(artifact, final))
-    predicted = manifest.selection.predicted_kld if manifest.selection else None
-    if predicted is not None and summary.get("weights"):
-        summary["selection"] = {
-            "method": manifest.selection.method,
-            "predicted_kld": predicted,
-            "measured_kld": summary["weights"]["kld_mean"],
-        }
+    sel = manifest.selection
+    if sel is not None and sel.predicted_kld is not None and summary.weights is not None:
+        selection = {"method": sel.method, "predicted_kld": sel.predicted_kld, "measured_kld": summary.weights.kld_mean}
+        summary = replace(summary, selection=selection)
     return record(manifest, summary, opts.gates)
 
 
@@ -97,12 +94,12 @@ def _copy_files(src: Path, dst: Path, names) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def _name_final_path(artifact: Path, final: Path) -> dict:
+def _name_final_path(artifact: Path, final: Path) -> EvalReport:
     """A reused quality stage's reports name the folder of the build that made them: point them at this one."""
     path = artifact / REPORT_JSON
-    report = json.loads(path.read_text())
-    if report.get("artifact") != str(Path(final).resolve()):
-        report["artifact"] = str(Path(final).resolve())
-        write_json_atomic(path, report)
+    report = EvalReport.read(path)
+    if report.artifact != str(Path(final).resolve()):
+        report.artifact = str(Path(final).resolve())
+        write_json_atomic(path, report.data)
         write_text_atomic(artifact / REPORT_MD, render_md(report))
     return report

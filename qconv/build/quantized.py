@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from qconv.build.quality import REPORTS, eval_text, record
@@ -15,6 +16,7 @@ from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config
 from qconv.errors import QconvError
 from qconv.eval.forward import Forward
+from qconv.eval.record import EvalReport, ReferenceModel
 from qconv.eval.reference import is_cache
 from qconv.eval.run import quality_report
 from qconv.manifest import Manifest, RecipeInfo
@@ -64,11 +66,11 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
     cached = bool(reference) and is_cache(reference)
     model: dict = {}
 
-    def annotate(report: dict) -> None:
+    def annotate(report: EvalReport) -> None:
         note = (
             (
                 f"against cached reference log-probs of the true original (source sha256 "
-                f"{report['source']['sha256'][:16]}...) from {reference}"
+                f"{report.source.sha256[:16]}...) from {reference}"
                 if cached
                 else "against the true original model " + str(reference)
             )
@@ -79,7 +81,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
             )
         )
         model.update(path=str(reference or src.path), cached=cached, note=note)
-        report["reference_model"] = model
+        report.reference_model = ReferenceModel(**model)
 
     with tempfile.TemporaryDirectory(dir=artifact.parent, prefix=".qconv-ref-") as tmpd:
         if reference:
@@ -105,6 +107,5 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
             annotate=annotate,
             fwd=Forward(device=opts.device),
         )
-    summary["reference"] = model["kind"]
     manifest.build.quality_reference = {k: model[k] for k in ("kind", "cached", "note")}
-    return record(manifest, summary, opts.gates)
+    return record(manifest, replace(summary, reference=model["kind"]), opts.gates)

@@ -45,8 +45,8 @@ def _text_options(f):
 
 @contextlib.contextmanager
 def _output(as_json: bool):
-    """Yields `emit(report)`: the markdown report for a person, or with --json one JSON object on stdout (whatever
-    else is printed meanwhile goes to stderr)."""
+    """Yields `emit(report)` for an EvalReport: the markdown report for a person, or with --json its JSON object on
+    stdout (whatever else is printed meanwhile goes to stderr)."""
     if not as_json:
         from qconv.eval.report import render_md
 
@@ -55,7 +55,7 @@ def _output(as_json: bool):
     from qconv.progress import json_stdout
 
     with json_stdout() as emit:
-        yield emit
+        yield lambda report: emit(report.data)
 
 
 @click.command("eval")
@@ -97,7 +97,7 @@ def eval_cmd(
     """Measure ARTIFACT's quality cost against its source: KLD, top-1, PPL (and KV cache, tasks)."""
     from qconv.errors import QconvError
     from qconv.eval.forward import Forward
-    from qconv.eval.quality import EvalSettings
+    from qconv.eval.record import EvalSettings
     from qconv.eval.run import evaluate
 
     if not text:
@@ -164,7 +164,9 @@ def check(
             raise
         emit(report)
     if not as_json:
-        click.echo(f"check passed: {len(report['verdicts'])} checks ({report['tier'].get('name')} tier)")
+        click.echo(
+            f"check passed: {len(report.verdicts or ())} checks ({report.tier.name if report.tier else None} tier)"
+        )
 
 
 COMMANDS = [eval_cmd, check]

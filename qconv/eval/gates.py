@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
+from qconv.eval.record import EvalReport, TierInfo, Verdict
+from qconv.manifest import QualityReport
 from qconv.recipes.quality import Gates, GateTier, Quality, Regression
 
-SECTIONS = ("weights", "weights_kv", "weights_a8")
 TIER_GATES = {"weights": "weights", "weights_kv": "weights_kv", "weights_a8": "weights_kv"}  # runtime quantization
 # of activations (W4A8) is gated like the KV cache's
 # gate field -> (summary metric, "max" or "min")
@@ -20,33 +21,20 @@ GATE_METRICS = {
 }
 
 
-@dataclass
-class Verdict:
-    kind: str  # "gate" | "regression" | "files"
-    name: str  # e.g. "weights.max_mean_kld"
-    passed: bool
-    measured: float | None = None
-    limit: float | None = None
-    message: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def tier_info(quality: Quality, num_params: int) -> dict:
+def tier_info(quality: Quality, num_params: int) -> TierInfo:
     """Which tier judges this model, and whether the model is in the recipe's target class (the largest tier)."""
     tier = quality.tier_for(num_params)
     target = max(quality.tiers, key=lambda t: t.min_params) if quality.tiers else None
-    info = {
-        "name": tier.name if tier else None,
-        "min_params": tier.min_params if tier else None,
-        "num_parameters": num_params,
-        "in_target_class": tier is not None and tier is target,
-    }
+    info = TierInfo(
+        name=tier.name if tier else None,
+        min_params=tier.min_params if tier else None,
+        num_parameters=num_params,
+        in_target_class=tier is not None and tier is target,
+    )
     if tier is None:
-        info["note"] = "the recipe defines no gate tier for this model size: no gates applied"
-    elif tier is not target:
-        info["note"] = (
+        info.note = "the recipe defines no gate tier for this model size: no gates applied"
+    elif target is not None and tier is not target:
+        info.note = (
             f"{num_params / 1e6:.0f}M parameters is outside this recipe's target class "
             f"({target.name}); judged by the {tier.name!r} tier"
         )
@@ -60,49 +48,48 @@ def _compare(name: str, measured: float, limit: float, how: str, kind: str = "ga
     return Verdict(kind, name, ok, measured, limit, msg)
 
 
-def _task_recovery(report: dict) -> float | None:
-    tasks = report.get("tasks") or {}
-    vals = [t["recovery"] for t in tasks.get("results", {}).values() if t.get("recovery") is not None]
+def _task_recovery(report: EvalReport) -> float | None:
+    results = report.tasks.results.values() if report.tasks else ()
+    vals = [t.recovery for t in results if t.recovery is not None]
     return min(vals) if vals else None
 
 
-def apply_gates(report: dict, tier: GateTier | None) -> list[Verdict]:
+def apply_gates(report: EvalReport, tier: GateTier | None) -> list[Verdict]:
     if tier is None:
         return []
     out = []
-    for section in SECTIONS:
-        summary = report.get(section)
-        if not summary:
-            continue
+    for section, summary in report.sections().items():
         gates: Gates = getattr(tier, TIER_GATES[section])
         for f in fields(Gates):
             limit = getattr(gates, f.name)
             metric, how = GATE_METRICS[f.name]
-            value = _task_recovery(report) if metric == "task_recovery" else summary.get(metric)
-            if limit is not None and value is not None and not (metric == "task_recovery" and section != "weights"):
+            if metric == "task_recovery":
+                value = _task_recovery(report) if section == "weights" else None
+            else:
+                value = getattr(summary, metric)
+            if limit is not None and value is not None:
                 out.append(_compare(f"{section}.{f.name}", value, limit, how))
     return out
 
 
-def regressions(report: dict, recorded: dict, tol: Regression) -> list[Verdict]:
-    """Worse than the recorded summary beyond tolerance? Only sections and metrics both sides have count."""
+def regressions(report: EvalReport, recorded: QualityReport, tol: Regression) -> list[Verdict]:
+    """Worse than the recorded summary beyond tolerance? Only sections both sides have count."""
     out = []
-    for section in SECTIONS:
-        new, old = report.get(section), recorded.get(section)
-        if not new or not old:
+    for section, new in report.sections().items():
+        old = getattr(recorded, section)
+        if old is None:
             continue
         checks = (
-            ("kld_mean", "max", old.get("kld_mean", 0) * (1 + tol.mean_kld_rel)),
-            ("kld_p99", "max", old.get("kld_p99", 0) * (1 + tol.p99_kld_rel)),
-            ("top1", "min", old.get("top1", 0) - tol.top1_abs),
-            ("ppl_ratio", "max", old.get("ppl_ratio", 0) + tol.ppl_ratio_abs),
+            ("kld_mean", "max", old.kld_mean * (1 + tol.mean_kld_rel)),
+            ("kld_p99", "max", old.kld_p99 * (1 + tol.p99_kld_rel)),
+            ("top1", "min", old.top1 - tol.top1_abs),
+            ("ppl_ratio", "max", old.ppl_ratio + tol.ppl_ratio_abs),
         )
         for metric, how, limit in checks:
-            if metric in new and metric in old:
-                v = _compare(
-                    f"{section}.{metric} vs recorded {old[metric]:.4f}", new[metric], limit, how, kind="regression"
-                )
-                out.append(v)
+            was = getattr(old, metric)
+            out.append(
+                _compare(f"{section}.{metric} vs recorded {was:.4f}", getattr(new, metric), limit, how, "regression")
+            )
     return out
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from qconv.eval.record import MetricSummary
 from qconv.eval.reference import RefWindow
 
 
@@ -93,7 +94,7 @@ def _mean_se(x: np.ndarray) -> tuple[float, float]:
     return float(x.mean()), float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
 
 
-def summarize(stats: TokenStats) -> dict:
+def summarize(stats: TokenStats) -> MetricSummary:
     a = stats.arrays()
     kld, n = a["kld"], len(a["kld"])
     kmean, kse = _mean_se(kld)
@@ -104,59 +105,59 @@ def summarize(stats: TokenStats) -> dict:
     dp = np.exp(-a["nll_q"]) - np.exp(-a["nll_base"])
     dp_mean, dp_se = _mean_se(dp)
     q = np.quantile(kld, [0.5, 0.9, 0.99, 0.999])
-    return {
-        "tokens": n,
-        "kld_mean": kmean,
-        "kld_se": kse,
-        "kld_median": float(q[0]),
-        "kld_p90": float(q[1]),
-        "kld_p99": float(q[2]),
-        "kld_p999": float(q[3]),
-        "kld_max": float(kld.max()),
-        "kld_min": float(kld.min()),
+    return MetricSummary(
+        tokens=n,
+        kld_mean=kmean,
+        kld_se=kse,
+        kld_median=float(q[0]),
+        kld_p90=float(q[1]),
+        kld_p99=float(q[2]),
+        kld_p999=float(q[3]),
+        kld_max=float(kld.max()),
+        kld_min=float(kld.min()),
         # exact mean KLD lies in [kld_mean, kld_mean + kld_bound] (0 for a full reference)
-        "kld_bound": float((a["kld_hi"] - kld).mean()),
-        "top1": top1,
-        "top1_se": top1_se,
-        "ppl_base": float(np.exp(nb)),
-        "ppl_base_se": float(np.exp(nb) * nb_se),
-        "ppl_q": float(np.exp(nq)),
-        "ppl_q_se": float(np.exp(nq) * nq_se),
-        "ln_ppl_ratio": lnr,
-        "ln_ppl_ratio_se": lnr_se,
-        "ppl_ratio": float(np.exp(lnr)),
-        "ppl_ratio_se": float(np.exp(lnr) * lnr_se),
-        "cor_ln_ppl": float(np.corrcoef(a["nll_q"], a["nll_base"])[0, 1]),
-        "dp_mean": dp_mean,
-        "dp_se": dp_se,
-        "dp_rms": float(np.sqrt((dp**2).mean())),
-    }
+        kld_bound=float((a["kld_hi"] - kld).mean()),
+        top1=top1,
+        top1_se=top1_se,
+        ppl_base=float(np.exp(nb)),
+        ppl_base_se=float(np.exp(nb) * nb_se),
+        ppl_q=float(np.exp(nq)),
+        ppl_q_se=float(np.exp(nq) * nq_se),
+        ln_ppl_ratio=lnr,
+        ln_ppl_ratio_se=lnr_se,
+        ppl_ratio=float(np.exp(lnr)),
+        ppl_ratio_se=float(np.exp(lnr) * lnr_se),
+        cor_ln_ppl=float(np.corrcoef(a["nll_q"], a["nll_base"])[0, 1]),
+        dp_mean=dp_mean,
+        dp_se=dp_se,
+        dp_rms=float(np.sqrt((dp**2).mean())),
+    )
 
 
-def format_llamacpp(s: dict) -> str:
+def format_llamacpp(s: MetricSummary) -> str:
     """The summary laid out like llama.cpp's `--kl-divergence` printout, so numbers compare line by line."""
     lines = [
         "====== Perplexity statistics ======",
-        f"Mean PPL(Q)                   : {s['ppl_q']:10.6f} ± {s['ppl_q_se']:10.6f}",
-        f"Mean PPL(base)                : {s['ppl_base']:10.6f} ± {s['ppl_base_se']:10.6f}",
-        f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * s['cor_ln_ppl']:6.2f}%",
-        f"Mean ln(PPL(Q)/PPL(base))     : {s['ln_ppl_ratio']:10.6f} ± {s['ln_ppl_ratio_se']:10.6f}",
-        f"Mean PPL(Q)/PPL(base)         : {s['ppl_ratio']:10.6f} ± {s['ppl_ratio_se']:10.6f}",
+        f"Mean PPL(Q)                   : {s.ppl_q:10.6f} ± {s.ppl_q_se:10.6f}",
+        f"Mean PPL(base)                : {s.ppl_base:10.6f} ± {s.ppl_base_se:10.6f}",
+        f"Cor(ln(PPL(Q)), ln(PPL(base))): {100 * s.cor_ln_ppl:6.2f}%",
+        f"Mean ln(PPL(Q)/PPL(base))     : {s.ln_ppl_ratio:10.6f} ± {s.ln_ppl_ratio_se:10.6f}",
+        f"Mean PPL(Q)/PPL(base)         : {s.ppl_ratio:10.6f} ± {s.ppl_ratio_se:10.6f}",
         "",
         "====== KL divergence statistics ======",
-        f"Mean    KLD: {s['kld_mean']:10.6f} ± {s['kld_se']:10.6f}"
-        + (f"   (exact mean within +{s['kld_bound']:.6f}, top-k reference)" if s["kld_bound"] > 0 else ""),
-        f"Maximum KLD: {s['kld_max']:10.6f}",
-        f"99.9%   KLD: {s['kld_p999']:10.6f}",
-        f"99.0%   KLD: {s['kld_p99']:10.6f}",
-        f"90.0%   KLD: {s['kld_p90']:10.6f}",
-        f"Median  KLD: {s['kld_median']:10.6f}",
-        f"Minimum KLD: {s['kld_min']:10.6f}",
+        f"Mean    KLD: {s.kld_mean:10.6f} ± {s.kld_se:10.6f}"
+        + (f"   (exact mean within +{s.kld_bound:.6f}, top-k reference)" if s.kld_bound > 0 else ""),
+        f"Maximum KLD: {s.kld_max:10.6f}",
+        f"99.9%   KLD: {s.kld_p999:10.6f}",
+        f"99.0%   KLD: {s.kld_p99:10.6f}",
+        f"90.0%   KLD: {s.kld_p90:10.6f}",
+        f"Median  KLD: {s.kld_median:10.6f}",
+        f"Minimum KLD: {s.kld_min:10.6f}",
         "",
         "====== Token probability statistics ======",
-        f"Mean    Δp: {100 * s['dp_mean']:6.3f} ± {100 * s['dp_se']:5.3f} %",
-        f"RMS Δp    : {100 * s['dp_rms']:6.3f} %",
-        f"Same top p: {100 * s['top1']:6.3f} ± {100 * s['top1_se']:5.3f} %",
-        f"({s['tokens']} tokens)",
+        f"Mean    Δp: {100 * s.dp_mean:6.3f} ± {100 * s.dp_se:5.3f} %",
+        f"RMS Δp    : {100 * s.dp_rms:6.3f} %",
+        f"Same top p: {100 * s.top1:6.3f} ± {100 * s.top1_se:5.3f} %",
+        f"({s.tokens} tokens)",
     ]
     return "\n".join(lines)

@@ -6,7 +6,7 @@ import datetime as dt
 import logging
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,23 +17,20 @@ from qconv.errors import QconvError
 from qconv.eval.forward import Forward, LogitSource
 from qconv.eval.kvsim import get_scheme
 from qconv.eval.metrics import TokenStats, summarize
+from qconv.eval.record import (
+    EvalReport,
+    EvalSettings,
+    ForwardInfo,
+    MeasuredSource,
+    MetricSummary,
+    ReferenceInfo,
+    TextInfo,
+)
 from qconv.eval.reference import Reference, build_reference, open_cached
 from qconv.eval.text import Windows, load_text, make_windows
 from qconv.modelfiles import safetensors_header
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EvalSettings:
-    text: str
-    window: int = 2048
-    max_tokens: int | None = 8192
-    stride: int | None = None
-    kv: str | None = None  # KV scheme simulated for the weights+KV section
-    kv_form: str = "decode"  # decode: the runtime's decode-time tiles; prefill: every full tile quantized
-    ref_topk: int | None = None  # None: auto (full for small vocabularies), 0: full, k: top-k
-    a8_roles: tuple[str, ...] = ()  # a profile's W4A8 roles, simulated for the weights+A8 section (actsim.py)
 
 
 @dataclass
@@ -101,7 +98,7 @@ def resolve_reference(reference: str | Path | None, manifest) -> Source:
 
 def _run(
     logit_source: LogitSource, ref: Reference, windows: Windows, kv_scheme=None, a8_roles: tuple[str, ...] = ()
-) -> tuple[dict, np.ndarray]:
+) -> tuple[MetricSummary, np.ndarray]:
     from tqdm.auto import tqdm
 
     stats = TokenStats()
@@ -123,8 +120,8 @@ def _run(
 
 def measure(
     artifact_dir: str | Path, source: Source, settings: EvalSettings, fwd: Forward | None = None
-) -> tuple[dict, dict[str, np.ndarray]]:
-    """The report dict (no verdicts yet) and the per-token KLD arrays by section, for the plot. `fwd` picks the
+) -> tuple[EvalReport, dict[str, np.ndarray]]:
+    """The report (no verdicts yet) and the per-token KLD arrays by section, for the plot. `fwd` picks the
     device and whole-model or layer-streamed forward (default: streamed when a model does not fit)."""
     from transformers import AutoTokenizer
 
@@ -162,45 +159,46 @@ def measure(
         sections["weights_a8"], klds["weights_a8"] = _run(art, ref, windows, None, settings.a8_roles)
     art.close()
     numel, nbytes = safetensors_stats(artifact_dir)
-    report = {
-        "schema": 1,
-        "artifact": str(Path(artifact_dir).resolve()),
-        "source": {
-            "path": str(source.path),
-            "sha256": source.sha256,
-            "num_parameters": source.num_parameters,
-            "kind": "cached reference log-probs" if source.cache else "model",
-        },
-        "settings": asdict(settings),
-        "text": {
-            "label": text.label,
-            "sha256": text.sha256,
-            "tokens_scored": windows.num_scored,
-            "windows": len(windows.ids),
-            "window": windows.window,
-            "stride": windows.stride,
-        },
-        "reference": {
-            "storage": ref.storage,
-            "topk": ref.topk,
-            "vocab_size": ref.vocab_size,
-            "describe": ref.describe(),
-            "cache": str(ref.folder),
-            "given_as_cache": source.cache,
-        },
-        "bits_per_weight": 8 * nbytes / source.num_parameters,
-        "artifact_bytes": nbytes,
-        "kv_scheme": kv.name if kv else None,
-        "kv_form": kv.form if kv else None,
-        "forward": {
-            "streamed": art.streamed,
-            "device": art.device,
-            "compute_dtype": dtype_name(art.dtype),  # bf16 weights; float32 where bf16 is emulated
-        },
-        **sections,
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, "
+    report = EvalReport(
+        artifact=str(Path(artifact_dir).resolve()),
+        source=MeasuredSource(
+            path=str(source.path),
+            sha256=source.sha256,
+            num_parameters=source.num_parameters,
+            kind="cached reference log-probs" if source.cache else "model",
+        ),
+        settings=settings,
+        text=TextInfo(
+            label=text.label,
+            sha256=text.sha256,
+            tokens_scored=windows.num_scored,
+            windows=len(windows.ids),
+            window=windows.window,
+            stride=windows.stride,
+        ),
+        reference=ReferenceInfo(
+            storage=ref.storage,
+            topk=ref.topk,
+            vocab_size=ref.vocab_size,
+            describe=ref.describe(),
+            cache=str(ref.folder),
+            given_as_cache=source.cache,
+        ),
+        bits_per_weight=8 * nbytes / source.num_parameters,
+        artifact_bytes=nbytes,
+        kv_scheme=kv.name if kv else None,
+        kv_form=kv.form if kv else None,
+        forward=ForwardInfo(
+            streamed=art.streamed,
+            device=art.device,
+            compute_dtype=dtype_name(art.dtype),  # bf16 weights; float32 where bf16 is emulated
+        ),
+        weights=weights,
+        weights_kv=sections.get("weights_kv"),
+        weights_a8=sections.get("weights_a8"),
+        machine=f"{platform.machine()} {torch.get_num_threads()} threads, "
         f"{'cuda ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "elapsed_s": round(time.time() - t0, 1),
-    }
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        elapsed_s=round(time.time() - t0, 1),
+    )
     return report, klds

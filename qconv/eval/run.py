@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -10,10 +9,11 @@ from pathlib import Path
 from qconv.artifact import Artifact
 from qconv.errors import GateFailure, QconvError
 from qconv.eval.forward import Forward
-from qconv.eval.gates import Verdict, apply_gates, regressions, tier_info, write_junit
-from qconv.eval.quality import EvalSettings, Source, cached_source, measure, resolve_reference, safetensors_stats
-from qconv.eval.report import REPORT_JSON, summary, write_reports
-from qconv.manifest import verify_files
+from qconv.eval.gates import apply_gates, regressions, tier_info, write_junit
+from qconv.eval.quality import Source, cached_source, measure, resolve_reference, safetensors_stats
+from qconv.eval.record import REPORT_JSON, EvalReport, EvalSettings, Verdict
+from qconv.eval.report import summary, write_reports
+from qconv.manifest import QualityReport, verify_files
 from qconv.modelfiles import check_weight_files
 from qconv.recipes.recipe import Recipe, load_recipe
 
@@ -54,12 +54,11 @@ def with_profile(settings: EvalSettings, recipe: Recipe, profile: str | None) ->
     return replace(settings, a8_roles=tuple(recipe.profiles[profile].w4a8))
 
 
-def _judge(report: dict, recipe: Recipe, extra: list[Verdict] = ()) -> dict:
-    report["tier"] = tier_info(recipe.quality, report["source"]["num_parameters"])
-    tier = recipe.quality.tier_for(report["source"]["num_parameters"])
-    verdicts = list(extra) + apply_gates(report, tier)
-    report["verdicts"] = [v.to_dict() for v in verdicts]
-    report["passed"] = all(v.passed for v in verdicts)
+def _judge(report: EvalReport, recipe: Recipe, extra: list[Verdict] = ()) -> EvalReport:
+    report.tier = tier_info(recipe.quality, report.source.num_parameters)
+    tier = recipe.quality.tier_for(report.source.num_parameters)
+    report.verdicts = list(extra) + apply_gates(report, tier)
+    report.passed = all(v.passed for v in report.verdicts)
     return report
 
 
@@ -72,11 +71,13 @@ def _tasks_need_model(source: Source, tasks) -> None:
         )
 
 
-def _with_tasks(report: dict, artifact: Path, source: Source, tasks, limit, task_data, max_gen_toks=None) -> dict:
+def _with_tasks(
+    report: EvalReport, artifact: Path, source: Source, tasks, limit, task_data, max_gen_toks=None
+) -> EvalReport:
     if tasks:
         from qconv.eval.tasks import run_tasks
 
-        report["tasks"] = run_tasks(
+        report.tasks = run_tasks(
             source.path, artifact, tasks, limit=limit, task_data=task_data, max_gen_toks=max_gen_toks
         )
     return report
@@ -95,7 +96,7 @@ def evaluate(
     out: str | Path | None = None,
     fwd: Forward | None = None,
     profile: str | None = None,
-) -> dict:
+) -> EvalReport:
     """`qconv eval`: measure, judge by the recipe's tier gates (reported, not raised), write reports to `out`."""
     artifact = Path(artifact)
     art = Artifact.open(artifact)
@@ -117,11 +118,11 @@ def evaluate(
     return report
 
 
-def load_recorded(against: str | Path | None, art: Artifact) -> dict | None:
+def load_recorded(against: str | Path | None, art: Artifact) -> QualityReport | None:
     """A report to regress against: a report.json, an artifact folder (its report.json, else its qconv.json
     quality), or by default this artifact's own recorded quality."""
     if against is None:
-        return art.quality.data if art.quality and art.quality.measured else None
+        return art.quality if art.quality and art.quality.measured else None
     p = Path(against)
     if p.is_dir():
         if (p / REPORT_JSON).is_file():
@@ -134,15 +135,12 @@ def load_recorded(against: str | Path | None, art: Artifact) -> dict | None:
                     where="--against",
                     fix="pass an artifact built with quality gates, or its report.json",
                 )
-            return other.quality.data
+            return other.quality
     if not p.is_file():
         raise QconvError(
             f"--against not found: {against}", where="--against", fix="pass an artifact folder or a report.json"
         )
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise QconvError(f"{p} is not valid JSON: {e}", where="--against", fix="pass a report.json") from e
+    return summary(EvalReport.read(p))
 
 
 def check(
@@ -159,7 +157,7 @@ def check(
     out: str | Path | None = None,
     fwd: Forward | None = None,
     profile: str | None = None,
-) -> dict:
+) -> EvalReport:
     """`qconv check`: verify files, re-measure with the recorded settings, apply gates and regression tolerances.
     Raises GateFailure (exit 1) naming every failed gate with its measured value."""
     artifact = Path(artifact)
@@ -200,11 +198,12 @@ def check(
     if out:
         write_reports(out, report, klds)
     if junit:
-        write_junit(junit, [Verdict(**v) for v in report["verdicts"]])
-    failed = [v["message"] for v in report["verdicts"] if not v["passed"]]
+        write_junit(junit, report.verdicts or [])
+    failed = [v.message for v in report.verdicts or () if not v.passed]
     if failed:
+        tier = report.tier.name if report.tier else None
         err = GateFailure(
-            f"quality check failed for {artifact} ({report['tier'].get('name')} tier):\n  " + "\n  ".join(failed),
+            f"quality check failed for {artifact} ({tier} tier):\n  " + "\n  ".join(failed),
             fix="inspect report.md; rebuild or relax the recipe's gates",
         )
         err.report = report
@@ -226,7 +225,7 @@ def quality_report(
     fwd: Forward | None = None,
     final: str | Path | None = None,
     annotate=None,
-) -> dict:
+) -> QualityReport:
     """For `qconv build`: measure the fresh artifact, write report.json/report.md/kld.png into it, return the
     summary for qconv.json (`passed` False when a gate failed; the caller marks the manifest and exits 1).
     `final`: the folder the build's temp folder becomes, the path the reports name; `annotate(report)` adds the
@@ -234,7 +233,7 @@ def quality_report(
     are part of the artifact."""
     text = text or recipe.quality.text
     if not text:
-        return {"passed": None, "note": "no held-out text (recipe quality.text or --eval-text): not measured"}
+        return QualityReport(passed=None, note="no held-out text (recipe quality.text or --eval-text): not measured")
     q = recipe.quality
     settings = EvalSettings(
         text=text, window=q.window, max_tokens=q.max_tokens, kv=auto_kv(recipe) if kv == "auto" else kv
@@ -255,16 +254,16 @@ def quality_report(
     report, klds = measure(artifact_dir, source, settings, fwd)
     report = _judge(_with_tasks(report, Path(artifact_dir), source, tasks, limit, None), recipe)
     if final is not None:
-        report["artifact"] = str(Path(final).resolve())
+        report.artifact = str(Path(final).resolve())
     if annotate is not None:
         annotate(report)
     write_reports(artifact_dir, report, klds)
     return summary(report)
 
 
-def gate_failure(quality_summary: dict) -> GateFailure:
+def gate_failure(quality_summary: QualityReport) -> GateFailure:
     """The error `qconv build` raises after marking the manifest failed."""
-    msgs = [v["message"] for v in quality_summary.get("verdicts", [])]
+    msgs = [v["message"] for v in quality_summary.verdicts]
     return GateFailure(
         "quality gates failed:\n  " + "\n  ".join(msgs),
         fix="see report.md in the artifact; pass --no-gates to keep it anyway",

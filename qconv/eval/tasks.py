@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from qconv.errors import QconvError
+from qconv.eval.record import TaskResult, TaskResults
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +119,12 @@ def run_tasks(
     task_data: dict[str, str] | None = None,
     max_gen_toks: int | None = None,
     batch_size: int = 32,
-) -> dict:
+) -> TaskResults:
     """Each task on both models; `max_gen_toks` caps generation in shipped tasks (short CPU smoke runs)."""
     specs = resolve_tasks(names, task_data, max_gen_toks)
     base, backend = _evaluate(source, specs, limit, batch_size)
     quant, _ = _evaluate(artifact, specs, limit, batch_size)
-    results = {}
+    results: dict[str, TaskResult] = {}
     for name, bm in base["results"].items():
         qm = quant["results"].get(name, {})
         higher = base.get("higher_is_better", {}).get(name, {})
@@ -131,12 +132,12 @@ def run_tasks(
         b, q = float(bm[key]), float(qm[key])
         hib = higher.get(key.split(",")[0], True)
         ratio = (q / b if b else None) if hib else (b / q if q else None)
-        results[name] = {
-            "metric": key,
-            "higher_is_better": hib,
-            "base": b,
-            "quantized": q,
-            "recovery": ratio,
-            "samples": base.get("n-samples", {}).get(name, {}).get("effective"),
-        }
-    return {"limit": limit, "max_gen_toks": max_gen_toks, "backend": backend, "results": results}
+        results[name] = TaskResult(
+            metric=key,
+            higher_is_better=hib,
+            base=b,
+            quantized=q,
+            recovery=ratio,
+            samples=base.get("n-samples", {}).get(name, {}).get("effective"),
+        )
+    return TaskResults(limit=limit, max_gen_toks=max_gen_toks, backend=backend, results=results)

@@ -28,7 +28,7 @@ def _type_name(tp) -> str:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
-    if origin is list:
+    if origin in (list, tuple):
         return f"list of {_type_name(typing.get_args(tp)[0])}"
     if origin is dict:
         return f"mapping of {_type_name(typing.get_args(tp)[1])}"
@@ -97,6 +97,11 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
             _fail(source, path, f"expected a list, got {shorten(value)}")
         (item,) = typing.get_args(tp)
         return [convert(item, v, f"{path}[{i}]", source, strict) for i, v in enumerate(value)]
+    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[X, ...]: a JSON list
+        if not isinstance(value, (list, tuple)):
+            _fail(source, path, f"expected a list, got {shorten(value)}")
+        item = typing.get_args(tp)[0]
+        return tuple(convert(item, v, f"{path}[{i}]", source, strict) for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
             _fail(source, path, f"expected a mapping, got {shorten(value)}")
@@ -135,6 +140,15 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
         except ValueError:  # an integer too long to print
             _fail(source, path, f"expected a string, got {shorten(value)}")
     raise TypeError(f"schema: unsupported type {tp!r} at {path}")
+
+
+def read_record(cls, data: Any, where: str, what: str, fix: str):
+    """`from_dict` for a record qconv wrote (a manifest, a report): any mismatch is one QconvError saying the `what`
+    is malformed, naming `where` and the key path, with `fix`."""
+    try:
+        return from_dict(cls, data, "", where)
+    except SchemaError as e:
+        raise QconvError(f"malformed {what}: {e.what}", where=where, fix=fix) from e
 
 
 def from_dict(cls, data: Any, path: str = "", source: str = "<config>", strict: bool = True):

@@ -57,7 +57,7 @@ def _parity(kb: int, vb: int, dev: str) -> dict:
     k, v = _tiles(64, dev)
     rec, ref = kt.encode_tiles(k, v, kb, vb), scheme.encode(k.float(), v.float())
     got, want = scheme.layout(D).split(rec), scheme.layout(D).split(ref)
-    out = {"bytes_equal": float((rec == ref).float().mean())}
+    out = {"records_equal": bool(torch.equal(rec, ref)), "bytes_equal": float((rec == ref).float().mean())}
     for name in want:
         if name.endswith("codes"):
             bits = kb if name[0] == "k" else vb

@@ -22,6 +22,16 @@ LOG_MIN, LOG_MAX = -0.3, 10.0
 # imbalance sits at 2 within float noise, and a strict `<` would pick among near-equal iterates by summation order,
 # so this codec and its Triton port (plugins/vllm/qconv_vllm/kvarn_triton.py) or a GPU would write different scales.
 MIN_GAIN = 1 - 1e-4
+# The balance runs in float64 and hands float32 log-scales on; every exp of them is taken in float64 and rounded to
+# float32. A sum's order (BLAS, a Triton tree, numpy) then moves the float32 results only when a value lies within
+# ~1e-15 of a float32 rounding boundary, and libraries' exp no longer differ by an ulp: the torch codec, the plugin's
+# and the Triton kernels write the same bytes.
+BALANCE_DTYPE = torch.float64
+
+
+def exp32(x: torch.Tensor) -> torch.Tensor:
+    """e^x of float32 log-scales, correctly rounded to float32 wherever it is computed (see BALANCE_DTYPE)."""
+    return torch.exp(x.to(BALANCE_DTYPE)).float()
 
 
 def _imbalance(col: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -31,7 +41,7 @@ def _imbalance(col: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
 def _weighted_std(x: torch.Tensor, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """std over the rows of x [..., n, m] with row i scaled by w_i (w: [..., n]) -> [..., m], without building the
     scaled tile: vector-matrix products with x and x^2 (precomputed), cheaper than torch.std's Welford pass; the
-    E[x^2] - E[x]^2 cancellation is harmless here (fp32, 64-256 values per row)."""
+    E[x^2] - E[x]^2 cancellation is harmless here (float64, 64-256 values per row)."""
     n = x.shape[-2]
     m = (w.unsqueeze(-2) @ x).squeeze(-2) / n
     s = ((w * w).unsqueeze(-2) @ x2).squeeze(-2) / n
@@ -44,7 +54,9 @@ def balance(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor
     Alternates column and row std normalization (stds clamped to [1e-3, 1e3], log-scales to [-0.3, 10]). The
     iteration need not converge under the clamps, so the (u, v) with the lowest imbalance max/min(col std) +
     max/min(row std) seen so far (by at least 0.01%, MIN_GAIN) is returned, starting from the unscaled tile
-    (returning the last iterate instead is a known accuracy bug). x: [..., R, C] float32."""
+    (returning the last iterate instead is a known accuracy bug). x: [..., R, C] float32; computed in float64,
+    returned as float32."""
+    x = x.to(BALANCE_DTYPE)
     xt = x.transpose(-1, -2).contiguous()  # row stats as vector @ matrix too (far faster than matrix @ vector)
     x2, xt2 = x * x, xt * xt
     u = x.new_zeros(*x.shape[:-2], x.shape[-1])
@@ -63,7 +75,7 @@ def balance(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor
         best_i = torch.where(better, imb, best_i)
         best_u = torch.where(better.unsqueeze(-1), u, best_u)
         best_v = torch.where(better.unsqueeze(-1), v, best_v)
-    return best_u, best_v
+    return best_u.float(), best_v.float()
 
 
 def rtn_rows(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,12 +114,12 @@ class TileScheme(KVScheme):
         """One tile matrix [N, R, C] -> (packed codes, row scale a, row zero z, column scale), scales as fp16 bytes."""
         if self.balance:
             u, v = balance(x, self.iters)
-            y = x * torch.exp(-v).unsqueeze(-1) * torch.exp(-u).unsqueeze(-2)
+            y = x * exp32(-v).unsqueeze(-1) * exp32(-u).unsqueeze(-2)
         else:
             u, v, y = None, None, x
         q, step, lo = rtn_rows(y, bits)
-        ev = torch.exp(v) if v is not None else 1.0
-        col = fp16_bytes(torch.exp(u)) if u is not None else None
+        ev = exp32(v) if v is not None else 1.0
+        col = fp16_bytes(exp32(u)) if u is not None else None
         return pack_bits(q.flatten(-2), bits), fp16_bytes(step * ev), fp16_bytes(lo * ev), col
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,11 @@ ITERS = 8
 STD_CLAMP, LOG_CLAMP = (1e-3, 1e3), (-0.3, 10.0)
 FP16_MAX = 65504.0
 MIN_GAIN = 1 - 1e-4  # qconv.kv.kvarn.MIN_GAIN: a new best iterate must lower the imbalance by 0.01%
+BALANCE_DTYPE = torch.float64  # qconv.kv.kvarn.BALANCE_DTYPE: balance and exps in float64, rounded to float32
+
+
+def _exp32(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.to(BALANCE_DTYPE)).float()
 
 
 @functools.lru_cache(maxsize=8)
@@ -130,10 +135,11 @@ def _std_rows(x: torch.Tensor, x2: torch.Tensor, w: torch.Tensor) -> torch.Tenso
 
 
 def _balance(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column (u) and row (v) log-scales evening out x [N, R, C]; the iterate of least imbalance
-    max/min(col std) + max/min(row std) wins by at least 0.01%, the unscaled tile included (the last iterate need
-    not be best; near-equal ones would be told apart by summation order only)."""
+    """Column (u) and row (v) log-scales evening out x [N, R, C] (float64 inside, float32 out); the iterate of least
+    imbalance max/min(col std) + max/min(row std) wins by at least 0.01%, the unscaled tile included (the last
+    iterate need not be best; near-equal ones would be told apart by summation order only)."""
     lo, hi = STD_CLAMP
+    x = x.to(BALANCE_DTYPE)
     xt = x.transpose(-1, -2).contiguous()
     x2, xt2 = x * x, xt * xt
     u = x.new_zeros(x.shape[0], x.shape[2])
@@ -153,18 +159,18 @@ def _balance(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         keep = torch.where(win, now, keep)
         keep_u = torch.where(win.unsqueeze(-1), u, keep_u)
         keep_v = torch.where(win.unsqueeze(-1), v, keep_v)
-    return keep_u, keep_v
+    return keep_u.float(), keep_v.float()
 
 
 def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
     """One side of a tile, x [N, R, C] float32 -> (packed codes, row step, row zero, column scale) as bytes."""
     u, v = _balance(x)
-    y = x * torch.exp(-v).unsqueeze(-1) * torch.exp(-u).unsqueeze(-2)
+    y = x * _exp32(-v).unsqueeze(-1) * _exp32(-u).unsqueeze(-2)
     lo, hi = torch.aminmax(y, dim=-1)
     step = ((hi - lo) / (2**bits - 1)).clamp_min(1e-10)
     q = ((y - lo.unsqueeze(-1)) / step.unsqueeze(-1)).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
-    ev = torch.exp(v)
-    return _pack(q.flatten(-2), bits), _bytes(step * ev), _bytes(lo * ev), _bytes(torch.exp(u))
+    ev = _exp32(v)
+    return _pack(q.flatten(-2), bits), _bytes(step * ev), _bytes(lo * ev), _bytes(_exp32(u))
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

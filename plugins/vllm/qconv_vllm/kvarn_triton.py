@@ -12,9 +12,10 @@ codes little-end-first, padded to 8 bytes (never to a power of two). K codes are
 - decode_attention: kvarn_attention.py.
 
 Records follow kvarn.py op by op (the rotation is the same torch matmul; IEEE division and sqrt, round-half-even,
-libdevice exp/log on CUDA), but the kernel's sums run in another order than torch's BLAS: a scale can differ by one
-fp16 ulp and, rarely, a code by one step (rates in tests/test_kvarn_triton.py). The Hadamard matrix is cached per
-(D, device), so the first call must not be inside a CUDA-graph capture.
+libdevice exp/log on CUDA). The kernel's sums run in another order than torch's BLAS, so, as in the torch codecs,
+the balance runs in float64 and each exp of a log-scale is taken in float64 and rounded to float32: the bytes are
+the torch codec's (tests/test_kvarn_triton.py). The Hadamard matrix is cached per (D, device), so the first call
+must not be inside a CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -101,25 +102,33 @@ def unpack_codes(base, rows, cols, ROW: tl.constexpr, BITS: tl.constexpr):
 
 # ---------------------------------------------------------------- encode
 @triton.jit
+def _exp32(x, LIBDEV: tl.constexpr):
+    """kvarn.exp32: e^x of float32 log-scales, taken in float64 and rounded to float32."""
+    return _exp(x.to(tl.float64), LIBDEV).to(tl.float32)
+
+
+@triton.jit
 def _std(x, w, AXIS: tl.constexpr, N: tl.constexpr):
-    """kvarn._weighted_std: sqrt(max(E[w x^2 w] - E[w x]^2, 0)) over AXIS, w broadcast against x."""
+    """kvarn._weighted_std in float64: sqrt(max(E[w x^2 w] - E[w x]^2, 0)) over AXIS, w broadcast against x."""
     m = tl.sum(w * x, AXIS) * (1.0 / N)
     s = tl.sum((w * w) * (x * x), AXIS) * (1.0 / N)
-    return tl.sqrt_rn(tl.maximum(s - m * m, 0.0))
+    return tl.sqrt(tl.maximum(s - m * m, 0.0))  # float64 sqrt and division are IEEE-rounded (no _rn needed)
 
 
 @triton.jit
 def _imbalance(col, row):
-    return tl.div_rn(tl.max(col, 0), tl.min(col, 0)) + tl.div_rn(tl.max(row, 0), tl.min(row, 0))
+    return tl.max(col, 0) / tl.min(col, 0) + tl.max(row, 0) / tl.min(row, 0)
 
 
 @triton.jit
-def _balance(x, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, LIBDEV: tl.constexpr):
-    """kvarn.balance on one tile x [R, C]: column log-scales u [C], row log-scales v [R], best-so-far."""
-    u = tl.zeros([C], tl.float32)
-    v = tl.zeros([R], tl.float32)
-    col = tl.clamp(_std(x, tl.full([R, 1], 1.0, tl.float32), 0, R), STD_MIN, STD_MAX)
-    row = tl.clamp(_std(x, tl.full([1, C], 1.0, tl.float32), 1, C), STD_MIN, STD_MAX)
+def _balance(x32, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, LIBDEV: tl.constexpr):
+    """kvarn.balance on one tile x [R, C] in float64: column log-scales u [C], row log-scales v [R] (float32),
+    best-so-far."""
+    x = x32.to(tl.float64)
+    u = tl.zeros([C], tl.float64)
+    v = tl.zeros([R], tl.float64)
+    col = tl.clamp(_std(x, tl.full([R, 1], 1.0, tl.float64), 0, R), STD_MIN, STD_MAX)
+    row = tl.clamp(_std(x, tl.full([1, C], 1.0, tl.float64), 1, C), STD_MIN, STD_MAX)
     best_u, best_v, best_i = u, v, _imbalance(col, row)
     for _ in range(ITERS):
         u = tl.clamp(u + _log(col, LIBDEV), LOG_MIN, LOG_MAX)
@@ -134,7 +143,7 @@ def _balance(x, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, LIBDEV: t
         best_i = tl.where(better, imb, best_i)
         best_u = tl.where(better, u, best_u)
         best_v = tl.where(better, v, best_v)
-    return best_u, best_v
+    return best_u.to(tl.float32), best_v.to(tl.float32)
 
 
 @triton.jit
@@ -168,7 +177,7 @@ def _side(
 ):
     """kvarn.TileScheme._side: balance, RTN per row, fold scales into fp16, pack; write the fields of one record."""
     u, v = _balance(x, R, C, ITERS, LIBDEV)
-    y = x * _exp(-v, LIBDEV)[:, None] * _exp(-u, LIBDEV)[None, :]
+    y = x * _exp32(-v, LIBDEV)[:, None] * _exp32(-u, LIBDEV)[None, :]
     lo = tl.min(y, 1)
     step = tl.maximum(tl.div_rn(tl.max(y, 1) - lo, (1 << BITS) - 1.0), 1e-10)
     q = tl.clamp(_rne(tl.div_rn(y - lo[:, None], step[:, None])), 0.0, (1 << BITS) - 1.0).to(tl.int32)
@@ -177,10 +186,10 @@ def _side(
     packed = tl.reduce(tl.reshape(q.to(tl.uint8), [R, C // PER, PER]) << shifts[None, None, :], 2, _or)
     r = tl.arange(0, R)
     tl.store(rec + CODES + r[:, None] * (C // PER) + tl.arange(0, C // PER)[None, :], packed)
-    ev = _exp(v, LIBDEV)
+    ev = _exp32(v, LIBDEV)
     tl.store(rec16 + A // 2 + r, tl.clamp(step * ev, -FP16_MAX, FP16_MAX).to(tl.float16))
     tl.store(rec16 + Z // 2 + r, tl.clamp(lo * ev, -FP16_MAX, FP16_MAX).to(tl.float16))
-    tl.store(rec16 + COL // 2 + tl.arange(0, C), tl.clamp(_exp(u, LIBDEV), -FP16_MAX, FP16_MAX).to(tl.float16))
+    tl.store(rec16 + COL // 2 + tl.arange(0, C), tl.clamp(_exp32(u, LIBDEV), -FP16_MAX, FP16_MAX).to(tl.float16))
 
 
 @triton.jit

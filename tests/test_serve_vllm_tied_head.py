@@ -80,15 +80,15 @@ def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, vllm_python, monkeypatc
     from qconv.engine.loader import load_tokenizer
 
     monkeypatch.setenv("PYTHONPATH", PLUGIN_PATH)
-    choice = _auto(smollm2_3090, vllm_python)
-    assert choice.backend == "vllm", choice.reason
+    choice = _auto(smollm2_3090, vllm_python)  # the runtime could serve it; on this CPU host our engine is faster
+    assert choice.vllm_ok and choice.backend == "native" and "--backend vllm" in choice.reason, choice.reason
     assert TIED_QUANTIZED_HEAD in choice.runtime.features
     print("auto with the plugin:", choice.reason)
 
     args = [
         str(smollm2_3090),
         "--backend",
-        "auto",
+        "vllm",
         "--vllm-python",
         vllm_python,
         "--spec-tokens",

@@ -186,14 +186,16 @@ class BackendChoice:
     backend: str  # "vllm" | "native"
     reason: str
     runtime: Runtime | None = None
+    vllm_ok: bool = False  # the runtime meets what the artifact needs (chosen, or passed over as the slower engine)
 
 
 def choose_backend(
     requires: list[Requirement], profile: str, runtime: Runtime | None, gpu: bool, declared: set[str] = frozenset()
 ) -> BackendChoice:
-    """`qconv serve --backend auto`: vLLM + plugin whenever a usable runtime meets the artifact's `requires` for
-    this profile on its device (plus what the user `declared` their vLLM handles), qconv's own engine otherwise;
-    the reason is said to the user in one line."""
+    """`qconv serve --backend auto`: vLLM + plugin whenever a usable CUDA runtime meets the artifact's `requires` for
+    this profile (plus what the user `declared` their vLLM handles), qconv's own engine otherwise; the reason is said
+    to the user in one line. A CPU runtime that could serve it still loses to qconv's engine, which serves the
+    artifacts faster on a CPU host (docs/BENCHMARKS.md, bench/serve_engines.py); `--backend vllm` picks it anyway."""
     if runtime is None:
         return BackendChoice("native", "no vLLM runtime is installed (`qconv runtime install` adds one)")
     if runtime.device == "cuda" and not gpu:
@@ -202,8 +204,17 @@ def choose_backend(
     if missing:
         m = missing[0]
         return BackendChoice("native", f"runtime {runtime.name} cannot run it: {m.feature} needs {m.needs}", runtime)
+    if runtime.device == "cpu":
+        return BackendChoice(
+            "native",
+            f"on a CPU host qconv's engine serves faster than vLLM's CPU backend; runtime {runtime.name} could serve "
+            "it: `--backend vllm` picks it",
+            runtime,
+            vllm_ok=True,
+        )
     return BackendChoice(
         "vllm",
         f"vLLM {runtime.vllm} + qconv-vllm {runtime.plugin} from runtime {runtime.name} ({runtime.device})",
         runtime,
+        vllm_ok=True,
     )

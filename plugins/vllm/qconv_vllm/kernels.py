@@ -19,7 +19,9 @@ def _kernel_class():
     from vllm.platforms import current_platform
 
     class QconvReferenceWNA16LinearKernel(MPLinearKernel):
-        """Keeps the packed int codes and their scales; dequantizes to the activation dtype for each call."""
+        """Keeps the packed int codes and their scales; dequantizes them to the activation dtype at the first call
+        and keeps that dense copy (CPU only, where memory is the host's: a dequantize per call cost more than the
+        matmul)."""
 
         @classmethod
         def get_min_capability(cls) -> int:
@@ -47,15 +49,18 @@ def _kernel_class():
         def apply_weights(
             self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
         ) -> torch.Tensor:
-            w_q, w_s, w_zp = self._get_weight_params(layer)
-            w = dequantize_rows(
-                w_q,
-                w_s,
-                self.config.weight_type.size_bits,
-                self.in_features,
-                x.dtype,
-                w_zp if self.config.zero_points else None,
-            )
+            w = getattr(layer, "qconv_dense_weight", None)
+            if w is None or w.dtype != x.dtype:
+                w_q, w_s, w_zp = self._get_weight_params(layer)
+                w = dequantize_rows(
+                    w_q,
+                    w_s,
+                    self.config.weight_type.size_bits,
+                    self.in_features,
+                    x.dtype,
+                    w_zp if self.config.zero_points else None,
+                )
+                layer.qconv_dense_weight = w
             return torch.nn.functional.linear(x, w, bias)
 
     return QconvReferenceWNA16LinearKernel

@@ -6,7 +6,9 @@ shares `embed_tokens.weight`, which a pack-quantized embedding does not have (it
 quantized embedding module itself as the lm_head (one table, as in the checkpoint), and the method gets an `apply`
 that `LogitsProcessor` calls with the hidden states: it dequantizes the table in row blocks, through the method's
 own lookup (vLLM's Triton gather on GPUs, the plugin's torch one on CPU), and multiplies. Marlin's W8A16 path is
-not reused: it repacks its weights in place, so it would need a second, repacked copy of the table in memory.
+not reused: it repacks its weights in place, so it would need a second, repacked copy of the table in memory. On
+the CPU the dequantized table is kept after the first call (host memory; dequantizing it every step cost more than
+the matmul); on a GPU, where memory is the card's, it is dequantized per call in row blocks.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ def _tie_to_packed_embedding() -> None:
     ParallelLMHead.tie_weights = tie_weights
 
 
+def _row_blocks(method, layer: torch.nn.Module):
+    """(first row, dequantized rows) of the packed table, ROWS at a time, through the method's own lookup."""
+    vocab, device = layer.weight_packed.shape[0], layer.weight_packed.device
+    for start in range(0, vocab, ROWS):
+        yield start, method.embedding(layer, torch.arange(start, min(start + ROWS, vocab), device=device))
+
+
 def _logits_from_packed_rows() -> None:
     method = _method()
 
@@ -47,10 +56,15 @@ def _logits_from_packed_rows() -> None:
         """hidden @ dequant(W).T over this rank's (padded) vocabulary rows; LogitsProcessor drops the padding."""
         vocab = layer.weight_packed.shape[0]
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.empty(flat.shape[0], vocab, dtype=x.dtype, device=x.device)
-        for start in range(0, vocab, ROWS):
-            ids = torch.arange(start, min(start + ROWS, vocab), device=layer.weight_packed.device)
-            out[:, start : start + len(ids)] = flat @ self.embedding(layer, ids).to(x.dtype).t()
+        dense = getattr(layer, "qconv_dense_head", None)
+        if x.device.type == "cpu" and (dense is None or dense.dtype != x.dtype):
+            dense = layer.qconv_dense_head = torch.cat([rows.to(x.dtype) for _, rows in _row_blocks(self, layer)])
+        if dense is not None:
+            out = flat @ dense.t()
+        else:
+            out = torch.empty(flat.shape[0], vocab, dtype=x.dtype, device=x.device)
+            for start, rows in _row_blocks(self, layer):
+                out[:, start : start + len(rows)] = flat @ rows.to(x.dtype).t()
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], vocab)

@@ -32,10 +32,14 @@ def _cuda_gpu() -> bool:
     type=click.Choice(["native", "vllm", "auto"]),
     default="auto",
     show_default=True,
-    help="auto: vLLM from an installed runtime (`qconv runtime install`) when it can run the artifact, "
-    "else qconv's engine; says which and why.",
+    help="auto: vLLM from an installed CUDA runtime (`qconv runtime install`) when a GPU is visible and it can run "
+    "the artifact, else qconv's engine (on a CPU host the faster one); says which and why.",
 )
-@click.option("--profile", default=None, help="Serving profile (fast | long | huge); default: the recipe's.")
+@click.option(
+    "--profile",
+    default=None,
+    help="Serving profile (the 3090 recipe's: fast | long | huge | batch); default: the recipe's.",
+)
 @click.option("--recipe", default=None, help="Take profiles from this recipe (for a config folder without qconv.json).")
 @click.option("--print-command", is_flag=True, help="Print the vLLM command line and exit (no weights needed).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (0.0.0.0 exposes the server).")

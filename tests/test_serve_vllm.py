@@ -96,6 +96,35 @@ def test_passthrough_options(config_27b):
     assert vllm.vllm_env("sekrit")["VLLM_API_KEY"] == "sekrit"
 
 
+def test_tensor_parallel_size_must_divide_the_heads(tmp_path):
+    """SmolLM2 has 9 attention heads: vLLM would stop its load at size 2 after minutes; qconv says so first."""
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_attention_heads": 9})
+    )
+    args = ["serve", str(tmp_path), "--recipe", "3090", "--backend", "vllm", "--print-command"]
+    r = CliRunner().invoke(main, [*args, "--tensor-parallel-size", "2"])
+    assert r.exit_code == 2 and "9 attention heads" in r.output and "1, 3, 9" in r.output, r.output
+    assert CliRunner().invoke(main, [*args, "--tensor-parallel-size", "3"]).exit_code == 0
+    assert CliRunner().invoke(main, [*args, "--tensor-parallel-size", "0"]).exit_code == 2
+
+
+def test_cpu_ranks_get_cores_where_vllm_cannot_bind_them(monkeypatch):
+    """vLLM's CPU backend binds a rank per NUMA node and stops on a host with fewer nodes than ranks: there the
+    process's CPUs are split among the ranks; a binding the user set, CUDA, and size 1 are left alone."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(vllm, "numa_nodes", lambda: 1)
+    monkeypatch.setattr(vllm.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4})
+    assert vllm.cpu_rank_binding(2, "cpu") == {"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}
+    assert vllm.cpu_rank_binding(1, "cpu") == {} and vllm.cpu_rank_binding(2, "cuda") == {}
+    with pytest.raises(QconvError, match="needs a core per rank"):
+        vllm.cpu_rank_binding(8, "cpu")
+    monkeypatch.setattr(vllm, "numa_nodes", lambda: 2)
+    assert vllm.cpu_rank_binding(2, "cpu") == {}  # vLLM's own binding, a node a rank
+    monkeypatch.setattr(vllm, "numa_nodes", lambda: 1)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert vllm.cpu_rank_binding(2, "cpu") == {}
+
+
 def _source(tmp_path, config: dict, spec: dict, profiles: dict | None = None) -> vllm.ServeSource:
     profiles = profiles or {"fast": Profile(kv_cache="bf16", context_length=4096, max_num_seqs=4)}
     return vllm.ServeSource(tmp_path, "m", config, profiles, "fast", from_dict(Speculative, spec))

@@ -64,6 +64,10 @@ def tiny_config(family: str, vocab: int):
     )
     if family == "llama":
         return LlamaConfig(num_hidden_layers=2, tie_word_embeddings=True, **common)
+    if family == "llama_tp":  # twice as wide: split over 2 tensor-parallel ranks, rows keep whole groups of 128
+        return LlamaConfig(
+            num_hidden_layers=2, tie_word_embeddings=True, **{**common, "hidden_size": 256, "intermediate_size": 512}
+        )
     if family == "qwen2":  # q/k/v biases
         return Qwen2Config(num_hidden_layers=2, tie_word_embeddings=True, **common)
     if family == "qwen3":
@@ -82,14 +86,15 @@ def tiny_config(family: str, vocab: int):
             mtp_num_hidden_layers=1,
             **common,
         )
-    if family in ("qwen3_5_wide", "qwen3_5_wide_tied"):  # Gated-DeltaNet heads of the real width (128): vLLM's CPU
-        # GDN kernel needs them; `_tied` as the small Qwen3.5 models are
+    if family in ("qwen3_5_wide", "qwen3_5_wide_tied", "qwen3_5_tp"):  # Gated-DeltaNet heads of the real width
+        # (128): vLLM's CPU GDN kernel needs them; `_tied` as the small Qwen3.5 models are; `_tp` with twice the heads,
+        # so 2 tensor-parallel ranks each hold one key head
         return Qwen3_5TextConfig(
             num_hidden_layers=4,
             head_dim=64,
             full_attention_interval=2,
-            linear_num_key_heads=1,
-            linear_num_value_heads=2,
+            linear_num_key_heads=2 if family.endswith("_tp") else 1,
+            linear_num_value_heads=4 if family.endswith("_tp") else 2,
             linear_key_head_dim=128,
             linear_value_head_dim=128,
             linear_conv_kernel_dim=4,

@@ -51,7 +51,13 @@ def _cuda_gpu() -> bool:
     help="Require 'Authorization: Bearer KEY'. Prefer the QCONV_API_KEY environment variable: a key on "
     "the command line is visible to every user in the process list.",
 )
-@click.option("--tensor-parallel-size", default=1, show_default=True, type=int, help="vLLM: GPUs to shard over.")
+@click.option(
+    "--tensor-parallel-size",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="vLLM: GPUs to shard over (on its CPU backend: groups of cores, split evenly).",
+)
 @click.option(
     "--max-batch",
     default=None,
@@ -167,6 +173,7 @@ def serve(
     )
     if print_command:
         env, _ = vllm.profile_env(src, profile, opts.platform)
+        env |= vllm.cpu_rank_binding(tensor_parallel_size, opts.platform)
         click.echo(shlex.join([f"{k}={v}" for k, v in env.items()] + vllm.build_command(src, profile, opts)))
         return
     info = vllm_probe.probe_vllm(python)
@@ -179,6 +186,7 @@ def serve(
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version)
     env, note = vllm.profile_env(src, profile, info.platform)
+    env |= vllm.cpu_rank_binding(tensor_parallel_size, info.platform)
     if note:
         click.echo(note, err=True)
     click.echo(f"starting: {shlex.join([f'{k}={v}' for k, v in env.items()] + argv)}", err=True)

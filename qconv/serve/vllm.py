@@ -165,6 +165,44 @@ def profile_env(src: ServeSource, profile: str | None, platform: str | None) -> 
     return {"VLLM_MARLIN_INPUT_DTYPE": "int8", W4A8_ENV: pattern}, None
 
 
+def numa_nodes() -> int:
+    return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+
+
+def check_tensor_parallel(src: ServeSource, tp: int) -> None:
+    """vLLM shards attention heads evenly over the ranks: a size that does not divide them stops its load, after
+    minutes of start-up; say it before."""
+    heads = (src.config.get("text_config") or src.config).get("num_attention_heads")
+    if tp > 1 and isinstance(heads, int) and heads % tp:
+        sizes = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise QconvError(
+            f"{src.name} has {heads} attention heads, which --tensor-parallel-size {tp} does not divide (vLLM "
+            "shards heads evenly over the ranks)",
+            where="--tensor-parallel-size",
+            fix=f"use a size that divides {heads}: {sizes}",
+        )
+
+
+def cpu_rank_binding(tp: int, platform: str | None) -> dict[str, str]:
+    """Tensor parallelism on vLLM's CPU backend: each rank's threads are bound to cores. vLLM's own binding ('auto')
+    gives each rank a NUMA node and stops where the host has fewer nodes than ranks; there, this process's CPUs are
+    split evenly among the ranks (VLLM_CPU_OMP_THREADS_BIND). A binding the user set is kept."""
+    if platform != "cpu" or tp <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    if numa_nodes() >= tp:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise QconvError(
+            f"--tensor-parallel-size {tp} on vLLM's CPU backend needs a core per rank; this process may use "
+            f"{len(cpus)}",
+            where="--tensor-parallel-size",
+            fix=f"use at most {len(cpus)}, or give the process more CPUs",
+        )
+    per = len(cpus) // tp
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cpus[r * per : (r + 1) * per])) for r in range(tp))}
+
+
 @dataclass
 class LaunchOptions:
     host: str = "127.0.0.1"
@@ -180,6 +218,7 @@ class LaunchOptions:
 def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:
     """The argv that serves `src` under `profile` (pure: no vLLM needed)."""
     _, p = pick_profile(src, profile)  # typed and bounded when read (Profile.validate): no value becomes a flag
+    check_tensor_parallel(src, opts.tensor_parallel_size)
     kv = p.kv_cache
     argv = [
         opts.python,

@@ -92,16 +92,12 @@ def convert(tp, value: Any, path: str, source: str, strict: bool = True):
                 f"did you mean {close[0]!r}?" if close else None,
             )
         return value
-    if origin is list:
-        if not isinstance(value, list):
-            _fail(source, path, f"expected a list, got {shorten(value)}")
-        (item,) = typing.get_args(tp)
-        return [convert(item, v, f"{path}[{i}]", source, strict) for i, v in enumerate(value)]
-    if origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,):  # tuple[X, ...]: a JSON list
-        if not isinstance(value, (list, tuple)):
+    if origin is list or (origin is tuple and typing.get_args(tp)[1:] == (Ellipsis,)):  # tuple[X, ...]: a JSON list
+        if not isinstance(value, (list, tuple) if origin is tuple else list):
             _fail(source, path, f"expected a list, got {shorten(value)}")
         item = typing.get_args(tp)[0]
-        return tuple(convert(item, v, f"{path}[{i}]", source, strict) for i, v in enumerate(value))
+        items = [convert(item, v, f"{path}[{i}]", source, strict) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):
             _fail(source, path, f"expected a mapping, got {shorten(value)}")

@@ -172,8 +172,7 @@ def serve(
         spec_tokens=spec_tokens,
     )
     if print_command:
-        env, _ = vllm.profile_env(src, profile, opts.platform)
-        env |= vllm.cpu_rank_binding(tensor_parallel_size, opts.platform)
+        env, _ = vllm.launch_env(src, profile, opts.platform, tensor_parallel_size)
         click.echo(shlex.join([f"{k}={v}" for k, v in env.items()] + vllm.build_command(src, profile, opts)))
         return
     info = vllm_probe.probe_vllm(python)
@@ -185,8 +184,7 @@ def serve(
         )
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version)
-    env, note = vllm.profile_env(src, profile, info.platform)
-    env |= vllm.cpu_rank_binding(tensor_parallel_size, info.platform)
+    env, note = vllm.launch_env(src, profile, info.platform, tensor_parallel_size)
     if note:
         click.echo(note, err=True)
     click.echo(f"starting: {shlex.join([f'{k}={v}' for k, v in env.items()] + argv)}", err=True)

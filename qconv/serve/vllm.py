@@ -203,6 +203,15 @@ def cpu_rank_binding(tp: int, platform: str | None) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cpus[r * per : (r + 1) * per])) for r in range(tp))}
 
 
+def launch_env(
+    src: ServeSource, profile: str | None, platform: str | None, tp: int
+) -> tuple[dict[str, str], str | None]:
+    """Everything qconv sets in vLLM's environment: the profile's (profile_env, with its note) and the CPU ranks'
+    core binding (cpu_rank_binding)."""
+    env, note = profile_env(src, profile, platform)
+    return env | cpu_rank_binding(tp, platform), note
+
+
 @dataclass
 class LaunchOptions:
     host: str = "127.0.0.1"

@@ -58,7 +58,7 @@ def upgrade_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
     note = (
         f"upgrade budget auto = {left / gib:.2f} GiB: {card.name} {card.memory_gib:g} GiB x "
         f"{fit.profile.gpu_memory_utilization:g} - reserve {card.reserve_gib:g} GiB - weights "
-        f"{(on_card - card.reserve_gib * gib - fit.usable) / gib:.2f} GiB - profile {fit.name} "
+        f"{(on_card - card.reserve_gib * gib - fit.usable) / gib:.2f} GiB - profile {fit.name}, the tightest "
         f"({fit.profile.kv_cache} KV at {fit.profile.context_length:,} tokens x {fit.profile.max_num_seqs} "
         f"+ recurrent state) {fit.need / gib:.2f} GiB"
     )

@@ -287,19 +287,11 @@ def int8_headroom(
     config: dict, recipe: Recipe, total_bytes: int, vision_bytes: int = 0, mtp_bytes: int = 0
 ) -> tuple[int, ProfileFit]:
     """`selection.budget: auto`: the bytes the recipe's card has left once the weights (`total_bytes`, uniform W4)
-    and the first (default) profile's KV cache at its context length plus the recurrent state are placed, after
-    the reserve — the slack of that profile's fit, never negative. Promoting at most this much keeps it fitting."""
+    and each profile's KV cache at its context length plus the recurrent state are placed, after the reserve — the
+    slack of the tightest profile's fit, never negative. Promoting at most this much keeps every profile the
+    artifact promises fitting, not just the default one."""
     r = build_report(
-        "",
-        config,
-        recipe,
-        total_bytes,
-        vision_bytes,
-        mtp_bytes,
-        "estimate",
-        recipe.card.name,
-        recipe.card.memory_gib,
-        profile=next(iter(recipe.profiles)),
+        "", config, recipe, total_bytes, vision_bytes, mtp_bytes, "estimate", recipe.card.name, recipe.card.memory_gib
     )
-    fit = r.profiles[0]
+    fit = min(r.profiles, key=lambda f: f.usable - f.need)
     return max(0, fit.usable - fit.need), fit

@@ -2,7 +2,9 @@
 drafter's verify steps depend on the token sequence alone, so tokens per verify step come without running a model.
 Replays our prompt lookup (adaptive and fixed blocks), the stretch as the vLLM plugin runs it (a k-token lookup
 head, the block after `after_saturated` fully accepted steps: HybridDrafter) against plain k-token lookup (vLLM's
-n-gram), and transformers' prompt lookup. Prints one JSON line.
+n-gram), and transformers' prompt lookup. `lookup_oracle` bounds them all: each step takes the longest run of the
+true continuation that follows any earlier occurrence of the sequence's last token (every suffix n-gram match is
+one of those), as a drafter verifying all of them at once (a tree) with hindsight would. Prints one JSON line.
 
     python bench/spec_replay.py /tmp/outs.json --max-tokens 128 --block 15 --k 4 --after-saturated 2
 """
@@ -59,6 +61,30 @@ def replay(make, rows: list, max_tokens: int) -> float:
     return round(tokens / max(steps, 1), 3)
 
 
+def lookup_oracle(rows: list, block: int) -> float:
+    """Tokens per verify step (prefill counted) of the hindsight bound on prompt lookup (module docstring)."""
+    tokens = steps = 0
+    for prompt, out in rows:
+        seq, pos, steps = list(prompt) + out[:1], 1, steps + 1
+        where: dict[int, list[int]] = {}
+        for e in range(1, len(seq)):
+            where.setdefault(seq[e - 1], []).append(e)
+        while pos < len(out):
+            best = 0
+            for e in where.get(seq[-1], []):
+                n = 0
+                while n < block and pos + n < len(out) and e + n < len(seq) and seq[e + n] == out[pos + n]:
+                    n += 1
+                best = max(best, n)
+            new = out[pos : pos + best + 1]
+            for t in new:
+                where.setdefault(seq[-1], []).append(len(seq))
+                seq.append(t)
+            pos, steps = pos + len(new), steps + 1
+        tokens += len(out)
+    return round(tokens / max(steps, 1), 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("outputs")
@@ -94,8 +120,11 @@ def main() -> None:
         r["transformers"] = transformers_lookup_replay(
             [p for p, _ in rows], [o for _, o in rows], a.max_tokens, b, [a.eos]
         )["tokens_per_forward"]
+        r["lookup_oracle"] = lookup_oracle(rows, b)
         r["stretched_over_ngram_k"] = round(r["stretched"] / r["ngram_k"], 3)
         r["lookup_over_transformers"] = round(r["lookup"] / r["transformers"], 3)
+        r["lookup_fixed_over_transformers"] = round(r["lookup_fixed"] / r["transformers"], 3)
+        r["lookup_oracle_over_transformers"] = round(r["lookup_oracle"] / r["transformers"], 3)
         out["workloads"][w] = r
     print(json.dumps(out))
 

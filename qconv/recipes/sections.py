@@ -136,7 +136,7 @@ class SelectionRules:
     sensitivity under what budget (0 = uniform 4-bit). Its result is qconv.calibrate.select.Selection."""
 
     # bytes ("0", "1500000000"), with unit ("1.5GB", "300MiB"), percent of the artifact ("5%"), or "auto": what the
-    # card has left after the weights, the first profile's KV cache + recurrent state and the reserve
+    # card has left after the weights, the tightest profile's KV cache + recurrent state and the reserve
     budget: str = "0"
     scheme: str = "w8a16"
     # cheaper upgrades the budget may buy instead of `scheme` (e.g. int4 with smaller groups), unit by unit, by
@@ -155,7 +155,7 @@ class SelectionRules:
                 "budget",
                 (
                     f"bad budget {self.budget!r}; use bytes (1500000000), a size (1.5GB, 300MiB), a percent "
-                    "(5%) or auto (what the card has left after the first profile)"
+                    "(5%) or auto (what the card has left after its tightest profile)"
                 ),
             )
         if self.max_bpw is not None and not 1 <= self.max_bpw <= 16:

@@ -65,6 +65,12 @@ def main() -> None:
     ap.add_argument("--after-saturated", type=int, default=2)
     ap.add_argument("--ngram", default="2,4")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM's model dtype; float32 makes plain and speculative greedy comparable token for token (in bf16 "
+        "a multi-token verify and a one-token decode round differently, and near-ties part)",
+    )
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.ngram.split(","))
@@ -90,6 +96,7 @@ def main() -> None:
         "block": a.block,
         "after_saturated": a.after_saturated,
         "ngram": [lo, hi],
+        "dtype": a.dtype,
         "workloads": {},
     }
     texts = {w: workload_texts(w, Path(a.data) / FILES[w], a.prompts) for w in a.workloads.split(",")}
@@ -100,6 +107,7 @@ def main() -> None:
             max_model_len=a.max_model_len,
             enforce_eager=True,
             max_num_seqs=1,
+            dtype=a.dtype,
             speculative_config=spec,
             seed=0,
             disable_log_stats=False,

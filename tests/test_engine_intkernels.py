@@ -43,6 +43,14 @@ def tiny35_artifact(tiny_qwen3_5, tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def zero_point_artifact(tiny_qwen3, tmp_path_factory):
+    """The SmolLM2 layout with zero points on every int4 group (what `symmetric: false` builds write)."""
+    return _quantize(
+        tiny_qwen3, tmp_path_factory.mktemp("intkzp") / "q3zp", SMOLLM2_LAYOUT, asymmetric=("int4", "down")
+    )
+
+
 def _int4_modules(model) -> list[Int4Linear]:
     return [m for m in model.modules() if isinstance(m, Int4Linear)]
 
@@ -74,7 +82,28 @@ def test_effective_weights_equal_dequantized(tiny_artifact):
         assert torch.equal(w, fp32.get_submodule(name).weight), name
 
 
-@pytest.mark.parametrize("artifact", ["tiny_artifact", "tiny35_artifact"])
+def test_zero_points_run_int4_within_bf16_rounding(zero_point_artifact):
+    """Zero points reach the int4 kernel as its per-group zero (-zp * scale in bf16): the integers, scales and zero
+    points equal compressed-tensors' fp32 decompression exactly, and the kernel's weights (applied to the identity)
+    differ from it by at most the bf16 rounding of that zero, which is under the dense bf16 path's own rounding."""
+    from qconv.engine.loader import our_int_weights, read_safetensors
+
+    ints = load_model(zero_point_artifact, dtype=torch.bfloat16)
+    fp32 = load_model(zero_point_artifact, pack=False)
+    swapped = {n: m for n, m in ints.named_modules() if isinstance(m, Int4Linear)}
+    assert len(swapped) == 4 * ints.config.num_layers
+    found = our_int_weights(zero_point_artifact, read_safetensors(zero_point_artifact), fp32.config)
+    assert {n for n, w in found.items() if w.zero is not None} == set(swapped)
+    for name, m in swapped.items():
+        iw, w = found[name], fp32.get_submodule(name).weight
+        per_group = (iw.q.view(iw.q.shape[0], -1, iw.group) - iw.zero[..., None]).float() * iw.scale.float()[..., None]
+        assert torch.equal(per_group.view(iw.q.shape), w), name
+        kernel = m.int4_mm(torch.eye(m.in_features, dtype=torch.bfloat16)).t().float()
+        bound = (iw.zero.float() * iw.scale.float()).abs().repeat_interleave(iw.group, 1) / 256
+        assert ((kernel - w).abs() <= bound + (w.abs() / 256)).all(), name  # a dropped zero is off by |zp * s|
+
+
+@pytest.mark.parametrize("artifact", ["tiny_artifact", "tiny35_artifact", "zero_point_artifact"])
 def test_int_kernel_logits_match_dequantized(artifact, request):
     """bf16 logits, prefill + decode, vs the fp32 dequantized model: the int path's error stays within twice the
     dense bf16 path's error measured in the same run. Both paths use the same (exact) weights, so what separates

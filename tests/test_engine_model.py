@@ -248,21 +248,25 @@ def test_mtp_matches_reference_and_chains(tiny_qwen3_5):
     assert int(c2.mtp.lengths[0]) == 11
 
 
-def _int_group(bits: int, group: int):
+def _int_group(bits: int, group: int, symmetric: bool = True):
     from compressed_tensors.quantization import QuantizationArgs
 
-    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group)
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy="group", group_size=group)
 
 
-def _quantize(src, out, groups: dict[str, tuple[list[str], int, int]], ignore=()):
-    """A compressed-tensors artifact made by llmcompressor itself (RTN weight-only, no calibration data)."""
+def _quantize(src, out, groups: dict[str, tuple[list[str], int, int]], ignore=(), asymmetric=()):
+    """A compressed-tensors artifact made by llmcompressor itself (RTN weight-only, no calibration data); the
+    groups named in `asymmetric` get zero points."""
     from compressed_tensors.quantization import QuantizationScheme
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    schemes = {k: QuantizationScheme(targets=t, weights=_int_group(b, g)) for k, (t, b, g) in groups.items()}
+    schemes = {
+        k: QuantizationScheme(targets=t, weights=_int_group(b, g, k not in asymmetric))
+        for k, (t, b, g) in groups.items()
+    }
     oneshot(model=model, recipe=QuantizationModifier(config_groups=schemes, ignore=list(ignore)))
     model.save_pretrained(out, save_compressed=True)
     AutoTokenizer.from_pretrained(src).save_pretrained(out)

@@ -85,7 +85,7 @@ def build_zero_point_artifact(tmp_path: Path, tiny_llama: Path, calib_txt: Path)
 
 def test_zero_point_build_writes_zero_points(tmp_path, tiny_llama, calib_txt):
     """The artifact stores the zero points, its config says symmetric: false, the manifest records it, and our
-    engine (which dequantizes zero-point layers) matches transformers' own compressed-tensors load."""
+    engine in fp32 (dequantized; bf16 runs them through the int4 kernel) matches transformers' own compressed-tensors load."""
     import torch
     from safetensors import safe_open
 

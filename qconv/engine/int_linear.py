@@ -4,8 +4,11 @@ bf16's bytes. The kernel's cost grows with rows, so steps with more rows than `m
 batched decode) use a dense packed copy of the same weights (thresholds: docs/BENCHMARKS.md). The int8 lm_head stays
 dense: torch's int8 kernel is per-channel only.
 
-Exactness: compressed-tensors stores symmetric int4 as q in [-8, 7]; torch's kernel computes (u - 8) * scale + zero
-with u in [0, 15], so u = q + 8 and zero = 0 give q * scale in fp32, as the dequantized path does."""
+Exactness: compressed-tensors stores int4 as q in [-8, 7] (and a zero point zp in [-8, 7] per group when asymmetric:
+w = (q - zp) * scale); torch's kernel computes (u - 8) * scale + zero with u in [0, 15], so u = q + 8 and zero = 0
+give q * scale in fp32, as the dequantized path does. With zero points, zero = -zp * scale rounded to bf16 (the
+kernel's zero type): each weight is off by at most |zp * scale| / 512, under the dense bf16 path's own rounding of
+(q - zp) * scale."""
 
 from __future__ import annotations
 
@@ -22,11 +25,13 @@ INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's CPU int4 kernel is used 
 
 @dataclass
 class IntWeight:
-    """Symmetric integer weight of one Linear/Embedding: w[n, k] = q[n, k] * scale[n, k // group]."""
+    """Integer weight of one Linear/Embedding: w[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group],
+    zero None when symmetric."""
 
     bits: int
     q: torch.Tensor  # int8 [N, K], signed
     scale: torch.Tensor  # [N, K // group]
+    zero: torch.Tensor | None = None  # int8 [N, K // group], compressed-tensors' zero points
 
     @property
     def group(self) -> int:
@@ -35,9 +40,10 @@ class IntWeight:
     @staticmethod
     def cat(parts: list[IntWeight]) -> IntWeight | None:
         """Concatenate along the output dim (fused q/k/v, gate/up); None when the parts' formats differ."""
-        if len({(p.bits, p.group, p.scale.dtype) for p in parts}) != 1:
+        if len({(p.bits, p.group, p.scale.dtype, p.zero is None) for p in parts}) != 1:
             return None
-        return IntWeight(parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+        zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])  # type: ignore[misc]
+        return IntWeight(parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero)
 
 
 def int_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -73,7 +79,8 @@ class Int4Linear(nn.Module):
         self.max_rows = INT4_MAX_ROWS_LARGE if w.q.numel() >= LARGE_WEIGHTS else INT4_MAX_ROWS
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.q.to(torch.int32) + 8, 1)
         s = w.scale.to(torch.bfloat16).t()  # [K // group, N]
-        self.scales_zeros = torch.stack([s, torch.zeros_like(s)], dim=-1).contiguous()
+        z = torch.zeros_like(s) if w.zero is None else (-w.zero.float() * w.scale.float()).to(torch.bfloat16).t()
+        self.scales_zeros = torch.stack([s, z], dim=-1).contiguous()
         self.dense = dense
         self.bias = getattr(dense, "bias", None)
 
@@ -114,7 +121,7 @@ def attach_int_kernels(model: nn.Module, weights: dict[str, IntWeight]) -> int:
         owner = model.get_submodule(owner_name) if owner_name else model
         mod = getattr(owner, leaf, None)
         if name == "embed_tokens" and isinstance(mod, nn.Embedding):
-            if w.bits == 8 and getattr(model, "lm_head", None) is not None:
+            if w.bits == 8 and w.zero is None and getattr(model, "lm_head", None) is not None:
                 setattr(owner, leaf, Int8Embedding(w, mod.weight.dtype))
                 swapped += 1
         elif mod is not None and hasattr(mod, "in_features") and int4_supported(w, mod.in_features):

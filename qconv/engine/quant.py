@@ -10,9 +10,9 @@ from qconv.engine.int_linear import IntWeight
 
 
 def int_weights(qcfg: dict, tensors: dict[str, torch.Tensor], where: str = "") -> dict[str, IntWeight]:
-    """The integer values and scales of every symmetric group/channel-quantized 4- or 8-bit module, unpacked with
-    compressed-tensors' own helper (checkpoint module names). Modules in other forms (zero points, activation-order
-    g_idx, other bit widths) are left out: they run dequantized."""
+    """The integer values, scales and (int4) zero points of every group/channel-quantized 4- or 8-bit module,
+    unpacked with compressed-tensors' own helper (checkpoint module names). Modules in other forms (8-bit zero
+    points, activation-order g_idx, other bit widths) are left out: they run dequantized."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.config import CompressionFormat
 
@@ -22,7 +22,7 @@ def int_weights(qcfg: dict, tensors: dict[str, torch.Tensor], where: str = "") -
         if (
             args is None
             or args.num_bits not in (4, 8)
-            or not args.symmetric
+            or not (args.symmetric or (args.num_bits == 4 and f"{mod}.weight_zero_point" in tensors))
             or args.type != "int"
             or args.strategy not in ("group", "channel")
             or f"{mod}.weight_g_idx" in tensors
@@ -39,5 +39,8 @@ def int_weights(qcfg: dict, tensors: dict[str, torch.Tensor], where: str = "") -
             continue
         if q.dim() != 2 or scale.dim() != 2 or q.shape[1] % scale.shape[1]:
             continue
-        out[mod] = IntWeight(args.num_bits, q, scale)
+        zero = None
+        if not args.symmetric:  # packed along the output dim, 4 bits a group (compressed-tensors' layout)
+            zero = unpack_from_int32(tensors[f"{mod}.weight_zero_point"], 4, scale.shape, packed_dim=0)
+        out[mod] = IntWeight(args.num_bits, q, scale, zero)
     return out

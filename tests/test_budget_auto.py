@@ -43,7 +43,7 @@ def test_auto_budget_is_the_tightest_profiles_slack_on_the_27b(config_27b):
     vision, mtp = roles.get("vision", {}).get("bytes", 0), roles.get("mtp", {}).get("bytes", 0)
     config = read_config(config_27b)
     left, fit = int8_headroom(config, dr.recipe, dr.plan.total_bytes, vision, mtp)
-    # The 27B's tightest profile is `long` (fp8 KV at 150,000 tokens), not the default `fast`.
+    # The 27B's tightest profile is `long` (fp8 KV at 147,456 tokens), not the default `fast`.
     assert fit.name == "long" and fit.fits and dr.budget_bytes == left > 0
     before = build_report(
         "", config, dr.recipe, dr.plan.total_bytes, vision, mtp, "estimate", "3090", dr.recipe.card.memory_gib

@@ -45,7 +45,7 @@ def _print_command(args: list[str]) -> list[str]:
     "profile, kv, ctx, mamba",
     [
         ("fast", "auto", "65536", "float32"),
-        ("long", "fp8_e4m3", "150000", "float32"),
+        ("long", "fp8_e4m3", "147456", "float32"),
         ("huge", "kvarn_k4v2_g128", "262144", "float16"),
     ],
 )

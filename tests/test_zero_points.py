@@ -24,8 +24,8 @@ ZP64 = {"weights": {"bits": 4, "symmetric": False, "strategy": "group", "group_s
         ),
         ({"w8a8": {"weights": {"symmetric": False}}}, r"schemes\.w8a8\.weights\.symmetric: zero points"),
         (
-            {"w4a16_g32": {"weights": {"strategy": "channel", "group_size": None}}},
-            r"schemes\.w4a16_g32: shares the label w4a16 with another scheme but differs in more than group_size and "
+            {"w4a16_g64": {"weights": {"strategy": "channel", "group_size": None}}},
+            r"schemes\.w4a16_g64: shares the label w4a16 with another scheme but differs in more than group_size and "
             r"symmetric",
         ),
     ],
@@ -39,30 +39,31 @@ def test_symmetric_validated(tmp_path, schemes, expect):
 
 
 def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
-    """mlp_down asymmetric g64, every other int4 role symmetric: two config groups that differ in `symmetric`, and
-    GPTQModifier resolves them as given; the plan counts the zero points' bytes."""
+    """The 3090 recipe's int4 roles take zero points; a variant gives mlp_down symmetric g64: two config groups that
+    differ in `symmetric`, and GPTQModifier resolves them as given; the plan counts the zero points' bytes."""
     from qconv.calibrate.units import module_bytes
     from qconv.convert.layout import plan_model
     from qconv.convert.quantize import config_groups, modifiers
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
+    sym64 = {"weights": {**ZP64["weights"], "symmetric": True}}
     recipe = load_recipe(
-        str(recipe_variant(tmp_path, "zp", schemes={"w4a16_zp": ZP64}, roles={"mlp_down": "w4a16_zp"}))
+        str(recipe_variant(tmp_path, "zp", schemes={"w4a16_sym": sym64}, roles={"mlp_down": "w4a16_sym"}))
     )
     plan = plan_model(tiny_llama, read_config(tiny_llama), recipe)
     by_role = {m.role: m for m in plan.modules}
     down, o = by_role["mlp_down"], by_role["attn_o"]
-    assert (down.scheme, down.group_size, down.symmetric) == ("w4a16", 64, False) and o.symmetric
-    sym_down = type(down)(**{**down.__dict__, "symmetric": True})
+    assert (down.scheme, down.group_size, down.symmetric) == ("w4a16", 64, True) and o.symmetric is False
+    asym_down = type(down)(**{**down.__dict__, "symmetric": False})
     n, k = down.shape
-    assert module_bytes(down) - module_bytes(sym_down) == n * (k // 64) // 2  # 4-bit zero point per group
+    assert module_bytes(asym_down) - module_bytes(down) == n * (k // 64) // 2  # 4-bit zero point per group
     groups, ignore = config_groups(plan.modules, recipe)
     (gptq,) = modifiers(None, recipe, groups, ignore)
     resolved = gptq.resolve_quantization_config().config_groups.values()
-    asym = [g for g in resolved if not g.weights.symmetric]
-    assert len(asym) == 1 and all("down_proj" in t for t in asym[0].targets) and asym[0].weights.group_size == 64
-    assert any(g.weights.symmetric and g.weights.num_bits == 4 for g in resolved)
+    sym4 = [g for g in resolved if g.weights.symmetric and g.weights.num_bits == 4]
+    assert len(sym4) == 1 and all("down_proj" in t for t in sym4[0].targets) and sym4[0].weights.group_size == 64
+    assert any(not g.weights.symmetric and g.weights.num_bits == 4 for g in resolved)
 
 
 def build_zero_point_artifact(tmp_path: Path, tiny_llama: Path, calib_txt: Path) -> Path:

@@ -72,8 +72,11 @@ def main() -> None:
         "a multi-token verify and a one-token decode round differently, and near-ties part)",
     )
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)  # one config, in a child process
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.ngram.split(","))
+    if a.only is None:
+        return parent(a)
     from vllm import LLM, SamplingParams
 
     from qconv_vllm.stretch import class_name
@@ -88,6 +91,45 @@ def main() -> None:
         },
     }
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    texts = {w: workload_texts(w, Path(a.data) / FILES[w], a.prompts) for w in a.workloads.split(",")}
+    llm = LLM(
+        model=a.model,
+        max_model_len=a.max_model_len,
+        enforce_eager=True,
+        max_num_seqs=1,
+        dtype=a.dtype,
+        speculative_config=configs[a.only],
+        seed=0,
+        disable_log_stats=False,
+    )
+    tok = llm.get_tokenizer()
+    rows = {}
+    for w, ts in texts.items():
+        prompts = [
+            {
+                "prompt_token_ids": tok.apply_chat_template(
+                    [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            }
+            for t in ts
+        ]
+        before = spec_metrics(llm)
+        t0 = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        secs = time.perf_counter() - t0
+        ids = [list(r.outputs[0].token_ids) for r in res]
+        row = delta(spec_metrics(llm), before)
+        row.update(new_tokens=sum(map(len, ids)), tok_s=round(sum(map(len, ids)) / secs, 2), ids=ids)
+        rows[w] = row
+    print(json.dumps(rows))
+
+
+def parent(a) -> None:
+    """Each config in its own process: vLLM 0.32 on CPU fails to start a second engine in a process once numba
+    (its n-gram matcher) is loaded (`register_triton_kernel_overrides`: '_lib_fn_wrapper' object has no attribute
+    'get')."""
+    import subprocess
+
     out = {
         "bench": "vllm_spec",
         "model": a.model,
@@ -95,47 +137,24 @@ def main() -> None:
         "k": a.k,
         "block": a.block,
         "after_saturated": a.after_saturated,
-        "ngram": [lo, hi],
+        "ngram": a.ngram,
         "dtype": a.dtype,
         "workloads": {},
     }
-    texts = {w: workload_texts(w, Path(a.data) / FILES[w], a.prompts) for w in a.workloads.split(",")}
     greedy: dict[str, list[list[int]]] = {}
-    for name, spec in configs.items():
-        llm = LLM(
-            model=a.model,
-            max_model_len=a.max_model_len,
-            enforce_eager=True,
-            max_num_seqs=1,
-            dtype=a.dtype,
-            speculative_config=spec,
-            seed=0,
-            disable_log_stats=False,
-        )
-        tok = llm.get_tokenizer()
-        for w, ts in texts.items():
-            prompts = [
-                {
-                    "prompt_token_ids": tok.apply_chat_template(
-                        [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
-                    )
-                }
-                for t in ts
-            ]
-            before = spec_metrics(llm)
-            t0 = time.perf_counter()
-            res = llm.generate(prompts, params, use_tqdm=False)
-            secs = time.perf_counter() - t0
-            ids = [list(r.outputs[0].token_ids) for r in res]
-            row = delta(spec_metrics(llm), before)
-            row.update(new_tokens=sum(map(len, ids)), tok_s=round(sum(map(len, ids)) / secs, 2))
+    for name in ("plain", "ngram", "stretched"):
+        r = subprocess.run([sys.executable, *sys.argv, "--only", name], stdout=subprocess.PIPE, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"vllm_spec: the {name} run failed (exit {r.returncode})")
+        for w, row in json.loads(r.stdout.strip().splitlines()[-1]).items():
+            ids = row.pop("ids")
             if name == "plain":
                 greedy[w] = ids
             else:
                 row["identical_to_plain"] = ids == greedy[w]
+                row["prompts_identical"] = sum(x == y for x, y in zip(ids, greedy[w]))
             out["workloads"].setdefault(w, {})[name] = row
             print(json.dumps({w: {name: row}}), file=sys.stderr, flush=True)
-        del llm
     for r in out["workloads"].values():
         if r.get("ngram", {}).get("tokens_per_step"):
             r["stretch_over_ngram"] = round(r["stretched"]["tokens_per_step"] / r["ngram"]["tokens_per_step"], 3)

@@ -14,6 +14,7 @@ from qconv.calibrate.sensitivity import Scores
 from qconv.calibrate.units import Unit
 from qconv.convert.layout import Plan, bpw_budget, candidate_units, plan_model
 from qconv.convert.sources import resolve_source
+from qconv.disk import human_bytes
 from qconv.kv.plan import int8_headroom
 from qconv.recipes.recipe import Recipe
 
@@ -65,7 +66,7 @@ def upgrade_budget(recipe: Recipe, plan: Plan, config: dict) -> tuple[int, str]:
     if (bpw := recipe.selection.max_bpw) is not None and plan.num_parameters:
         cap = max(0, int(bpw * plan.num_parameters / 8) - plan.total_bytes)
         if cap < left:
-            note += f"; capped at {cap / gib:.2f} GiB by selection.max_bpw {bpw:g}"
+            note += f"; capped at {human_bytes(cap)} by selection.max_bpw {bpw:g}"
             left = cap
     log.info("%s", note)
     return parse_budget(spec, plan.total_bytes, left), note

@@ -70,7 +70,7 @@ def test_dry_run_27b_config(config_27b):
     assert 55.4e9 < p.source_bytes < 55.7e9  # ~55.6 GB bf16
     roles = p.bytes_by_role()
     assert roles["gdn_ab"]["schemes"] == {"bf16"} and roles["mtp"]["schemes"] == {"bf16"}
-    assert roles["mlp_gate_up"]["schemes"] == {"w4a16 g128"} and roles["embed"]["schemes"] == {"w8a16 g128"}
+    assert roles["mlp_gate_up"]["schemes"] == {"w4a16 g128 zp"} and roles["embed"]["schemes"] == {"w8a16 g128"}
     assert roles["gdn_qkvz"]["modules"] == 96 and roles["attn_qkv"]["modules"] == 48
     emb_saving = (
         sum(m.shape[0] * m.shape[1] * 2 for m in p.modules if m.role in ("embed", "lm_head"))

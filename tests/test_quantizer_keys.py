@@ -19,6 +19,8 @@ from tests.cli_helpers import SMALL_CAL, build, recipe_variant
         ({"algorithm": "rtn", "actorder": "weight"}, r"quantizer\.actorder: act-order is a GPTQ option"),
         ({"observer": "mes"}, r"quantizer\.observer: bad value 'mes'; allowed: 'minmax', 'mse'.*did you mean 'mse'"),
         ({"algorithm": "awq"}, r"quantizer\.algorithm: bad value 'awq'; allowed: 'gptq', 'rtn', 'awq\+gptq'"),
+        ({"algorithm": "autoround", "actorder": None, "iters": 0}, r"quantizer\.iters: must be >= 1"),
+        ({"algorithm": "autoround", "actorder": "weight"}, r"quantizer\.actorder: act-order is a GPTQ option"),
     ],
 )
 def test_quantizer_keys_validated(tmp_path, quantizer, expect):
@@ -105,6 +107,57 @@ def test_observer_changes_the_weights(tiny_llama, tmp_path, calib_txt):
         with safe_open(next(out.glob("*.safetensors")), "pt") as f:
             packed[obs] = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale")
     assert not packed["minmax"].equal(packed["mse"])
+
+
+def test_autoround_reaches_llmcompressor_and_refuses_mixed_schemes(tiny_llama, tmp_path, calib_txt):
+    """algorithm autoround is llmcompressor's AutoRoundModifier with the recipe's iters and batch; a plan whose
+    decoder layers would mix schemes (the recipe's own selection budget) is refused before anything is written,
+    one scheme throughout builds an artifact transformers loads, with other int4 codes than GPTQ's."""
+    from safetensors import safe_open
+
+    from qconv.convert.hfmodel import load_causal_lm
+    from qconv.convert.layout import plan_model
+    from qconv.convert.quantize import config_groups, modifiers
+    from qconv.convert.sources import read_config
+    from qconv.recipes.recipe import load_recipe
+
+    ar = {"algorithm": "autoround", "actorder": None, "iters": 2, "batch_size": 2}
+    recipe = load_recipe(str(recipe_variant(tmp_path, "ar", quantizer=ar)))
+    groups, ignore = config_groups(plan_model(tiny_llama, read_config(tiny_llama), recipe).modules, recipe)
+    (mod,) = modifiers(None, recipe, groups, ignore)
+    assert type(mod).__name__ == "AutoRoundModifier" and (mod.iters, mod.batch_size) == (2, 2)
+
+    r = build(
+        recipe_variant(tmp_path, "ar", quantizer=ar),
+        tiny_llama,
+        tmp_path / "mixed",
+        "--dataset",
+        calib_txt,
+        *SMALL_CAL,
+        "--no-gates",
+    )
+    assert r.exit_code != 0 and "algorithm autoround needs one scheme" in r.output and "selection.budget" in r.output
+    assert not (tmp_path / "mixed").exists()
+
+    codes = {}
+    for name, q in (("ar", ar), ("gptq", {"algorithm": "gptq", "actorder": None})):
+        out = tmp_path / name
+        r = build(
+            recipe_variant(tmp_path, name, quantizer=q),
+            tiny_llama,
+            out,
+            "--dataset",
+            calib_txt,
+            *SMALL_CAL,
+            "--upgrade-budget",
+            "0",
+            "--no-gates",
+        )
+        assert r.exit_code == 0, r.output
+        load_causal_lm(out)
+        with safe_open(next(out.glob("*.safetensors")), "pt") as f:
+            codes[name] = f.get_tensor("model.layers.0.mlp.down_proj.weight_packed")
+    assert not codes["ar"].equal(codes["gptq"])
 
 
 @pytest.mark.slow

@@ -90,6 +90,10 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
             where="--sensitivity",
             fix="use --sensitivity proxy (the default) or build in memory",
         )
+    if recipe.quantizer.algorithm == "autoround":
+        from qconv.convert.quantize import check_autoround
+
+        check_autoround(plan.modules, budget > 0 and any(not u.refusal for u in units))
     if budget > 0 and stream:
         from qconv.build.streamed_sensitivity import members_by_layer
 

@@ -126,6 +126,22 @@ def calibrate_embeddings(model) -> None:
         log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
 
 
+def check_autoround(modules: list[ModuleDecision], upgrades: bool) -> None:
+    """llm-compressor 0.14's AutoRoundModifier tunes every decoder Linear with one scheme (its first config group)
+    and then fails writing the scales back into a unit that has another: a selection (upgrades) or group sizes that
+    differ between roles are refused before any work instead."""
+    keys = {_key(m) for m in modules if m.scheme != KEEP and m.role not in ("embed", "lm_head")}
+    if upgrades or len(keys) > 1:
+        mixed = ", ".join(sorted(f"{k[0]} int{k[1]} g{k[2]}" for k in keys))
+        raise QconvError(
+            "algorithm autoround needs one scheme for every quantized decoder layer"
+            + (" and no selection upgrades" if upgrades else f"; this plan has {mixed}"),
+            where="quantizer.algorithm",
+            fix="give every int4 role one group size that divides all their widths, set selection.budget to 0 "
+            "(no --bpw), or use algorithm gptq",
+        )
+
+
 def sequential_targets(model) -> list[str]:
     """llmcompressor's own layer targets (the model's no-split modules) plus the embedding and the lm_head, each a
     subgraph of its own: llmcompressor keeps a subgraph's modules onloaded until its GPTQ is done, so otherwise a
@@ -220,11 +236,26 @@ def _cpu_awq():
 
 
 def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
-    """The llmcompressor recipe: RTN, GPTQ, or AWQ smoothing then GPTQ (llm-compressor's AWQ+GPTQ example).
-    actorder is passed to GPTQModifier itself: its default (a sentinel) turns a scheme's null into "static"."""
+    """The llmcompressor recipe: RTN, GPTQ, AWQ smoothing then GPTQ (llm-compressor's AWQ+GPTQ example), or
+    AutoRound. actorder is passed to GPTQModifier itself: its default (a sentinel) turns a scheme's null into
+    "static"."""
+    import torch
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
     q = recipe.quantizer
+    if q.algorithm == "autoround":
+        from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+        # torch.compile of the tuning loop: no gain for a CPU build's few layers, and a compiler a CPU host may lack
+        return [
+            AutoRoundModifier(
+                config_groups=groups,
+                ignore=ignore,
+                iters=q.iters,
+                batch_size=q.batch_size,
+                enable_torch_compile=torch.cuda.is_available(),
+            )
+        ]
     if not q.gptq:
         return [QuantizationModifier(config_groups=groups, ignore=ignore)]
     gptq = GPTQModifier(
@@ -292,7 +323,7 @@ def quantize(
             recipe=modifiers(model, recipe, groups, ignore),
             max_seq_length=max_len,
             num_calibration_samples=len(calib_ids),
-            pipeline="sequential" if recipe.quantizer.gptq else "datafree",
+            pipeline="sequential" if recipe.quantizer.calibrated else "datafree",
             sequential_targets=sequential_targets(model),
             processor=tokenizer,
             shuffle_calibration_samples=False,

@@ -80,8 +80,8 @@ REMOVED_ACTORDERS = ("group", "dynamic")
 
 @dataclass
 class Quantizer:
-    algorithm: Literal["gptq", "rtn", "awq+gptq"] = (
-        "gptq"  # awq+gptq: AWQ smoothing (llmcompressor's mappings), then GPTQ
+    algorithm: Literal["gptq", "rtn", "awq+gptq", "autoround"] = (
+        "gptq"  # awq+gptq: AWQ smoothing (llmcompressor's mappings), then GPTQ; autoround: llmcompressor's AutoRound
     )
     dampening_frac: float = 0.01
     block_size: int = 128
@@ -91,10 +91,17 @@ class Quantizer:
     )
     # When a group size does not divide a layer's in_features, try these (largest first) and record the choice.
     group_size_fallback: list[int] = field(default_factory=lambda: [128, 64, 32])
+    iters: int = 200  # AutoRound's SignSGD steps per decoder layer
+    batch_size: int = 8  # AutoRound's tuning batch (calibration samples per step)
 
     @property
     def gptq(self) -> bool:
         return self.algorithm in ("gptq", "awq+gptq")
+
+    @property
+    def calibrated(self) -> bool:
+        """Runs layer by layer on calibration data (llmcompressor's sequential pipeline); RTN needs none."""
+        return self.algorithm != "rtn"
 
     def validate(self):
         if self.actorder in REMOVED_ACTORDERS:
@@ -112,6 +119,10 @@ class Quantizer:
             yield "actorder", f"act-order is a GPTQ option; algorithm {self.algorithm!r} has none: use null"
         if not 0 <= self.dampening_frac < 1:
             yield "dampening_frac", f"must be in [0, 1), got {self.dampening_frac}"
+        if self.iters < 1:
+            yield "iters", f"must be >= 1 (AutoRound's steps per layer), got {self.iters}"
+        if self.batch_size < 1:
+            yield "batch_size", f"must be >= 1, got {self.batch_size}"
 
 
 @dataclass

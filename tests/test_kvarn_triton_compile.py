@@ -6,7 +6,8 @@ the compiled frontend rejects it ("arange's arguments must be of type tl.constex
 failed on an H200 (Triton 3.6). triton.jit picks interpret mode when a kernel is decorated, so the compile runs in a
 subprocess without TRITON_INTERPRET. Every kernel goes through the frontend (TTIR) at each shape the CPU tests run;
 at D=64 G=64 dequant and decode attention compile to sm_86 (RTX 3090) cubin with Triton's bundled ptxas, and
-encode to PTX: its ptxas alone takes about a minute at D=64 on this 2-core machine (over seven at D=256).
+encode to PTX: its ptxas alone takes about a minute at D=64 on this 2-core machine (over seven at D=256). At the
+27B's D=256 G=128, dequant and decode attention compile to sm_90a (H200) cubin, encode to TTGIR.
 
     python tests/test_kvarn_triton_compile.py   # the subprocess: one line per kernel compiled, then "ok"
 """
@@ -65,7 +66,7 @@ def compile_kernel(fn, constexprs: dict, options: dict, stop: str, arch: int = 8
             break
     else:
         raise ValueError(f"no stage {stop!r} in {list(stages)}")
-    print(fn.__name__, constexprs.get("D"), constexprs.get("G"), stop, flush=True)
+    print(fn.__name__, constexprs.get("D"), constexprs.get("G"), f"sm_{arch}", stop, flush=True)
 
 
 def compile_all() -> None:
@@ -83,6 +84,10 @@ def compile_all() -> None:
         compile_kernel(kt._dequant_kernel, a, {"num_warps": 8}, "cubin" if small else "ttir")
         dec = {**a, "HKV": 2, "GQ": 3, "BQ": 16, "BG": min(g, 8192 // d), "PREC": "tf32x3"}
         compile_kernel(ka._decode_kernel, dec, {"num_warps": 8}, "cubin" if small else "ttir")
+        if (d, g) == (256, 128):  # the 27B's shape, for Hopper: tl.dot lowers to wgmma there
+            compile_kernel(kt._encode_kernel, enc, {"num_warps": 8, "enable_fp_fusion": False}, "ttgir", arch=90)
+            compile_kernel(kt._dequant_kernel, a, {"num_warps": 8}, "cubin", arch=90)
+            compile_kernel(ka._decode_kernel, dec, {"num_warps": 8}, "cubin", arch=90)
     print("ok")
 
 

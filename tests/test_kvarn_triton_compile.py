@@ -6,8 +6,9 @@ the compiled frontend rejects it ("arange's arguments must be of type tl.constex
 failed on an H200 (Triton 3.6). triton.jit picks interpret mode when a kernel is decorated, so the compile runs in a
 subprocess without TRITON_INTERPRET. Every kernel goes through the frontend (TTIR) at each shape the CPU tests run;
 at D=64 G=64 dequant and decode attention compile to sm_86 (RTX 3090) cubin with Triton's bundled ptxas, and
-encode to PTX: its ptxas alone takes about a minute at D=64 on this 2-core machine (over seven at D=256). At the
-27B's D=256 G=128, dequant and decode attention compile to sm_90a (H200) cubin, encode to TTGIR.
+encode to PTX: its ptxas alone takes about a minute at D=64 on this 2-core machine (at D=256 G=128 a CPU minute
+for sm_90a, over seven for sm_86). At the 27B's D=256 G=128, dequant and decode attention compile to sm_90a (H200)
+cubin, encode to TTGIR.
 
     python tests/test_kvarn_triton_compile.py   # the subprocess: one line per kernel compiled, then "ok"
 """

@@ -60,7 +60,8 @@ def qconv(args: list, log: Path) -> dict:
             cwd=REPO,
             stdout=f,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            # REPO first, the caller's path kept: packages carried to a lent machine come in on PYTHONPATH
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
         )
     text = log.read_text(errors="replace")
     peaks = re.search(r"PEAKS (\d+) (\d+)", text)
@@ -156,6 +157,11 @@ def main() -> None:
             f"no CUDA device: torch {torch.__version__} sees no GPU (this bench is for a machine with one; the CPU "
             "path is in tests/test_build_device.py)"
         )
+    import importlib.util
+
+    absent = [m for m in ("llmcompressor", "compressed_tensors") if importlib.util.find_spec(m) is None]
+    if absent:  # before the model files, not minutes later in the build's log
+        fail(f"qconv build needs {' and '.join(absent)}, not importable in this Python (carry the wheels)")
     sys.path.insert(0, str(REPO / "bench"))
     sys.path.insert(0, str(REPO))
     from build_memory import write_model

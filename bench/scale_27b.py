@@ -25,7 +25,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG_27B = REPO.parent / "shared" / "models" / "qwen3.8-27b-config"
+SHARED_CONFIG_27B = REPO.parent / "shared" / "models" / "qwen3.8-27b-config"
+# The repo's copy of that config.json travels where ../shared does not (a lent GPU machine: bench/gpu_build.py)
+REPO_CONFIG_27B = REPO / "bench" / "data" / "qwen3.8-27b-config"
+CONFIG_27B = SHARED_CONFIG_27B if (SHARED_CONFIG_27B / "config.json").is_file() else REPO_CONFIG_27B
 
 
 def text_config(config_dir: Path, depth: int, width_div: int, vocab: int | None):

@@ -76,7 +76,7 @@ def main() -> None:
     a = ap.parse_args()
     lo, hi = (int(x) for x in a.ngram.split(","))
     if a.only is None:
-        return parent(a)
+        return parent(a, lo, hi)
     from vllm import LLM, SamplingParams
 
     from qconv_vllm.stretch import class_name
@@ -124,7 +124,7 @@ def main() -> None:
     print(json.dumps(rows))
 
 
-def parent(a) -> None:
+def parent(a, lo: int, hi: int) -> None:
     """Each config in its own process: vLLM 0.32 on CPU fails to start a second engine in a process once numba
     (its n-gram matcher) is loaded (`register_triton_kernel_overrides`: '_lib_fn_wrapper' object has no attribute
     'get')."""
@@ -137,7 +137,7 @@ def parent(a) -> None:
         "k": a.k,
         "block": a.block,
         "after_saturated": a.after_saturated,
-        "ngram": a.ngram,
+        "ngram": [lo, hi],  # prompt_lookup_min, prompt_lookup_max
         "dtype": a.dtype,
         "workloads": {},
     }

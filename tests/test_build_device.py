@@ -173,6 +173,15 @@ def test_gpu_build_bench_without_cuda_is_one_json_error(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_gpu_build_has_the_27b_config_without_the_shared_folder(config_27b):
+    """bench/gpu_build.py runs on a lent GPU where ../shared is absent: scale_27b falls back to the repo's copy of
+    the 27B config, which must be the shared one byte for byte."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale_27b import REPO_CONFIG_27B
+
+    assert (REPO_CONFIG_27B / "config.json").read_bytes() == (config_27b / "config.json").read_bytes()
+
+
 def test_layer_clock_logs_each_layer_and_the_head(caplog):
     """Each decoder layer's time, the ETA and the device's peak memory as the next layer (or the head) starts,
     positional or keyword hidden states alike; the lines carry the progress view's note marker."""

@@ -1,7 +1,7 @@
 """The plugin's stretched prompt lookup (qconv_vllm/stretch.py, vLLM's `custom_class` proposer) and its W4A8
 restriction (w4a8.py): the per-row saturation streak (fast, with a stand-in for vLLM's n-gram matcher), and in real
 vLLM 0.32 on this CPU (slow): the targets are where they were written against, and greedy output with the stretch
-is vLLM's plain greedy output. bench/gpu_spec.py's no-GPU answer."""
+is vLLM's plain greedy output. bench/gpu_spec.py's no-GPU answer and its engine part without vLLM."""
 
 from __future__ import annotations
 
@@ -132,6 +132,31 @@ def test_gpu_spec_says_clearly_when_there_is_no_gpu():
     assert r.returncode == 2
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["bench"] == "gpu_spec" and "no CUDA device" in out["error"]
+
+
+def test_gpu_spec_engine_part_runs_without_vllm():
+    """Part 2 (our engine) is what a lent GPU, where vLLM cannot be installed, measures: it must run and report
+    without vLLM in the Python (this venv has none); --device cpu runs that same code here."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "gpu_spec.py"),
+            "--device",
+            "cpu",
+            "--prompts",
+            "1",
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["vllm"] == "skipped: --device cpu" and "vllm_runs" not in out
+    for name in ("mtp", "mtp_stretched"):
+        assert out["engine"][name]["identical_to_plain"] is True and out["engine"][name]["tokens_per_step"] >= 1
 
 
 def test_w4a8_restriction_keeps_int8_input_to_the_named_modules():

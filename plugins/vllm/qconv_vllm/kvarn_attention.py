@@ -71,13 +71,23 @@ def _decode_kernel(
     BQ: tl.constexpr,
     BG: tl.constexpr,
     PREC: tl.constexpr,
-    F: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    RB: tl.constexpr,
+    KC: tl.constexpr,
+    KA: tl.constexpr,
+    KZ: tl.constexpr,
+    KR: tl.constexpr,
+    VC: tl.constexpr,
+    VCOL: tl.constexpr,
+    VA: tl.constexpr,
+    VZ: tl.constexpr,
 ):
     """Program (sequence b, KV head h, split s): the GQ query heads of h over split s's quantized tiles; split 0
     also takes the exact sink and tile being filled. Writes unnormalized partials (m, den, acc natural, acc rotated).
     Tiles go BG tokens a step so no dot operand outgrows shared memory (a [256, 128] fp32 one would, at D=256)."""
-    D, G, KB, VB = F[0], F[1], F[2], F[3]  # head_dim, tile, bits; record bytes and field offsets:
-    RB, KC, KA, KZ, KR, VC, VCOL, VA, VZ = F[4], F[5], F[6], F[7], F[8], F[9], F[10], F[11], F[12]
     b, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2)
     qi, d = tl.arange(0, BQ), tl.arange(0, D)
     qmask = qi < GQ
@@ -147,9 +157,9 @@ def decode_attention(
     check_shape(d, G, k_bits, v_bits)
     hkv = pool.shape[1]
     a = field_args(d, G, k_bits, v_bits)
-    if hq % hkv or pool.shape[2] != a["F"][4] or pool.dtype != torch.uint8:
+    if hq % hkv or pool.shape[2] != a["RB"] or pool.dtype != torch.uint8:
         raise ValueError(
-            f"decode_attention: pool must be uint8 [blocks, Hkv, {a['F'][4]}] with Hq={hq} a multiple of "
+            f"decode_attention: pool must be uint8 [blocks, Hkv, {a['RB']}] with Hq={hq} a multiple of "
             f"Hkv, got {pool.dtype} {tuple(pool.shape)}"
         )
     if stage_k.shape != (bsz, 2, hkv, G, d) or stage_v.shape != stage_k.shape:

@@ -34,6 +34,8 @@ from qconv_vllm import kvarn_codec as ref
 STD_MIN, STD_MAX = tl.constexpr(ref.STD_CLAMP[0]), tl.constexpr(ref.STD_CLAMP[1])
 LOG_MIN, LOG_MAX = tl.constexpr(ref.LOG_CLAMP[0]), tl.constexpr(ref.LOG_CLAMP[1])
 FP16_MAX, MIN_GAIN = tl.constexpr(ref.FP16_MAX), tl.constexpr(ref.MIN_GAIN)
+# Kernel parameter of each record field's byte offset, in kvarn_codec.Codec.fields' storage order
+FIELD_ARGS = ("KC", "KA", "KZ", "KR", "VC", "VCOL", "VA", "VZ")
 
 
 def record_fields(d: int, g: int, k_bits: int, v_bits: int) -> tuple[dict[str, int], int]:
@@ -193,10 +195,28 @@ def _side(
 
 
 @triton.jit
-def _encode_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, F: tl.constexpr, ITERS: tl.constexpr, LIBDEV: tl.constexpr):
+def _encode_kernel(
+    k_ptr,
+    v_ptr,
+    rec_ptr,
+    rec16_ptr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    RB: tl.constexpr,
+    KC: tl.constexpr,
+    KA: tl.constexpr,
+    KZ: tl.constexpr,
+    KR: tl.constexpr,
+    VC: tl.constexpr,
+    VCOL: tl.constexpr,
+    VA: tl.constexpr,
+    VZ: tl.constexpr,
+    ITERS: tl.constexpr,
+    LIBDEV: tl.constexpr,
+):
     """One tile per program; k, v come rotated (float32 [N, G, D]); K is read transposed (rows = channels)."""
-    D, G, KB, VB = F[0], F[1], F[2], F[3]  # head_dim, tile, bits; record bytes and field offsets:
-    RB, KC, KA, KZ, KR, VC, VCOL, VA, VZ = F[4], F[5], F[6], F[7], F[8], F[9], F[10], F[11], F[12]
     n = tl.program_id(0).to(tl.int64)
     d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
@@ -206,10 +226,12 @@ def _encode_kernel(k_ptr, v_ptr, rec_ptr, rec16_ptr, F: tl.constexpr, ITERS: tl.
     )
 
 
-def field_args(d: int, g: int, k_bits: int, v_bits: int) -> dict:
-    """The kernels' constexpr F: (D, G, k bits, v bits, record bytes, byte offset of each field in storage order)."""
+def field_args(d: int, g: int, k_bits: int, v_bits: int) -> dict[str, int]:
+    """The kernels' constexpr layout arguments: D, G, bits KB/VB, record bytes RB, the byte offset of each field in
+    storage order. Each its own tl.constexpr parameter: compiled Triton (not the interpreter) rejects tl.arange and
+    shapes over values unpacked from a constexpr tuple ("arange's arguments must be of type tl.constexpr")."""
     o, rb = record_fields(d, g, k_bits, v_bits)
-    return dict(F=(d, g, k_bits, v_bits, rb, *o.values()))
+    return dict(D=d, G=g, KB=k_bits, VB=v_bits, RB=rb, **dict(zip(FIELD_ARGS, o.values(), strict=True)))
 
 
 def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, iters: int = ref.ITERS) -> torch.Tensor:
@@ -220,7 +242,7 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
     if v.shape != k.shape:
         raise ValueError(f"encode_tiles: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     a = field_args(d, g, k_bits, v_bits)
-    rec = torch.empty(n, a["F"][4], dtype=torch.uint8, device=k.device)
+    rec = torch.empty(n, a["RB"], dtype=torch.uint8, device=k.device)
     if n:
         h = hadamard(d, k.device)
         _encode_kernel[(n,)](
@@ -239,10 +261,26 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
 
 # ---------------------------------------------------------------- dequantize
 @triton.jit
-def _dequant_kernel(rec_ptr, rec16_ptr, k_ptr, v_ptr, F: tl.constexpr):
+def _dequant_kernel(
+    rec_ptr,
+    rec16_ptr,
+    k_ptr,
+    v_ptr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    KB: tl.constexpr,
+    VB: tl.constexpr,
+    RB: tl.constexpr,
+    KC: tl.constexpr,
+    KA: tl.constexpr,
+    KZ: tl.constexpr,
+    KR: tl.constexpr,
+    VC: tl.constexpr,
+    VCOL: tl.constexpr,
+    VA: tl.constexpr,
+    VZ: tl.constexpr,
+):
     """One record per program -> k [G, D], v [G, D] float32, rotated."""
-    D, G, KB, VB = F[0], F[1], F[2], F[3]  # head_dim, tile, bits; record bytes and field offsets:
-    RB, KC, KA, KZ, KR, VC, VCOL, VA, VZ = F[4], F[5], F[6], F[7], F[8], F[9], F[10], F[11], F[12]
     n = tl.program_id(0).to(tl.int64)
     d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
@@ -268,9 +306,9 @@ def dequant_tiles(
     check_shape(D, G, k_bits, v_bits)
     a = field_args(D, G, k_bits, v_bits)
     n = records.shape[0]
-    if records.shape != (n, a["F"][4]) or records.dtype != torch.uint8:
+    if records.shape != (n, a["RB"]) or records.dtype != torch.uint8:
         raise ValueError(
-            f"dequant_tiles: records must be uint8 [N, {a['F'][4]}], got {records.dtype} {tuple(records.shape)}"
+            f"dequant_tiles: records must be uint8 [N, {a['RB']}], got {records.dtype} {tuple(records.shape)}"
         )
     k = torch.empty(n, G, D, dtype=torch.float32, device=records.device)
     v = torch.empty_like(k)

@@ -30,7 +30,7 @@ def _jsonl(path: Path, field: str, n: int, *more: str) -> list:
             out.append(row[field] + "".join(row[m] for m in more) if more else row[field])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise QconvError(
-                f"line {i + 1} is not a JSON object with a {field!r} field",
+                f"line {i + 1} is not a JSON object with a {' + '.join(map(repr, (field, *more)))} field",
                 where=str(path),
                 fix="pass the jsonl file this workload expects (see bench/spec_bench.py --help)",
             ) from e

@@ -509,6 +509,30 @@ def test_spec_bench_workload_speedup_report(tiny_llama, tmp_path, one_thread, mo
         run_bench(tiny_llama, "code", data, cfg=cfg)
 
 
+def test_codecopy_workload_asks_for_the_whole_function(tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from qconv.errors import QconvError
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    from spec_workloads import workload_texts
+
+    rows = [
+        {"prompt": f'def f{i}(x):\n    """Doc {i}."""\n', "canonical_solution": f"    return x + {i}\n"}
+        for i in range(3)
+    ]
+    f = tmp_path / "he.jsonl"
+    f.write_text("\n".join(map(json.dumps, rows)) + "\n")
+    texts = workload_texts("codecopy", f, 2)
+    assert len(texts) == 2 and texts[1].startswith("Repeat the following Python code exactly.")
+    assert texts[1].endswith('```python\ndef f1(x):\n    """Doc 1."""\n    return x + 1\n```')
+    prompts_only = tmp_path / "prompts.jsonl"
+    prompts_only.write_text(json.dumps({"prompt": "def g():\n"}) + "\n")
+    with pytest.raises(QconvError, match="'canonical_solution' field"):
+        workload_texts("codecopy", prompts_only, 1)
+
+
 def test_copy_workload_reads_wrapped_text(tmp_path, monkeypatch):
     import textwrap
     from pathlib import Path

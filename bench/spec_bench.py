@@ -30,6 +30,7 @@ DATA = REPO.parent / "shared" / "data"
 FILES = {
     "copy": "wikitext-2-raw-test.txt",
     "code": "humaneval.jsonl",
+    "codecopy": "humaneval.jsonl",
     "chat": "mt_bench_questions.jsonl",
     "math": "gsm8k_test.jsonl",
 }

@@ -1,4 +1,4 @@
-"""Speculative decoding workloads built from user files (copy, code, chat, math) and our decode with and without
+"""Speculative decoding workloads built from user files (copy, code, codecopy, chat, math) and our decode with and without
 speculation on them, interleaved per prompt (machine load hits both alike). Driven by bench/spec_bench.py."""
 
 from __future__ import annotations
@@ -13,22 +13,24 @@ from qconv.engine.generate import GenerationConfig, GenerationStats, encode_prom
 from qconv.engine.spec import SpecConfig
 from qconv.errors import QconvError
 
-WORKLOADS = ("copy", "code", "chat", "math")
+WORKLOADS = ("copy", "code", "codecopy", "chat", "math")
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
 CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{}```"
+CODE_COPY_INSTRUCTION = "Repeat the following Python code exactly.\n\n```python\n{}```"
 
 
-def _jsonl(path: Path, field: str, n: int) -> list:
+def _jsonl(path: Path, field: str, n: int, *more: str) -> list:
+    """Each row's `field`, with the `more` fields' text appended."""
     out = []
     for i, line in enumerate(path.read_text().splitlines()):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            out.append(row[field])
+            out.append(row[field] + "".join(row[m] for m in more) if more else row[field])
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise QconvError(
-                f"line {i + 1} is not a JSON object with a {field!r} field",
+                f"line {i + 1} is not a JSON object with a {' + '.join(map(repr, (field, *more)))} field",
                 where=str(path),
                 fix="pass the jsonl file this workload expects (see bench/spec_bench.py --help)",
             ) from e
@@ -68,7 +70,8 @@ def _passages(path: Path, n: int, min_chars: int = 400, max_chars: int = 900) ->
 
 def workload_texts(workload: str, data: Path, n: int) -> list[str]:
     """The user messages of a workload: copy = a text file's passages; code = HumanEval-style jsonl ("prompt");
-    chat = MT-Bench-style jsonl (first of "turns"); math = GSM8K-style jsonl ("question")."""
+    codecopy = the same jsonl's whole functions ("prompt" + "canonical_solution") to repeat, a copy the model
+    makes verbatim; chat = MT-Bench-style jsonl (first of "turns"); math = GSM8K-style jsonl ("question")."""
     if workload not in WORKLOADS:
         raise QconvError(f"unknown workload {workload!r}", fix=f"one of {', '.join(WORKLOADS)}")
     data = Path(data)
@@ -78,6 +81,8 @@ def workload_texts(workload: str, data: Path, n: int) -> list[str]:
         texts = [COPY_INSTRUCTION + p for p in _passages(data, n)]
     elif workload == "code":
         texts = [CODE_INSTRUCTION.format(p) for p in _jsonl(data, "prompt", n)]
+    elif workload == "codecopy":
+        texts = [CODE_COPY_INSTRUCTION.format(p) for p in _jsonl(data, "prompt", n, "canonical_solution")]
     elif workload == "chat":
         texts = [turns[0] for turns in _jsonl(data, "turns", n)]
     else:

@@ -24,7 +24,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from spec_workloads import workload_texts  # noqa: E402
 
-FILES = {"copy": "wikitext-2-raw-test.txt", "code": "humaneval.jsonl", "chat": "mt_bench_questions.jsonl"}
+FILES = {
+    "copy": "wikitext-2-raw-test.txt",
+    "code": "humaneval.jsonl",
+    "codecopy": "humaneval.jsonl",
+    "chat": "mt_bench_questions.jsonl",
+}
 
 
 def spec_metrics(llm) -> dict:

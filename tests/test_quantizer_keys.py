@@ -109,10 +109,11 @@ def test_observer_changes_the_weights(tiny_llama, tmp_path, calib_txt):
     assert not packed["minmax"].equal(packed["mse"])
 
 
-def test_autoround_reaches_llmcompressor_and_refuses_mixed_schemes(tiny_llama, tmp_path, calib_txt):
-    """algorithm autoround is llmcompressor's AutoRoundModifier with the recipe's iters and batch; a plan whose
-    decoder layers would mix schemes (the recipe's own selection budget) is refused before anything is written,
-    one scheme throughout builds an artifact transformers loads, with other int4 codes than GPTQ's."""
+def test_autoround_reaches_llmcompressor_and_refuses_what_it_cannot_write(tiny_llama, tmp_path, calib_txt):
+    """algorithm autoround is llmcompressor's AutoRoundModifier with the recipe's iters and batch. Refused before
+    anything is written: zero points (llmcompressor 0.14 writes back AutoRound's scales only) and a plan whose
+    decoder layers would mix schemes (the recipe's own selection budget). One symmetric scheme throughout builds an
+    artifact transformers loads, with other int4 codes than GPTQ's."""
     from safetensors import safe_open
 
     from qconv.convert.hfmodel import load_causal_lm
@@ -122,28 +123,36 @@ def test_autoround_reaches_llmcompressor_and_refuses_mixed_schemes(tiny_llama, t
     from qconv.recipes.recipe import load_recipe
 
     ar = {"algorithm": "autoround", "actorder": None, "iters": 2, "batch_size": 2}
+    sym = {"w4a16": {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 128}}}
     recipe = load_recipe(str(recipe_variant(tmp_path, "ar", quantizer=ar)))
     groups, ignore = config_groups(plan_model(tiny_llama, read_config(tiny_llama), recipe).modules, recipe)
     (mod,) = modifiers(None, recipe, groups, ignore)
     assert type(mod).__name__ == "AutoRoundModifier" and (mod.iters, mod.batch_size) == (2, 2)
 
-    r = build(
-        recipe_variant(tmp_path, "ar", quantizer=ar),
-        tiny_llama,
-        tmp_path / "mixed",
-        "--dataset",
-        calib_txt,
-        *SMALL_CAL,
-        "--no-gates",
+    refused = (
+        ({"quantizer": ar}, ["--upgrade-budget", "0"], "algorithm autoround cannot write zero points"),
+        ({"quantizer": ar, "schemes": sym}, [], "algorithm autoround needs one scheme"),
     )
-    assert r.exit_code != 0 and "algorithm autoround needs one scheme" in r.output and "selection.budget" in r.output
-    assert not (tmp_path / "mixed").exists()
+    for i, (over, extra, message) in enumerate(refused):
+        out = tmp_path / f"refused{i}"
+        r = build(
+            recipe_variant(tmp_path, f"r{i}", **over),
+            tiny_llama,
+            out,
+            "--dataset",
+            calib_txt,
+            *SMALL_CAL,
+            *extra,
+            "--no-gates",
+        )
+        assert r.exit_code != 0 and message in r.output and "quantizer.algorithm" in r.output, r.output
+        assert not out.exists()
 
     codes = {}
     for name, q in (("ar", ar), ("gptq", {"algorithm": "gptq", "actorder": None})):
         out = tmp_path / name
         r = build(
-            recipe_variant(tmp_path, name, quantizer=q),
+            recipe_variant(tmp_path, name, quantizer=q, schemes=sym),
             tiny_llama,
             out,
             "--dataset",

@@ -71,27 +71,21 @@ def use_libdevice() -> bool:
 
 # ---------------------------------------------------------------- shared device helpers
 @triton.jit
-def _explog(x, LOG: tl.constexpr, LIBDEV: tl.constexpr):
-    """log(x) if LOG else exp(x): libdevice's (as accurate as torch's) on CUDA, where tl.exp/tl.log are approximate."""
-    if LOG:
-        if LIBDEV:
-            return libdevice.log(x)
-        else:
-            return tl.log(x)
-    elif LIBDEV:
+def _exp(x, LIBDEV: tl.constexpr):
+    """libdevice's exp (as accurate as torch's) on CUDA, where tl.exp is approximate."""
+    if LIBDEV:
         return libdevice.exp(x)
     else:
         return tl.exp(x)
 
 
 @triton.jit
-def _exp(x, LIBDEV: tl.constexpr):
-    return _explog(x, False, LIBDEV)
-
-
-@triton.jit
 def _log(x, LIBDEV: tl.constexpr):
-    return _explog(x, True, LIBDEV)
+    """libdevice's log on CUDA, where tl.log is approximate."""
+    if LIBDEV:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -103,6 +97,10 @@ def unpack_codes(base, rows, cols, ROW: tl.constexpr, BITS: tl.constexpr):
 
 
 # ---------------------------------------------------------------- encode
+# A program encodes one side of one tile, [R, C] = K^T [D, G] or V [G, D] (row-major, so a chunk's rows read along
+# memory), over chunks of BR rows loaded again on every pass: the whole tile held in registers through the balance
+# (D=256 G=128: 128 float64 a thread at 8 warps) spilled 211 KB a thread on sm_90a and took ptxas minutes. Per-row
+# vectors live as [R // BR, BR]: a register tensor cannot be indexed by the loop variable, chunk j is a mask.
 @triton.jit
 def _exp32(x, LIBDEV: tl.constexpr):
     """kvarn.exp32: e^x of float32 log-scales, taken in float64 and rounded to float32."""
@@ -110,37 +108,69 @@ def _exp32(x, LIBDEV: tl.constexpr):
 
 
 @triton.jit
-def _std(x, w, AXIS: tl.constexpr, N: tl.constexpr):
-    """kvarn._weighted_std in float64: sqrt(max(E[w x^2 w] - E[w x]^2, 0)) over AXIS, w broadcast against x."""
-    m = tl.sum(w * x, AXIS) * (1.0 / N)
-    s = tl.sum((w * w) * (x * x), AXIS) * (1.0 / N)
-    return tl.sqrt(tl.maximum(s - m * m, 0.0))  # float64 sqrt and division are IEEE-rounded (no _rn needed)
+def _std(s1, s2, N: tl.constexpr):
+    """kvarn._weighted_std from the sums of w x and (w w)(x x) over N: sqrt(max(E[w x^2 w] - E[w x]^2, 0))."""
+    m = s1 * (1.0 / N)
+    return tl.sqrt(tl.maximum(s2 * (1.0 / N) - m * m, 0.0))  # float64 sqrt and division are IEEE-rounded
 
 
 @triton.jit
-def _imbalance(col, row):
-    return tl.max(col, 0) / tl.min(col, 0) + tl.max(row, 0) / tl.min(row, 0)
+def _row_sums(x_ptr, w, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr):
+    """Sums of w x and (w w)(x x) along each row of x [R, C] for column weights w [C], as [R // BR, BR]."""
+    NCH: tl.constexpr = R // BR
+    c, chunk = tl.arange(0, C), tl.arange(0, NCH)[:, None]
+    m = tl.zeros([NCH, BR], tl.float64)
+    s = tl.zeros([NCH, BR], tl.float64)
+    at, w2 = tl.arange(0, BR)[:, None] * C + c[None, :], w * w
+    for j in range(NCH):
+        x = tl.load(x_ptr + j * (BR * C) + at).to(tl.float64)
+        here = chunk == j
+        m = tl.where(here, tl.sum(w[None, :] * x, 1)[None, :], m)
+        s = tl.where(here, tl.sum(w2[None, :] * (x * x), 1)[None, :], s)
+    return m, s
 
 
 @triton.jit
-def _balance(x32, R: tl.constexpr, C: tl.constexpr, ITERS: tl.constexpr, LIBDEV: tl.constexpr):
-    """kvarn.balance on one tile x [R, C] in float64: column log-scales u [C], row log-scales v [R] (float32),
-    best-so-far."""
-    x = x32.to(tl.float64)
+def _col_sums(x_ptr, w, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr):
+    """Sums of w x and (w w)(x x) down each column of x [R, C] for row weights w [R // BR, BR] (w > 0), as [C]."""
+    NCH: tl.constexpr = R // BR
+    c, chunk = tl.arange(0, C), tl.arange(0, NCH)[:, None]
+    m = tl.zeros([C], tl.float64)
+    s = tl.zeros([C], tl.float64)
+    at = tl.arange(0, BR)[:, None] * C + c[None, :]
+    for j in range(NCH):
+        x = tl.load(x_ptr + j * (BR * C) + at).to(tl.float64)
+        wj = tl.max(tl.where(chunk == j, w, 0.0), 0)[:, None]
+        m += tl.sum(wj * x, 0)
+        s += tl.sum((wj * wj) * (x * x), 0)
+    return m, s
+
+
+@triton.jit
+def _balance(x_ptr, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, ITERS: tl.constexpr, LIBDEV: tl.constexpr):
+    """kvarn.balance on one tile x [R, C] in float64: column log-scales u [C], row log-scales v [R // BR, BR]
+    (float32), best-so-far. Each std is a pass over the row chunks; the exp/log of the scales run on whole vectors
+    between passes."""
+    NCH: tl.constexpr = R // BR
     u = tl.zeros([C], tl.float64)
-    v = tl.zeros([R], tl.float64)
-    col = tl.clamp(_std(x, tl.full([R, 1], 1.0, tl.float64), 0, R), STD_MIN, STD_MAX)
-    row = tl.clamp(_std(x, tl.full([1, C], 1.0, tl.float64), 1, C), STD_MIN, STD_MAX)
-    best_u, best_v, best_i = u, v, _imbalance(col, row)
+    v = tl.zeros([NCH, BR], tl.float64)
+    m, s = _row_sums(x_ptr, tl.full([C], 1.0, tl.float64), R, C, BR)
+    row = tl.clamp(_std(m, s, C), STD_MIN, STD_MAX)
+    m, s = _col_sums(x_ptr, tl.full([NCH, BR], 1.0, tl.float64), R, C, BR)
+    col = tl.clamp(_std(m, s, R), STD_MIN, STD_MAX)
+    best_u, best_v = u, v
+    best_i = tl.max(col, 0) / tl.min(col, 0) + tl.max(tl.max(row, 1), 0) / tl.min(tl.min(row, 1), 0)
     for _ in range(ITERS):
         u = tl.clamp(u + _log(col, LIBDEV), LOG_MIN, LOG_MAX)
         eu = _exp(-u, LIBDEV)
-        row_raw = _std(x, eu[None, :], 1, C)
-        v = tl.clamp(v + _log(tl.clamp(row_raw * _exp(-v, LIBDEV), STD_MIN, STD_MAX), LIBDEV), LOG_MIN, LOG_MAX)
+        m, s = _row_sums(x_ptr, eu, R, C, BR)
+        raw = _std(m, s, C)
+        v = tl.clamp(v + _log(tl.clamp(raw * _exp(-v, LIBDEV), STD_MIN, STD_MAX), LIBDEV), LOG_MIN, LOG_MAX)
         ev = _exp(-v, LIBDEV)
-        row = tl.clamp(row_raw * ev, STD_MIN, STD_MAX)
-        col = tl.clamp(_std(x, ev[:, None], 0, R) * eu, STD_MIN, STD_MAX)
-        imb = _imbalance(col, row)
+        row = tl.clamp(raw * ev, STD_MIN, STD_MAX)
+        m, s = _col_sums(x_ptr, ev, R, C, BR)
+        col = tl.clamp(_std(m, s, R) * eu, STD_MIN, STD_MAX)
+        imb = tl.max(col, 0) / tl.min(col, 0) + tl.max(tl.max(row, 1), 0) / tl.min(tl.min(row, 1), 0)
         better = imb < best_i * MIN_GAIN
         best_i = tl.where(better, imb, best_i)
         best_u = tl.where(better, u, best_u)
@@ -158,13 +188,8 @@ def _rne(t):
 
 
 @triton.jit
-def _or(a, b):
-    return a | b
-
-
-@triton.jit
 def _side(
-    x,
+    x_ptr,
     rec,
     rec16,
     CODES: tl.constexpr,
@@ -173,25 +198,32 @@ def _side(
     COL: tl.constexpr,
     R: tl.constexpr,
     C: tl.constexpr,
+    BR: tl.constexpr,
     BITS: tl.constexpr,
     ITERS: tl.constexpr,
     LIBDEV: tl.constexpr,
 ):
-    """kvarn.TileScheme._side: balance, RTN per row, fold scales into fp16, pack; write the fields of one record."""
-    u, v = _balance(x, R, C, ITERS, LIBDEV)
-    y = x * _exp32(-v, LIBDEV)[:, None] * _exp32(-u, LIBDEV)[None, :]
-    lo = tl.min(y, 1)
-    step = tl.maximum(tl.div_rn(tl.max(y, 1) - lo, (1 << BITS) - 1.0), 1e-10)
-    q = tl.clamp(_rne(tl.div_rn(y - lo[:, None], step[:, None])), 0.0, (1 << BITS) - 1.0).to(tl.int32)
+    """kvarn.TileScheme._side on x [R, C] at x_ptr: balance, RTN per row (chunk by chunk), fold scales into fp16,
+    pack (codes hold disjoint bits, so a sum packs them, like the reference); write the fields of one record."""
+    NCH: tl.constexpr = R // BR
     PER: tl.constexpr = 8 // BITS
-    shifts = (tl.arange(0, PER) * BITS).to(tl.uint8)
-    packed = tl.reduce(tl.reshape(q.to(tl.uint8), [R, C // PER, PER]) << shifts[None, None, :], 2, _or)
-    r = tl.arange(0, R)
-    tl.store(rec + CODES + r[:, None] * (C // PER) + tl.arange(0, C // PER)[None, :], packed)
-    ev = _exp32(v, LIBDEV)
-    tl.store(rec16 + A // 2 + r, tl.clamp(step * ev, -FP16_MAX, FP16_MAX).to(tl.float16))
-    tl.store(rec16 + Z // 2 + r, tl.clamp(lo * ev, -FP16_MAX, FP16_MAX).to(tl.float16))
-    tl.store(rec16 + COL // 2 + tl.arange(0, C), tl.clamp(_exp32(u, LIBDEV), -FP16_MAX, FP16_MAX).to(tl.float16))
+    u, v = _balance(x_ptr, R, C, BR, ITERS, LIBDEV)
+    c, chunk = tl.arange(0, C), tl.arange(0, NCH)[:, None]
+    eu, emv, ev = _exp32(-u, LIBDEV), _exp32(-v, LIBDEV), _exp32(v, LIBDEV)
+    shifts = tl.arange(0, PER) * BITS
+    for j in range(NCH):
+        r = j * BR + tl.arange(0, BR)
+        y = tl.load(x_ptr + r[:, None] * C + c[None, :]) * tl.max(tl.where(chunk == j, emv, 0.0), 0)[:, None]
+        y = y * eu[None, :]
+        lo = tl.min(y, 1)
+        step = tl.maximum(tl.div_rn(tl.max(y, 1) - lo, (1 << BITS) - 1.0), 1e-10)
+        q = tl.clamp(_rne(tl.div_rn(y - lo[:, None], step[:, None])), 0.0, (1 << BITS) - 1.0).to(tl.int32)
+        packed = tl.sum(tl.reshape(q, [BR, C // PER, PER]) << shifts[None, None, :], 2).to(tl.uint8)
+        tl.store(rec + CODES + r[:, None] * (C // PER) + tl.arange(0, C // PER)[None, :], packed)
+        evj = tl.max(tl.where(chunk == j, ev, 0.0), 0)
+        tl.store(rec16 + A // 2 + r, tl.clamp(step * evj, -FP16_MAX, FP16_MAX).to(tl.float16))
+        tl.store(rec16 + Z // 2 + r, tl.clamp(lo * evj, -FP16_MAX, FP16_MAX).to(tl.float16))
+    tl.store(rec16 + COL // 2 + c, tl.clamp(_exp32(u, LIBDEV), -FP16_MAX, FP16_MAX).to(tl.float16))
 
 
 @triton.jit
@@ -215,15 +247,16 @@ def _encode_kernel(
     VZ: tl.constexpr,
     ITERS: tl.constexpr,
     LIBDEV: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """One tile per program; k, v come rotated (float32 [N, G, D]); K is read transposed (rows = channels)."""
+    """Program (n, 0) encodes tile n's K side, (n, 1) its V side (they share nothing), in chunks of BLOCK elements;
+    k comes rotated and transposed (float32 [N, D, G], rows = channels), v rotated (float32 [N, G, D])."""
     n = tl.program_id(0).to(tl.int64)
-    d, g = tl.arange(0, D), tl.arange(0, G)
     rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
-    _side(tl.load(k_ptr + n * G * D + g[None, :] * D + d[:, None]), rec, rec16, KC, KA, KZ, KR, D, G, KB, ITERS, LIBDEV)
-    _side(
-        tl.load(v_ptr + n * G * D + g[:, None] * D + d[None, :]), rec, rec16, VC, VA, VZ, VCOL, G, D, VB, ITERS, LIBDEV
-    )
+    if tl.program_id(1) == 0:
+        _side(k_ptr + n * G * D, rec, rec16, KC, KA, KZ, KR, D, G, BLOCK // G, KB, ITERS, LIBDEV)
+    else:
+        _side(v_ptr + n * G * D, rec, rec16, VC, VA, VZ, VCOL, G, D, BLOCK // D, VB, ITERS, LIBDEV)
 
 
 def field_args(d: int, g: int, k_bits: int, v_bits: int) -> dict[str, int]:
@@ -232,6 +265,20 @@ def field_args(d: int, g: int, k_bits: int, v_bits: int) -> dict[str, int]:
     shapes over values unpacked from a constexpr tuple ("arange's arguments must be of type tl.constexpr")."""
     o, rb = record_fields(d, g, k_bits, v_bits)
     return dict(D=d, G=g, KB=k_bits, VB=v_bits, RB=rb, **dict(zip(FIELD_ARGS, o.values(), strict=True)))
+
+
+# _encode_kernel's launch: chunks of 2048 elements (BLOCK // C rows, a power of two <= R at every shape check_shape
+# admits) on 8 warps, 8 a thread; at D=256 G=128 ptxas gives sm_86 and sm_90a 128 registers and no spills
+# (tests/test_kvarn_triton_compile.py), so two programs share an SM's registers
+ENCODE_BLOCK, ENCODE_WARPS = 2048, 8
+
+
+def encode_args(layout: dict[str, int], iters: int = ref.ITERS) -> dict:
+    """_encode_kernel's constexprs and launch options past the layout, as encode_tiles passes them (and the compile
+    test compiles them); no FMA, as torch does none."""
+    return dict(
+        layout, ITERS=iters, LIBDEV=use_libdevice(), BLOCK=ENCODE_BLOCK, num_warps=ENCODE_WARPS, enable_fp_fusion=False
+    )
 
 
 def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, iters: int = ref.ITERS) -> torch.Tensor:
@@ -245,17 +292,13 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
     rec = torch.empty(n, a["RB"], dtype=torch.uint8, device=k.device)
     if n:
         h = hadamard(d, k.device)
-        _encode_kernel[(n,)](
-            k.half().float() @ h,
+        _encode_kernel[(n, 2)](
+            (k.half().float() @ h).transpose(1, 2).contiguous(),  # K^T [N, D, G]: a K program's rows are channels
             v.half().float() @ h,
             rec,
             rec.view(torch.float16),
-            ITERS=iters,
-            LIBDEV=use_libdevice(),
-            num_warps=8,
-            enable_fp_fusion=False,
-            **a,
-        )  # torch does no FMA
+            **encode_args(a, iters),
+        )
     return rec
 
 

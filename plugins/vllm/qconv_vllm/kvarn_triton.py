@@ -147,6 +147,12 @@ def _col_sums(x_ptr, w, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr):
 
 
 @triton.jit
+def _imbalance(col, row):
+    """max/min of the column stds [C] plus max/min of the row stds [R // BR, BR]."""
+    return tl.max(col, 0) / tl.min(col, 0) + tl.max(tl.max(row, 1), 0) / tl.min(tl.min(row, 1), 0)
+
+
+@triton.jit
 def _balance(x_ptr, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, ITERS: tl.constexpr, LIBDEV: tl.constexpr):
     """kvarn.balance on one tile x [R, C] in float64: column log-scales u [C], row log-scales v [R // BR, BR]
     (float32), best-so-far. Each std is a pass over the row chunks; the exp/log of the scales run on whole vectors
@@ -159,7 +165,7 @@ def _balance(x_ptr, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, ITERS: t
     m, s = _col_sums(x_ptr, tl.full([NCH, BR], 1.0, tl.float64), R, C, BR)
     col = tl.clamp(_std(m, s, R), STD_MIN, STD_MAX)
     best_u, best_v = u, v
-    best_i = tl.max(col, 0) / tl.min(col, 0) + tl.max(tl.max(row, 1), 0) / tl.min(tl.min(row, 1), 0)
+    best_i = _imbalance(col, row)
     for _ in range(ITERS):
         u = tl.clamp(u + _log(col, LIBDEV), LOG_MIN, LOG_MAX)
         eu = _exp(-u, LIBDEV)
@@ -170,7 +176,7 @@ def _balance(x_ptr, R: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, ITERS: t
         row = tl.clamp(raw * ev, STD_MIN, STD_MAX)
         m, s = _col_sums(x_ptr, ev, R, C, BR)
         col = tl.clamp(_std(m, s, R) * eu, STD_MIN, STD_MAX)
-        imb = tl.max(col, 0) / tl.min(col, 0) + tl.max(tl.max(row, 1), 0) / tl.min(tl.min(row, 1), 0)
+        imb = _imbalance(col, row)
         better = imb < best_i * MIN_GAIN
         best_i = tl.where(better, imb, best_i)
         best_u = tl.where(better, u, best_u)

@@ -71,8 +71,8 @@ def test_swap_restores_the_originals_on_error():
 @pytest.mark.slow
 def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt, monkeypatch):
     """Each replacement is wrapped to count its calls; a streamed build (GPTQ, MSE observer, activations on disk,
-    row-blocked compression), a tied awq+gptq build on a CPU torch and transformers loading its packed embedding
-    call every one of them: none is left in place without the library reaching it."""
+    row-blocked compression), a tied awq+gptq build on a CPU torch, transformers loading its packed embedding and
+    an AutoRound build call every one of them: none is left in place without the library reaching it."""
     import torch
 
     from qconv.convert.hfmodel import load_causal_lm
@@ -117,6 +117,11 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
     r = build(
         "cpu", tiny_llama, tmp_path / "w8a8", "--dataset", calib_txt, "--work-dir", tmp_path / "w3", *FAST_CAL
     )  # int-quantized: compressed-tensors' naive compressor
+    assert r.exit_code == 0, r.output
+    recipe = recipe_variant(
+        tmp_path, "ar", quantizer={"algorithm": "autoround", "actorder": None, "iters": 1, "batch_size": 2}
+    )
+    r = build(recipe, tiny_qwen3_5, tmp_path / "ar", "--dataset", calib_txt, "--work-dir", tmp_path / "w4", *FAST_CAL)
     assert r.exit_code == 0, r.output
     expected = set(patches.TARGETS) - ({"pin_memory"} if torch.accelerator.is_available() else set())
     assert swapped == expected

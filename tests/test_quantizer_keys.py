@@ -109,64 +109,69 @@ def test_observer_changes_the_weights(tiny_llama, tmp_path, calib_txt):
     assert not packed["minmax"].equal(packed["mse"])
 
 
-def test_autoround_reaches_llmcompressor_and_refuses_what_it_cannot_write(tiny_llama, tmp_path, calib_txt):
-    """algorithm autoround is llmcompressor's AutoRoundModifier with the recipe's iters and batch. Refused before
-    anything is written: zero points (llmcompressor 0.14 writes back AutoRound's scales only) and a plan whose
-    decoder layers would mix schemes (the recipe's own selection budget). One symmetric scheme throughout builds an
-    artifact transformers loads, with other int4 codes than GPTQ's."""
+def test_autoround_writes_what_it_tuned(tiny_qwen3_5, tmp_path, calib_txt, monkeypatch):
+    """algorithm autoround is llmcompressor's AutoRoundModifier with the recipe's iters and batch. The 3090 recipe's
+    plan through it (a selection mixing INT8, int4 g64 and g128 units, zero points, a separate head): the artifact
+    dequantizes to the weights AutoRound tuned, unit by unit on its own grid. Without qconv's mend llmcompressor
+    0.14 tunes every unit with the first config group's scheme and fails writing it back, saves zero points of 0,
+    and leaves the separate head's qparams as initialized (NaN)."""
+    import torch
     from safetensors import safe_open
 
+    import qconv.convert.quantize as qz
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.layout import plan_model
-    from qconv.convert.quantize import config_groups, modifiers
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
     ar = {"algorithm": "autoround", "actorder": None, "iters": 2, "batch_size": 2}
-    sym = {"w4a16": {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 128}}}
-    recipe = load_recipe(str(recipe_variant(tmp_path, "ar", quantizer=ar)))
-    groups, ignore = config_groups(plan_model(tiny_llama, read_config(tiny_llama), recipe).modules, recipe)
-    (mod,) = modifiers(None, recipe, groups, ignore)
+    recipe = recipe_variant(tmp_path, "ar", quantizer=ar)
+    loaded = load_recipe(str(recipe))
+    groups, ignore = qz.config_groups(plan_model(tiny_qwen3_5, read_config(tiny_qwen3_5), loaded).modules, loaded)
+    (mod,) = qz.modifiers(None, loaded, groups, ignore)
     assert type(mod).__name__ == "AutoRoundModifier" and (mod.iters, mod.batch_size) == (2, 2)
 
-    refused = (
-        ({"quantizer": ar}, ["--upgrade-budget", "0"], "algorithm autoround cannot write zero points"),
-        ({"quantizer": ar, "schemes": sym}, [], "algorithm autoround needs one scheme"),
-    )
-    for i, (over, extra, message) in enumerate(refused):
-        out = tmp_path / f"refused{i}"
-        r = build(
-            recipe_variant(tmp_path, f"r{i}", **over),
-            tiny_llama,
-            out,
-            "--dataset",
-            calib_txt,
-            *SMALL_CAL,
-            *extra,
-            "--no-gates",
-        )
-        assert r.exit_code != 0 and message in r.output and "quantizer.algorithm" in r.output, r.output
-        assert not out.exists()
+    tuned = {}
+    calibrate = qz.calibrate_embeddings
 
-    codes = {}
-    for name, q in (("ar", ar), ("gptq", {"algorithm": "gptq", "actorder": None})):
-        out = tmp_path / name
-        r = build(
-            recipe_variant(tmp_path, name, quantizer=q, schemes=sym),
-            tiny_llama,
-            out,
-            "--dataset",
-            calib_txt,
-            *SMALL_CAL,
-            "--upgrade-budget",
-            "0",
-            "--no-gates",
-        )
-        assert r.exit_code == 0, r.output
-        load_causal_lm(out)
-        with safe_open(next(out.glob("*.safetensors")), "pt") as f:
-            codes[name] = f.get_tensor("model.layers.0.mlp.down_proj.weight_packed")
-    assert not codes["ar"].equal(codes["gptq"])
+    def keep_tuned(model, **kw):  # runs right after oneshot: the weights as AutoRound left them
+        calibrate(model, **kw)
+        tuned.update({k: v.detach().float().clone() for k, v in model.state_dict().items() if k.endswith(".weight")})
+
+    streamed = tmp_path / "streamed"  # llmcompressor's AutoRound cannot start on a disk-offloaded model
+    r = build(recipe, tiny_qwen3_5, streamed, "--dataset", calib_txt, *SMALL_CAL, "--no-gates", "--stream")
+    assert r.exit_code != 0 and "cannot run on a streamed build" in r.output and "--stream" in r.output, r.output
+    assert not streamed.exists()
+
+    monkeypatch.setattr(qz, "calibrate_embeddings", keep_tuned)
+    out = tmp_path / "ar"
+    r = build(recipe, tiny_qwen3_5, out, "--dataset", calib_txt, *SMALL_CAL, "--no-gates", "--bpw", "7.33")
+    assert r.exit_code == 0, r.output
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    kinds = {(g["weights"]["num_bits"], g["weights"]["group_size"], g["weights"]["symmetric"]) for g in qc}
+    assert {(8, 128, True), (4, 64, False), (4, 128, False)} <= kinds, kinds
+
+    base = load_causal_lm(tiny_qwen3_5).state_dict()
+    art = load_causal_lm(out).state_dict()
+    zero_points = torch.cat(
+        [
+            f.get_tensor(k).flatten().float()
+            for shard in out.glob("*.safetensors")
+            for f in [safe_open(shard, "pt")]
+            for k in f.keys()
+            if k.endswith("weight_zero_point")
+        ]
+    )
+    assert zero_points.abs().max() > 0
+    quantized = [k for k in art if ".layers." in k and k.endswith("proj.weight") and "in_proj_a" not in k]
+    assert quantized and not any(k.endswith("in_proj_b.weight") for k in quantized)
+    for k in quantized:  # the same integers; the dequantized values differ by the scales' bf16 rounding only
+        err = (art[k].float() - tuned[k]).abs().max()
+        assert err <= tuned[k].abs().max() * 2**-7, (k, err)
+        assert not torch.equal(tuned[k], base[k].float()), k
+    head = art["lm_head.weight"].float()
+    assert torch.isfinite(head).all()
+    assert (head - base["lm_head.weight"].float()).abs().max() <= base["lm_head.weight"].float().abs().max() / 100
 
 
 @pytest.mark.slow

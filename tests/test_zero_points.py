@@ -66,13 +66,14 @@ def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
     assert any(not g.weights.symmetric and g.weights.num_bits == 4 for g in resolved)
 
 
-def build_zero_point_artifact(tmp_path: Path, tiny_llama: Path, calib_txt: Path) -> Path:
+def build_zero_point_artifact(tmp_path: Path, tiny_llama: Path, calib_txt: Path, **over) -> Path:
     from qconv.cli import main
 
     recipe = recipe_variant(
         tmp_path,
         "zpall",
         schemes={"w4a16": {"weights": {"symmetric": False}}, "w4a16_g64": {"weights": {"symmetric": False}}},
+        **over,
     )
     out = tmp_path / "zp"
     r = CliRunner().invoke(
@@ -114,10 +115,14 @@ def test_zero_point_build_writes_zero_points(tmp_path, tiny_llama, calib_txt):
 @pytest.mark.slow
 def test_zero_point_artifact_in_vllm(tmp_path, tiny_llama, calib_txt, vllm_python):
     """Stock vLLM 0.32 (CPUWNA16 takes uint4 with zero points) + the plugin (INT8 tied table) serve it, and its
-    greedy tokens score as our engine scores them."""
+    greedy tokens score as our engine scores them. Built by AutoRound (the recipe's selection: INT8, g64 and g128
+    units with zero points); the GPTQ-built 3090 artifact is served in tests/test_serve_vllm_plugin.py."""
     from tests.test_serve_vllm_plugin import TOLERANCE, served_agrees_with_native
 
-    out = build_zero_point_artifact(tmp_path, tiny_llama, calib_txt)
+    ar = {"algorithm": "autoround", "actorder": None, "iters": 4, "batch_size": 2}
+    out = build_zero_point_artifact(tmp_path, tiny_llama, calib_txt, quantizer=ar)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    assert {(g["weights"]["num_bits"], g["weights"]["group_size"]) for g in qc} >= {(8, 128), (4, 64), (4, 128)}
     assert served_agrees_with_native(out, vllm_python) <= TOLERANCE
 
 

@@ -37,6 +37,7 @@ class Target:
 
 _LC, _CT = "llmcompressor", "compressed-tensors"
 _GPTQ, _CACHE = "llmcompressor.modifiers.gptq", "llmcompressor.pipelines.cache"
+_AR = "llmcompressor.modifiers.autoround.base"
 TARGETS = {
     "mse_error": Target(
         _LC,
@@ -100,6 +101,20 @@ TARGETS = {
         "IntermediatesCache.pin_memory",
         ("self", "batch_index", "input_names"),
         "convert.quantize._cpu_awq: AWQ on a torch without an accelerator",
+    ),
+    "autoround_match": Target(
+        _LC,
+        _AR,
+        "match_named_modules",
+        ("model", "targets", "ignore", "fused", "warn_on_fail"),
+        "convert.quantize._autoround_writes_what_it_tuned: targets matched by full module name inside a layer",
+    ),
+    "autoround_postprocess": Target(
+        _LC,
+        _AR,
+        "AutoRoundModifier._postprocess_qparams",
+        ("self", "model", "llmc_registered_qparams"),
+        "convert.quantize._autoround_writes_what_it_tuned: AutoRound's zero points written back",
     ),
     "untie_word_embeddings": Target(
         _LC,

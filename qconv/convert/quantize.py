@@ -103,14 +103,17 @@ def config_groups(modules: list[ModuleDecision], recipe: Recipe) -> tuple[dict, 
     return groups, ignore
 
 
-def calibrate_embeddings(model) -> None:
-    """GPTQ only calibrates Linear layers; give quantized embeddings round-to-nearest qparams from their weights."""
+def calibrate_embeddings(model, head: bool = False) -> None:
+    """GPTQ only calibrates Linear layers; give quantized embeddings round-to-nearest qparams from their weights.
+    `head`: the output head too. AutoRound tunes the decoder layers only and leaves a separate head's qparams as
+    initialized (a NaN head)."""
     import torch
     from compressed_tensors.offload import update_offload_parameter
     from compressed_tensors.quantization.utils import calculate_qparams
 
+    out_head = model.get_output_embeddings() if head else None
     for name, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.Embedding) or not hasattr(mod, "quantization_scheme"):
+        if not (isinstance(mod, torch.nn.Embedding) or mod is out_head) or not hasattr(mod, "quantization_scheme"):
             continue
         args = mod.quantization_scheme.weights
         w = mod.weight.detach()  # min/max in its own dtype are exact: no float32 copy of a 248,320-row table
@@ -123,31 +126,44 @@ def calibrate_embeddings(model) -> None:
             update_offload_parameter(
                 mod, "weight_zero_point", zp.view_as(mod.weight_zero_point).to(mod.weight_zero_point.dtype)
             )
-        log.info("embedding %s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
+        log.info("%s: round-to-nearest int%d g%d qparams", name, args.num_bits, g)
 
 
-def check_autoround(modules: list[ModuleDecision], upgrades: bool) -> None:
-    """llm-compressor 0.14's AutoRoundModifier tunes every decoder Linear with one scheme (its first config group)
-    and then fails writing the scales back into a unit that has another, and it writes back no zero points: a
-    selection (upgrades), group sizes that differ between roles, or zero points are refused before any work."""
-    keys = {_key(m) for m in modules if m.scheme != KEEP and m.role not in ("embed", "lm_head")}
-    if any(not k[3] for k in keys):
-        raise QconvError(
-            "algorithm autoround cannot write zero points: llmcompressor 0.14 copies AutoRound's scales into the "
-            "checkpoint but not its zero points, so an asymmetric scheme would be saved with zero points of 0 "
-            "(measured on SmolLM2: mean KLD 1.06 against GPTQ's 0.22)",
-            where="quantizer.algorithm",
-            fix="give the int4 schemes symmetric: true, or use algorithm gptq",
-        )
-    if upgrades or len(keys) > 1:
-        mixed = ", ".join(sorted(f"{k[0]} int{k[1]} g{k[2]}" for k in keys))
-        raise QconvError(
-            "algorithm autoround needs one scheme for every quantized decoder layer"
-            + (" and no selection upgrades" if upgrades else f"; this plan has {mixed}"),
-            where="quantizer.algorithm",
-            fix="give every int4 role one group size that divides all their widths, set selection.budget to 0 "
-            "(no --bpw), or use algorithm gptq",
-        )
+@contextlib.contextmanager
+def _autoround_writes_what_it_tuned():
+    """llm-compressor 0.14's AutoRoundModifier matches the recipe's targets against names relative to one decoder
+    layer ("mlp.down_proj"), so a target naming one module of the model ("re:^model.layers.3.mlp.down_proj$", how a
+    selection names its units) matches nothing there: every unit is tuned with the first config group's scheme and
+    writing its scales back fails. Targets are matched by the module's full name instead (the modifier records it
+    as `_tmp_name`). It also copies AutoRound's scales back but not its zero points (unsigned, 0..2^b-1), which
+    compressed-tensors stores signed: they are written back shifted by 2^(b-1), the same integers."""
+    import torch
+    from compressed_tensors.utils.match import is_match
+
+    postprocess = patches.current("autoround_postprocess")
+
+    def by_full_name(model, targets, ignore=None, fused=None, warn_on_fail=False):
+        for name, module in model.named_modules():
+            full = getattr(module, "_tmp_name", name)
+            if any(is_match(full, module, t, fused=fused) for t in targets or ()) and not is_match(
+                full, module, ignore or [], fused=fused
+            ):
+                yield name, module
+
+    def with_zero_points(self, model, llmc_registered_qparams):
+        for name, module in model.named_modules():
+            scheme, zp = getattr(module, "quantization_scheme", None), getattr(module, "zp", None)
+            ref = llmc_registered_qparams.get(name, {}).get("weight_zero_point")
+            if ref is None or not isinstance(zp, torch.Tensor) or scheme is None or scheme.weights.symmetric:
+                continue
+            signed = zp.float().round() - 2 ** (scheme.weights.num_bits - 1)
+            value = signed.to(ref.dtype).to(ref.device).reshape(ref.shape)
+            module.register_parameter("weight_zero_point", torch.nn.Parameter(value, requires_grad=False))
+            del module.zp
+        return postprocess(self, model, llmc_registered_qparams)
+
+    with patches.swap(autoround_match=by_full_name, autoround_postprocess=with_zero_points):
+        yield
 
 
 def sequential_targets(model) -> list[str]:
@@ -324,7 +340,8 @@ def quantize(
         extra=progress.total(linear),
     )
     clock = LayerClock(model, device)
-    with _cpu_awq(), _untie_only_tied(), contextlib.closing(clock):
+    fixes = _autoround_writes_what_it_tuned() if recipe.quantizer.algorithm == "autoround" else contextlib.nullcontext()
+    with _cpu_awq(), _untie_only_tied(), fixes, contextlib.closing(clock):
         oneshot(
             model=model,
             dataset=ds,
@@ -336,7 +353,7 @@ def quantize(
             processor=tokenizer,
             shuffle_calibration_samples=False,
         )
-    calibrate_embeddings(model)
+    calibrate_embeddings(model, head=recipe.quantizer.algorithm == "autoround")
     with row_blocked_compression():
         model.save_pretrained(out, save_compressed=True, max_shard_size=MAX_SHARD_SIZE)
     if tied:

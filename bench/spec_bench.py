@@ -31,6 +31,7 @@ FILES = {
     "copy": "wikitext-2-raw-test.txt",
     "code": "humaneval.jsonl",
     "codecopy": "humaneval.jsonl",
+    "testcopy": "humaneval.jsonl",
     "chat": "mt_bench_questions.jsonl",
     "math": "gsm8k_test.jsonl",
 }

@@ -1,4 +1,4 @@
-"""Speculative decoding workloads built from user files (copy, code, codecopy, chat, math) and our decode with and without
+"""Speculative decoding workloads built from user files (copy, code, codecopy, testcopy, chat, math) and our decode with and without
 speculation on them, interleaved per prompt (machine load hits both alike). Driven by bench/spec_bench.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from qconv.engine.generate import GenerationConfig, GenerationStats, encode_prom
 from qconv.engine.spec import SpecConfig
 from qconv.errors import QconvError
 
-WORKLOADS = ("copy", "code", "codecopy", "chat", "math")
+WORKLOADS = ("copy", "code", "codecopy", "testcopy", "chat", "math")
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
 CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{}```"
 CODE_COPY_INSTRUCTION = "Repeat the following Python code exactly.\n\n```python\n{}```"
@@ -71,7 +71,8 @@ def _passages(path: Path, n: int, min_chars: int = 400, max_chars: int = 900) ->
 def workload_texts(workload: str, data: Path, n: int) -> list[str]:
     """The user messages of a workload: copy = a text file's passages; code = HumanEval-style jsonl ("prompt");
     codecopy = the same jsonl's whole functions ("prompt" + "canonical_solution") to repeat, a copy the model
-    makes verbatim; chat = MT-Bench-style jsonl (first of "turns"); math = GSM8K-style jsonl ("question")."""
+    makes verbatim; testcopy = the same jsonl's unit tests ("test") to repeat, lines that share their openings
+    (`assert candidate(`); chat = MT-Bench-style jsonl (first of "turns"); math = GSM8K-style jsonl ("question")."""
     if workload not in WORKLOADS:
         raise QconvError(f"unknown workload {workload!r}", fix=f"one of {', '.join(WORKLOADS)}")
     data = Path(data)
@@ -83,6 +84,8 @@ def workload_texts(workload: str, data: Path, n: int) -> list[str]:
         texts = [CODE_INSTRUCTION.format(p) for p in _jsonl(data, "prompt", n)]
     elif workload == "codecopy":
         texts = [CODE_COPY_INSTRUCTION.format(p) for p in _jsonl(data, "prompt", n, "canonical_solution")]
+    elif workload == "testcopy":
+        texts = [CODE_COPY_INSTRUCTION.format(p) for p in _jsonl(data, "test", n)]
     elif workload == "chat":
         texts = [turns[0] for turns in _jsonl(data, "turns", n)]
     else:

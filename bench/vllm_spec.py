@@ -28,6 +28,7 @@ FILES = {
     "copy": "wikitext-2-raw-test.txt",
     "code": "humaneval.jsonl",
     "codecopy": "humaneval.jsonl",
+    "testcopy": "humaneval.jsonl",
     "chat": "mt_bench_questions.jsonl",
 }
 

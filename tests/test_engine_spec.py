@@ -509,7 +509,7 @@ def test_spec_bench_workload_speedup_report(tiny_llama, tmp_path, one_thread, mo
         run_bench(tiny_llama, "code", data, cfg=cfg)
 
 
-def test_codecopy_workload_asks_for_the_whole_function(tmp_path, monkeypatch):
+def test_code_copy_workloads_ask_for_the_whole_function_or_its_tests(tmp_path, monkeypatch):
     import json
     from pathlib import Path
 
@@ -519,7 +519,11 @@ def test_codecopy_workload_asks_for_the_whole_function(tmp_path, monkeypatch):
     from spec_workloads import workload_texts
 
     rows = [
-        {"prompt": f'def f{i}(x):\n    """Doc {i}."""\n', "canonical_solution": f"    return x + {i}\n"}
+        {
+            "prompt": f'def f{i}(x):\n    """Doc {i}."""\n',
+            "canonical_solution": f"    return x + {i}\n",
+            "test": f"def check(candidate):\n    assert candidate({i}) == {2 * i}\n",
+        }
         for i in range(3)
     ]
     f = tmp_path / "he.jsonl"
@@ -527,10 +531,17 @@ def test_codecopy_workload_asks_for_the_whole_function(tmp_path, monkeypatch):
     texts = workload_texts("codecopy", f, 2)
     assert len(texts) == 2 and texts[1].startswith("Repeat the following Python code exactly.")
     assert texts[1].endswith('```python\ndef f1(x):\n    """Doc 1."""\n    return x + 1\n```')
+    tests = workload_texts("testcopy", f, 3)
+    assert (
+        tests[2]
+        == "Repeat the following Python code exactly.\n\n```python\ndef check(candidate):\n    assert candidate(2) == 4\n```"
+    )
     prompts_only = tmp_path / "prompts.jsonl"
     prompts_only.write_text(json.dumps({"prompt": "def g():\n"}) + "\n")
     with pytest.raises(QconvError, match="'canonical_solution' field"):
         workload_texts("codecopy", prompts_only, 1)
+    with pytest.raises(QconvError, match="'test' field"):
+        workload_texts("testcopy", prompts_only, 1)
 
 
 def test_copy_workload_reads_wrapped_text(tmp_path, monkeypatch):
@@ -648,3 +659,25 @@ def test_lookup_default_takes_no_fewer_tokens_per_step_than_transformers_on_a_pa
     ours = replay(lambda: make_speculator(SpecConfig("lookup", ngram_min=1), None), rows, 128)
     theirs = transformers_lookup_replay([p for p, _ in rows], [o for _, o in rows], 128, 15, [999])
     assert ours >= theirs["tokens_per_forward"] > 2, (ours, theirs)
+
+
+def test_lookup_follows_the_copy_where_lines_share_their_openings(monkeypatch):
+    """Issue 32: a verbatim copy of lines that open alike (a unit test's `assert candidate(`) is where transformers'
+    first-match lookup loses its place: each shared opening sends it back to the first line's continuation, while
+    ours follows the copy it is in. bench/spec_bench.py's `testcopy` workload is this on SmolLM2."""
+    from pathlib import Path
+
+    from qconv.engine.spec import make_speculator
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    from spec_bench import transformers_lookup_replay
+    from spec_replay import replay
+
+    rows = []
+    for seed in range(3):
+        lines = [[10, 11, 12, 20 + (i + seed) % 17, 40 + (i * 7 + seed) % 13, 60 + (i * 5) % 11, 13] for i in range(20)]
+        src = [t for line in lines for t in line]
+        rows.append([[1, *src, 2], src[:128]])
+    ours = replay(lambda: make_speculator(SpecConfig("lookup", ngram_min=1), None), rows, 128)
+    theirs = transformers_lookup_replay([p for p, _ in rows], [o for _, o in rows], 128, 15, [999])
+    assert ours >= 1.25 * theirs["tokens_per_forward"], (ours, theirs)

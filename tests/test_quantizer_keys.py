@@ -111,7 +111,7 @@ def test_observer_changes_the_weights(tiny_llama, tmp_path, calib_txt):
 
 def test_autoround_writes_what_it_tuned(tiny_qwen3_5, tmp_path, calib_txt, monkeypatch):
     """algorithm autoround is llmcompressor's AutoRoundModifier with the recipe's iters and batch. The 3090 recipe's
-    plan through it (a selection mixing INT8, int4 g64 and g128 units, zero points, a separate head): the artifact
+    plan through it (the built-in `3090-autoround`) (a selection mixing INT8, int4 g64 and g128 units, zero points, a separate head): the artifact
     dequantizes to the weights AutoRound tuned, unit by unit on its own grid. Without qconv's mend llmcompressor
     0.14 tunes every unit with the first config group's scheme and fails writing it back, saves zero points of 0,
     and leaves the separate head's qparams as initialized (NaN)."""
@@ -124,8 +124,8 @@ def test_autoround_writes_what_it_tuned(tiny_qwen3_5, tmp_path, calib_txt, monke
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
-    ar = {"algorithm": "autoround", "actorder": None, "iters": 2, "batch_size": 2}
-    recipe = recipe_variant(tmp_path, "ar", quantizer=ar)
+    recipe = tmp_path / "ar.yaml"  # the built-in 3090-autoround, with fewer steps
+    recipe.write_text('extends: "3090-autoround"\nquantizer: {iters: 2, batch_size: 2}\n')
     loaded = load_recipe(str(recipe))
     groups, ignore = qz.config_groups(plan_model(tiny_qwen3_5, read_config(tiny_qwen3_5), loaded).modules, loaded)
     (mod,) = qz.modifiers(None, loaded, groups, ignore)

@@ -138,11 +138,6 @@ def test_autoround_writes_what_it_tuned(tiny_qwen3_5, tmp_path, calib_txt, monke
         calibrate(model, **kw)
         tuned.update({k: v.detach().float().clone() for k, v in model.state_dict().items() if k.endswith(".weight")})
 
-    streamed = tmp_path / "streamed"  # llmcompressor's AutoRound cannot start on a disk-offloaded model
-    r = build(recipe, tiny_qwen3_5, streamed, "--dataset", calib_txt, *SMALL_CAL, "--no-gates", "--stream")
-    assert r.exit_code != 0 and "cannot run on a streamed build" in r.output and "--stream" in r.output, r.output
-    assert not streamed.exists()
-
     monkeypatch.setattr(qz, "calibrate_embeddings", keep_tuned)
     out = tmp_path / "ar"
     r = build(recipe, tiny_qwen3_5, out, "--dataset", calib_txt, *SMALL_CAL, "--no-gates", "--bpw", "7.33")
@@ -257,3 +252,24 @@ def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
     assert 0 < sel["spent_bytes"] <= sel["budget_bytes"]
     r = build("3090", tiny_llama, tmp_path / "x", "--bpw", "5", "--int8-budget", "1MB")
     assert r.exit_code == 2 and "--bpw and --upgrade-budget" in r.output  # --int8-budget: the same option
+
+
+def test_autoround_refuses_a_streamed_build_and_its_dry_run_says_so(
+    tiny_qwen3_5, config_27b, tmp_path, calib_txt, monkeypatch
+):
+    """llmcompressor 0.14's AutoRound cannot start on a disk-offloaded model: `--stream`, or a model streaming is
+    chosen for (the 27B on a host with 32 GiB free), is refused before anything is written, and the dry run says
+    the same."""
+    import qconv.convert.stream as stream
+    from tests.cli_helpers import run
+
+    monkeypatch.setattr(stream, "available_ram", lambda: 32 * 2**30)
+
+    streamed = tmp_path / "streamed"
+    r = build("3090-autoround", tiny_qwen3_5, streamed, "--dataset", calib_txt, *SMALL_CAL, "--no-gates", "--stream")
+    assert r.exit_code == 2 and "cannot run on a streamed build" in r.output and "--stream" in r.output, r.output
+    assert not streamed.exists()
+    r = run("build", "--recipe", "3090-autoround", "--model", config_27b, "--dry-run")
+    assert r.exit_code == 2 and "cannot run on a streamed build" in r.output, r.output
+    assert "streaming was chosen" in r.output and "quantizer.algorithm" in r.output and "recipe 3090" in r.output
+    assert run("build", "--recipe", "3090", "--model", config_27b, "--dry-run").exit_code == 0

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from qconv.build.memplan import DevicePlan, plan_for
-from qconv.build.options import BuildOptions, check_out, recipe_for, work_root
+from qconv.build.options import BuildOptions, check_out, recipe_for, use_streaming, work_root
 from qconv.build.workdir import WorkDir
 from qconv.calibrate.select import Selection, parse_budget, select
 from qconv.calibrate.sensitivity import Scores
@@ -81,6 +81,8 @@ def dry_run(opts: BuildOptions) -> DryRun:
     src = resolve_source(opts.model, revision=opts.revision, weights=False)
     config = src.config
     plan = plan_model(src.path, config, recipe)
+    if recipe.quantizer.algorithm == "autoround":
+        use_streaming(opts, plan, "autoround")  # the build's refusal, said by the dry run
     selection = None
     budget, note = selection_budget(opts, recipe, plan, config)
     root = work_root(opts, src.id)

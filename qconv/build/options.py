@@ -60,7 +60,22 @@ def work_root(opts: BuildOptions, src_id: str) -> Path:
     return Path(opts.work_dir) if opts.work_dir else default_work_dir(src_id, opts.revision)
 
 
-def use_streaming(opts: BuildOptions, plan: Plan) -> bool:
+def use_streaming(opts: BuildOptions, plan: Plan, algorithm: str = "gptq") -> bool:
+    """Whether the build streams its layers from disk; an algorithm that cannot is refused here, before any work."""
+    stream = _streams(opts, plan)
+    if stream and algorithm == "autoround":
+        raise QconvError(
+            "algorithm autoround cannot run on a streamed build: llmcompressor 0.14's AutoRoundModifier walks every "
+            "parameter of the model when it starts, which its disk-offload cache cannot serve"
+            + ("" if opts.stream else f" (streaming was chosen: {plan.source_bytes / 2**30:.1f} GiB against free RAM)"),
+            where="--stream" if opts.stream else "quantizer.algorithm",
+            fix="build in memory (drop --stream) on a host with the RAM for the model, or use algorithm gptq "
+            "(recipe 3090)",
+        )
+    return stream
+
+
+def _streams(opts: BuildOptions, plan: Plan) -> bool:
     from qconv.compute import compute_dtype
     from qconv.convert.device import resolve_device
     from qconv.convert.stream import should_stream

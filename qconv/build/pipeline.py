@@ -78,15 +78,7 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
         log.warning("plan: %s", w)
     budget, _ = selection_budget(opts, recipe, plan, config)
     units = candidate_units(plan, recipe)
-    stream = use_streaming(opts, plan)
-    if stream and recipe.quantizer.algorithm == "autoround":
-        raise QconvError(
-            "algorithm autoround cannot run on a streamed build: llmcompressor 0.14's AutoRoundModifier walks every "
-            "parameter of the model when it starts, which its disk-offload cache cannot serve"
-            + ("" if opts.stream else f" (streaming was chosen: {plan.source_bytes / 2**30:.1f} GiB against free RAM)"),
-            where="--stream" if opts.stream else "quantizer.algorithm",
-            fix="build in memory (drop --stream) on a host with the RAM for the model, or use algorithm gptq",
-        )
+    stream = use_streaming(opts, plan, recipe.quantizer.algorithm)
     if device != "cpu":  # a card too small is refused now, not hours in (a CPU build bounds its own memory)
         dplan = plan_for(opts, recipe, plan, config)
         for line in dplan.lines():

@@ -19,7 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from spec_workloads import run_bench  # noqa: E402
+from spec_workloads import FILES, run_bench  # noqa: E402
 
 from qconv.engine.config import load_config  # noqa: E402
 from qconv.engine.generate import GenerationConfig  # noqa: E402
@@ -27,14 +27,6 @@ from qconv.engine.loader import engine_dtype  # noqa: E402
 from qconv.engine.spec import SpecConfig  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
-FILES = {
-    "copy": "wikitext-2-raw-test.txt",
-    "code": "humaneval.jsonl",
-    "codecopy": "humaneval.jsonl",
-    "testcopy": "humaneval.jsonl",
-    "chat": "mt_bench_questions.jsonl",
-    "math": "gsm8k_test.jsonl",
-}
 
 
 def transformers_lookup_replay(

@@ -14,6 +14,14 @@ from qconv.engine.spec import SpecConfig
 from qconv.errors import QconvError
 
 WORKLOADS = ("copy", "code", "codecopy", "testcopy", "chat", "math")
+FILES = {  # each workload's default data file, in ../shared/data
+    "copy": "wikitext-2-raw-test.txt",
+    "code": "humaneval.jsonl",
+    "codecopy": "humaneval.jsonl",
+    "testcopy": "humaneval.jsonl",
+    "chat": "mt_bench_questions.jsonl",
+    "math": "gsm8k_test.jsonl",
+}
 COPY_INSTRUCTION = "Repeat the following document exactly, word for word.\n\n"
 CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{}```"
 CODE_COPY_INSTRUCTION = "Repeat the following Python code exactly.\n\n```python\n{}```"

@@ -22,15 +22,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "plugins" / "vllm")]
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from spec_workloads import workload_texts  # noqa: E402
-
-FILES = {
-    "copy": "wikitext-2-raw-test.txt",
-    "code": "humaneval.jsonl",
-    "codecopy": "humaneval.jsonl",
-    "testcopy": "humaneval.jsonl",
-    "chat": "mt_bench_questions.jsonl",
-}
+from spec_workloads import FILES, workload_texts  # noqa: E402
 
 
 def spec_metrics(llm) -> dict:

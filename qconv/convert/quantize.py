@@ -340,7 +340,8 @@ def quantize(
         extra=progress.total(linear),
     )
     clock = LayerClock(model, device)
-    fixes = _autoround_writes_what_it_tuned() if recipe.quantizer.algorithm == "autoround" else contextlib.nullcontext()
+    autoround = recipe.quantizer.algorithm == "autoround"
+    fixes = _autoround_writes_what_it_tuned() if autoround else contextlib.nullcontext()
     with _cpu_awq(), _untie_only_tied(), fixes, contextlib.closing(clock):
         oneshot(
             model=model,
@@ -353,7 +354,7 @@ def quantize(
             processor=tokenizer,
             shuffle_calibration_samples=False,
         )
-    calibrate_embeddings(model, head=recipe.quantizer.algorithm == "autoround")
+    calibrate_embeddings(model, head=autoround)
     with row_blocked_compression():
         model.save_pretrained(out, save_compressed=True, max_shard_size=MAX_SHARD_SIZE)
     if tied:

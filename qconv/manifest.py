@@ -26,6 +26,7 @@ SCHEMA_VERSION = 1
 QUANTIZED_EMBEDDINGS = "quantized-embeddings"
 WNA16_8BIT_CPU = "wna16-8bit-cpu"
 TIED_QUANTIZED_HEAD = "quantized-tied-head"
+ROTATIONS_CPU = "input-rotations-cpu"
 KV_PREFIX = "kv-cache:"
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 

@@ -185,19 +185,20 @@ def test_large_matrices_dequantize_in_row_blocks_to_the_same_bits(built, monkeyp
 
 def test_one_dequantizer_equals_compressed_tensors_own(built):
     """qconv.convert.dequant (the runtime's and the streamed eval's one dequantizer) gives compressed-tensors'
-    model-free dequantizer's bits for every module of an artifact with W4, INT8 and a quantized embedding."""
+    model-free dequantizer's bits for every module of an artifact with W4, INT8 and a quantized embedding (as
+    stored: before it folds the recipe's input rotations, tests/test_rotation.py)."""
     import torch
     from compressed_tensors.entrypoints.convert import CompressedTensorsDequantizer
     from safetensors.torch import load_file
 
-    from qconv.convert.dequant import dequantize_tensors
+    from qconv.convert.dequant import _dequantized
     from qconv.modelfiles import read_model_config
 
     _, art = built("qwen3_5")
     raw = {}
     for f in sorted(art.glob("*.safetensors")):
         raw.update(load_file(f))
-    ours = dequantize_tensors(read_model_config(art)["quantization_config"], dict(raw), torch.bfloat16)
+    ours = _dequantized(read_model_config(art)["quantization_config"], dict(raw), torch.bfloat16, str(art), None)
     theirs = CompressedTensorsDequantizer(str(art), dtype=torch.bfloat16).process(dict(raw))
     assert any(k.endswith("weight_packed") for k in raw) and set(ours) == set(theirs)
     for k, t in theirs.items():

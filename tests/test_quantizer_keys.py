@@ -73,7 +73,7 @@ def test_awq_uses_llmcompressor_mappings_and_refuses_unknown(tiny_llama, tmp_pat
     from qconv.recipes.recipe import load_recipe
 
     model = load_causal_lm(tiny_llama)
-    recipe = load_recipe(str(recipe_variant(tmp_path, "awq", quantizer={"algorithm": "awq+gptq"})))
+    recipe = load_recipe(str(recipe_variant(tmp_path, "awq", quantizer={"algorithm": "awq+gptq", "rotation": None})))
     awq, gptq = modifiers(model, recipe, {}, [])
     assert type(awq).__name__ == "AWQModifier" and type(gptq).__name__ == "GPTQModifier"
     assert any("post_attention_layernorm" in m.smooth_layer for m in awq.mappings)
@@ -119,16 +119,18 @@ def test_autoround_writes_what_it_tuned(tiny_qwen3_5, tmp_path, calib_txt, monke
     from safetensors import safe_open
 
     import qconv.convert.quantize as qz
+    from qconv.convert.dequant import _dequantized
     from qconv.convert.hfmodel import load_causal_lm
     from qconv.convert.layout import plan_model
     from qconv.convert.sources import read_config
+    from qconv.engine.loader import read_safetensors
     from qconv.recipes.recipe import load_recipe
 
     recipe = tmp_path / "ar.yaml"  # the built-in 3090-autoround, with fewer steps
     recipe.write_text('extends: "3090-autoround"\nquantizer: {iters: 2, batch_size: 2}\n')
     loaded = load_recipe(str(recipe))
     groups, ignore = qz.config_groups(plan_model(tiny_qwen3_5, read_config(tiny_qwen3_5), loaded).modules, loaded)
-    (mod,) = qz.modifiers(None, loaded, groups, ignore)
+    (mod,) = qz.modifiers(None, loaded, groups, ignore)  # the rotation comes first when given its Linears
     assert type(mod).__name__ == "AutoRoundModifier" and (mod.iters, mod.batch_size) == (2, 2)
 
     tuned = {}
@@ -160,8 +162,17 @@ def test_autoround_writes_what_it_tuned(tiny_qwen3_5, tmp_path, calib_txt, monke
     assert zero_points.abs().max() > 0
     quantized = [k for k in art if ".layers." in k and k.endswith("proj.weight") and "in_proj_a" not in k]
     assert quantized and not any(k.endswith("in_proj_b.weight") for k in quantized)
+    # what the artifact stores, before the reader folds the recipe's input rotations back (qconv.convert.rotation):
+    # the space AutoRound tuned in
+    stored = _dequantized(
+        json.loads((out / "config.json").read_text())["quantization_config"],
+        read_safetensors(out),
+        torch.float32,
+        "",
+        None,
+    )
     for k in quantized:  # the same integers; the dequantized values differ by the scales' bf16 rounding only
-        err = (art[k].float() - tuned[k]).abs().max()
+        err = (stored[k].float() - tuned[k]).abs().max()
         assert err <= tuned[k].abs().max() * 2**-7, (k, err)
         assert not torch.equal(tuned[k], base[k].float()), k
     head = art["lm_head.weight"].float()
@@ -182,7 +193,8 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
 
     int4_g32 = {"weights": {"bits": 4, "symmetric": True, "strategy": "group", "group_size": 32}}
     common = dict(
-        schemes={"w4a16_g32": int4_g32}, quantizer={"algorithm": "awq+gptq", "actorder": "weight", "observer": "mse"}
+        schemes={"w4a16_g32": int4_g32},
+        quantizer={"algorithm": "awq+gptq", "rotation": None, "actorder": "weight", "observer": "mse"},
     )
     outs = {}
     for tie in ("keep", "untie"):

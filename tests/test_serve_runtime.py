@@ -14,7 +14,13 @@ import torch
 from click.testing import CliRunner
 
 from qconv.cli import main
-from qconv.convert.requires import KV_PREFIX, QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU
+from qconv.convert.requires import (
+    KV_PREFIX,
+    QUANTIZED_EMBEDDINGS,
+    ROTATIONS_CPU,
+    TIED_QUANTIZED_HEAD,
+    WNA16_8BIT_CPU,
+)
 from qconv.errors import QconvError
 from qconv.manifest import RecipeInfo, Requirement, SourceInfo
 from qconv.recipes.sections import Speculative
@@ -155,7 +161,7 @@ def test_plugin_features_are_the_tokens_qconv_writes():
     from qconv.kv.schemes import KV_SCHEME_NAMES
 
     kv = {KV_PREFIX + name for name in qconv_vllm.KVARN_PRESETS}
-    assert set(qconv_vllm.FEATURES) == {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU} | kv
+    assert set(qconv_vllm.FEATURES) == {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU, ROTATIONS_CPU} | kv
     assert set(qconv_vllm.KVARN_PRESETS) <= set(KV_SCHEME_NAMES)
 
 

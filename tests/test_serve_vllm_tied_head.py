@@ -16,6 +16,7 @@ from qconv.artifact import Artifact
 from qconv.cli import main
 from qconv.convert.requires import (
     QUANTIZED_EMBEDDINGS,
+    ROTATIONS_CPU,
     TIED_QUANTIZED_HEAD,
     WNA16_8BIT_CPU,
 )
@@ -67,6 +68,8 @@ def test_without_the_plugin_the_tied_head_is_refused_before_load(smollm2_3090, v
             QUANTIZED_EMBEDDINGS,
             "--vllm-feature",
             WNA16_8BIT_CPU,
+            "--vllm-feature",
+            ROTATIONS_CPU,
         ],
     )
     assert r.exit_code == 2, r.output

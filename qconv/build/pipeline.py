@@ -25,6 +25,7 @@ from qconv.convert import patches
 from qconv.convert.artifact import finalize
 from qconv.convert.device import key_part, on_device, resolve_device
 from qconv.convert.layout import apply_selection, candidate_units, plan_model
+from qconv.convert.quantize import rotated_modules
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import resolve_source
@@ -130,8 +131,11 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
     calib = stages.calibration(opts, recipe, source_info.sha256, tok, model_loader, work, seed)
     scores = None
     if budget > 0 and any(not u.refusal for u in units):
+        from qconv.convert.rotation import selection_rotations
+
+        rotated = selection_rotations(plan.modules, recipe)
         scores = stages.sensitivity(
-            opts, units, calib, source_info.sha256, model_loader, work, src.path if stream else None
+            opts, units, calib, source_info.sha256, model_loader, work, src.path if stream else None, rotated
         )
     selection = select(units, scores, budget, budget=budget_label(opts, recipe), scheme=recipe.selection.scheme)
     modules = apply_selection(plan, units, selection.choices)
@@ -146,7 +150,7 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
         calibration=calib.info,
         profiles=dict(recipe.profiles),
         speculative=recipe.speculative,
-        requires=requirements(recipe, final_plan),
+        requires=requirements(recipe, final_plan, rotated=bool(rotated_modules(final_plan.modules, recipe))),
         selection=selection.to_dict(),
         tools=tool_versions(),
         status="unchecked",

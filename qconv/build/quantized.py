@@ -37,7 +37,9 @@ def build_from_quantized(opts, recipe: Recipe, src: ResolvedSource) -> Manifest:
         return _quality_vs(opts, recipe, src, fmt, reference, tmp, manifest, final)
 
     def requires(decisions):
-        return requirements(recipe, kept_plan(src.path, src.config, decisions))
+        # the checkpoint's own rounding is kept: the recipe's rotation is not applied, the source's own is kept
+        rotated = bool((src.config.get("quantization_config") or {}).get("transform_config"))
+        return requirements(recipe, kept_plan(src.path, src.config, decisions), rotated)
 
     m = write_imported(
         src,

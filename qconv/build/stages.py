@@ -65,9 +65,18 @@ def calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: i
 
 
 def sensitivity(
-    opts, units, calib, src_sha, model_loader, work: WorkDir, streamed_from: Path | None, sens_samples: int = 8
+    opts,
+    units,
+    calib,
+    src_sha,
+    model_loader,
+    work: WorkDir,
+    streamed_from: Path | None,
+    rotated: dict | None = None,
+    sens_samples: int = 8,
 ) -> Scores:
-    """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions.
+    """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions and
+    their input rotations (`rotated`: module name -> block; each unit is scored as it will be rounded, turned).
     A streamed build (`streamed_from`: the source folder) scores a decoder layer at a time."""
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
     from qconv.compute import compute_dtype, computing_in
@@ -88,6 +97,7 @@ def sensitivity(
         ],
         *key_part(device),
         str(dtype),
+        sorted((n, b.shape[0], float(b.double().sum())) for n, b in (rotated or {}).items()),
     )
     cached = work.load_json("sensitivity", key)
     if cached:
@@ -96,11 +106,13 @@ def sensitivity(
         from qconv.build.streamed_sensitivity import streamed_proxy_scores
 
         with owned_temp_dir(work.root, "qconv-sensitivity") as spill:
-            scores = streamed_proxy_scores(streamed_from, units, ids, spill, device=device, dtype=dtype)
+            scores = streamed_proxy_scores(
+                streamed_from, units, ids, spill, device=device, dtype=dtype, rotated=rotated
+            )
     else:
         fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
         with computing_in(model_loader(), dtype) as model:
-            scores = fn(model, units, ids)
+            scores = fn(model, units, ids, rotated)
     work.save_json("sensitivity", key, asdict(scores))
     return scores
 

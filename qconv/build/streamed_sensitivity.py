@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_map
 
-from qconv.calibrate.sensitivity import Scores, input_hessians, output_fisher, proxy_from, row_errors
+from qconv.calibrate.sensitivity import Rotated, Scores, input_hessians, output_fisher, proxy_from, row_errors
 from qconv.calibrate.units import Unit
 from qconv.convert.stream import Spilled
 from qconv.errors import QconvError
@@ -65,6 +65,7 @@ def streamed_proxy_scores(
     spill: Path,
     device: str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    rotated: Rotated | None = None,
 ) -> Scores:
     """proxy_scores for the model at `path` read a layer at a time, computing in `dtype`; the layers' inputs are
     spilled under `spill`."""
@@ -96,7 +97,7 @@ def streamed_proxy_scores(
             for u in units:
                 if u.base[0].name in watched:
                     weights = {m.name: layer.get_submodule(local[m.name]).weight.float() for m in u.base}
-                    rows[u.name] = row_errors(u, weights, hs[u.base[0].name] / tokens)
+                    rows[u.name] = row_errors(u, weights, hs[u.base[0].name] / tokens, rotated)
 
     grads, predicted = [], 0
     with sm.head() as (norm, head):  # the loss gradient at the last hidden state, row blocks at a time

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 
 BASE = "base"  # the key of a unit's current (4-bit) decisions in Scores.errors
+Rotated = dict[str, torch.Tensor]  # module name -> the block V of its input rotation (the recipe's quantizer.rotation)
 
 
 @dataclass
@@ -47,9 +48,21 @@ class Scores:
         return self.values.get(unit) if scheme == top else None
 
 
-def fake_quant(w: torch.Tensor, d: ModuleDecision, symmetric: bool | None = None) -> torch.Tensor:
+def turned(w: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """w·V for V block-diagonal of `block` [b, b] along w's input dim (an input rotation's weight side)."""
+    n, k = w.shape
+    b = block.shape[0]
+    return (w.reshape(n, k // b, b) @ block.to(w.dtype)).reshape(n, k)
+
+
+def fake_quant(
+    w: torch.Tensor, d: ModuleDecision, symmetric: bool | None = None, rotation: torch.Tensor | None = None
+) -> torch.Tensor:
     """Round-to-nearest quantize-dequantize of a weight under a decision (group or per-channel; zero points when the
-    decision is asymmetric, unless `symmetric` overrides it), in float32."""
+    decision is asymmetric, unless `symmetric` overrides it), in float32. `rotation`: the block V of the module's
+    input rotation: W·V is rounded and turned back, (Q(W·V))·Vᵀ, which is what the rotated module computes with."""
+    if rotation is not None:
+        return turned(fake_quant(turned(w.detach().float(), rotation), d, symmetric), rotation.T)
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -183,12 +196,16 @@ def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, to
     return {n: f / tokens for n, f in fs.items()}
 
 
-def row_errors(u: Unit, weights: dict[str, torch.Tensor], h: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+def row_errors(
+    u: Unit, weights: dict[str, torch.Tensor], h: torch.Tensor, rotated: Rotated | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
     """Per scheme (BASE: the unit's current decisions) and member, diag(E H Eᵀ): each output row's rounding error
-    under that scheme, measured on the unit's input statistics H. `weights` are the members' float32 weights."""
+    under that scheme, measured on the unit's input statistics H. `weights` are the members' float32 weights;
+    `rotated`: the input rotation of each module the build rotates (module name -> block)."""
+    rotated = rotated or {}
 
     def per_row(m: ModuleDecision) -> torch.Tensor:
-        e = fake_quant(weights[m.name], m) - weights[m.name]
+        e = fake_quant(weights[m.name], m, rotation=rotated.get(m.name)) - weights[m.name]
         return ((e @ h) * e).sum(1)
 
     with torch.no_grad():
@@ -213,7 +230,7 @@ def proxy_from(
     return Scores("proxy", values, tokens, gains, errors)
 
 
-def proxy_scores(model, units: list[Unit], ids: list[list[int]]) -> Scores:
+def proxy_scores(model, units: list[Unit], ids: list[list[int]], rotated: Rotated | None = None) -> Scores:
     """Per unit and scheme, Σ_members Σ_rows F_r · (E H Eᵀ)_rr: each output channel's rounding error, weighted by
     how much the loss cares about that channel (capture_fisher); a scheme's gain is the base's error minus its own.
     One forward + backward per sequence, the whole model in memory (qconv.build.streamed_sensitivity: a layer at a
@@ -222,7 +239,9 @@ def proxy_scores(model, units: list[Unit], ids: list[list[int]]) -> Scores:
     hs, tokens = capture_hessians(model, ids, {u.base[0].name for u in units})
     fs = capture_fisher(model, ids, {m.name for u in units for m in u.base})
     rows = {
-        u.name: row_errors(u, {m.name: mods[m.name].weight.detach().float() for m in u.base}, hs[u.base[0].name])
+        u.name: row_errors(
+            u, {m.name: mods[m.name].weight.detach().float() for m in u.base}, hs[u.base[0].name], rotated
+        )
         for u in units
     }
     return proxy_from(units, rows, fs, tokens)
@@ -271,7 +290,12 @@ def _layer_inputs(model, ids: list[list[int]]) -> list[dict[int, torch.Tensor]]:
 
 
 def model_kld_scores(
-    model, units: list[Unit], ids: list[list[int]], symmetric: bool | None = None, progress: bool = True
+    model,
+    units: list[Unit],
+    ids: list[list[int]],
+    rotated: Rotated | None = None,
+    symmetric: bool | None = None,
+    progress: bool = True,
 ) -> Scores:
     """Model-level sensitivity (see module docstring): with every other candidate at its 8-bit scheme, each unit's
     gain under a scheme is the mean KLD at its base minus the KLD at that scheme. Restores the weights on return."""
@@ -284,7 +308,7 @@ def model_kld_scores(
 
     def put(members):
         for m in members:
-            mods[m.name].weight.data.copy_(fake_quant(orig[m.name], m, symmetric))
+            mods[m.name].weight.data.copy_(fake_quant(orig[m.name], m, symmetric, (rotated or {}).get(m.name)))
 
     try:
         for u in units:

@@ -78,10 +78,22 @@ def quantized_modules(qcfg: dict, tensors: dict[str, torch.Tensor], where: str):
 
 
 def dequantize_tensors(
-    qcfg: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, where: str = "", block_rows: int | None = None
+    qcfg: dict,
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    where: str = "",
+    block_rows: int | None = None,
+    rotations: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor, each compressed module's qparams replaced by its dense `weight` in `dtype` (decompressed in
-    float32, rounded once); the KV-cache scales are dropped."""
+    float32, rounded once), input rotations folded in (qconv.convert.rotation; `rotations`: the checkpoint's
+    rotation tensors when `tensors` is only part of it); the KV-cache scales are dropped."""
+    from qconv.convert.rotation import fold_rotations
+
+    return fold_rotations(qcfg, _dequantized(qcfg, tensors, dtype, where, block_rows), rotations, where)
+
+
+def _dequantized(qcfg: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype, where: str, block_rows: int | None):
     from compressed_tensors.compressors import BaseCompressor
 
     modules = quantized_modules(qcfg, tensors, where)

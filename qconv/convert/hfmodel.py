@@ -70,6 +70,8 @@ def load_causal_lm(
         kwargs.setdefault("config", cfg)
     with _compressed_embeddings_loadable():
         model = cls.from_pretrained(path, dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype, **kwargs)
+    if decompress and qcfg.get("transform_config"):
+        _fold_rotations(model, Path(path), qcfg)
     if tied_packed:
         from compressed_tensors.offload import remove_dispatch
 
@@ -83,6 +85,23 @@ def load_causal_lm(
         }.values():
             c.tie_word_embeddings = True
     return model.eval()
+
+
+def _fold_rotations(model, path: Path, qcfg: dict) -> None:
+    """transformers loads a rotated Linear's stored weight W·V but not the online turn of its input
+    (qconv.convert.rotation): fold Vᵀ into the dense weight."""
+    import torch
+    from compressed_tensors.offload import remove_dispatch
+
+    from qconv.convert.rotation import input_rotations, stored_rotations
+
+    remove_dispatch(model, onload_tensors=True)  # else each weight access hands out a fresh copy (see below)
+    linears = {n: m.in_features for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    stored = stored_rotations(sorted(Path(path).glob("*.safetensors")))
+    with torch.no_grad():
+        for name, rot in input_rotations(qcfg, linears, stored, where=str(path)).items():
+            w = model.get_submodule(name).weight
+            w.copy_(rot.fold(w.detach()))
 
 
 def _tied_to_packed_embedding(path: Path, config: dict) -> bool:

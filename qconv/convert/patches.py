@@ -116,6 +116,13 @@ TARGETS = {
         ("self", "model", "llmc_registered_qparams"),
         "convert.quantize._autoround_writes_what_it_tuned: AutoRound's zero points written back",
     ),
+    "transform_offloaded_device": Target(
+        _CT,
+        "compressed_tensors.transform.factory.hadamard",
+        "get_offloaded_device",
+        ("module", "default"),
+        "convert.quantize._rotations_offloadable: a rotation block built beside a disk-offloaded Linear",
+    ),
     "untie_word_embeddings": Target(
         _LC,
         "llmcompressor.modifiers.quantization.quantization.mixin",

@@ -166,6 +166,21 @@ def _autoround_writes_what_it_tuned():
         yield
 
 
+@contextlib.contextmanager
+def _rotations_offloadable():
+    """compressed-tensors 0.19's Hadamard factory creates a rotation block on the device its Linear is offloaded to,
+    and a streamed build offloads to "disk", which is no torch device: the block (b x b) is created on the CPU
+    instead; registering it on the Linear then offloads it like the Linear's own weights."""
+    offloaded = patches.current("transform_offloaded_device")
+
+    def on_a_device(module, default=None):
+        device = offloaded(module, default)
+        return "cpu" if device == "disk" else device
+
+    with patches.swap(transform_offloaded_device=on_a_device):
+        yield
+
+
 def sequential_targets(model) -> list[str]:
     """llmcompressor's own layer targets (the model's no-split modules) plus the embedding and the lm_head, each a
     subgraph of its own: llmcompressor keeps a subgraph's modules onloaded until its GPTQ is done, so otherwise a
@@ -259,10 +274,47 @@ def _cpu_awq():
         yield
 
 
-def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
-    """The llmcompressor recipe: RTN, GPTQ, AWQ smoothing then GPTQ (llm-compressor's AWQ+GPTQ example), or
-    AutoRound. actorder is passed to GPTQModifier itself: its default (a sentinel) turns a scheme's null into
-    "static"."""
+def rotated_modules(modules: list[ModuleDecision], recipe: Recipe) -> list[str]:
+    """The Linears the recipe's rotation turns: every quantized Linear of its roles whose in_features the rotation's
+    block divides; none without a rotation."""
+    rot = recipe.quantizer.rotation
+    if rot is None:
+        return []
+    out, skipped = [], []
+    for m in modules:
+        if m.scheme == KEEP or m.role not in rot.roles:
+            continue
+        (out if m.shape[-1] % rot.block_size == 0 else skipped).append(m.name)
+    if skipped:
+        log.info("rotation: block %d does not divide %d Linears' inputs, left unrotated", rot.block_size, len(skipped))
+    return out
+
+
+def rotation_modifier(recipe: Recipe, rotated: list[str]):
+    """llm-compressor's QuIPModifier with input ("v") rotations on exactly `rotated`: the weight side is fused into
+    the weights before rounding, the input side stays online (config.json's transform_config; vLLM applies it)."""
+    from llmcompressor.modifiers.transform import QuIPModifier
+
+    rot = recipe.quantizer.rotation
+    assert rot is not None
+    return QuIPModifier(
+        rotations=["v"],
+        transform_type=rot.type,
+        transform_block_size=rot.block_size,
+        targets=[_exact(n) for n in rotated],
+        ignore=[],
+    )
+
+
+def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str], rotated: list[str] | None = None) -> list:
+    """The llmcompressor recipe: the rotation when the recipe has one (on `rotated`), then RTN, GPTQ, AWQ smoothing
+    then GPTQ (llm-compressor's AWQ+GPTQ example), or AutoRound."""
+    first = [rotation_modifier(recipe, rotated)] if rotated else []
+    return first + _rounding(model, recipe, groups, ignore)
+
+
+def _rounding(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
+    """actorder is passed to GPTQModifier itself: its default (a sentinel) turns a scheme's null into "static"."""
     import torch
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
@@ -342,11 +394,12 @@ def quantize(
     clock = LayerClock(model, device)
     autoround = recipe.quantizer.algorithm == "autoround"
     fixes = _autoround_writes_what_it_tuned() if autoround else contextlib.nullcontext()
-    with _cpu_awq(), _untie_only_tied(), fixes, contextlib.closing(clock):
+    rotations = _rotations_offloadable() if recipe.quantizer.rotation else contextlib.nullcontext()
+    with _cpu_awq(), _untie_only_tied(), fixes, rotations, contextlib.closing(clock):
         oneshot(
             model=model,
             dataset=ds,
-            recipe=modifiers(model, recipe, groups, ignore),
+            recipe=modifiers(model, recipe, groups, ignore, rotated_modules(modules, recipe)),
             max_seq_length=max_len,
             num_calibration_samples=len(calib_ids),
             pipeline="sequential" if recipe.quantizer.calibrated else "datafree",

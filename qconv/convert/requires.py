@@ -10,13 +10,21 @@ embed_tokens without the quantization prefix, and its CPU backend has no 8-bit w
 from __future__ import annotations
 
 from qconv.convert.layout import Plan
-from qconv.manifest import KV_PREFIX, QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU, Requirement
+from qconv.manifest import (
+    KV_PREFIX,
+    QUANTIZED_EMBEDDINGS,
+    ROTATIONS_CPU,
+    TIED_QUANTIZED_HEAD,
+    WNA16_8BIT_CPU,
+    Requirement,
+)
 from qconv.recipes.recipe import Recipe
 from qconv.recipes.sections import KEEP
 
 __all__ = [
     "KV_PREFIX",
     "QUANTIZED_EMBEDDINGS",
+    "ROTATIONS_CPU",
     "TIED_QUANTIZED_HEAD",
     "WNA16_8BIT_CPU",
     "missing_for_vllm",
@@ -30,7 +38,8 @@ PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
 STOCK_QUANTIZED_EMBED_TYPES = ("qwen2", "qwen3")
 
 
-def requirements(recipe: Recipe, plan: Plan) -> list[Requirement]:
+def requirements(recipe: Recipe, plan: Plan, rotated: bool = False) -> list[Requirement]:
+    """`rotated`: the artifact carries input rotations (a transform_config)."""
     req = []
     quantized = [m for m in plan.modules if m.scheme != KEEP]
     if any(m.role == "embed" for m in quantized) and plan.model_type not in STOCK_QUANTIZED_EMBED_TYPES:
@@ -61,6 +70,17 @@ def requirements(recipe: Recipe, plan: Plan) -> list[Requirement]:
                 platform="cpu",
                 vllm_feature=WNA16_8BIT_CPU,
                 reason="vLLM's CPU backend has WNA16 kernels for 4-bit weights only (Marlin runs W8A16 on GPUs)",
+            )
+        )
+    if rotated:
+        req.append(
+            Requirement(
+                "input rotations",
+                PLUGIN,
+                platform="cpu",
+                vllm_feature=ROTATIONS_CPU,
+                reason="vLLM's CPU backend runs a rotation's block matmul through a GEMM its transform module "
+                "does not set up (GPUs run it as is)",
             )
         )
     for name, p in recipe.profiles.items():

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qconv.calibrate.sensitivity import turned
+
 INT4_MAX_ROWS = 2  # rows per call up to which the int4 kernel is at least as fast as the dense packed GEMM ...
 INT4_MAX_ROWS_LARGE = 4  # ... and for matrices of LARGE_WEIGHTS or more (SmolLM2: gate/up, down; not q/k/v, o)
 LARGE_WEIGHTS = 768 * 1024
@@ -32,6 +34,7 @@ class IntWeight:
     q: torch.Tensor  # int8 [N, K], signed
     scale: torch.Tensor  # [N, K // group]
     zero: torch.Tensor | None = None  # int8 [N, K // group], compressed-tensors' zero points
+    rotation: torch.Tensor | None = None  # [b, b]: the weight computes from x·V, V block-diagonal of this block
 
     @property
     def group(self) -> int:
@@ -42,8 +45,15 @@ class IntWeight:
         """Concatenate along the output dim (fused q/k/v, gate/up); None when the parts' formats differ."""
         if len({(p.bits, p.group, p.scale.dtype, p.zero is None) for p in parts}) != 1:
             return None
+        rot = parts[0].rotation
+        if any(
+            (p.rotation is None) != (rot is None) or (rot is not None and not torch.equal(p.rotation, rot))
+            for p in parts
+        ):
+            return None  # vLLM gives a fused layer one input rotation; parts rotated apart stay apart
         zero = None if parts[0].zero is None else torch.cat([p.zero for p in parts])  # type: ignore[misc]
-        return IntWeight(parts[0].bits, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), zero)
+        q, scale = torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts])
+        return IntWeight(parts[0].bits, q, scale, zero, rot)
 
 
 def int_kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -81,8 +91,9 @@ class Int4Linear(nn.Module):
         s = w.scale.to(torch.bfloat16).t()  # [K // group, N]
         z = torch.zeros_like(s) if w.zero is None else (-w.zero.float() * w.scale.float()).to(torch.bfloat16).t()
         self.scales_zeros = torch.stack([s, z], dim=-1).contiguous()
-        self.dense = dense
+        self.dense = dense  # its weight has the input rotation folded in (qconv.convert.rotation)
         self.bias = getattr(dense, "bias", None)
+        self.rotation = None if w.rotation is None else w.rotation.to(torch.bfloat16)
 
     def int4_mm(self, x2d: torch.Tensor) -> torch.Tensor:
         """x2d [M, K] bf16 @ W.T through the int4 kernel, any M (no bias)."""
@@ -92,7 +103,10 @@ class Int4Linear(nn.Module):
         rows = x.numel() // self.in_features
         if rows > self.max_rows or x.dtype != torch.bfloat16:
             return self.dense(x)
-        y = self.int4_mm(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
+        x2d = x.reshape(rows, self.in_features)
+        if self.rotation is not None:
+            x2d = turned(x2d, self.rotation)  # x·V, the input the stored weight computes from
+        y = self.int4_mm(x2d).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 

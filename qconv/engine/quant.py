@@ -6,18 +6,22 @@ from __future__ import annotations
 import torch
 
 from qconv.convert.dequant import quantized_modules
+from qconv.convert.rotation import input_rotations
 from qconv.engine.int_linear import IntWeight
 
 
 def int_weights(qcfg: dict, tensors: dict[str, torch.Tensor], where: str = "") -> dict[str, IntWeight]:
     """The integer values, scales and (int4) zero points of every group/channel-quantized 4- or 8-bit module,
-    unpacked with compressed-tensors' own helper (checkpoint module names). Modules in other forms (8-bit zero
-    points, activation-order g_idx, other bit widths) are left out: they run dequantized."""
+        unpacked with compressed-tensors' own helper (checkpoint module names). Modules in other forms (8-bit zero
+        points, activation-order g_idx, other bit widths) are left out: they run dequantized. A rotated module's IntWeight carries
+    its input rotation (qconv.convert.rotation), which the int kernel applies to its input."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.config import CompressionFormat
 
+    found = quantized_modules(qcfg, tensors, where) or []
+    rotated = input_rotations(qcfg, {mod: _in_features(tensors, mod) for mod, _, _ in found}, tensors, where)
     out: dict[str, IntWeight] = {}
-    for mod, scheme, fmt in quantized_modules(qcfg, tensors, where) or []:
+    for mod, scheme, fmt in found:
         args = scheme.weights
         if (
             args is None
@@ -42,5 +46,11 @@ def int_weights(qcfg: dict, tensors: dict[str, torch.Tensor], where: str = "") -
         zero = None
         if not args.symmetric:  # packed along the output dim, 4 bits a group (compressed-tensors' layout)
             zero = unpack_from_int32(tensors[f"{mod}.weight_zero_point"], 4, scale.shape, packed_dim=0)
-        out[mod] = IntWeight(args.num_bits, q, scale, zero)
+        rot = rotated[mod].matrix() if mod in rotated else None
+        out[mod] = IntWeight(args.num_bits, q, scale, zero, rot)
     return out
+
+
+def _in_features(tensors: dict[str, torch.Tensor], mod: str) -> int:
+    shape = tensors.get(f"{mod}.weight_shape")
+    return int(shape[1]) if shape is not None else tensors[f"{mod}.weight"].shape[-1]

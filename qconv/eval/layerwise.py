@@ -43,6 +43,7 @@ class Checkpoint:
     files: dict[str, Path]  # tensor name -> the shard that holds it
     quantization: dict | None = None  # config.json's quantization_config, when compressed-tensors
     _prefix_map: dict[str, str] = field(default_factory=dict)
+    _rotations: dict[str, torch.Tensor] | None = None  # the input-rotation blocks, read on first need
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
@@ -88,7 +89,13 @@ class Checkpoint:
             with safe_open(str(shard), framework="pt") as f:
                 out.update({n: f.get_tensor(n) for n in names if self.files[n] == shard})
         if self.quantization is not None:
-            out = dequantize_tensors(self.quantization, out, torch.bfloat16, where=str(self.path))
+            if self._rotations is None:
+                from qconv.convert.rotation import stored_rotations
+
+                self._rotations = stored_rotations(sorted(set(self.files.values())))
+            out = dequantize_tensors(
+                self.quantization, out, torch.bfloat16, where=str(self.path), rotations=self._rotations
+            )
         return {n[len(p) :]: t for n, t in out.items()}
 
 

@@ -78,6 +78,36 @@ ACTORDERS = ("weight", "static")
 REMOVED_ACTORDERS = ("group", "dynamic")
 
 
+# Roles whose Linears a rotation may turn: the decoder's projections (not the tables, nor what stays bf16).
+ROTATABLE = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_out")
+
+
+@dataclass
+class Rotation:
+    """Input rotations (llm-compressor's QuIPModifier, "v"): each rotated Linear's weight is stored as W·Vᵀ and its
+    input turned by V at runtime, V block-diagonal of random Hadamard blocks; spreading outliers across a block
+    shrinks the groups' ranges before rounding. vLLM 0.32 applies V as a dense block matmul (its `hadamard` type
+    needs the CUDA-only hadacore op, so only `random-hadamard` is offered)."""
+
+    type: Literal["random-hadamard"] = "random-hadamard"
+    block_size: int = 64  # must divide the in_features of the Linears it rotates (others stay unrotated)
+    # the quantized roles whose Linears are rotated (bf16-kept ones never are)
+    roles: list[str] = field(default_factory=lambda: list(ROTATABLE))
+
+    def validate(self):
+        if self.block_size < 2 or self.block_size & (self.block_size - 1):
+            yield "block_size", f"must be a power of two >= 2, got {self.block_size}"
+        for r in self.roles:
+            if r == "gdn_qkvz":
+                yield (
+                    "roles",
+                    "gdn_qkvz cannot be rotated: vLLM 0.32 builds in_proj_qkvz with 4 output shards (q, k, v, z) "
+                    "for the checkpoint's 2 parts and fails validating their transforms (KeyError); drop it",
+                )
+            elif r not in ROTATABLE:
+                yield "roles", f"{r!r} cannot be rotated; rotatable roles: {', '.join(ROTATABLE)}"
+
+
 @dataclass
 class Quantizer:
     algorithm: Literal["gptq", "rtn", "awq+gptq", "autoround"] = (
@@ -93,6 +123,7 @@ class Quantizer:
     group_size_fallback: list[int] = field(default_factory=lambda: [128, 64, 32])
     iters: int = 200  # AutoRound's SignSGD steps per decoder layer
     batch_size: int = 8  # AutoRound's tuning batch (calibration samples per step)
+    rotation: Rotation | None = None  # null: weights rounded as they are
 
     @property
     def gptq(self) -> bool:
@@ -121,6 +152,13 @@ class Quantizer:
             yield "dampening_frac", f"must be in [0, 1), got {self.dampening_frac}"
         if self.iters < 1:
             yield "iters", f"must be >= 1 (AutoRound's steps per layer), got {self.iters}"
+        if self.rotation is not None and self.algorithm == "awq+gptq":
+            yield (
+                "rotation",
+                "AWQ smoothing cannot run on rotated Linears with llm-compressor 0.14 (it calls a layer's modules "
+                "with keyword inputs, which compressed-tensors' rotation hook cannot take: IndexError); set "
+                "rotation: null for awq+gptq",
+            )
         if self.batch_size < 1:
             yield "batch_size", f"must be >= 1, got {self.batch_size}"
 

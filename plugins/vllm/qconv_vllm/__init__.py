@@ -18,6 +18,7 @@ FEATURES = (
     "quantized-embeddings",
     "quantized-tied-head",
     "wna16-8bit-cpu",
+    "input-rotations-cpu",
     *(f"kv-cache:{name}" for name in KVARN_PRESETS),
 )
 UNTESTED_ENV = "QCONV_VLLM_ALLOW_UNTESTED"
@@ -53,13 +54,14 @@ def register() -> None:
     import vllm
 
     check_version(vllm.__version__)
-    from qconv_vllm import embedding, kernels, kvarn, tied_head, w4a8
+    from qconv_vllm import embedding, kernels, kvarn, rotation, tied_head, w4a8
 
     _applied.extend(embedding.apply())
     _applied.extend(tied_head.apply())
     _applied.extend(kernels.apply())
     _applied.extend(kvarn.apply())
     _applied.extend(w4a8.apply())
+    _applied.extend(rotation.apply())
     log.info("qconv-vllm %s active on vLLM %s: %s", __version__, vllm.__version__, ", ".join(_applied))
 
 

@@ -163,6 +163,18 @@ def test_unreadable_transforms_are_refused(rotated, tmp_path):
         load_model(bad)
 
 
+def test_tensor_parallel_serving_is_refused_before_vllm_starts(rotated):
+    """vLLM 0.32's transform module raises at tensor-parallel size > 1, after its start-up: qconv says so first."""
+    from qconv.errors import QconvError
+    from qconv.serve import vllm
+
+    _, out = rotated
+    src = vllm.load_source(out)
+    vllm.check_tensor_parallel(src, 1)
+    with pytest.raises(QconvError, match=r"input rotations \(transform_config\), which vLLM 0\.32 runs at tensor-para"):
+        vllm.check_tensor_parallel(src, 2)
+
+
 @pytest.mark.slow
 def test_rotated_artifact_in_vllm(rotated, vllm_python):
     """Stock vLLM 0.32 applies the transform_config itself (a dense block matmul on CPU), with the plugin (INT8

@@ -159,7 +159,8 @@ def test_stock_vllm_parses_the_3090_artifact_and_is_refused_what_it_lacks(
 @pytest.mark.slow
 def test_3090_vllm_recipe_passes_stock_vllm_checks(tiny_qwen3, vllm_python, tmp_path):
     """The stock-vLLM variant of the 3090 recipe requires nothing of a CUDA vLLM (INT8 layers its auto budget
-    promotes need an 8-bit kernel only on vLLM's CPU backend), and vLLM's own parser accepts its config."""
+    promotes need an 8-bit kernel, and its input rotations a GEMM, only on vLLM's CPU backend), and vLLM's own
+    parser accepts its config."""
     from click.testing import CliRunner
 
     from qconv.cli import main
@@ -187,7 +188,7 @@ def test_3090_vllm_recipe_passes_stock_vllm_checks(tiny_qwen3, vllm_python, tmp_
     from qconv.convert.requires import missing_for_vllm
 
     requires = read_manifest(art).requires
-    assert all(q.get("platform") == "cpu" for q in requires), requires
+    assert requires and all(q.platform == "cpu" for q in requires), requires
     assert missing_for_vllm(requires, "fast", set(), "cuda") == []
     src = vllm.load_source(art)
     info = vllm_probe.probe_vllm(vllm_python)

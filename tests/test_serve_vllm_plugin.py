@@ -118,7 +118,7 @@ def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Pat
     src = make_tiny_model(family, tmp_path / "src")
     calib = tmp_path / "calib.txt"
     calib.write_text(CORPUS * 20)
-    art = tmp_path / f"tiny-{family}-{recipe}"
+    art = tmp_path / f"tiny-{family}-{Path(recipe).stem}"  # RECIPE: a built-in name or a file
     r = CliRunner().invoke(
         main,
         [

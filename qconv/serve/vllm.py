@@ -170,8 +170,15 @@ def numa_nodes() -> int:
 
 
 def check_tensor_parallel(src: ServeSource, tp: int) -> None:
-    """vLLM shards attention heads evenly over the ranks: a size that does not divide them stops its load, after
-    minutes of start-up; say it before."""
+    """vLLM shards attention heads evenly over the ranks, and runs input rotations on one rank only: a size it cannot
+    serve stops its load after minutes of start-up; say it before."""
+    if tp > 1 and (src.config.get("quantization_config") or {}).get("transform_config"):
+        raise QconvError(
+            f"{src.name} has input rotations (transform_config), which vLLM 0.32 runs at tensor-parallel size 1 only "
+            "('Online transforms with tensor parallelism is not supported')",
+            where="--tensor-parallel-size",
+            fix="serve it with --tensor-parallel-size 1, or build with quantizer.rotation: null",
+        )
     heads = (src.config.get("text_config") or src.config).get("num_attention_heads")
     if tp > 1 and isinstance(heads, int) and heads % tp:
         sizes = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)

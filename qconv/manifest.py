@@ -189,6 +189,8 @@ class BuildInfo:
     streamed: bool | None = None
     work_dir: str | None = None
     device: str | None = None  # where the build computed ("cpu", "cuda", ...)
+    compute_dtype: str | None = None  # what its forwards computed in (--compute-dtype; bfloat16 or float32)
+    cpu_isa: str | None = None  # torch's CPU kernel class on a CPU build (AVX512, AVX2): float sums follow it
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     elapsed_s: float | None = None
     source_format: dict[str, Any] | None = None

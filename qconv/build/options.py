@@ -41,6 +41,7 @@ class BuildOptions:
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
     reference: str | None = None  # quantized --model: the full-precision original for the quality report
     device: str = "auto"  # where layers are calibrated and quantized, and the quality report runs (convert.device)
+    compute_dtype: str = "auto"  # what the build's forwards compute in (qconv.compute.resolve)
     card: str | None = None  # --dry-run's device-memory plan: the card to plan for (default: the recipe's)
 
 
@@ -76,13 +77,13 @@ def use_streaming(opts: BuildOptions, plan: Plan, algorithm: str = "gptq") -> bo
 
 
 def _streams(opts: BuildOptions, plan: Plan) -> bool:
-    from qconv.compute import compute_dtype
+    from qconv.compute import resolve
     from qconv.convert.device import resolve_device
     from qconv.convert.stream import should_stream
 
     if opts.stream is None:
         device = "cuda" if opts.device == "cuda" else resolve_device(opts.device)  # a missing GPU is refused later
-        stream = should_stream(plan.source_bytes, compute_dtype(device))
+        stream = should_stream(plan.source_bytes, resolve(opts.compute_dtype, device))
     else:
         stream = opts.stream
     if stream and (plan.untie_embeddings or plan.tied_embeddings):

@@ -243,3 +243,71 @@ def test_verify_and_pull_refuse_links_out_of_the_artifact(hub, tmp_path):
     (art2 / "extra").symlink_to(tmp_path / "elsewhere")
     r = cli("verify", art2)
     assert r.exit_code == 1 and "extra: a symbolic link" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("where", ["slot", "revs", "incoming"])
+def test_pull_refuses_a_linked_cache_folder(hub, tmp_path, where):
+    """A link planted as the artifact's cache folder, its `revs` folder or its download folder used to receive the
+    whole revision, source.json and `current`: now one error naming the link, and nothing is written where it
+    points."""
+    elsewhere = tmp_path / "X"
+    elsewhere.mkdir()
+    planted = {
+        "slot": cache.slot_dir(hub.loc),
+        "revs": cache.slot_dir(hub.loc) / "revs",
+        "incoming": cache.incoming_dir(hub.loc),
+    }[where]
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.symlink_to(elsewhere)
+    r = cli("pull", NAME, "--index", hub.index_file, "-q", "--insecure")
+    assert r.exit_code == 2 and "symbolic link" in r.stderr and str(planted) in r.stderr, r.output
+    assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr
+    assert list(elsewhere.iterdir()) == []
+    planted.unlink()  # the fix the error names
+    assert cli("pull", NAME, "--index", hub.index_file, "-q", "--insecure").exit_code == 0
+    assert list(elsewhere.iterdir()) == [] and hub.cached() is not None
+
+
+def test_a_planted_current_pointer_is_not_followed(hub, tmp_path):
+    """`current` must point into the slot's revs/: a pointer planted elsewhere is not served, and a pull refuses it."""
+    out = pull(hub.art_url, progress=False, insecure=True)
+    fake = shutil.copytree(out, tmp_path / "fake")
+    link = cache.slot_dir(hub.loc) / "current"
+    link.unlink()
+    link.symlink_to(fake)
+    assert cache.current(hub.loc) is None
+    r = cli("pull", hub.art_url, "-q", "--insecure")
+    assert r.exit_code == 2 and "outside the slot" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("name", ["config.json.part", "config.json"])
+def test_pull_never_writes_through_a_hard_link_in_the_download_folder(hub, tmp_path, name):
+    """A hard link planted as `.incoming/<key>/config.json.part` used to be truncated and filled (the victim
+    overwritten, the cached file sharing its inode); one planted as a finished file would be moved into the cache."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    loc = cache.target_location(str(hub.art))
+    staging = cache.incoming_dir(loc)
+    staging.mkdir(parents=True)
+    os.link(victim, staging / name)
+    r = cli("pull", hub.art, "-q")
+    assert r.exit_code == 2 and "hard link" in r.stderr and name in r.stderr, r.output
+    assert victim.read_text() == "precious" and victim.stat().st_nlink == 2
+    assert cache.current(loc) is None
+    (staging / name).unlink()
+    assert cli("pull", hub.art, "-q").exit_code == 0 and victim.read_text() == "precious"
+    assert victim.stat().st_nlink == 1
+
+
+def test_open_for_a_part_file_refuses_hard_links_and_fifos(tmp_path):
+    from qconv.errors import QconvError
+    from qconv.fsutil import open_nofollow
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.link(victim, tmp_path / "hard.part")
+    os.mkfifo(tmp_path / "fifo.part")
+    for name in ("hard.part", "fifo.part"):
+        with pytest.raises(QconvError, match="hard link|not a regular file"):
+            open_nofollow(tmp_path / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "pulling", "fix")
+    assert victim.read_text() == "precious"

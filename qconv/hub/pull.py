@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qconv.disk import check_space, is_disk_error, os_error
 from qconv.errors import QconvError
-from qconv.fsutil import refuse_links, sha256_file
+from qconv.fsutil import refuse_links, refuse_shared, sha256_file
 from qconv.hub import cache, hf
 from qconv.hub.download import (
     LINK_FIX,
@@ -171,11 +171,11 @@ def _partial_size(staging: Path) -> Callable[[str], int]:
 def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool) -> Path:
     loc = src.location
     staging = cache.incoming_dir(loc)
-    for p in (staging.parent, staging):  # checked before anything is made there: a link would send writes elsewhere
-        if p.is_symlink():
-            refuse_links(p, "the download folder is damaged", LINK_FIX)
-    staging.mkdir(parents=True, exist_ok=True)
+    staging.mkdir(parents=True, exist_ok=True)  # cache.check_slot refused a link in its place
     refuse_links(staging, "the download folder is damaged", LINK_FIX)
+    for p in staging.rglob("*"):
+        if not p.is_dir():
+            refuse_shared(p, "the download folder is damaged", LINK_FIX)
     fetch_for = fetcher(loc, progress=progress, retries=retries, insecure=insecure)
     manifest = _fetch_manifest(src, staging, fetch_for)
     want = expected_files(src, manifest)
@@ -270,6 +270,7 @@ def pull(
     if src.entry:
         for n in src.entry.files:
             check_file_name(n, f"index entry {src.name}")
+    cache.check_slot(src.location)
     try:
         with cache.artifact_lock(src.location):
             cache.sweep(src.location, src.name)

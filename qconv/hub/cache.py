@@ -83,7 +83,16 @@ def check_slot(loc: Location) -> None:
     `artifacts` folder may be links (a cache moved to a bigger disk); nothing below them may be."""
     root = artifacts_root()
     slot, lock = slot_dir(loc), root / ".locks" / f"{slot_key(loc)}.lock"
-    for p in (root / ".incoming", incoming_dir(loc), slot, slot / "revs", root / ".locks", lock, root / ".names", root / ".hf"):
+    for p in (
+        root / ".incoming",
+        incoming_dir(loc),
+        slot,
+        slot / "revs",
+        root / ".locks",
+        lock,
+        root / ".names",
+        root / ".hf",
+    ):
         if p.is_symlink():
             refuse_links(p, "the artifact cache is damaged", LINK_FIX)
     cur = slot_dir(loc) / "current"

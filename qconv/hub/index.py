@@ -21,6 +21,7 @@ from qconv.errors import QconvError
 from qconv.fsutil import file_table, write_json_atomic
 from qconv.hub.download import check_scheme
 from qconv.manifest import FileEntry
+from qconv.recipes.schema import version_problem
 
 INDEX_SCHEMA_VERSION = 1
 INDEX_CAP = 32 << 20
@@ -146,9 +147,9 @@ def index_from_dict(d: Any, where: str) -> Index:
         raise QconvError("index is not a JSON object", where=where, fix="see qconv/hub/index.json for the schema")
     if d.get("schema_version") != INDEX_SCHEMA_VERSION:
         raise QconvError(
-            f"unsupported index schema_version {d.get('schema_version')!r}",
+            version_problem("index", d.get("schema_version"), INDEX_SCHEMA_VERSION),
             where=where,
-            fix=f"this qconv reads schema_version {INDEX_SCHEMA_VERSION}; upgrade qconv or the index",
+            fix=f'write "schema_version": {INDEX_SCHEMA_VERSION}, or upgrade qconv for a newer index',
         )
     entries = [entry_from_dict(e, f"{where}:artifacts[{i}]") for i, e in enumerate(_req(d, "artifacts", list, where))]
     names = [e.name for e in entries]

@@ -175,7 +175,63 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     return tensors
 
 
+# compressed-tensors' per-module parameters: a packed weight needs its scale and shape, and every parameter needs the
+# weight it describes (a renamed tensor in a header otherwise fails deep in the decompressor, or is silently dropped)
+PACKED_NEEDS = ("weight_scale", "weight_shape")
+QPARAMS = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
+ELEMENTS_PER_BYTE = 8  # the most weights a stored byte can hold (1-bit): a config that implies more lies about sizes
+
+
+def _check_quantized_groups(tensors: dict[str, dict], folder: Path) -> None:
+    names = set(tensors)
+    fix = "the artifact's weight files are damaged or were edited: re-pull or rebuild it"
+    for name in sorted(names):
+        prefix, _, param = name.rpartition(".")
+        missing = []
+        if param == "weight_packed":
+            missing = [f"{prefix}.{p}" for p in PACKED_NEEDS if f"{prefix}.{p}" not in names]
+        elif param in QPARAMS and not {f"{prefix}.weight_packed", f"{prefix}.weight"} & names:
+            missing = [f"{prefix}.weight_packed"]
+        if missing:
+            raise QconvError(
+                f"tensor {name[:120]!r} comes without {missing[0][:120]!r} in the safetensors headers",
+                where=str(folder),
+                fix=fix,
+            )
+
+
+def _check_sizes(config: dict, tensors: dict[str, dict], stored: int, folder: Path) -> None:
+    """config.json's vocabulary and width against the weights really stored, before anything is allocated from them
+    (a vocab_size of 1e12 asked eval for 1.15e15 bytes)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab, hidden = text.get("vocab_size", config.get("vocab_size")), text.get("hidden_size", config.get("hidden_size"))
+    where, fix = str(folder / "config.json"), "re-download or re-copy config.json (or re-pull / rebuild the artifact)"
+    if isinstance(vocab, int) and isinstance(hidden, int) and vocab * hidden > ELEMENTS_PER_BYTE * stored:
+        raise QconvError(
+            f"config.json: vocab_size {vocab} x hidden_size {hidden} is more weights than the {stored} bytes of "
+            "safetensors files can hold",
+            where=where,
+            fix=fix,
+        )
+    for name, t in tensors.items():
+        if name.endswith(("embed_tokens.weight", "embed_tokens.weight_packed")) and isinstance(vocab, int):
+            if t["shape"] and t["shape"][0] != vocab:
+                raise QconvError(
+                    f"config.json: vocab_size {vocab} does not match the {t['shape'][0]} rows of {name[:120]}",
+                    where=where,
+                    fix=fix,
+                )
+
+
 def check_weight_files(folder: str | os.PathLike) -> None:
-    """Every *.safetensors header in `folder`, checked before a library loads them (serve, generate, eval, check)."""
-    for shard in sorted(Path(folder).glob("*.safetensors")):
-        safetensors_header(shard)
+    """Every *.safetensors header in `folder`, checked before a library loads them (serve, generate, eval, check):
+    well-formed, every quantized parameter beside the weight it belongs to, and sizes config.json agrees with."""
+    folder = Path(folder)
+    tensors: dict[str, dict] = {}
+    stored = 0
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors.update(safetensors_header(shard))
+        stored += shard.stat().st_size
+    _check_quantized_groups(tensors, folder)
+    if tensors and (folder / "config.json").is_file():
+        _check_sizes(read_model_config(folder), tensors, stored, folder)

@@ -24,3 +24,78 @@ def test_schema_version_messages_say_what_is_wrong(tmp_path, value, says):
         with pytest.raises(QconvError) as e:
             index_from_dict({"schema_version": value, "artifacts": []}, "idx.json")
         assert "index schema_version is the string '1'" in str(e.value)
+
+
+def _published(tmp_path: Path, edit) -> Path:
+    """The hub's tiny artifact, edited by `edit(folder)` and re-hashed: what a hostile publisher serves (the hashes
+    match, so only the content checks can refuse it)."""
+    from qconv.manifest import hash_artifact_files, read_manifest
+    from tests.hub_server import make_artifact
+
+    art = make_artifact(tmp_path / "art")
+    cfg = json.loads((art / "config.json").read_text())
+    (art / "config.json").write_text(json.dumps({**cfg, "vocab_size": 64, "hidden_size": 256}))
+    edit(art)
+    m = read_manifest(art)
+    m.files = hash_artifact_files(art)
+    m.write(art)
+    return art
+
+
+def _rename_in_header(folder: Path, old: str, new: str) -> None:
+    from tests.hub_server import BIG
+
+    assert len(old) == len(new)
+    blob = (folder / BIG).read_bytes()
+    assert blob.count(old.encode()) == 1
+    (folder / BIG).write_bytes(blob.replace(old.encode(), new.encode()))
+
+
+VERBS = {
+    "generate": lambda art: ["generate", art, "--prompt", "hi", "--max-tokens", "2"],
+    "eval": lambda art: ["eval", art, "--text", art / "config.json"],
+    "check": lambda art: ["check", art, "--text", art / "config.json"],
+    "serve": lambda art: ["serve", art, "--print-command"],
+}
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_a_tensor_renamed_in_the_header_is_one_error(tmp_path, verb):
+    """One tensor renamed in a valid header (`…weight_shape` -> `xodel…`): generate and serve used to fail with
+    `TypeError: 'NoneType' object is not subscriptable`, eval and check with `RuntimeError: unflatten`."""
+    from tests.cli_helpers import run
+
+    name = "model.layers.0.mlp.down_proj.weight_shape"
+    art = _published(tmp_path, lambda a: _rename_in_header(a, name, "x" + name[1:]))
+    r = run(*VERBS[verb](art))
+    assert r.exit_code == 2 and "comes without" in r.output and name in r.output, r.output
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_a_vocab_of_1e12_is_refused_before_allocating(tmp_path, verb):
+    """config.json `vocab_size: 1e12`: serve and generate failed with a size-mismatch RuntimeError, eval tried to
+    allocate 1.15e15 bytes. Now every verb refuses it from the headers, before anything is allocated."""
+    from tests.cli_helpers import run
+
+    def edit(art):
+        cfg = json.loads((art / "config.json").read_text())
+        (art / "config.json").write_text(json.dumps({**cfg, "vocab_size": 10**12}))
+
+    art = _published(tmp_path, edit)
+    r = run(*VERBS[verb](art))
+    assert r.exit_code == 2 and "vocab_size 1000000000000" in r.output and "config.json" in r.output, r.output
+
+
+def test_vocab_must_match_the_embedding_rows(tmp_path):
+    from qconv.modelfiles import check_weight_files
+    from tests.hub_server import SMALL
+
+    def edit(art):
+        from safetensors.numpy import save_file
+
+        save_file({"model.embed_tokens.weight": __import__("numpy").zeros((64, 256), "float16")}, str(art / SMALL))
+        cfg = json.loads((art / "config.json").read_text())
+        (art / "config.json").write_text(json.dumps({**cfg, "vocab_size": 65}))
+
+    with pytest.raises(QconvError, match="vocab_size 65 does not match the 64 rows"):
+        check_weight_files(_published(tmp_path, edit))

@@ -109,10 +109,12 @@ def serve(
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
     from qconv.hub.cache import hold_artifact
+    from qconv.modelfiles import check_weight_files
     from qconv.serve import runtimes, vllm, vllm_probe
 
     ctx = click.get_current_context()
     path = ctx.with_resource(hold_artifact(target))  # held until the command ends: a re-pull cannot remove it
+    check_weight_files(path)  # headers and sizes, before any backend allocates from them (or prints a command)
     if api_key and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
         click.echo(
             "warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY instead", err=True

@@ -114,7 +114,27 @@ def read_model_config(folder: str | os.PathLike) -> dict:
             )
             if not ok:
                 raise QconvError(f"config.json: {path}{key} is not {CONFIG_TYPE_NAMES[want]}", where=str(cfg), fix=fix)
+    if (tcfg := (data.get("quantization_config") or {}).get("transform_config")) is not None:
+        transform_config(tcfg, str(cfg))
     return data
+
+
+def transform_config(tcfg, where: str):
+    """config.json's `quantization_config.transform_config` as compressed-tensors' TransformConfig; a malformed one
+    is one QconvError naming the key path, not a pydantic traceback."""
+    from compressed_tensors.transform import TransformConfig
+
+    try:
+        return TransformConfig.model_validate(tcfg)
+    except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        errors = getattr(e, "errors", None)
+        first = ((errors() if callable(errors) else None) or [{}])[0]
+        at = "".join(f".{x}" for x in first.get("loc", ()))
+        raise QconvError(
+            f"config.json: quantization_config.transform_config{at[:120]} is malformed: {first.get('msg', e)!s:.200}",
+            where=where,
+            fix="the checkpoint's config.json is damaged or was edited: re-download or rebuild it",
+        ) from e
 
 
 def _entry_problem(name: str, t) -> str | None:
@@ -179,6 +199,8 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
 # weight it describes (a renamed tensor in a header otherwise fails deep in the decompressor, or is silently dropped)
 PACKED_NEEDS = ("weight_scale", "weight_shape")
 QPARAMS = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
+ROTATION_STORED = "_input.weight"  # `<module>.<scheme>_input.weight`: an input-rotation block (qconv.convert.rotation)
+ORTHOGONAL_TOL = 1e-3
 ELEMENTS_PER_BYTE = 8  # the most weights a stored byte can hold (1-bit): a config that implies more lies about sizes
 
 
@@ -198,6 +220,39 @@ def _check_quantized_groups(tensors: dict[str, dict], folder: Path) -> None:
                 where=str(folder),
                 fix=fix,
             )
+
+
+def _check_rotations(folder: Path, names: set[str]) -> None:
+    """Each stored rotation block must be square, finite and, divided by sqrt(b), orthogonal: a block of NaN (or
+    scaled by 1e300) turned every input into garbage and generate printed nothing. Checked with a few random probes
+    (VᵀV x = x), O(b²) per block, so a large block costs no matrix product."""
+    if not names:
+        return
+    import torch
+    from safetensors import safe_open
+
+    gen = torch.Generator().manual_seed(0)
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as sf:
+            for name in sorted(names & set(sf.keys())):
+                t = sf.get_tensor(name).double()
+                problem = None
+                if t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
+                    problem = f"shape {list(t.shape)} is not a square matrix"
+                elif not torch.isfinite(t).all():
+                    problem = "it holds NaN or infinite values"
+                else:
+                    v = t / math.sqrt(t.shape[0])
+                    x = torch.randn(t.shape[0], 4, generator=gen, dtype=torch.float64)
+                    err = ((v.T @ (v @ x)) - x).norm() / x.norm()
+                    if not err <= ORTHOGONAL_TOL:
+                        problem = f"it is not orthogonal (relative error {float(err):.3g})"
+                if problem:
+                    raise QconvError(
+                        f"rotation block {name[:120]!r}: {problem}",
+                        where=str(shard),
+                        fix="the artifact's weight files are damaged or were edited: re-pull or rebuild it",
+                    )
 
 
 def _check_sizes(config: dict, tensors: dict[str, dict], stored: int, folder: Path) -> None:
@@ -233,5 +288,6 @@ def check_weight_files(folder: str | os.PathLike) -> None:
         tensors.update(safetensors_header(shard))
         stored += shard.stat().st_size
     _check_quantized_groups(tensors, folder)
+    _check_rotations(folder, {n for n in tensors if n.endswith(ROTATION_STORED)})
     if tensors and (folder / "config.json").is_file():
         _check_sizes(read_model_config(folder), tensors, stored, folder)

@@ -13,7 +13,7 @@ from qconv.errors import QconvError
 
 @pytest.mark.parametrize("value, says", [("1", "the string '1'; it must be the number 1"), (True, "unsupported")])
 def test_schema_version_messages_say_what_is_wrong(tmp_path, value, says):
-    """"schema_version '1' (this qconv reads 1)" left the reader puzzled: the string is named as a string."""
+    """ "schema_version '1' (this qconv reads 1)" left the reader puzzled: the string is named as a string."""
     from qconv.hub.index import index_from_dict
     from qconv.manifest import Manifest
 
@@ -99,3 +99,70 @@ def test_vocab_must_match_the_embedding_rows(tmp_path):
 
     with pytest.raises(QconvError, match="vocab_size 65 does not match the 64 rows"):
         check_weight_files(_published(tmp_path, edit))
+
+
+ROT = "model.layers.0.mlp.down_proj.v_input.weight"
+
+
+def _with_rotation(block) -> callable:
+    def edit(art):
+        import torch
+        from safetensors.torch import save_file
+
+        from tests.hub_server import SMALL
+
+        save_file({"lm_head.weight": torch.zeros(64, 256, dtype=torch.float16), ROT: block}, str(art / SMALL))
+
+    return edit
+
+
+def _hadamard(n: int):
+    import torch
+
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("damage", ["nan", "1e300", "not orthogonal", "not square"])
+def test_a_damaged_rotation_block_is_refused_at_load(tmp_path, damage):
+    """The rotation block filled with NaN or scaled by 1e300: `generate` exited 0 and printed nothing. Now every
+    verb refuses a block that is not finite, square and orthogonal, before loading."""
+    import torch
+
+    from qconv.modelfiles import check_weight_files
+    from tests.cli_helpers import run
+
+    good = _hadamard(64)
+    check_weight_files(_published(tmp_path / "good", _with_rotation(good)))  # a real ±1 block passes
+    block = {
+        "nan": torch.full((64, 64), float("nan")),
+        "1e300": good.double() * 1e300,
+        "not orthogonal": good.float() + torch.eye(64),
+        "not square": good[:32].contiguous(),
+    }[damage]
+    art = _published(tmp_path / "bad", _with_rotation(block))
+    r = run("generate", art, "--prompt", "hi", "--max-tokens", "2")
+    assert r.exit_code == 2 and f"rotation block {ROT!r}" in r.output and "fix:" in r.output, r.output
+    for verb in ("eval", "serve"):
+        assert run(*VERBS[verb](art)).exit_code == 2
+
+
+@pytest.mark.parametrize("tcfg", ["x", {"config_groups": {"v": {"type": "hadamard", "apply": "x"}}}])
+def test_a_malformed_transform_config_is_one_error(tmp_path, tcfg):
+    """`quantization_config.transform_config: "x"` (or `apply: "x"`): a pydantic ValidationError traceback."""
+    from qconv.convert.rotation import input_rotations
+    from tests.cli_helpers import run
+
+    with pytest.raises(QconvError, match="transform_config.* malformed|transform_config is not a mapping"):
+        input_rotations({"transform_config": tcfg}, {}, {}, "config.json")
+
+    def edit(art):
+        cfg = json.loads((art / "config.json").read_text())
+        cfg["quantization_config"]["transform_config"] = tcfg
+        (art / "config.json").write_text(json.dumps(cfg))
+
+    art = _published(tmp_path, edit)
+    r = run("generate", art, "--prompt", "hi", "--max-tokens", "2")
+    assert r.exit_code == 2 and "transform_config" in r.output, r.output

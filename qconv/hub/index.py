@@ -96,6 +96,28 @@ def parse_location(spec: str) -> Location:
     return Location("path", str(Path(spec).expanduser().resolve()))
 
 
+def location_uri(kind: str, uri: str, where: str) -> str:
+    """An index location's uri, checked for its kind: a `url` is http(s) only (file://, ftp:// and the rest are
+    refused: a file:// url would bypass the `path` kind's link checks, ftp has neither TLS nor ranges); a `path` is
+    an absolute folder, written plainly or as file://, and pulled with the `path` kind's link refusals."""
+    if kind == "url" and not uri.startswith(("https://", "http://")):
+        raise QconvError(
+            f"location kind 'url' takes an https:// URL, not {uri[:80]!r}",
+            where=where,
+            fix='write {"kind": "path", "uri": "/abs/folder"} for a local folder; serve anything else over https',
+        )
+    if kind == "path":
+        path = uri[len("file://") :] if uri.startswith("file://") else uri
+        if "://" in path or not Path(path).is_absolute():
+            raise QconvError(
+                f"location kind 'path' takes an absolute folder, not {uri[:80]!r}",
+                where=where,
+                fix="write the folder's absolute path (or file:///abs/folder)",
+            )
+        return str(Path(path))
+    return uri
+
+
 def _req(d: dict, key: str, typ: type | tuple, where: str):
     if key not in d:
         raise QconvError(f"missing key {key!r}", where=where, fix="see qconv/hub/index.json for the schema")
@@ -123,6 +145,7 @@ def entry_from_dict(d: dict, where: str) -> IndexEntry:
         raise QconvError(
             f"unknown location kind {kind!r}", where=f"{where}.location", fix=f"use one of {', '.join(LOCATION_KINDS)}"
         )
+    uri = location_uri(kind, _req(loc, "uri", str, f"{where}.location"), f"{where}.location")
     files = {}
     for fname, f in _req(d, "files", dict, where).items():
         fw = f"{where}.files[{fname}]"
@@ -135,7 +158,7 @@ def entry_from_dict(d: dict, where: str) -> IndexEntry:
         name=name,
         recipe=_req(d, "recipe", str, where),
         source=SourceRef(_req(src, "id", str, f"{where}.source"), src.get("revision")),
-        location=Location(kind, _req(loc, "uri", str, f"{where}.location"), loc.get("revision")),
+        location=Location(kind, uri, loc.get("revision")),
         files=files,
         card=_opt(d, "card", str, "", where),
         quality=_opt(d, "quality", dict, {}, where),
@@ -176,10 +199,11 @@ def load_index(spec: str | None = None, *, offline: bool = False, insecure: bool
         if remote:
             with urllib.request.urlopen(spec, timeout=30) as r:
                 text = r.read(INDEX_CAP + 1).decode()
-            if len(text) > INDEX_CAP:
-                raise QconvError(f"artifact index larger than {INDEX_CAP >> 20} MB", where=spec)
-        else:
-            text = Path(spec[len("file://") :] if spec.startswith("file://") else spec).expanduser().read_text()
+        else:  # the remote cap applies here too: a local index is read no further than it
+            with open(Path(spec[len("file://") :] if spec.startswith("file://") else spec).expanduser(), "rb") as f:
+                text = f.read(INDEX_CAP + 1).decode()
+        if len(text) > INDEX_CAP:
+            raise QconvError(f"artifact index larger than {INDEX_CAP >> 20} MB", where=spec)
     except (OSError, urllib.error.URLError, UnicodeDecodeError) as e:
         raise QconvError(
             f"cannot read the artifact index: {e}",
@@ -188,8 +212,12 @@ def load_index(spec: str | None = None, *, offline: bool = False, insecure: bool
         ) from e
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise QconvError(f"artifact index is not valid JSON: {e}", where=spec) from e
+    except (ValueError, RecursionError) as e:  # bad JSON, an over-long integer, nesting deeper than Python's stack
+        raise QconvError(
+            f"artifact index is not valid JSON: {str(e)[:200] or type(e).__name__}",
+            where=spec,
+            fix="check --index / QCONV_INDEX: it must name a qconv index (see qconv/hub/index.json)",
+        ) from e
     return index_from_dict(data, spec)
 
 

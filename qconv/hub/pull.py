@@ -61,10 +61,31 @@ def _is_folder(s: str) -> bool:
     return s.startswith("file://") or Path(s).expanduser().is_dir()
 
 
+def _index_names(target: str, index: str | None, insecure: bool) -> bool:
+    """Whether `target`, a folder here, is also a name the index lists: then the index entry wins (its hashes are
+    the trust root; a folder of that name in the working directory would silently replace them). `./NAME` or a path
+    with a slash always means the folder."""
+    if not NAME_RE.match(target) or target.startswith(".") or target != Path(target).name:
+        return False
+    try:
+        entry = load_index(index, insecure=insecure).get(target)
+    except QconvError:
+        if index:
+            raise
+        return False  # the default index cannot be read: the folder is what the user named
+    if entry:
+        log.warning(
+            "%s is both a folder here and an index entry: pulling the index entry (pull ./%s for the folder)",
+            target,
+            target,
+        )
+    return entry is not None
+
+
 def resolve_target(
     target: str, revision: str | None = None, index: str | None = None, insecure: bool = False
 ) -> PullSource:
-    if _is_url(target) or _is_folder(target):
+    if _is_url(target) or (_is_folder(target) and not _index_names(target, index, insecure)):
         if revision:
             raise QconvError("--revision applies to Hugging Face repos only", where=target)
         loc = parse_location(target)
@@ -103,7 +124,11 @@ def fetcher(loc: Location, *, progress: bool, retries: int, insecure: bool) -> C
                 progress=progress,
             )
         )
-    return lambda w: lambda part, _refetch: local_fetch(Path(loc.uri), w.name, part)
+    return lambda w: (
+        lambda part, _refetch: local_fetch(
+            Path(loc.uri), w.name, part, size=w.size if w.sha256 else None, cap=None if w.sha256 else MANIFEST_CAP
+        )
+    )
 
 
 def expected_files(src: PullSource, manifest: Manifest) -> dict[str, Want]:
@@ -177,6 +202,15 @@ def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool
         if not p.is_dir():
             refuse_shared(p, "the download folder is damaged", LINK_FIX)
     fetch_for = fetcher(loc, progress=progress, retries=retries, insecure=insecure)
+    try:
+        return _fill_from_staging(src, staging, fetch_for)
+    except QconvError:
+        (staging / MANIFEST).unlink(missing_ok=True)  # refused: its qconv.json stays nowhere (the data .parts resume)
+        raise
+
+
+def _fill_from_staging(src: PullSource, staging: Path, fetch_for: Callable[[Want], Fetch]) -> Path:
+    loc = src.location
     manifest = _fetch_manifest(src, staging, fetch_for)
     want = expected_files(src, manifest)
     manifest_sha = sha256_file(staging / MANIFEST)

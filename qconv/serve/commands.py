@@ -240,7 +240,13 @@ def runtime_group() -> None:
 )
 @click.option("--pip-arg", "pip_args", multiple=True, metavar="ARG", help="One more argument for pip; repeatable.")
 @click.option("--dry-run", is_flag=True, help="Resolve with `pip install --dry-run` and print the package set.")
-def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry_run) -> None:
+@click.option(
+    "--force",
+    is_flag=True,
+    help="--path to an environment qconv did not create: allow replacing its torchvision/torchaudio/torchcodec "
+    "(--device cpu) with the text-only stand-in.",
+)
+def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry_run, force) -> None:
     """Install vLLM and qconv-vllm into their own venv and record it for `qconv serve`."""
     from qconv.serve import runtimes
 
@@ -252,7 +258,9 @@ def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry
         for line in resolved:
             click.echo(f"  {line}")
         return
-    rt = runtimes.install(device, version, name=name, path=path, pip_args=args, log=lambda m: click.echo(m, err=True))
+    rt = runtimes.install(
+        device, version, name=name, path=path, pip_args=args, force=force, log=lambda m: click.echo(m, err=True)
+    )
     click.echo(f"runtime {rt.name}: vLLM {rt.vllm} + qconv-vllm {rt.plugin} ({rt.device}) at {rt.python}")
 
 

@@ -114,7 +114,7 @@ def read_model_config(folder: str | os.PathLike) -> dict:
             )
             if not ok:
                 raise QconvError(f"config.json: {path}{key} is not {CONFIG_TYPE_NAMES[want]}", where=str(cfg), fix=fix)
-    if (tcfg := (data.get("quantization_config") or {}).get("transform_config")) is not None:
+    if tcfg := (data.get("quantization_config") or {}).get("transform_config"):  # `{}`: no transforms
         transform_config(tcfg, str(cfg))
     return data
 

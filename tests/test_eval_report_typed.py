@@ -142,3 +142,20 @@ def test_a_bad_against_file_is_called_by_its_name(tmp_path):
     with pytest.raises(QconvError) as e:
         EvalReport.read(bad)
     assert "eval report r.json is not valid JSON" in str(e.value) and "report.json" not in str(e.value).split("(")[0]
+
+
+def test_a_bogus_kv_is_refused_before_the_reference_pass(written, monkeypatch):
+    """`--kv bogus` was refused only after the reference model had been run over every window."""
+    from click.testing import CliRunner
+
+    from qconv.cli import main
+    from qconv.eval import quality
+
+    _, report = written
+    ran = []
+    monkeypatch.setattr(quality, "build_reference", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(quality, "open_cached", lambda *a, **k: ran.append(1))
+    args = ["--text", report.settings.text, "--window", "64", "--max-tokens", "256", "--kv", "bogus"]
+    for verb in ("eval", "check"):
+        r = CliRunner().invoke(main, [verb, report.artifact, *args])
+        assert r.exit_code == 2 and "unknown KV scheme 'bogus'" in r.output and ran == [], r.output

@@ -126,6 +126,7 @@ def measure(
     from transformers import AutoTokenizer
 
     t0 = time.time()
+    kv = get_scheme(settings.kv, settings.kv_form) if settings.kv else None  # a bad --kv before minutes of reference
     text = load_text(settings.text)
     # a cached reference has no model beside it: the artifact carries the source's tokenizer, and every cached
     # window's token-id hash is checked against what it gives
@@ -149,7 +150,6 @@ def measure(
             num_parameters=source.num_parameters,
         )
         ref_source.close()
-    kv = get_scheme(settings.kv, settings.kv_form) if settings.kv else None
     art = LogitSource(artifact_dir, fwd, source.num_parameters, "artifact")
     weights, kld_w = _run(art, ref, windows)
     sections, klds = {"weights": weights}, {"weights": kld_w}

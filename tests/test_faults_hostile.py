@@ -166,3 +166,24 @@ def test_a_malformed_transform_config_is_one_error(tmp_path, tcfg):
     art = _published(tmp_path, edit)
     r = run("generate", art, "--prompt", "hi", "--max-tokens", "2")
     assert r.exit_code == 2 and "transform_config" in r.output, r.output
+
+
+def test_a_requires_token_nobody_knows_is_refused_by_serve(tmp_path):
+    """A `requires` entry naming an unknown feature was ignored by native serve, and `serve --print-command` printed
+    a vLLM command line for it."""
+    from qconv.manifest import Requirement
+    from tests.cli_helpers import run
+
+    def edit(art):
+        from qconv.manifest import read_manifest
+
+        m = read_manifest(art)
+        m.requires = [Requirement("teleportation", "a future plugin", vllm_feature="teleport")]
+        m.write(art)
+
+    art = _published(tmp_path, edit)
+    for args in (["--backend", "native"], ["--print-command"]):
+        r = run("serve", art, *args)
+        assert r.exit_code == 2 and "requires 'teleport'" in r.output and "does not know" in r.output, r.output
+    r = run("serve", art, "--print-command", "--vllm-feature", "teleport")  # the user vouches for their vLLM
+    assert r.exit_code == 0 and "vllm.entrypoints.openai.api_server" in r.output, r.output

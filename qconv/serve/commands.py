@@ -135,6 +135,7 @@ def serve(
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
         click.echo(f"backend: {choice.backend} ({choice.reason})", err=True)
         backend = choice.backend
+    _refuse_unknown_needs(art, profile, backend, set(vllm_features))
     python = vllm_python or (runtime.python if runtime else sys.executable)
     if backend == "native":
         if vllm_args:
@@ -193,6 +194,24 @@ def serve(
     rc = vllm.run_vllm(argv, host, port, api_key=api_key, env=env)
     if rc:
         sys.exit(rc)
+
+
+def _refuse_unknown_needs(art, profile: str | None, backend: str, declared: set[str]) -> None:
+    """A `requires` token this qconv does not know: its engine cannot meet it, and no vLLM is known to unless the
+    user declares it (`--vllm-feature`, for --backend vllm / --print-command)."""
+    from qconv.convert.requires import unknown_features
+
+    if art is None:
+        return
+    unknown = unknown_features(art.requires, profile or art.default_profile, set() if backend == "native" else declared)
+    if unknown:
+        r = unknown[0]
+        raise QconvError(
+            f"the artifact requires {r.vllm_feature!r} ({r.feature}: {r.needs}), which this qconv does not know",
+            where="qconv.json requires",
+            fix="upgrade qconv and its plugin; if your vLLM provides it, serve with --backend vllm --vllm-feature "
+            f"{r.vllm_feature}",
+        )
 
 
 def _override_runtime(python: str):

@@ -119,6 +119,8 @@ def location_uri(kind: str, uri: str, where: str) -> str:
 
 
 def _req(d: dict, key: str, typ: type | tuple, where: str):
+    if not isinstance(d, dict):
+        raise QconvError(f"expected an object, got {type(d).__name__}", where=where, fix="see qconv/hub/index.json")
     if key not in d:
         raise QconvError(f"missing key {key!r}", where=where, fix="see qconv/hub/index.json for the schema")
     if not isinstance(d[key], typ):

@@ -413,3 +413,22 @@ def test_a_local_pull_checks_sizes_before_copying(hub, tmp_path, monkeypatch):
     r = cli("pull", art, "-q")
     assert r.exit_code == 2 and "refusing a qconv.json of" in r.stderr and copied == [], r.output
     assert not list((hub.home / "artifacts").rglob("qconv.json*"))
+
+
+def test_a_local_error_while_fetching_is_not_retried(hub, tmp_path, monkeypatch):
+    """A local filesystem error inside the fetch loop is the disk's: one error at once, never "download interrupted"
+    retried."""
+    from qconv.errors import QconvError
+    from qconv.hub import download
+
+    part = tmp_path / "x.part"
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(1)
+        raise PermissionError(13, "Permission denied", str(part))
+
+    monkeypatch.setattr(download, "_write_body", refuse)
+    with pytest.raises(QconvError) as e:
+        http_fetch(f"{hub.art_url}/tokenizer.json", part, None, insecure=True, progress=False, retries=3)
+    assert "permission denied" in str(e.value) and "interrupted" not in str(e.value) and calls == [1]

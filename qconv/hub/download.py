@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from qconv.disk import os_error
+from qconv.disk import is_disk_error, os_error
 from qconv.errors import QconvError
 from qconv.fsutil import CHUNK, open_nofollow, sha256_file
 
@@ -179,6 +179,8 @@ def http_fetch(
                 f"download failed: HTTP {e.code} {e.reason}", where=url, fix="check the index location or URL"
             ) from e
         except (OSError, http.client.HTTPException) as e:  # network only: local write errors raised QconvError
+            if not isinstance(e, (urllib.error.URLError, http.client.HTTPException)) and is_disk_error(e):
+                raise os_error(e, f"writing {part.name.removesuffix('.part')}", part.parent) from e  # not a retry
             attempt += 1
             if attempt > retries:
                 raise QconvError(

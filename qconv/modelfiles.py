@@ -89,6 +89,22 @@ def read_json_object(path: str | os.PathLike, what: str, fix: str, cap: int = 64
     return data
 
 
+def load_tokenizer(folder: str | os.PathLike):
+    """transformers' AutoTokenizer for a model folder; tokenizer files it cannot read (a tokenizer.json without its
+    `added_tokens`, a wrong type inside) are one QconvError naming the folder, not a KeyError from transformers."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(Path(folder))
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError, RecursionError) as e:
+        raise QconvError(
+            f"cannot read the tokenizer: {type(e).__name__}: {str(e)[:200]}",
+            where=str(folder),
+            fix="the tokenizer files (tokenizer.json, tokenizer_config.json) are damaged or incomplete: re-download "
+            "or re-copy them (or re-pull / rebuild the artifact)",
+        ) from e
+
+
 def read_model_config(folder: str | os.PathLike) -> dict:
     """A model folder's config.json as a mapping: the one reader every verb uses before handing the folder to a
     library, so a damaged file is one clear error, not a traceback from deep inside transformers."""

@@ -187,3 +187,14 @@ def test_a_requires_token_nobody_knows_is_refused_by_serve(tmp_path):
         assert r.exit_code == 2 and "requires 'teleport'" in r.output and "does not know" in r.output, r.output
     r = run("serve", art, "--print-command", "--vllm-feature", "teleport")  # the user vouches for their vLLM
     assert r.exit_code == 0 and "vllm.entrypoints.openai.api_server" in r.output, r.output
+
+
+@pytest.mark.parametrize("verb", ["generate", "eval"])
+def test_unreadable_tokenizer_files_are_one_error(tmp_path, verb):
+    """A tokenizer.json transformers cannot read (here: no `added_tokens`) was a KeyError traceback from inside
+    transformers in generate and eval."""
+    from tests.cli_helpers import run
+
+    art = _published(tmp_path, lambda a: None)  # make_artifact's tokenizer.json is such a file
+    r = run(*VERBS[verb](art), *(["--reference", art] if verb == "eval" else []))
+    assert r.exit_code == 2 and "cannot read the tokenizer" in r.output and str(art) in r.output, r.output

@@ -4,6 +4,7 @@ its budget override, whether to stream, and whether --out is safe to write."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,8 +46,24 @@ class BuildOptions:
     card: str | None = None  # --dry-run's device-memory plan: the card to plan for (default: the recipe's)
 
 
+MAX_BPW = 32.0  # float32 weights: no artifact stores more bits per weight
+
+
+def check_bpw(bpw: float) -> float:
+    """A bits-per-weight target must be a finite number of bits a weight can take (nan and inf are floats too)."""
+    if not (math.isfinite(bpw) and 0 < bpw <= MAX_BPW):
+        raise QconvError(
+            f"bits-per-weight target {bpw} is not a number of bits a weight can take",
+            where="--bpw",
+            fix=f"pass a number above 0 and at most {MAX_BPW:g} (e.g. --bpw 4.5)",
+        )
+    return bpw
+
+
 def recipe_for(opts: BuildOptions) -> Recipe:
     """The recipe with the command line's budget override applied."""
+    if opts.bpw is not None:
+        check_bpw(opts.bpw)
     recipe = load_recipe(opts.recipe)
     if opts.bpw is not None and opts.upgrade_budget is not None:
         raise QconvError(

@@ -38,14 +38,25 @@ def test_self_generated_when_no_dataset(tiny_llama, tok, caplog):
     assert "SELF-GENERATED" in caplog.text and loads == [1]
     assert (a.info.kind, a.info.id, a.info.samples, a.info.seq_len) == ("self", "self-generated", 3, 24)
     assert all(0 < len(r) <= 24 for r in a.input_ids) and a.info.tokens == sum(map(len, a.input_ids))
-    for i, row in enumerate(a.input_ids):  # each row opens with a neutral prompt in the chat template
+    assert len({len(r) for r in a.input_ids}) == 1  # one length: GPTQ's calibration passes take them together
+    flat = [t for r in a.input_ids for t in r]
+    at = 0
+    for i in range(3):  # each generated row opens with a neutral prompt in the chat template, in order
         prompt = tok.apply_chat_template(
             [{"role": "user", "content": SELF_PROMPTS[i]}], add_generation_prompt=True, tokenize=False
         )
-        want = tok(prompt, add_special_tokens=False)["input_ids"]
-        assert row[: min(len(want), 24)] == want[:24]
+        want = tok(prompt, add_special_tokens=False)["input_ids"][:8]
+        at = next(j for j in range(at, len(flat)) if flat[j : j + len(want)] == want) + len(want)
     b = load_calibration(None, tok, samples=3, seq_len=24, seed=7, model_loader=loader)
     assert b.input_ids == a.input_ids and b.info.sha256 == a.info.sha256  # seeded: the same set, the same hash
+
+
+def test_equal_windows_keep_the_tokens_and_the_count():
+    from qconv.calibrate.data import equal_windows
+
+    rows = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    assert equal_windows(rows) == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]  # 11 tokens, 3 rows of 3: the last 2 dropped
+    assert equal_windows([[1, 2], [3, 4]]) == [[1, 2], [3, 4]]  # already one length: as they are
 
 
 def test_no_dataset_and_no_model_is_a_clear_error(tok):

@@ -95,3 +95,41 @@ def test_in_memory_or_streamed_counts_the_compute_dtype(monkeypatch):
     monkeypatch.setattr(compute, "bf16_native", lambda device="cpu": False)
     assert use_streaming(cpu, plan)
     assert not use_streaming(BuildOptions(recipe="3090", model="m", out="o", device="cpu", stream=False), plan)
+
+
+def test_compute_dtype_choice_what_stays_and_what_moves(tiny_llama, tmp_path, calib_txt):
+    """`--compute-dtype float32` against `bfloat16` on one host: the artifact's format (tensor names, dtypes, shapes,
+    config) and the selection's choices are the same, the weights' bytes are not (GPTQ's Hessians come from other
+    activations); each records what it computed in."""
+    import json
+
+    from qconv.manifest import read_manifest
+
+    made = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        r = run(
+            "build", "--recipe", "3090", "--model", tiny_llama, "--out", out, "--dataset", calib_txt, *SMALL_CAL,
+            "--upgrade-budget", "8%", "--no-gates", "--compute-dtype", dtype, "--work-dir", tmp_path / "w",
+        )  # fmt: skip
+        assert r.exit_code == 0, r.output
+        m = read_manifest(out)
+        assert (m.build.compute_dtype, m.build.cpu_isa) == (dtype, torch.backends.cpu.get_cpu_capability())
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            layout = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+            weights = {k: f.get_tensor(k) for k in f.keys()}
+        made[dtype] = (m, layout, weights, json.loads((out / "config.json").read_text()))
+    (m32, lay32, w32, cfg32), (m16, lay16, w16, cfg16) = made["float32"], made["bfloat16"]
+    assert lay32 == lay16 and cfg32 == cfg16
+    picked = lambda m: [(u.unit, u.decision) for u in m.selection.units]  # noqa: E731
+    assert picked(m32) == picked(m16) and m32.selection.spent_bytes == m16.selection.spent_bytes > 0
+    assert any(not torch.equal(w32[k], w16[k]) for k in w32 if k.endswith("weight_packed"))
+    assert m32.calibration.sha256 == m16.calibration.sha256  # --dataset: the same tokens either way
+
+
+def test_compute_dtype_is_checked(tiny_llama, tmp_path):
+    r = run("build", "--recipe", "3090", "--model", tiny_llama, "--out", tmp_path / "o", "--compute-dtype", "fp16")
+    assert r.exit_code == 2 and "--compute-dtype" in r.output
+    with pytest.raises(compute.QconvError, match="compute dtype"):
+        compute.resolve("half")
+    assert compute.resolve("auto", "cuda") == torch.bfloat16 and compute.resolve("float32", "cuda") == torch.float32

@@ -136,7 +136,15 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
 
         rotated = selection_rotations(plan.modules, recipe)
         scores = stages.sensitivity(
-            opts, units, calib, source_info.sha256, model_loader, work, src.path if stream else None, rotated, dtype=dtype
+            opts,
+            units,
+            calib,
+            source_info.sha256,
+            model_loader,
+            work,
+            src.path if stream else None,
+            rotated,
+            dtype=dtype,
         )
     selection = select(units, scores, budget, budget=budget_label(opts, recipe), scheme=recipe.selection.scheme)
     modules = apply_selection(plan, units, selection.choices)

@@ -80,7 +80,9 @@ def print_summary(s: dict, console=None) -> None:
     c = s.get("compute") or {}
     if c.get("dtype"):
         isa = f" ({c['cpu_isa']})" if c.get("cpu_isa") else ""
-        con.print(f"[bold]compute[/bold]   {c['dtype']} on {c['device']}{isa} (--compute-dtype; recorded in qconv.json)")
+        con.print(
+            f"[bold]compute[/bold]   {c['dtype']} on {c['device']}{isa} (--compute-dtype; recorded in qconv.json)"
+        )
     if s["int8_units"] or s.get("step_units"):
         from qconv.calibrate.select import Selection, format_table
 

@@ -190,7 +190,17 @@ def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int, dtype
         if tokenizer.eos_token_id in gen:  # and what follows the first eos (padding)
             gen = gen[: gen.index(tokenizer.eos_token_id) + 1]
         rows.append((row[start:plen] + gen)[:seq_len])
-    return rows
+    return equal_windows(rows)
+
+
+def equal_windows(rows: list[list[int]]) -> list[list[int]]:
+    """The same tokens, end to end, in as many windows of one length as there were rows (the remainder dropped):
+    samples of one length go through GPTQ's calibration passes together (qconv.convert.quantize)."""
+    if len({len(r) for r in rows}) <= 1:
+        return rows
+    flat = [t for r in rows for t in r]
+    w = len(flat) // len(rows)
+    return [flat[i * w : (i + 1) * w] for i in range(len(rows))]
 
 
 def load_calibration(

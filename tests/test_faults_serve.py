@@ -410,3 +410,82 @@ def test_serve_checks_the_artifact_hashes_before_loading(tmp_path):
     (art / SMALL).write_bytes(flip_byte((art / SMALL).read_bytes(), at=200))
     r = cli("serve", art, "--backend", "native", "--port", "18201")
     assert r.exit_code == 1 and f"{SMALL}: sha256" in r.stderr and "do not match qconv.json" in r.stderr, r.output
+
+
+# ---- hostile inputs, round 2 ---------------------------------------------------------------------------------------
+
+
+def _open(port: int, first: bytes = b""):
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    if first:
+        s.sendall(first)
+    return s
+
+
+def _answer(s) -> bytes:
+    """What the server sent before it closed the connection."""
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+HALF_SENT = b'POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{"model": '
+
+
+def test_idle_and_half_sent_connections_do_not_starve_a_normal_request(tiny_qwen3):
+    """300 connections that send nothing and 100 that stop halfway through a body: a normal request beside them is
+    answered, each of them is closed with a 408 once its deadline passes, and their closing is logged once, not
+    400 times."""
+    from qconv.serve.limits import ConnectionLimits
+
+    app, sched = build_native(tiny_qwen3, NativeOptions(max_batch=2, max_model_len=256))
+    limits = ConnectionLimits(max_connections=1000, request_timeout_s=3)
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    seen = Records()
+    with BackgroundServer(app, sched, limits=limits) as srv:
+        logging.getLogger("uvicorn.error").addHandler(seen)  # after uvicorn's logging config, which resets handlers
+        idle = [_open(srv.port) for _ in range(300)]
+        half = [_open(srv.port, HALF_SENT) for _ in range(100)]
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+        done = c.completions.create(model=tiny_qwen3.name, prompt="The quick", max_tokens=4, temperature=0)
+        assert done.choices[0].text is not None
+        answers = [_answer(s) for s in idle + half]
+        assert all(a.startswith(b"HTTP/1.1 408") and b"request_timeout" in a for a in answers), answers[0]
+        for s in idle + half:
+            s.close()
+        logging.getLogger("uvicorn.error").removeHandler(seen)
+        warned = [r for r in seen.records if "not received whole" in r.getMessage()]
+        assert 1 <= len(warned) <= 2, len(warned)  # rate-limited: one, and one more if a 10 s window passed
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=60) as r:
+            assert r.status == 200
+
+
+def test_connections_past_the_cap_are_answered_503_at_once(tiny_qwen3):
+    """With the cap at 20, 60 idle connections hold 20 descriptors: the other 40 get a 503 without sending a byte,
+    and once the held ones time out a normal request is served again."""
+    from qconv.serve.limits import ConnectionLimits
+
+    app, sched = build_native(tiny_qwen3, NativeOptions(max_batch=2, max_model_len=256))
+    limits = ConnectionLimits(max_connections=20, request_timeout_s=3)
+    with BackgroundServer(app, sched, limits=limits) as srv:
+        socks = [_open(srv.port) for _ in range(60)]
+        answers = [_answer(s) for s in socks]
+        busy = [a for a in answers if a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a]
+        timed_out = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
+        assert len(busy) == 40 and len(timed_out) == 20, (len(busy), len(timed_out))
+        for s in socks:
+            s.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=60) as r:
+            assert r.status == 200

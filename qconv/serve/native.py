@@ -4,7 +4,7 @@ thread and uvicorn."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import EllipsisType
 
@@ -14,6 +14,7 @@ from qconv.engine.spec import SpecConfig
 from qconv.errors import QconvError
 from qconv.modelfiles import read_model_config
 from qconv.recipes.sections import Speculative
+from qconv.serve.limits import ConnectionLimits
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
 DEFAULT_MAX_TOKENS = 2048  # a chat request without max_tokens, when the profile names no `max_tokens` of its own
@@ -31,6 +32,7 @@ class NativeOptions:
     profile: str | None = None
     served_model_name: str | None = None
     spec_tokens: int | None = None  # draft tokens per step (0: off); None: the artifact's speculative config
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 @dataclass
@@ -133,10 +135,12 @@ def run_native(path: str | Path, opts: NativeOptions, art: Artifact | None | Ell
     require_serve_extra()
     import uvicorn
 
+    from qconv.serve.limits import uvicorn_config
+
     for w in bind_warnings(opts.host, opts.api_key):
         log.warning("%s", w)
     app, sched = build_native(path, opts, art)
     try:
-        uvicorn.run(app, host=opts.host, port=opts.port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.Server(uvicorn_config(app, opts.host, opts.port, opts.limits)).run()
     finally:
         sched.stop()

@@ -489,3 +489,32 @@ def test_connections_past_the_cap_are_answered_503_at_once(tiny_qwen3):
             s.close()
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=60) as r:
             assert r.status == 200
+
+
+REFUSED = [
+    ("frequency_penalty", 0.5, None),
+    ("presence_penalty", -1.0, None),
+    ("response_format", {"type": "json_object"}, None),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, None),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], None),
+    ("tool_choice", "required", None),
+    ("suffix", "tail", "/v1/completions"),
+    ("best_of", 3, "/v1/completions"),
+]
+
+
+@pytest.mark.parametrize("field,value,only", REFUSED)
+def test_parameters_the_engine_cannot_honour_are_refused_by_name(server, model, field, value, only):
+    """Each is a 400 naming the field, never a 200 that ignored it; at its neutral value it asks for nothing."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        if only and path != only:
+            continue
+        code, err = _post(server, path, {"model": model, "max_tokens": 2, field: value, **body})
+        assert code == 400 and err["error"]["param"] == field and field in err["error"]["message"], err
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "response_format": {"type": "text"}, "tools": []}
+    neutral |= {"tool_choice": "none", "suffix": "", "best_of": 1}
+    code, ok = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2, **neutral})
+    assert code == 200, ok

@@ -187,9 +187,12 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
             )
         if body.n != 1:
             raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
-        for field in ("logprobs", "echo", "logit_bias"):
-            if getattr(body, field, None):
-                raise APIError(400, f"{field} is not supported by this server", param=field, code="unsupported_value")
+        refused = body.refused()
+        if refused is not None:
+            field, why = refused
+            raise APIError(
+                400, f"{field} is not supported by this server: {why}", param=field, code="unsupported_value"
+            )
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         n = len(prompt_ids)

@@ -284,19 +284,39 @@ def test_foreign_host_header_is_refused_on_loopback(server, model):
         assert _req(server, "/health", headers={"Host": host})[0] == 200
 
 
-def test_warnings_for_exposed_bind_and_key_on_argv(tiny_qwen3, monkeypatch):
+def test_public_bind_without_a_key_is_refused_and_key_on_argv_warned(tiny_qwen3, monkeypatch):
+    """A non-loopback bind needs a key (the Host check can only hold on loopback): refused before loading, on both
+    backends; with a key, or on loopback, it serves."""
     from click.testing import CliRunner
 
     import qconv.serve.native as native
     from qconv.cli import main
-    from qconv.serve.native import bind_warnings
+    from qconv.errors import QconvError
 
-    assert bind_warnings("0.0.0.0", None) and not bind_warnings("0.0.0.0", "k") and not bind_warnings("127.0.0.1", None)
+    with pytest.raises(QconvError, match="serving on 0.0.0.0 without an API key"):
+        native.check_bind("0.0.0.0", None)
+    native.check_bind("0.0.0.0", "k")
+    native.check_bind("127.0.0.1", None)
     monkeypatch.setattr(native, "run_native", lambda path, opts, art=None: None)
+    monkeypatch.delenv("QCONV_API_KEY", raising=False)
+    for backend in ("native", "vllm"):
+        r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", backend, "--host", "0.0.0.0"])
+        assert r.exit_code != 0 and "QCONV_API_KEY" in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", "native", "--api-key", "sekrit"])
     assert r.exit_code == 0 and "QCONV_API_KEY" in r.output
-    r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", "native"], env={"QCONV_API_KEY": "sekrit"})
-    assert r.exit_code == 0 and "QCONV_API_KEY" not in r.output
+    r = CliRunner().invoke(
+        main, ["serve", str(tiny_qwen3), "--backend", "native", "--host", "0.0.0.0"], env={"QCONV_API_KEY": "sekrit"}
+    )
+    assert r.exit_code == 0 and "QCONV_API_KEY" not in r.output, r.output
+
+
+def test_with_a_key_the_schema_needs_it_and_health_says_only_ok(server):
+    code, _ = _req(server, "/openapi.json", headers={"Authorization": ""})
+    assert code == 401
+    code, body = _req(server, "/openapi.json")
+    assert code == 200 and "/v1/completions" in json.loads(body)["paths"]
+    code, body = _req(server, "/health", headers={"Authorization": ""})
+    assert code == 200 and json.loads(body) == {"status": "ok"}
 
 
 # ---- load: 32 streaming clients, 8 bad ---------------------------------------------------------------------

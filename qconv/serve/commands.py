@@ -119,6 +119,10 @@ def serve(
         )
     if print_command:
         backend = "vllm"
+    else:
+        from qconv.serve.native import check_bind
+
+        check_bind(host, api_key)  # both backends: before anything loads
     if vllm_python:  # that interpreter, described by probing it (not needed just to print the command)
         runtime = _override_runtime(vllm_python) if backend == "auto" else None
     else:

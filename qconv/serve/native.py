@@ -103,16 +103,18 @@ def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | E
     return create_app(sched, cfg), sched
 
 
-def bind_warnings(host: str, api_key: str | None) -> list[str]:
-    """What to tell the operator about exposure before serving."""
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse a non-loopback bind without an API key: anyone who can reach the address would use the model, and the
+    Host check that keeps web pages out (DNS rebinding) can only run on a loopback bind, where every legitimate Host
+    header is known."""
     from qconv.serve.server import is_loopback
 
     if not is_loopback(host) and not api_key:
-        return [
-            f"serving on {host} without an API key: anyone who can reach this address can use the model "
-            f"(set QCONV_API_KEY, or bind 127.0.0.1)"
-        ]
-    return []
+        raise QconvError(
+            f"serving on {host} without an API key: anyone who can reach this address could use the model",
+            where="--host",
+            fix="set QCONV_API_KEY (clients then send 'Authorization: Bearer <key>'), or bind 127.0.0.1",
+        )
 
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")  # pyproject's `serve` extra, by import name
@@ -137,8 +139,7 @@ def run_native(path: str | Path, opts: NativeOptions, art: Artifact | None | Ell
 
     from qconv.serve.limits import uvicorn_config
 
-    for w in bind_warnings(opts.host, opts.api_key):
-        log.warning("%s", w)
+    check_bind(opts.host, opts.api_key)
     app, sched = build_native(path, opts, art)
     try:
         uvicorn.Server(uvicorn_config(app, opts.host, opts.port, opts.limits)).run()

@@ -123,7 +123,7 @@ class RequestGuard:
 
 
 def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
-    app = FastAPI(title="qconv", docs_url=None, redoc_url=None)
+    app = FastAPI(title="qconv", docs_url=None, redoc_url=None, openapi_url=None)  # its schema: behind the key
     tok = sched.tokenizer
     metrics = sched.metrics
     app.add_middleware(RequestGuard, cfg=cfg, reject=metrics.reject)
@@ -152,8 +152,13 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
             what = "incorrect API key" if request.headers.get("authorization") else "missing API key"
             raise APIError(401, f"{what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
+    @app.get("/openapi.json", dependencies=[Depends(check_key)], include_in_schema=False)
+    async def openapi():
+        return JSONResponse(app.openapi())
+
     @app.get("/health")
     async def health():
+        """Open without the key (load balancers probe it): it says only ok or dead."""
         ok = sched.thread is not None and sched.thread.is_alive()
         return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
 

@@ -359,12 +359,31 @@ def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
             )
             return r.status_code
 
-        bad = [oversized, huge_seed, disconnect, malformed] * 2
+        def refused(**extra):
+            def send():
+                msgs = [{"role": "user", "content": "hi"}]
+                r = httpx.post(
+                    f"{srv.base_url}/chat/completions",
+                    json={"model": name, "messages": msgs, "max_tokens": 4, **extra},
+                    timeout=60,
+                )
+                return r.status_code
+
+            return send
+
+        penalty = refused(frequency_penalty=1.5)
+        tools = refused(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")
+        image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+        vision = refused(messages=[{"role": "user", "content": image}])
+        bad = [oversized, huge_seed, disconnect, malformed, penalty, tools, vision]
+        held = [_open(srv.port) for _ in range(50)] + [_open(srv.port, HALF_SENT) for _ in range(50)]  # idle, half
         with cf.ThreadPoolExecutor(32) as ex:
             good_f = [ex.submit(stream_one, c, name, p, 16, False) for p in prompts]
             bad_f = [ex.submit(f) for f in bad]
             good = {p: f.result().text for p, f in zip(prompts, good_f)}
             bad_codes = [f.result() for f in bad_f]
+        for s in held:
+            s.close()
         assert good == alone
         assert [b for b in bad_codes if b != "closed"] and all(400 <= b < 500 for b in bad_codes if b != "closed")
         deadline = time.monotonic() + 60
@@ -538,3 +557,20 @@ def test_parameters_the_engine_cannot_honour_are_refused_by_name(server, model, 
     neutral |= {"tool_choice": "none", "suffix": "", "best_of": 1}
     code, ok = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2, **neutral})
     assert code == 200, ok
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    ],
+)
+def test_a_vision_request_is_one_clear_400(server, model, part):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]
+    code, err = _post(server, "/v1/chat/completions", {"model": model, "max_tokens": 2, "messages": msgs})
+    assert code == 400 and "serves text only" in err["error"]["message"], err
+    assert err["error"]["message"].startswith("messages[0].content[1]"), err
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    code, _ = _post(server, "/v1/chat/completions", {"model": model, "max_tokens": 2, "messages": msgs})
+    assert code == 200

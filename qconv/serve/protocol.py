@@ -104,8 +104,8 @@ class CompletionRequest(_Common):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str = Field(max_length=64)  # any: a non-text part (image_url, input_audio, ...) is refused by name
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -113,9 +113,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
 
-    def text(self) -> str:
+    def text(self, where: str = "messages") -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            for i, p in enumerate(self.content):
+                if p.type != "text" or p.text is None:
+                    raise APIError(
+                        400,
+                        f"{where}.content[{i}] is a {p.type!r} part: this server serves text only",
+                        param=f"{where}.content",
+                        code="text_only",
+                    )
+            return "".join(p.text or "" for p in self.content)
         return self.content or ""
 
 

@@ -338,7 +338,7 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                 param="messages",
                 code="too_many_messages",
             )
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        msgs = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(body.messages)]
         chars = sum(len(m["content"]) for m in msgs)
         if chars > cfg.prompt_chars:
             raise too_long(chars, "characters", "messages")

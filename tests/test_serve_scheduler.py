@@ -125,3 +125,67 @@ def test_generate_and_serve_run_one_decode_loop(tiny_qwen3, monkeypatch):
         sched.stop()
     assert calls["model"] == calls["loop"] > 2
     assert req.out_ids == alone
+
+
+def _manual(path, **kw) -> Scheduler:
+    """A scheduler whose steps the test runs itself (no thread), to count them."""
+    from qconv.engine.loader import load_model, load_tokenizer
+
+    return Scheduler(load_model(path), load_tokenizer(path), max_batch=4, max_len=512, **kw)
+
+
+def test_a_long_prefill_delays_a_short_request_by_one_chunk(tiny_qwen3):
+    """A 400-token prompt is fed 32 tokens per step, each step also decoding the running requests: a 2-token
+    request that arrives after its first chunk has its first token one step later, while the long prompt is still
+    being fed; no forward feeds more than a chunk."""
+    sched = _manual(tiny_qwen3, prefill_chunk=32)
+    fed = []
+    forward = sched.model.forward
+
+    def counting(tokens, *a, **k):
+        fed.append(tokens.numel())
+        return forward(tokens, *a, **k)
+
+    sched.model.forward = counting
+    running = GenRequest(sched.tokenizer("The quick brown").input_ids, 60, lambda ev: None)
+    sched.submit(running)
+    sched.step()
+    assert running.out_ids  # decoding
+    long = GenRequest(list(range(5, 405)), 4, lambda ev: None)
+    sched.submit(long)
+    sched.step()
+    assert not long.out_ids and len(sched.prefilling.rows) == 1
+    before = len(running.out_ids)
+    short = GenRequest([11, 12], 4, lambda ev: None)
+    sched.submit(short)
+    sched.step()
+    assert short.out_ids, "the short request waited for more than one chunk"
+    assert not long.out_ids  # the long prompt is still being fed, a chunk at a time
+    assert len(running.out_ids) == before + 1  # and the running request advanced one token per step
+    steps = 3
+    while not long.out_ids:
+        sched.step()
+        steps += 1
+    assert steps - 1 >= 400 // 32  # chunked: one chunk per step
+    prefill_forwards = [n for n in fed if n > 4]  # decode forwards feed one token per row
+    assert max(prefill_forwards) <= 32, prefill_forwards
+
+
+@pytest.mark.parametrize("family,method", [("qwen3", "none"), ("qwen3_5", "mtp")])
+def test_greedy_is_the_same_with_chunked_prefill(tiny_models, family, method):
+    """fp32 greedy: prompts fed 16 tokens a step, beside each other, give what they give fed whole (the MTP drafter
+    sees the hidden states of every chunk; Gated-DeltaNet state carries across chunks)."""
+    path = tiny_models(family)
+    prompts = [p * 3 for p in PROMPTS]
+    whole = _scheduler(path, prefill_chunk=4096)
+    try:
+        alone = [_run(whole, [p])[0] for p in prompts]
+    finally:
+        whole.stop()
+    spec = SpecConfig(method, max_block=4, adaptive=False) if method != "none" else SpecConfig("none")
+    chunked = _scheduler(path, prefill_chunk=16, spec=spec)
+    try:
+        together = _run(chunked, prompts)
+    finally:
+        chunked.stop()
+    assert together == alone

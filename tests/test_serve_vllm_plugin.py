@@ -171,3 +171,28 @@ def test_tiny_qwen3_5_3090_in_vllm_with_and_without_the_plugin(tmp_path, vllm_py
     worst = served_agrees_with_native(art, vllm_python)
     print(f"tiny qwen3_5 3090 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
     assert worst <= TOLERANCE
+
+
+PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+@pytest.mark.slow
+def test_a_vision_request_to_the_cpu_runtime_is_one_400(tmp_path, vllm_python):
+    """The CPU runtime serves text only: an image in a chat request is refused by vLLM's API (400), before the
+    model; the server goes on answering text."""
+    art, _ = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide", "3090")
+    with ServerProcess(
+        [str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
+        free_port(),
+        env=ENV,
+        health_timeout=600,
+    ) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+        name = client.models.list().data[0].id
+        image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG_1PX}"}}
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=name, messages=msgs, max_tokens=2)
+        print("vLLM's answer:", e.value.message)
+        text = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert text.choices[0].finish_reason in ("stop", "length")

@@ -574,3 +574,21 @@ def test_a_vision_request_is_one_clear_400(server, model, part):
     msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     code, _ = _post(server, "/v1/chat/completions", {"model": model, "max_tokens": 2, "messages": msgs})
     assert code == 200
+
+
+def test_connection_limits_from_the_command_line(tiny_qwen3, monkeypatch):
+    """--max-connections / --request-timeout reach the native server; vLLM's server is not ours to limit: refused."""
+    from click.testing import CliRunner
+
+    import qconv.serve.native as native
+    from qconv.cli import main
+    from qconv.serve.limits import ConnectionLimits
+
+    seen = []
+    monkeypatch.setattr(native, "run_native", lambda path, opts, art=None: seen.append(opts.limits))
+    args = ["serve", str(tiny_qwen3), "--max-connections", "20", "--request-timeout", "2.5"]
+    r = CliRunner().invoke(main, [*args, "--backend", "native"])
+    assert r.exit_code == 0, r.output
+    assert seen == [ConnectionLimits(max_connections=20, request_timeout_s=2.5)]
+    r = CliRunner().invoke(main, [*args, "--backend", "vllm", "--print-command"])
+    assert r.exit_code != 0 and "--max-connections limits qconv's own server" in r.output, r.output

@@ -592,3 +592,55 @@ def test_connection_limits_from_the_command_line(tiny_qwen3, monkeypatch):
     assert seen == [ConnectionLimits(max_connections=20, request_timeout_s=2.5)]
     r = CliRunner().invoke(main, [*args, "--backend", "vllm", "--print-command"])
     assert r.exit_code != 0 and "--max-connections limits qconv's own server" in r.output, r.output
+
+
+FUZZ_VALUES = [None, 0, 1, -1, 2.5, -3.0, 1e308, "x", "", [], [1, "a"], {}, {"type": "json_object"}, True, 2**70]
+FUZZ_FIELDS = [
+    "frequency_penalty",
+    "presence_penalty",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "suffix",
+    "best_of",
+    "logprobs",
+    "logit_bias",
+    "n",
+    "stop",
+    "seed",
+    "top_k",
+    "temperature",
+]
+FUZZ_PARTS = [
+    {"type": "text", "text": "hi"},
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio"},
+    {"type": 7},
+    {"text": "no type"},
+    "bare string",
+]
+
+
+def test_fuzzed_requests_are_answered_200_or_one_4xx(server, model):
+    """240 seeded requests mixing the parameters above with random values and random chat parts: each is a 200 or a
+    4xx with an OpenAI error body (never a 500, never a hang), and a greedy request afterwards gives what it gave
+    before."""
+    import random
+
+    rng = random.Random(47)
+    plain = {"model": model, "prompt": "The quick brown", "max_tokens": 4, "temperature": 0}
+    code, before = _post(server, "/v1/completions", plain)
+    assert code == 200
+    for i in range(240):
+        body = {"model": model, "max_tokens": rng.choice([1, 2])}
+        for field in rng.sample(FUZZ_FIELDS, rng.randint(1, 3)):
+            body[field] = rng.choice(FUZZ_VALUES)
+        if i % 2:
+            path = "/v1/chat/completions"
+            body["messages"] = [{"role": "user", "content": rng.sample(FUZZ_PARTS, rng.randint(1, 3))}]
+        else:
+            path, body["prompt"] = "/v1/completions", "hi"
+        code, answer = _post(server, path, body)
+        assert code == 200 or (400 <= code < 500 and answer["error"]["message"]), (body, code, answer)
+    code, after = _post(server, "/v1/completions", plain)
+    assert code == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]

@@ -371,7 +371,7 @@ def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
 
             return send
 
-        penalty = refused(frequency_penalty=1.5)
+        penalty = refused(frequency_penalty=2.5)  # out of range
         tools = refused(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")
         image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
         vision = refused(messages=[{"role": "user", "content": image}])
@@ -531,8 +531,6 @@ def test_connections_past_the_cap_are_answered_503_at_once(tiny_qwen3):
 
 
 REFUSED = [
-    ("frequency_penalty", 0.5, None),
-    ("presence_penalty", -1.0, None),
     ("response_format", {"type": "json_object"}, None),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, None),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], None),
@@ -553,7 +551,7 @@ def test_parameters_the_engine_cannot_honour_are_refused_by_name(server, model, 
             continue
         code, err = _post(server, path, {"model": model, "max_tokens": 2, field: value, **body})
         assert code == 400 and err["error"]["param"] == field and field in err["error"]["message"], err
-    neutral = {"frequency_penalty": 0, "presence_penalty": 0, "response_format": {"type": "text"}, "tools": []}
+    neutral = {"response_format": {"type": "text"}, "tools": []}
     neutral |= {"tool_choice": "none", "suffix": "", "best_of": 1}
     code, ok = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2, **neutral})
     assert code == 200, ok
@@ -644,3 +642,17 @@ def test_fuzzed_requests_are_answered_200_or_one_4xx(server, model):
         assert code == 200 or (400 <= code < 500 and answer["error"]["message"]), (body, code, answer)
     code, after = _post(server, "/v1/completions", plain)
     assert code == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]
+
+
+def test_repetition_penalties_reach_the_sampler(server, model):
+    """frequency_penalty / presence_penalty are honoured (tests/test_serve_scheduler.py checks the values): the same
+    greedy request answers otherwise with them; out of [-2, 2] is a 400 naming the field."""
+    body = {"model": model, "prompt": "The quick brown", "max_tokens": 16, "temperature": 0}
+    texts = {}
+    for extra in ({}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        code, answer = _post(server, "/v1/completions", {**body, **extra})
+        assert code == 200, answer
+        texts[tuple(extra)] = answer["choices"][0]["text"]
+    assert texts[()] != texts[("frequency_penalty",)] and texts[()] != texts[("presence_penalty",)]
+    code, err = _post(server, "/v1/completions", {**body, "presence_penalty": 3})
+    assert code == 400 and err["error"]["param"] == "presence_penalty", err

@@ -189,3 +189,53 @@ def test_greedy_is_the_same_with_chunked_prefill(tiny_models, family, method):
     finally:
         chunked.stop()
     assert together == alone
+
+
+def _penalized_reference(model, prompt: list[int], n: int, fp: float, pp: float) -> list[int]:
+    """Greedy decoding by hand, the whole sequence each step: logits - count * fp - (count > 0) * pp."""
+    import torch
+
+    out: list[int] = []
+    for _ in range(n):
+        cache = model.new_cache(1, len(prompt) + n + 1)
+        logits = model(torch.tensor([prompt + out]), cache)[0, -1].float()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).float()
+        out.append(int((logits - counts * fp - (counts > 0) * pp).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("fp,pp", [(1.5, 0.0), (0.0, 2.0), (-2.0, 0.0)])
+def test_repetition_penalties_are_applied_as_openai_defines_them(tiny_qwen3, fp, pp):
+    """Greedy with frequency/presence penalties equals decoding by hand with them, also with a drafter beside it,
+    and differs from greedy without them."""
+    sched = _scheduler(tiny_qwen3)
+    spec = _scheduler(tiny_qwen3, spec=SpecConfig("lookup", max_block=4, adaptive=False))
+    prompt = PROMPTS[0]
+    try:
+        ids = sched.tokenizer(prompt).input_ids
+        want = _penalized_reference(sched.model, ids, 20, fp, pp)
+        params = SamplingParams(0.0, frequency_penalty=fp, presence_penalty=pp)
+        got = _run(sched, [prompt], 20, sampling=params)[0][0]
+        drafted = _run(spec, [prompt], 20, sampling=params)[0][0]
+        plain = _run(sched, [prompt], 20)[0][0]
+    finally:
+        sched.stop()
+        spec.stop()
+    assert got == want and drafted == want
+    assert plain != want  # the penalty changed what greedy picks
+
+
+def test_each_verified_position_is_penalized_by_the_drafts_before_it():
+    """In a block, row i is scored after generated + draft[:i]: what plain decoding would have seen there."""
+    import torch
+
+    from qconv.engine.sampling import penalize
+
+    logits = torch.zeros(3, 6)
+    params = SamplingParams(0.0, frequency_penalty=1.0, presence_penalty=0.5)
+    out = penalize(logits, [2, 2], [4, 2], params)
+    want = torch.zeros(3, 6)
+    want[:, 2] -= 2 * 1.0 + 0.5  # generated twice
+    want[1:, 4] -= 1.0 + 0.5  # the first draft, from row 1 on
+    want[2, 2] -= 1.0  # the second draft: a third 2
+    assert torch.equal(out, want)

@@ -133,7 +133,7 @@ def _draft(r, room: int) -> Draft:
 
 
 def _verify(r, draft: Draft, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
-    new = verify(draft, logits, r.sampling, r.generator)
+    new = verify(draft, logits, r.sampling, r.generator, r.out_ids)
     if r.speculator is not None:
         r.speculator.verified(draft, new, hidden)
     return new

@@ -49,9 +49,9 @@ class _Common(BaseModel):
     stream_options: dict | None = None
     logprobs: bool | int | None = None  # not supported: refused rather than silently ignored
     logit_bias: dict[str, float] | None = None  # not supported: refused (a non-empty one) rather than ignored
-    # Not supported either, each refused when it asks for something (see `refused`) rather than answered as if applied
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # applied in sampling (engine/sampling.py)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # Not supported, each refused when it asks for something (see `refused`) rather than answered as if applied
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -63,8 +63,6 @@ class _Common(BaseModel):
         checks = (
             ("logprobs", bool(self.logprobs), "log-probabilities are not returned"),
             ("logit_bias", bool(self.logit_bias), "logit bias is not applied"),
-            ("frequency_penalty", bool(self.frequency_penalty), "repetition penalties are not applied"),
-            ("presence_penalty", bool(self.presence_penalty), "repetition penalties are not applied"),
             ("response_format", fmt != "text", f"response_format {fmt!r} is not enforced (only 'text')"),
             ("tools", bool(self.tools), "tool calls are not produced"),
             ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool calls are not produced"),

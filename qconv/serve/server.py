@@ -211,7 +211,13 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                 param="max_tokens" if max_tokens else "messages",
                 code="context_length_exceeded",
             )
-        sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0))
+        sp = SamplingParams(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+        )
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         r = GenRequest(
             prompt_ids, want, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), sp, body.seed, body.stop_list()

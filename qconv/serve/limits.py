@@ -87,6 +87,7 @@ def protocol_for(limits: ConnectionLimits) -> type:
             if len(self.connections) > limits.max_connections:
                 n = len(self.connections) - 1
                 self.logger.warning("connection limit reached (%d open): new connections answered 503", n)
+                self.connections.discard(self)  # not held: it must not count against the others' requests
                 transport.write(busy)
                 transport.close()
                 return
@@ -160,12 +161,15 @@ def uvicorn_config(app, host: str, port: int, limits: ConnectionLimits, log_leve
         port=port,
         log_level=log_level,
         http=protocol_for(fit),
-        limit_concurrency=fit.max_connections + 1,  # requests past the cap: 503 (the cap itself is held above)
+        limit_concurrency=fit.max_connections + 1,  # a backstop: the cap above already holds connections (and requests)
         timeout_keep_alive=fit.keep_alive_s,
         backlog=fit.backlog,
         h11_max_incomplete_event_size=HEADER_BYTES,
         timeout_graceful_shutdown=5,
     )
-    for name in RATE_LIMITED_LOGGERS:  # after Config, which configures uvicorn's logging
-        logging.getLogger(name).addFilter(RateLimited())
+    for name in RATE_LIMITED_LOGGERS:  # after Config, which configures uvicorn's logging; one filter per logger,
+        logger = logging.getLogger(name)  # its window started afresh for this server
+        for f in [f for f in logger.filters if isinstance(f, RateLimited)]:
+            logger.removeFilter(f)
+        logger.addFilter(RateLimited())
     return config

@@ -12,7 +12,10 @@ from contextlib import contextmanager
 
 import torch
 
+from qconv.errors import QconvError
+
 HALF = (torch.bfloat16, torch.float16)
+CHOICES = ("auto", "float32", "bfloat16")  # --compute-dtype on build and eval
 
 
 def bf16_native(device: str = "cpu") -> bool:
@@ -26,6 +29,17 @@ def bf16_native(device: str = "cpu") -> bool:
 def compute_dtype(device: str = "cpu") -> torch.dtype:
     """bf16 where `device` computes it natively, else float32."""
     return torch.bfloat16 if bf16_native(device) else torch.float32
+
+
+def resolve(choice: str | None, device: str = "cpu") -> torch.dtype:
+    """--compute-dtype: `auto` (or None) is bf16 where `device` computes it natively (a GPU, an AVX-512 bf16 / AMX
+    CPU), else float32; `float32` or `bfloat16` is taken as given, on any device."""
+    choice = (choice or "auto").lower()
+    if choice not in CHOICES:
+        raise QconvError(
+            f"unknown compute dtype {choice!r}", where="--compute-dtype", fix=f"use one of {', '.join(CHOICES)}"
+        )
+    return compute_dtype(device) if choice == "auto" else getattr(torch, choice)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -95,7 +95,49 @@ def check_writable(folder: str | os.PathLike, what: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         Path(tempfile.mkdtemp(dir=folder, prefix=f".qconv-probe.{os.getpid()}.", suffix=".partial")).rmdir()
     except OSError as e:
-        raise (disk_error(e, what=what, where=folder) or e) from e
+        raise (
+            disk_error(e, what=what, where=folder)
+            or QconvError(
+                f"{what}: {e.strerror or e}", where=str(folder), fix="pass a folder on a disk you can write to"
+            )
+        ) from e
+
+
+# kernel file systems: nothing written there is a file (`-o /proc/x` failed with a FileNotFoundError traceback)
+PSEUDO_FS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "bpf"}
+
+
+def _fs_type(path: Path) -> str | None:
+    """The type of the file system `path` lives on (the longest mount point above it in /proc/self/mounts)."""
+    best, kind = "", None
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) > 2:
+            mount = parts[1].replace("\\040", " ")
+            if (mount == "/" or _inside(path, Path(mount))) and len(mount) >= len(best):
+                best, kind = mount, parts[2]
+    return kind
+
+
+def check_out_place(out: Path, raw: Path, flag: str) -> None:
+    """A folder can be made at `out`: its nearest existing ancestor is a folder on a real file system."""
+    anc = next(p for p in (out, *out.parents) if p.exists())
+    if not anc.is_dir():
+        raise QconvError(
+            f"{flag} {raw} cannot be made: {anc} is a file, not a folder",
+            where=flag,
+            fix=f"pass a folder as {flag} that is not inside a file",
+        )
+    if (kind := _fs_type(anc)) in PSEUDO_FS:
+        raise QconvError(
+            f"{flag} {raw} is on the kernel's {kind} file system, which holds no files",
+            where=flag,
+            fix=f"pass a folder on a disk as {flag}",
+        )
 
 
 def _inside(a: Path, b: Path) -> bool:
@@ -117,6 +159,7 @@ def check_out_folder(
     out = raw.resolve()
     if not out.name:
         raise QconvError(f"{flag} {raw} is the file system root", where=flag, fix=f"pass a new folder as {flag}")
+    check_out_place(out, raw, flag)
     for label, p in protected.items():
         if p is None:
             continue

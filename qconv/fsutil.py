@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,15 +65,38 @@ def refuse_links(root: str | os.PathLike, what: str, fix: str) -> None:
 
 
 def open_nofollow(path: str | os.PathLike, flags: int, what: str, fix: str) -> int:
-    """os.open that refuses a symbolic link in place of `path` (O_NOFOLLOW): a planted link is never written through."""
+    """os.open for a file qconv owns alone: a symbolic link in place of `path` (O_NOFOLLOW), a hard link (more than
+    one name for its bytes) or anything but a regular file is refused before a byte is written. O_TRUNC is applied
+    only after those checks, so a planted hard link never loses its contents."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
     except OSError as e:
-        if e.errno != errno.ELOOP:
+        if e.errno not in (errno.ELOOP, errno.ENXIO):  # ENXIO: a FIFO with no reader
             raise
+        kind = "a symbolic link" if e.errno == errno.ELOOP else "not a regular file"
+        raise QconvError(f"{what}: {path} is {kind}; qconv never writes through links", where=str(path), fix=fix) from e
+    if problem := _not_sole_file(os.fstat(fd)):
+        os.close(fd)
+        raise QconvError(f"{what}: {path} is {problem}; qconv never writes through links", where=str(path), fix=fix)
+    os.set_blocking(fd, True)
+    if flags & os.O_TRUNC:
+        os.ftruncate(fd, 0)
+    return fd
+
+
+def _not_sole_file(st: os.stat_result) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    return "a hard link (it shares its bytes with another file)" if st.st_nlink > 1 else None
+
+
+def refuse_shared(path: str | os.PathLike, what: str, fix: str) -> None:
+    """One QconvError unless `path` is a regular file with one name: a hard link planted in a download folder would
+    make the cached file share its inode with someone else's."""
+    if problem := _not_sole_file(os.lstat(path)):
         raise QconvError(
-            f"{what}: {path} is a symbolic link; qconv never writes through links", where=str(path), fix=fix
-        ) from e
+            f"{what}: {path} is {problem}; qconv never takes files through links", where=str(path), fix=fix
+        )
 
 
 def file_table(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, dict]:

@@ -7,6 +7,7 @@ summary are typed here once, so no consumer re-parses dicts with its own default
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import re
@@ -17,7 +18,7 @@ from typing import Any, ClassVar
 from qconv.errors import QconvError
 from qconv.fsutil import file_table, find_links, write_json_atomic
 from qconv.modelfiles import read_json_object
-from qconv.recipes.schema import coerce_fields, from_dict, read_record, shorten
+from qconv.recipes.schema import coerce_fields, from_dict, read_record, shorten, version_problem
 from qconv.recipes.sections import Profile, Speculative
 
 MANIFEST = "qconv.json"
@@ -76,6 +77,24 @@ class FileEntry:
             yield "size", "expected a size in bytes (>= 0)"
 
 
+# the metrics gates and `check --against` compare, and the range each can take: a recorded value outside it (JSON's
+# Infinity, 1e308) would make every comparison against it pass, so the reader refuses it
+METRIC_RANGES = {
+    **{k: (0.0, 1e6) for k in ("kld_mean", "kld_median", "kld_p99", "kld_max", "kld_bound")},
+    "top1": (0.0, 1.0),
+    **{k: (0.0, 1e12) for k in ("ppl_base", "ppl_q", "ppl_ratio")},
+    "ln_ppl_ratio": (-100.0, 100.0),
+}
+
+
+def metric_problems(stats: Any):
+    """(field, problem) for each compared metric of `stats` that is not a finite number inside its range."""
+    for name, (lo, hi) in METRIC_RANGES.items():
+        v = getattr(stats, name, None)
+        if isinstance(v, (int, float)) and not (math.isfinite(v) and lo <= v <= hi):
+            yield name, f"{shorten(v)} is outside the range this metric can take [{lo:g}, {hi:g}]"
+
+
 @dataclass(frozen=True)
 class KldStats:
     """One measured section of the quality summary: the subset of report.json's section (qconv.eval.record.MetricSummary)
@@ -93,6 +112,9 @@ class KldStats:
     ppl_q: float
     ppl_ratio: float
     ln_ppl_ratio: float
+
+    def validate(self):
+        return metric_problems(self)
 
 
 @dataclass(frozen=True)
@@ -189,6 +211,8 @@ class BuildInfo:
     streamed: bool | None = None
     work_dir: str | None = None
     device: str | None = None  # where the build computed ("cpu", "cuda", ...)
+    compute_dtype: str | None = None  # what its forwards computed in (--compute-dtype; bfloat16 or float32)
+    cpu_isa: str | None = None  # torch's CPU kernel class on a CPU build (AVX512, AVX2): float sums follow it
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     elapsed_s: float | None = None
     source_format: dict[str, Any] | None = None
@@ -287,10 +311,9 @@ class Manifest:
                 where=where,
                 fix="the artifact is damaged or not a qconv artifact; rebuild or re-pull it",
             )
-        if d.get("schema_version") != SCHEMA_VERSION:
+        if type(d.get("schema_version")) is not int or d["schema_version"] != SCHEMA_VERSION:  # not true, not 1.0
             raise QconvError(
-                f"unsupported manifest schema_version {shorten(d.get('schema_version'))} (this qconv reads "
-                f"{SCHEMA_VERSION})",
+                version_problem("manifest", d.get("schema_version"), SCHEMA_VERSION),
                 where=where,
                 fix="rebuild or re-pull the artifact with this qconv version",
             )

@@ -89,6 +89,22 @@ def read_json_object(path: str | os.PathLike, what: str, fix: str, cap: int = 64
     return data
 
 
+def load_tokenizer(folder: str | os.PathLike):
+    """transformers' AutoTokenizer for a model folder; tokenizer files it cannot read (a tokenizer.json without its
+    `added_tokens`, a wrong type inside) are one QconvError naming the folder, not a KeyError from transformers."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(Path(folder))
+    except (KeyError, ValueError, TypeError, AttributeError, IndexError, RecursionError) as e:
+        raise QconvError(
+            f"cannot read the tokenizer: {type(e).__name__}: {str(e)[:200]}",
+            where=str(folder),
+            fix="the tokenizer files (tokenizer.json, tokenizer_config.json) are damaged or incomplete: re-download "
+            "or re-copy them (or re-pull / rebuild the artifact)",
+        ) from e
+
+
 def read_model_config(folder: str | os.PathLike) -> dict:
     """A model folder's config.json as a mapping: the one reader every verb uses before handing the folder to a
     library, so a damaged file is one clear error, not a traceback from deep inside transformers."""
@@ -114,7 +130,27 @@ def read_model_config(folder: str | os.PathLike) -> dict:
             )
             if not ok:
                 raise QconvError(f"config.json: {path}{key} is not {CONFIG_TYPE_NAMES[want]}", where=str(cfg), fix=fix)
+    if tcfg := (data.get("quantization_config") or {}).get("transform_config"):  # `{}`: no transforms
+        transform_config(tcfg, str(cfg))
     return data
+
+
+def transform_config(tcfg, where: str):
+    """config.json's `quantization_config.transform_config` as compressed-tensors' TransformConfig; a malformed one
+    is one QconvError naming the key path, not a pydantic traceback."""
+    from compressed_tensors.transform import TransformConfig
+
+    try:
+        return TransformConfig.model_validate(tcfg)
+    except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        errors = getattr(e, "errors", None)
+        first = ((errors() if callable(errors) else None) or [{}])[0]
+        at = "".join(f".{x}" for x in first.get("loc", ()))
+        raise QconvError(
+            f"config.json: quantization_config.transform_config{at[:120]} is malformed: {first.get('msg', e)!s:.200}",
+            where=where,
+            fix="the checkpoint's config.json is damaged or was edited: re-download or rebuild it",
+        ) from e
 
 
 def _entry_problem(name: str, t) -> str | None:
@@ -175,7 +211,99 @@ def safetensors_header(path: str | os.PathLike) -> dict[str, dict]:
     return tensors
 
 
+# compressed-tensors' per-module parameters: a packed weight needs its scale and shape, and every parameter needs the
+# weight it describes (a renamed tensor in a header otherwise fails deep in the decompressor, or is silently dropped)
+PACKED_NEEDS = ("weight_scale", "weight_shape")
+QPARAMS = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
+ROTATION_STORED = "_input.weight"  # `<module>.<scheme>_input.weight`: an input-rotation block (qconv.convert.rotation)
+ORTHOGONAL_TOL = 1e-3
+ELEMENTS_PER_BYTE = 8  # the most weights a stored byte can hold (1-bit): a config that implies more lies about sizes
+
+
+def _check_quantized_groups(tensors: dict[str, dict], folder: Path) -> None:
+    names = set(tensors)
+    fix = "the artifact's weight files are damaged or were edited: re-pull or rebuild it"
+    for name in sorted(names):
+        prefix, _, param = name.rpartition(".")
+        missing = []
+        if param == "weight_packed":
+            missing = [f"{prefix}.{p}" for p in PACKED_NEEDS if f"{prefix}.{p}" not in names]
+        elif param in QPARAMS and not {f"{prefix}.weight_packed", f"{prefix}.weight"} & names:
+            missing = [f"{prefix}.weight_packed"]
+        if missing:
+            raise QconvError(
+                f"tensor {name[:120]!r} comes without {missing[0][:120]!r} in the safetensors headers",
+                where=str(folder),
+                fix=fix,
+            )
+
+
+def _check_rotations(folder: Path, names: set[str]) -> None:
+    """Each stored rotation block must be square, finite and, divided by sqrt(b), orthogonal: a block of NaN (or
+    scaled by 1e300) turned every input into garbage and generate printed nothing. Checked with a few random probes
+    (VᵀV x = x), O(b²) per block, so a large block costs no matrix product."""
+    if not names:
+        return
+    import torch
+    from safetensors import safe_open
+
+    gen = torch.Generator().manual_seed(0)
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as sf:
+            for name in sorted(names & set(sf.keys())):
+                t = sf.get_tensor(name).double()
+                problem = None
+                if t.dim() != 2 or t.shape[0] != t.shape[1] or t.shape[0] == 0:
+                    problem = f"shape {list(t.shape)} is not a square matrix"
+                elif not torch.isfinite(t).all():
+                    problem = "it holds NaN or infinite values"
+                else:
+                    v = t / math.sqrt(t.shape[0])
+                    x = torch.randn(t.shape[0], 4, generator=gen, dtype=torch.float64)
+                    err = ((v.T @ (v @ x)) - x).norm() / x.norm()
+                    if not err <= ORTHOGONAL_TOL:
+                        problem = f"it is not orthogonal (relative error {float(err):.3g})"
+                if problem:
+                    raise QconvError(
+                        f"rotation block {name[:120]!r}: {problem}",
+                        where=str(shard),
+                        fix="the artifact's weight files are damaged or were edited: re-pull or rebuild it",
+                    )
+
+
+def _check_sizes(config: dict, tensors: dict[str, dict], stored: int, folder: Path) -> None:
+    """config.json's vocabulary and width against the weights really stored, before anything is allocated from them
+    (a vocab_size of 1e12 asked eval for 1.15e15 bytes)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    vocab, hidden = text.get("vocab_size", config.get("vocab_size")), text.get("hidden_size", config.get("hidden_size"))
+    where, fix = str(folder / "config.json"), "re-download or re-copy config.json (or re-pull / rebuild the artifact)"
+    if isinstance(vocab, int) and isinstance(hidden, int) and vocab * hidden > ELEMENTS_PER_BYTE * stored:
+        raise QconvError(
+            f"config.json: vocab_size {vocab} x hidden_size {hidden} is more weights than the {stored} bytes of "
+            "safetensors files can hold",
+            where=where,
+            fix=fix,
+        )
+    for name, t in tensors.items():
+        if name.endswith(("embed_tokens.weight", "embed_tokens.weight_packed")) and isinstance(vocab, int):
+            if t["shape"] and t["shape"][0] != vocab:
+                raise QconvError(
+                    f"config.json: vocab_size {vocab} does not match the {t['shape'][0]} rows of {name[:120]}",
+                    where=where,
+                    fix=fix,
+                )
+
+
 def check_weight_files(folder: str | os.PathLike) -> None:
-    """Every *.safetensors header in `folder`, checked before a library loads them (serve, generate, eval, check)."""
-    for shard in sorted(Path(folder).glob("*.safetensors")):
-        safetensors_header(shard)
+    """Every *.safetensors header in `folder`, checked before a library loads them (serve, generate, eval, check):
+    well-formed, every quantized parameter beside the weight it belongs to, and sizes config.json agrees with."""
+    folder = Path(folder)
+    tensors: dict[str, dict] = {}
+    stored = 0
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors.update(safetensors_header(shard))
+        stored += shard.stat().st_size
+    _check_quantized_groups(tensors, folder)
+    _check_rotations(folder, {n for n in tensors if n.endswith(ROTATION_STORED)})
+    if tensors and (folder / "config.json").is_file():
+        _check_sizes(read_model_config(folder), tensors, stored, folder)

@@ -36,6 +36,7 @@ def make_artifact(folder: Path) -> Path:
         {
             "model.layers.0.mlp.down_proj.weight_packed": rng.integers(-(2**31), 2**31 - 1, (128, 512), np.int32),
             "model.layers.0.mlp.down_proj.weight_scale": rng.standard_normal((128, 32)).astype(np.float16),
+            "model.layers.0.mlp.down_proj.weight_shape": np.array([128, 4096], np.int64),
         },
         str(folder / BIG),
     )

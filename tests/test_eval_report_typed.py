@@ -99,3 +99,63 @@ def test_check_against_a_malformed_report_exits_2(written, tmp_path):
     args = ["check", report.artifact, "--text", report.settings.text, "--window", "64", "--max-tokens", "256"]
     r = CliRunner().invoke(main, [*args, "--against", str(bad)])
     assert r.exit_code == 2 and "weights.top1" in r.output and str(bad) in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    "key, value", [("kld_mean", "Infinity"), ("kld_mean", "1e308"), ("top1", "-1e308"), ("ppl_ratio", "NaN")]
+)
+def test_check_against_an_out_of_range_report_fails_closed(written, tmp_path, key, value):
+    """`check --against` a report whose kld_mean is Infinity or 1e308 (or top1 -1e308) used to pass every regression
+    check vacuously with exit 0; a value outside its metric's range is now refused by the reader, exit 2."""
+    from click.testing import CliRunner
+
+    from qconv.cli import main
+
+    path, report = written
+    text = path.read_text()
+    d = json.loads(text)
+    old = json.dumps(d["weights"][key])
+    bad = tmp_path / "r.json"
+    bad.write_text(text.replace(f'"{key}": {old}', f'"{key}": {value}', 1))
+    args = ["check", report.artifact, "--text", report.settings.text, "--window", "64", "--max-tokens", "256"]
+    r = CliRunner().invoke(main, [*args, "--against", str(bad)])
+    assert r.exit_code == 2 and f"weights.{key}:" in r.output and "outside the range" in r.output, r.output
+    assert str(bad) in r.output
+
+
+def test_a_regression_limit_that_overflows_fails(written):
+    from qconv.eval.gates import regressions
+    from qconv.manifest import KldStats
+    from qconv.recipes.quality import Regression
+
+    _, report = written
+    recorded = summary(report)
+    huge = KldStats(**{**asdict(recorded.weights), "kld_mean": 1e6})  # in range, but the limit times 1e308 is not
+    object.__setattr__(recorded, "weights", huge)
+    verdicts = regressions(report, recorded, Regression(mean_kld_rel=1e308))
+    assert not next(v for v in verdicts if v.name.startswith("weights.kld_mean")).passed
+
+
+def test_a_bad_against_file_is_called_by_its_name(tmp_path):
+    bad = tmp_path / "r.json"
+    bad.write_text("{not json")
+    with pytest.raises(QconvError) as e:
+        EvalReport.read(bad)
+    assert "eval report r.json is not valid JSON" in str(e.value) and "report.json" not in str(e.value).split("(")[0]
+
+
+def test_a_bogus_kv_is_refused_before_the_reference_pass(written, monkeypatch):
+    """`--kv bogus` was refused only after the reference model had been run over every window."""
+    from click.testing import CliRunner
+
+    from qconv.cli import main
+    from qconv.eval import quality
+
+    _, report = written
+    ran = []
+    monkeypatch.setattr(quality, "build_reference", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(quality, "open_cached", lambda *a, **k: ran.append(1))
+    args = ["--text", report.settings.text, "--window", "64", "--max-tokens", "256", "--kv", "bogus"]
+    for verb in ("eval", "check"):
+        r = CliRunner().invoke(main, [verb, report.artifact, *args])
+        assert r.exit_code == 2 and "unknown KV scheme 'bogus'" in r.output and ran == [], r.output

@@ -438,7 +438,10 @@ def test_a_yaml_alias_bomb_is_refused_in_bounded_memory(tmp_path, src, calib_txt
     assert len(r.stderr) < 2000 and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["config_array", "config_text_config", "extends_a_list", "recipe_binary"])
+@pytest.mark.parametrize(
+    "case",
+    ["config_array", "config_text_config", "extends_a_list", "recipe_binary", "recipe_control_char", "extends_proc"],
+)
 def test_damaged_config_or_recipe_is_one_error_naming_the_file(case, src, tmp_path, calib_txt):
     recipe = "3090"
     if case == "config_array":
@@ -450,6 +453,12 @@ def test_damaged_config_or_recipe_is_one_error_naming_the_file(case, src, tmp_pa
         (tmp_path / "base.yaml").write_text("- a\n- b\n")
         (tmp_path / "child.yaml").write_text("extends: base.yaml\n")
         recipe = tmp_path / "child.yaml"
+    elif case == "recipe_control_char":  # a yaml.reader.ReaderError traceback before
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("extends: '3090'\nname: a\x01b\n")
+    elif case == "extends_proc":
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text("extends: /proc/self/environ\n")
     else:
         recipe = tmp_path / "r.yaml"
         recipe.write_bytes(b"\xff\xfe\x00garbage")
@@ -458,6 +467,8 @@ def test_damaged_config_or_recipe_is_one_error_naming_the_file(case, src, tmp_pa
         "config_text_config": "text_config is not a",
         "extends_a_list": r"base\.yaml, which is not a recipe",
         "recipe_binary": "not a text file",
+        "recipe_control_char": r"control character \('\\x01'\)",
+        "extends_proc": r"control character .*/proc/self/environ",
     }[case]
     out, work = tmp_path / "out", tmp_path / "work"
     for extra in (["--dry-run"], []):
@@ -513,3 +524,26 @@ def test_a_corrupt_safetensors_header_is_refused_by_dry_run_and_build(case, src,
         r = run(*build_args(src, out, work, calib_txt, *extra))
         one_error(r, r"corrupt or truncated safetensors file")
         assert str(shard) in r.output and "GB" not in r.output and not out.exists()
+
+
+@pytest.mark.parametrize("bpw", ["nan", "inf", "-inf", "1e400", "0", "33"])
+def test_a_bpw_that_is_not_a_number_of_bits_is_one_error(bpw, src, tmp_path, calib_txt):
+    """`--bpw nan` / `inf`: a ValueError / OverflowError traceback from the budget arithmetic."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    for extra in (["--dry-run"], []):
+        r = run(*build_args(src, out, work, calib_txt, "--bpw", bpw, *extra))
+        one_error(r, r"bits-per-weight target .* is not a number of bits a weight can take")
+        assert not out.exists() and stage_results(work) == []
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_out_where_no_folder_can_be_made_is_one_error(where, src, tmp_path, calib_txt):
+    """`-o f/sub` with `f` a file, or `-o /proc/x`: a FileExistsError / FileNotFoundError traceback from the
+    writability probe, and `--dry-run` passed both with exit 0."""
+    (tmp_path / "f").write_text("mine")
+    out = tmp_path / "f" / "sub" if where == "under_a_file" else Path("/proc/qconv-out")
+    pattern = r"is a file, not a folder" if where == "under_a_file" else r"kernel's proc file system"
+    for extra in (["--dry-run"], []):
+        r = run(*build_args(src, out, tmp_path / "work", calib_txt, *extra))
+        one_error(r, pattern)
+    assert (tmp_path / "f").read_text() == "mine"

@@ -19,7 +19,7 @@ import yaml
 
 from qconv.errors import QconvError
 
-CASES = {"manifest": 160, "config": 60, "recipe": 120, "header": 160}
+CASES = {"manifest": 160, "config": 60, "recipe": 120, "header": 160, "index": 120, "report": 60}
 RSS_BOUND = 512 << 20  # bytes the peak RSS may grow by over all cases (ru_maxrss is in KiB on Linux)
 
 
@@ -45,6 +45,9 @@ def _hostile_value(rng: random.Random):
             -(10**30),
             10**400,
             1e308,
+            float("inf"),
+            float("nan"),
+            -1e308,
             3.5,
             "",
             "x" * 100_000,
@@ -151,6 +154,7 @@ def test_fuzzed_model_configs_end_in_success_or_one_error(tiny_llama, tmp_path, 
     """config.json as the dry run reads it: the config reader, then the plan from headers and config."""
     from qconv.convert.layout import plan_model
     from qconv.convert.sources import read_config
+    from qconv.modelfiles import check_weight_files
     from qconv.recipes.recipe import load_recipe
 
     folder = shutil.copytree(tiny_llama, tmp_path / "m")
@@ -159,7 +163,7 @@ def test_fuzzed_model_configs_end_in_success_or_one_error(tiny_llama, tmp_path, 
     rng, seen = random.Random(35), {"ok": 0, "refused": 0}
     for _ in range(CASES["config"]):
         (folder / "config.json").write_bytes(as_text(mutate_tree(good, rng), rng))
-        seen[_ends_well(lambda: plan_model(folder, read_config(folder), recipe))] += 1
+        seen[_ends_well(lambda: (plan_model(folder, read_config(folder), recipe), check_weight_files(folder)))] += 1
     assert seen["refused"] > 0 and seen["ok"] > 0, seen
     _rss_within_bound(rss_start)
 
@@ -172,7 +176,11 @@ def _recipe_text(data, rng: random.Random) -> str:
     if op < 0.3:  # an anchor and its aliases, nested: refused before anything expands them
         return "x0: &a [1, 2, 3, 4, 5, 6, 7, 8, 9]\nx1: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n" + text
     if op < 0.35:
-        return text + "\nextends: " + rng.choice(["../config.json", "'3090'", "[1, 2]", "nope.yaml", "{}"]) + "\n"
+        base = rng.choice(["../config.json", "'3090'", "[1, 2]", "nope.yaml", "{}", "/proc/self/environ", "/dev/zero"])
+        return text + "\nextends: " + base + "\n"
+    if op < 0.4:  # a control character YAML refuses
+        i = rng.randrange(len(text))
+        return text[:i] + rng.choice(["\x01", "\x00", "\x1b", "\ufffe"]) + text[i:]
     return text
 
 
@@ -221,4 +229,67 @@ def test_fuzzed_safetensors_headers_end_in_success_or_one_error(tiny_llama, tmp_
     seen[_ends_well(lambda: check_weight_files(folder))] += 1
     assert seen["refused"] > CASES["header"] // 2 and seen["ok"] > 0, seen
     os.unlink(shard)
+    _rss_within_bound(rss_start)
+
+
+def test_fuzzed_indexes_end_in_success_or_one_error(tmp_path, rss_start):
+    """The artifact index as `pull --index FILE` reads it (deep nesting, wrong types, location kinds and uris)."""
+    from qconv.hub.index import Location, entry_for_artifact, index_from_dict, load_index
+    from tests.hub_server import make_artifact
+
+    art = make_artifact(tmp_path / "art")
+    good = {"schema_version": 1, "artifacts": [entry_for_artifact(art, Location("url", "https://x/a")).__dict__]}
+    good = json.loads(json.dumps(good, default=lambda o: o.__dict__))
+    uris = ["file:///etc", "ftp://h/a", "relative/dir", "https://h/a", "/abs", "file://rel"]
+    rng, seen = random.Random(38), {"ok": 0, "refused": 0}
+    path = tmp_path / "idx.json"
+    for _ in range(CASES["index"]):
+        data = mutate_tree(good, rng)
+        if rng.random() < 0.3 and isinstance(data, dict) and data.get("artifacts"):
+            try:
+                data["artifacts"][0]["location"] = {"kind": rng.choice(["url", "path"]), "uri": rng.choice(uris)}
+            except (TypeError, IndexError, KeyError):
+                pass
+        path.write_bytes(as_text(data, rng))
+        seen[_ends_well(lambda: load_index(str(path)))] += 1
+    seen[_ends_well(lambda: index_from_dict(good, "good"))] += 1
+    assert seen["refused"] > CASES["index"] // 2 and seen["ok"] > 0, seen
+    _rss_within_bound(rss_start)
+
+
+def test_fuzzed_reports_never_make_a_regression_pass_vacuously(tmp_path, rss_start):
+    """report.json as `check --against` reads it: a report that reads has every compared metric in its range, and
+    the regression verdicts against it are computed (a non-finite limit fails)."""
+    import math
+
+    from qconv.eval.gates import regressions
+    from qconv.eval.record import EvalReport
+    from qconv.eval.report import summary
+    from qconv.manifest import METRIC_RANGES
+    from qconv.recipes.quality import Regression
+    from tests.eval_helpers import eval_report
+
+    report = eval_report(0, 256, 0.02, True)
+    good = json.loads(json.dumps(report.data))
+    rng, seen = random.Random(39), {"ok": 0, "refused": 0}
+    path = tmp_path / "r.json"
+    for _ in range(CASES["report"]):
+        data = copy.deepcopy(good)
+        metric = rng.choice(list(METRIC_RANGES))
+        data["weights"][metric] = _hostile_value(rng)
+        path.write_bytes(as_text(mutate_tree(data, rng) if rng.random() < 0.3 else data, rng))
+
+        def judge():
+            recorded = summary(EvalReport.read(path))
+            for k in METRIC_RANGES:
+                v = getattr(recorded.weights, k) if recorded.weights else 0.0
+                lo, hi = METRIC_RANGES[k]
+                assert math.isfinite(v) and lo <= v <= hi, (k, v)
+            for v in regressions(report, recorded, Regression()):
+                assert v.passed == (math.isfinite(v.limit) and v.passed), v
+
+        seen[_ends_well(judge)] += 1
+    path.write_text(json.dumps(good))  # the untouched report reads and judges
+    seen[_ends_well(judge)] += 1
+    assert seen["refused"] > CASES["report"] // 4 and seen["ok"] > 0, seen
     _rss_within_bound(rss_start)

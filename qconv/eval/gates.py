@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def tier_info(quality: Quality, num_params: int) -> TierInfo:
 
 
 def _compare(name: str, measured: float, limit: float, how: str, kind: str = "gate") -> Verdict:
-    ok = measured <= limit if how == "max" else measured >= limit
+    ok = math.isfinite(measured) and math.isfinite(limit) and (measured <= limit if how == "max" else measured >= limit)
     rel = "<=" if how == "max" else ">="
     msg = f"{name}: measured {measured:.4f}, needs {rel} {limit:.4f}" + ("" if ok else " — FAILED")
     return Verdict(kind, name, ok, measured, limit, msg)

@@ -28,7 +28,7 @@ from qconv.eval.record import (
 )
 from qconv.eval.reference import Reference, build_reference, open_cached
 from qconv.eval.text import Windows, load_text, make_windows
-from qconv.modelfiles import safetensors_header
+from qconv.modelfiles import load_tokenizer, safetensors_header
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +123,12 @@ def measure(
 ) -> tuple[EvalReport, dict[str, np.ndarray]]:
     """The report (no verdicts yet) and the per-token KLD arrays by section, for the plot. `fwd` picks the
     device and whole-model or layer-streamed forward (default: streamed when a model does not fit)."""
-    from transformers import AutoTokenizer
-
     t0 = time.time()
+    kv = get_scheme(settings.kv, settings.kv_form) if settings.kv else None  # a bad --kv before minutes of reference
     text = load_text(settings.text)
     # a cached reference has no model beside it: the artifact carries the source's tokenizer, and every cached
     # window's token-id hash is checked against what it gives
-    tok = AutoTokenizer.from_pretrained(artifact_dir if source.cache else source.path)
+    tok = load_tokenizer(artifact_dir if source.cache else source.path)
     windows = make_windows(tok, text, window=settings.window, max_tokens=settings.max_tokens, stride=settings.stride)
     fwd = fwd or Forward()
     if source.cache:
@@ -149,7 +148,6 @@ def measure(
             num_parameters=source.num_parameters,
         )
         ref_source.close()
-    kv = get_scheme(settings.kv, settings.kv_form) if settings.kv else None
     art = LogitSource(artifact_dir, fwd, source.num_parameters, "artifact")
     weights, kld_w = _run(art, ref, windows)
     sections, klds = {"weights": weights}, {"weights": kld_w}

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qconv.manifest import metric_problems
 from qconv.modelfiles import read_json_object
 from qconv.recipes.schema import read_record
 
@@ -74,6 +75,9 @@ class MetricSummary:
     dp_mean: float
     dp_se: float
     dp_rms: float
+
+    def validate(self):
+        return metric_problems(self)
 
 
 @dataclass
@@ -216,4 +220,4 @@ class EvalReport:
     @classmethod
     def read(cls, path: str | Path) -> EvalReport:
         fix = "measure again with `qconv eval --out`"
-        return cls.of(read_json_object(path, REPORT_JSON, fix), str(path))
+        return cls.of(read_json_object(path, f"eval report {Path(path).name}", fix), str(path))

@@ -37,6 +37,7 @@ from qconv.fsutil import (
     switch_symlink,
     write_json_atomic,
 )
+from qconv.hub.download import LINK_FIX
 from qconv.hub.index import HF_ID_RE, NAME_RE, Location, load_index, parse_location
 from qconv.manifest import MANIFEST
 from qconv.paths import qconv_home
@@ -73,6 +74,36 @@ def hf_cache_dir() -> Path:
     return artifacts_root() / ".hf"
 
 
+CURRENT_RE = re.compile(r"revs/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_slot(loc: Location) -> None:
+    """Refuse a symbolic link planted where a pull writes (the slot, its `revs`, the download and lock folders):
+    writing through one would put the artifact, or overwrite files, wherever it points. QCONV_HOME and its
+    `artifacts` folder may be links (a cache moved to a bigger disk); nothing below them may be."""
+    root = artifacts_root()
+    slot, lock = slot_dir(loc), root / ".locks" / f"{slot_key(loc)}.lock"
+    for p in (
+        root / ".incoming",
+        incoming_dir(loc),
+        slot,
+        slot / "revs",
+        root / ".locks",
+        lock,
+        root / ".names",
+        root / ".hf",
+    ):
+        if p.is_symlink():
+            refuse_links(p, "the artifact cache is damaged", LINK_FIX)
+    cur = slot_dir(loc) / "current"
+    if cur.is_symlink() and not CURRENT_RE.fullmatch(os.readlink(cur)):
+        raise QconvError(
+            f"the artifact cache is damaged: {cur} points to {os.readlink(cur)}, outside the slot's revs/",
+            where=str(slot_dir(loc)),
+            fix=LINK_FIX,
+        )
+
+
 def _same(a: Location, b: Location) -> bool:
     return (a.kind, a.uri) == (b.kind, b.uri)
 
@@ -91,7 +122,10 @@ def current(loc: Location) -> Path | None:
     src = read_source(slot)
     if src is None or not _same(src[0], loc):
         return None
-    target = (slot / "current").resolve()
+    link = slot / "current"
+    if not link.is_symlink() or not CURRENT_RE.fullmatch(os.readlink(link)) or (slot / "revs").is_symlink():
+        return None
+    target = link.resolve()
     return target if (target / MANIFEST).is_file() else None
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from qconv.disk import os_error
+from qconv.disk import is_disk_error, os_error
 from qconv.errors import QconvError
 from qconv.fsutil import CHUNK, open_nofollow, sha256_file
 
@@ -76,8 +76,16 @@ def check_file_name(name: str, where: str) -> str:
 MANIFEST_CAP = 8 << 20  # an unhashed qconv.json larger than this is refused, not read whole
 
 
-def check_scheme(url: str, insecure: bool) -> str:
-    """Plain http:// lets anyone on the path swap bytes and the hashes that vouch for them: opt in explicitly."""
+def check_scheme(url: str, insecure: bool, remote: bool = False) -> str:
+    """Plain http:// lets anyone on the path swap bytes and the hashes that vouch for them: opt in explicitly.
+    `remote`: `url` is fetched over the network, so https:// (or http:// opted in) is all it may be: urllib would
+    also open file:// (through links) and ftp:// (plain text) URLs, or follow a redirect to one."""
+    if remote and not url.startswith(("https://", "http://")):
+        raise QconvError(
+            f"refusing URL {url[:120]}: artifacts are fetched over https:// only",
+            where=url[:200],
+            fix="serve the artifact over https://, or pull a local folder by its path",
+        )
     if url.startswith("http://") and not insecure:
         raise QconvError(
             f"refusing plain http:// URL {url}",
@@ -121,7 +129,7 @@ def http_fetch(
     """
     from tqdm.auto import tqdm
 
-    check_scheme(url, insecure)
+    check_scheme(url, insecure, remote=True)
     attempt = 0
     while True:
         have = part.stat().st_size if part.exists() else 0
@@ -133,7 +141,7 @@ def http_fetch(
         req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
-                check_scheme(r.geturl(), insecure)  # a redirect must not downgrade to http
+                check_scheme(r.geturl(), insecure, remote=True)  # a redirect must not downgrade to http (or ftp)
                 start, total = _content_range(r)
                 if start > have or (total is not None and size is not None and total != size):
                     part.unlink(missing_ok=True)  # a gap, or another file than the one declared: start over
@@ -171,6 +179,8 @@ def http_fetch(
                 f"download failed: HTTP {e.code} {e.reason}", where=url, fix="check the index location or URL"
             ) from e
         except (OSError, http.client.HTTPException) as e:  # network only: local write errors raised QconvError
+            if not isinstance(e, (urllib.error.URLError, http.client.HTTPException)) and is_disk_error(e):
+                raise os_error(e, f"writing {part.name.removesuffix('.part')}", part.parent) from e  # not a retry
             attempt += 1
             if attempt > retries:
                 raise QconvError(
@@ -233,8 +243,9 @@ def _local(part: Path, needed: int | None):
         ) from e
 
 
-def local_fetch(root: Path, name: str, part: Path) -> None:
-    """Copy `root/name` into `part`: a regular file inside the folder (no link anywhere on its way), never linked."""
+def local_fetch(root: Path, name: str, part: Path, *, size: int | None = None, cap: int | None = None) -> None:
+    """Copy `root/name` into `part`: a regular file inside the folder (no link anywhere on its way), never linked.
+    Its size is checked before a byte is copied: `size` the one listed, `cap` the most an unhashed file may hold."""
     src = root / name
     for p in [src, *src.relative_to(root).parents][:-1]:
         if (root / p).is_symlink():
@@ -245,6 +256,19 @@ def local_fetch(root: Path, name: str, part: Path) -> None:
             )
     if not src.is_file():
         raise QconvError(f"missing file {name}", where=str(src), fix="the source folder is incomplete")
+    have = src.stat().st_size
+    if cap is not None and have > cap:
+        raise QconvError(
+            f"refusing a {name} of {have / 1e6:.0f} MB (more than {cap / 1e6:.0f} MB) that no trusted hash vouches for",
+            where=str(src),
+            fix="this folder does not hold a qconv artifact",
+        )
+    if size is not None and have != size:
+        raise IntegrityError(
+            f"{name}: {have} bytes, but {size} are listed",
+            where=str(src),
+            fix="the folder's files do not match its index entry or qconv.json; rebuild or re-copy it",
+        )
     fd = open_nofollow(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "pulling", LINK_FIX)
     with open(src, "rb") as fi, os.fdopen(fd, "wb") as fo:
         shutil.copyfileobj(fi, fo, CHUNK)

@@ -21,6 +21,7 @@ from qconv.errors import QconvError
 from qconv.fsutil import file_table, write_json_atomic
 from qconv.hub.download import check_scheme
 from qconv.manifest import FileEntry
+from qconv.recipes.schema import version_problem
 
 INDEX_SCHEMA_VERSION = 1
 INDEX_CAP = 32 << 20
@@ -95,7 +96,31 @@ def parse_location(spec: str) -> Location:
     return Location("path", str(Path(spec).expanduser().resolve()))
 
 
+def location_uri(kind: str, uri: str, where: str) -> str:
+    """An index location's uri, checked for its kind: a `url` is http(s) only (file://, ftp:// and the rest are
+    refused: a file:// url would bypass the `path` kind's link checks, ftp has neither TLS nor ranges); a `path` is
+    an absolute folder, written plainly or as file://, and pulled with the `path` kind's link refusals."""
+    if kind == "url" and not uri.startswith(("https://", "http://")):
+        raise QconvError(
+            f"location kind 'url' takes an https:// URL, not {uri[:80]!r}",
+            where=where,
+            fix='write {"kind": "path", "uri": "/abs/folder"} for a local folder; serve anything else over https',
+        )
+    if kind == "path":
+        path = uri[len("file://") :] if uri.startswith("file://") else uri
+        if "://" in path or not Path(path).is_absolute():
+            raise QconvError(
+                f"location kind 'path' takes an absolute folder, not {uri[:80]!r}",
+                where=where,
+                fix="write the folder's absolute path (or file:///abs/folder)",
+            )
+        return str(Path(path))
+    return uri
+
+
 def _req(d: dict, key: str, typ: type | tuple, where: str):
+    if not isinstance(d, dict):
+        raise QconvError(f"expected an object, got {type(d).__name__}", where=where, fix="see qconv/hub/index.json")
     if key not in d:
         raise QconvError(f"missing key {key!r}", where=where, fix="see qconv/hub/index.json for the schema")
     if not isinstance(d[key], typ):
@@ -122,6 +147,7 @@ def entry_from_dict(d: dict, where: str) -> IndexEntry:
         raise QconvError(
             f"unknown location kind {kind!r}", where=f"{where}.location", fix=f"use one of {', '.join(LOCATION_KINDS)}"
         )
+    uri = location_uri(kind, _req(loc, "uri", str, f"{where}.location"), f"{where}.location")
     files = {}
     for fname, f in _req(d, "files", dict, where).items():
         fw = f"{where}.files[{fname}]"
@@ -134,7 +160,7 @@ def entry_from_dict(d: dict, where: str) -> IndexEntry:
         name=name,
         recipe=_req(d, "recipe", str, where),
         source=SourceRef(_req(src, "id", str, f"{where}.source"), src.get("revision")),
-        location=Location(kind, _req(loc, "uri", str, f"{where}.location"), loc.get("revision")),
+        location=Location(kind, uri, loc.get("revision")),
         files=files,
         card=_opt(d, "card", str, "", where),
         quality=_opt(d, "quality", dict, {}, where),
@@ -146,9 +172,9 @@ def index_from_dict(d: Any, where: str) -> Index:
         raise QconvError("index is not a JSON object", where=where, fix="see qconv/hub/index.json for the schema")
     if d.get("schema_version") != INDEX_SCHEMA_VERSION:
         raise QconvError(
-            f"unsupported index schema_version {d.get('schema_version')!r}",
+            version_problem("index", d.get("schema_version"), INDEX_SCHEMA_VERSION),
             where=where,
-            fix=f"this qconv reads schema_version {INDEX_SCHEMA_VERSION}; upgrade qconv or the index",
+            fix=f'write "schema_version": {INDEX_SCHEMA_VERSION}, or upgrade qconv for a newer index',
         )
     entries = [entry_from_dict(e, f"{where}:artifacts[{i}]") for i, e in enumerate(_req(d, "artifacts", list, where))]
     names = [e.name for e in entries]
@@ -175,10 +201,11 @@ def load_index(spec: str | None = None, *, offline: bool = False, insecure: bool
         if remote:
             with urllib.request.urlopen(spec, timeout=30) as r:
                 text = r.read(INDEX_CAP + 1).decode()
-            if len(text) > INDEX_CAP:
-                raise QconvError(f"artifact index larger than {INDEX_CAP >> 20} MB", where=spec)
-        else:
-            text = Path(spec[len("file://") :] if spec.startswith("file://") else spec).expanduser().read_text()
+        else:  # the remote cap applies here too: a local index is read no further than it
+            with open(Path(spec[len("file://") :] if spec.startswith("file://") else spec).expanduser(), "rb") as f:
+                text = f.read(INDEX_CAP + 1).decode()
+        if len(text) > INDEX_CAP:
+            raise QconvError(f"artifact index larger than {INDEX_CAP >> 20} MB", where=spec)
     except (OSError, urllib.error.URLError, UnicodeDecodeError) as e:
         raise QconvError(
             f"cannot read the artifact index: {e}",
@@ -187,8 +214,12 @@ def load_index(spec: str | None = None, *, offline: bool = False, insecure: bool
         ) from e
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise QconvError(f"artifact index is not valid JSON: {e}", where=spec) from e
+    except (ValueError, RecursionError) as e:  # bad JSON, an over-long integer, nesting deeper than Python's stack
+        raise QconvError(
+            f"artifact index is not valid JSON: {str(e)[:200] or type(e).__name__}",
+            where=spec,
+            fix="check --index / QCONV_INDEX: it must name a qconv index (see qconv/hub/index.json)",
+        ) from e
     return index_from_dict(data, spec)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qconv.disk import check_space, is_disk_error, os_error
 from qconv.errors import QconvError
-from qconv.fsutil import refuse_links, sha256_file
+from qconv.fsutil import refuse_links, refuse_shared, sha256_file
 from qconv.hub import cache, hf
 from qconv.hub.download import (
     LINK_FIX,
@@ -61,10 +61,31 @@ def _is_folder(s: str) -> bool:
     return s.startswith("file://") or Path(s).expanduser().is_dir()
 
 
+def _index_names(target: str, index: str | None, insecure: bool) -> bool:
+    """Whether `target`, a folder here, is also a name the index lists: then the index entry wins (its hashes are
+    the trust root; a folder of that name in the working directory would silently replace them). `./NAME` or a path
+    with a slash always means the folder."""
+    if not NAME_RE.match(target) or target.startswith(".") or target != Path(target).name:
+        return False
+    try:
+        entry = load_index(index, insecure=insecure).get(target)
+    except QconvError:
+        if index:
+            raise
+        return False  # the default index cannot be read: the folder is what the user named
+    if entry:
+        log.warning(
+            "%s is both a folder here and an index entry: pulling the index entry (pull ./%s for the folder)",
+            target,
+            target,
+        )
+    return entry is not None
+
+
 def resolve_target(
     target: str, revision: str | None = None, index: str | None = None, insecure: bool = False
 ) -> PullSource:
-    if _is_url(target) or _is_folder(target):
+    if _is_url(target) or (_is_folder(target) and not _index_names(target, index, insecure)):
         if revision:
             raise QconvError("--revision applies to Hugging Face repos only", where=target)
         loc = parse_location(target)
@@ -103,7 +124,11 @@ def fetcher(loc: Location, *, progress: bool, retries: int, insecure: bool) -> C
                 progress=progress,
             )
         )
-    return lambda w: lambda part, _refetch: local_fetch(Path(loc.uri), w.name, part)
+    return lambda w: (
+        lambda part, _refetch: local_fetch(
+            Path(loc.uri), w.name, part, size=w.size if w.sha256 else None, cap=None if w.sha256 else MANIFEST_CAP
+        )
+    )
 
 
 def expected_files(src: PullSource, manifest: Manifest) -> dict[str, Want]:
@@ -171,12 +196,21 @@ def _partial_size(staging: Path) -> Callable[[str], int]:
 def _pull_files(src: PullSource, *, progress: bool, retries: int, insecure: bool) -> Path:
     loc = src.location
     staging = cache.incoming_dir(loc)
-    for p in (staging.parent, staging):  # checked before anything is made there: a link would send writes elsewhere
-        if p.is_symlink():
-            refuse_links(p, "the download folder is damaged", LINK_FIX)
-    staging.mkdir(parents=True, exist_ok=True)
+    staging.mkdir(parents=True, exist_ok=True)  # cache.check_slot refused a link in its place
     refuse_links(staging, "the download folder is damaged", LINK_FIX)
+    for p in staging.rglob("*"):
+        if not p.is_dir():
+            refuse_shared(p, "the download folder is damaged", LINK_FIX)
     fetch_for = fetcher(loc, progress=progress, retries=retries, insecure=insecure)
+    try:
+        return _fill_from_staging(src, staging, fetch_for)
+    except QconvError:
+        (staging / MANIFEST).unlink(missing_ok=True)  # refused: its qconv.json stays nowhere (the data .parts resume)
+        raise
+
+
+def _fill_from_staging(src: PullSource, staging: Path, fetch_for: Callable[[Want], Fetch]) -> Path:
+    loc = src.location
     manifest = _fetch_manifest(src, staging, fetch_for)
     want = expected_files(src, manifest)
     manifest_sha = sha256_file(staging / MANIFEST)
@@ -270,6 +304,7 @@ def pull(
     if src.entry:
         for n in src.entry.files:
             check_file_name(n, f"index entry {src.name}")
+    cache.check_slot(src.location)
     try:
         with cache.artifact_lock(src.location):
             cache.sweep(src.location, src.name)

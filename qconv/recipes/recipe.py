@@ -129,7 +129,14 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 
 def _parse_recipe(text: str, source: str):
-    loader = _NoAliasLoader(text)
+    try:  # the reader refuses control characters as it is made: inside the try, so that is one error too
+        loader = _NoAliasLoader(text)
+    except yaml.reader.ReaderError as e:
+        raise QconvError(
+            f"recipe holds a control character ({chr(e.character)!r}) at character {e.position}, which YAML refuses",
+            where=source,
+            fix="remove it: a recipe is plain text",
+        ) from e
     loader.name = source
     try:
         return loader.get_single_data()
@@ -179,14 +186,16 @@ def _recipe_text(name_or_path: str) -> tuple[str, str]:
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
             raise QconvError(f"recipe file not found: {p}", where="--recipe", fix="check the path")
-        if p.stat().st_size > RECIPE_CAP:
+        with open(p, "rb") as f:  # at most the cap: a /proc file says it is 0 bytes long and may not be
+            raw = f.read(RECIPE_CAP + 1)
+        if len(raw) > RECIPE_CAP:
             raise QconvError(
-                f"recipe file is {p.stat().st_size} bytes; a recipe is a few KB",
+                f"recipe file is over {RECIPE_CAP} bytes; a recipe is a few KB",
                 where=str(p),
                 fix="pass a recipe YAML file",
             )
         try:
-            text, source = p.read_text(), str(p)
+            text, source = raw.decode(), str(p)
         except UnicodeDecodeError as e:
             raise QconvError(
                 "recipe is not a text file (not UTF-8)", where=str(p), fix="pass a recipe YAML file"

@@ -49,6 +49,14 @@ def shorten(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def version_problem(what: str, value: Any, want: int) -> str:
+    """Why a record's schema_version is refused: the string "1" for the number 1 says so, instead of the puzzling
+    "schema_version '1' (this qconv reads 1)"."""
+    if isinstance(value, str) and value.strip() == str(want):
+        return f"{what} schema_version is the string {shorten(value)}; it must be the number {want}"
+    return f"unsupported {what} schema_version {shorten(value)} (this qconv reads {want})"
+
+
 def _key(k: Any) -> str:
     """A mapping key as it appears in a key path, cut to 40 characters."""
     text = str(k) if isinstance(k, str) else shorten(k, 40)

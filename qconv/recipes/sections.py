@@ -79,6 +79,7 @@ REMOVED_ACTORDERS = ("group", "dynamic")
 
 
 # Roles whose Linears a rotation may turn: the decoder's projections (not the tables, nor what stays bf16).
+MAX_ROTATION_BLOCK = 1 << 13  # the widest input a block of the models qconv reads divides (a wider one turns nothing)
 ROTATABLE = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_out")
 
 
@@ -95,8 +96,12 @@ class Rotation:
     roles: list[str] = field(default_factory=lambda: list(ROTATABLE))
 
     def validate(self):
-        if self.block_size < 2 or self.block_size & (self.block_size - 1):
-            yield "block_size", f"must be a power of two >= 2, got {self.block_size}"
+        if self.block_size < 2 or self.block_size & (self.block_size - 1) or self.block_size > MAX_ROTATION_BLOCK:
+            yield (
+                "block_size",
+                f"must be a power of two from 2 to {MAX_ROTATION_BLOCK}, got {self.block_size} (a block wider than "
+                "every Linear's input would rotate nothing)",
+            )
         for r in self.roles:
             if r == "gdn_qkvz":
                 yield (

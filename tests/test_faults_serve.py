@@ -284,19 +284,39 @@ def test_foreign_host_header_is_refused_on_loopback(server, model):
         assert _req(server, "/health", headers={"Host": host})[0] == 200
 
 
-def test_warnings_for_exposed_bind_and_key_on_argv(tiny_qwen3, monkeypatch):
+def test_public_bind_without_a_key_is_refused_and_key_on_argv_warned(tiny_qwen3, monkeypatch):
+    """A non-loopback bind needs a key (the Host check can only hold on loopback): refused before loading, on both
+    backends; with a key, or on loopback, it serves."""
     from click.testing import CliRunner
 
     import qconv.serve.native as native
     from qconv.cli import main
-    from qconv.serve.native import bind_warnings
+    from qconv.errors import QconvError
 
-    assert bind_warnings("0.0.0.0", None) and not bind_warnings("0.0.0.0", "k") and not bind_warnings("127.0.0.1", None)
+    with pytest.raises(QconvError, match="serving on 0.0.0.0 without an API key"):
+        native.check_bind("0.0.0.0", None)
+    native.check_bind("0.0.0.0", "k")
+    native.check_bind("127.0.0.1", None)
     monkeypatch.setattr(native, "run_native", lambda path, opts, art=None: None)
+    monkeypatch.delenv("QCONV_API_KEY", raising=False)
+    for backend in ("native", "vllm"):
+        r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", backend, "--host", "0.0.0.0"])
+        assert r.exit_code != 0 and "QCONV_API_KEY" in r.output and "Traceback" not in r.output, r.output
     r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", "native", "--api-key", "sekrit"])
     assert r.exit_code == 0 and "QCONV_API_KEY" in r.output
-    r = CliRunner().invoke(main, ["serve", str(tiny_qwen3), "--backend", "native"], env={"QCONV_API_KEY": "sekrit"})
-    assert r.exit_code == 0 and "QCONV_API_KEY" not in r.output
+    r = CliRunner().invoke(
+        main, ["serve", str(tiny_qwen3), "--backend", "native", "--host", "0.0.0.0"], env={"QCONV_API_KEY": "sekrit"}
+    )
+    assert r.exit_code == 0 and "QCONV_API_KEY" not in r.output, r.output
+
+
+def test_with_a_key_the_schema_needs_it_and_health_says_only_ok(server):
+    code, _ = _req(server, "/openapi.json", headers={"Authorization": ""})
+    assert code == 401
+    code, body = _req(server, "/openapi.json")
+    assert code == 200 and "/v1/completions" in json.loads(body)["paths"]
+    code, body = _req(server, "/health", headers={"Authorization": ""})
+    assert code == 200 and json.loads(body) == {"status": "ok"}
 
 
 # ---- load: 32 streaming clients, 8 bad ---------------------------------------------------------------------
@@ -339,12 +359,31 @@ def test_32_streaming_clients_8_bad_good_ones_unaffected(tiny_qwen3):
             )
             return r.status_code
 
-        bad = [oversized, huge_seed, disconnect, malformed] * 2
+        def refused(**extra):
+            def send():
+                msgs = [{"role": "user", "content": "hi"}]
+                r = httpx.post(
+                    f"{srv.base_url}/chat/completions",
+                    json={"model": name, "messages": msgs, "max_tokens": 4, **extra},
+                    timeout=60,
+                )
+                return r.status_code
+
+            return send
+
+        penalty = refused(frequency_penalty=2.5)  # out of range
+        tools = refused(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required")
+        image = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+        vision = refused(messages=[{"role": "user", "content": image}])
+        bad = [oversized, huge_seed, disconnect, malformed, penalty, tools, vision]
+        held = [_open(srv.port) for _ in range(50)] + [_open(srv.port, HALF_SENT) for _ in range(50)]  # idle, half
         with cf.ThreadPoolExecutor(32) as ex:
             good_f = [ex.submit(stream_one, c, name, p, 16, False) for p in prompts]
             bad_f = [ex.submit(f) for f in bad]
             good = {p: f.result().text for p, f in zip(prompts, good_f)}
             bad_codes = [f.result() for f in bad_f]
+        for s in held:
+            s.close()
         assert good == alone
         assert [b for b in bad_codes if b != "closed"] and all(400 <= b < 500 for b in bad_codes if b != "closed")
         deadline = time.monotonic() + 60
@@ -410,3 +449,210 @@ def test_serve_checks_the_artifact_hashes_before_loading(tmp_path):
     (art / SMALL).write_bytes(flip_byte((art / SMALL).read_bytes(), at=200))
     r = cli("serve", art, "--backend", "native", "--port", "18201")
     assert r.exit_code == 1 and f"{SMALL}: sha256" in r.stderr and "do not match qconv.json" in r.stderr, r.output
+
+
+# ---- hostile inputs, round 2 ---------------------------------------------------------------------------------------
+
+
+def _open(port: int, first: bytes = b""):
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    if first:
+        s.sendall(first)
+    return s
+
+
+def _answer(s) -> bytes:
+    """What the server sent before it closed the connection."""
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+HALF_SENT = b'POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n\r\n{"model": '
+
+
+def test_idle_and_half_sent_connections_do_not_starve_a_normal_request(tiny_qwen3):
+    """300 connections that send nothing and 100 that stop halfway through a body: a normal request beside them is
+    answered, each of them is closed with a 408 once its deadline passes, and their closing is logged once, not
+    400 times."""
+    from qconv.serve.limits import ConnectionLimits
+
+    app, sched = build_native(tiny_qwen3, NativeOptions(max_batch=2, max_model_len=256))
+    limits = ConnectionLimits(max_connections=1000, request_timeout_s=3)
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    seen = Records()
+    with BackgroundServer(app, sched, limits=limits) as srv:
+        logging.getLogger("uvicorn.error").addHandler(seen)  # after uvicorn's logging config, which resets handlers
+        idle = [_open(srv.port) for _ in range(300)]
+        half = [_open(srv.port, HALF_SENT) for _ in range(100)]
+        c = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+        done = c.completions.create(model=tiny_qwen3.name, prompt="The quick", max_tokens=4, temperature=0)
+        assert done.choices[0].text is not None
+        answers = [_answer(s) for s in idle + half]
+        assert all(a.startswith(b"HTTP/1.1 408") and b"request_timeout" in a for a in answers), answers[0]
+        for s in idle + half:
+            s.close()
+        logging.getLogger("uvicorn.error").removeHandler(seen)
+        warned = [r for r in seen.records if "not received whole" in r.getMessage()]
+        assert 1 <= len(warned) <= 2, len(warned)  # rate-limited: one, and one more if a 10 s window passed
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=60) as r:
+            assert r.status == 200
+
+
+def test_connections_past_the_cap_are_answered_503_at_once(tiny_qwen3):
+    """With the cap at 20, 60 idle connections hold 20 descriptors: the other 40 get a 503 without sending a byte,
+    and once the held ones time out a normal request is served again."""
+    from qconv.serve.limits import ConnectionLimits
+
+    app, sched = build_native(tiny_qwen3, NativeOptions(max_batch=2, max_model_len=256))
+    limits = ConnectionLimits(max_connections=20, request_timeout_s=3)
+    with BackgroundServer(app, sched, limits=limits) as srv:
+        socks = [_open(srv.port) for _ in range(60)]
+        answers = [_answer(s) for s in socks]
+        busy = [a for a in answers if a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a]
+        timed_out = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
+        assert len(busy) == 40 and len(timed_out) == 20, (len(busy), len(timed_out))
+        for s in socks:
+            s.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/health", timeout=60) as r:
+            assert r.status == 200
+
+
+REFUSED = [
+    ("response_format", {"type": "json_object"}, None),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, None),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], None),
+    ("tool_choice", "required", None),
+    ("suffix", "tail", "/v1/completions"),
+    ("best_of", 3, "/v1/completions"),
+]
+
+
+@pytest.mark.parametrize("field,value,only", REFUSED)
+def test_parameters_the_engine_cannot_honour_are_refused_by_name(server, model, field, value, only):
+    """Each is a 400 naming the field, never a 200 that ignored it; at its neutral value it asks for nothing."""
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        if only and path != only:
+            continue
+        code, err = _post(server, path, {"model": model, "max_tokens": 2, field: value, **body})
+        assert code == 400 and err["error"]["param"] == field and field in err["error"]["message"], err
+    neutral = {"response_format": {"type": "text"}, "tools": []}
+    neutral |= {"tool_choice": "none", "suffix": "", "best_of": 1}
+    code, ok = _post(server, "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 2, **neutral})
+    assert code == 200, ok
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+    ],
+)
+def test_a_vision_request_is_one_clear_400(server, model, part):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]
+    code, err = _post(server, "/v1/chat/completions", {"model": model, "max_tokens": 2, "messages": msgs})
+    assert code == 400 and "serves text only" in err["error"]["message"], err
+    assert err["error"]["message"].startswith("messages[0].content[1]"), err
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    code, _ = _post(server, "/v1/chat/completions", {"model": model, "max_tokens": 2, "messages": msgs})
+    assert code == 200
+
+
+def test_connection_limits_from_the_command_line(tiny_qwen3, monkeypatch):
+    """--max-connections / --request-timeout reach the native server; vLLM's server is not ours to limit: refused."""
+    from click.testing import CliRunner
+
+    import qconv.serve.native as native
+    from qconv.cli import main
+    from qconv.serve.limits import ConnectionLimits
+
+    seen = []
+    monkeypatch.setattr(native, "run_native", lambda path, opts, art=None: seen.append(opts.limits))
+    args = ["serve", str(tiny_qwen3), "--max-connections", "20", "--request-timeout", "2.5"]
+    r = CliRunner().invoke(main, [*args, "--backend", "native"])
+    assert r.exit_code == 0, r.output
+    assert seen == [ConnectionLimits(max_connections=20, request_timeout_s=2.5)]
+    r = CliRunner().invoke(main, [*args, "--backend", "vllm", "--print-command"])
+    assert r.exit_code != 0 and "--max-connections limits qconv's own server" in r.output, r.output
+
+
+FUZZ_VALUES = [None, 0, 1, -1, 2.5, -3.0, 1e308, "x", "", [], [1, "a"], {}, {"type": "json_object"}, True, 2**70]
+FUZZ_FIELDS = [
+    "frequency_penalty",
+    "presence_penalty",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "suffix",
+    "best_of",
+    "logprobs",
+    "logit_bias",
+    "n",
+    "stop",
+    "seed",
+    "top_k",
+    "temperature",
+]
+FUZZ_PARTS = [
+    {"type": "text", "text": "hi"},
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio"},
+    {"type": 7},
+    {"text": "no type"},
+    "bare string",
+]
+
+
+def test_fuzzed_requests_are_answered_200_or_one_4xx(server, model):
+    """240 seeded requests mixing the parameters above with random values and random chat parts: each is a 200 or a
+    4xx with an OpenAI error body (never a 500, never a hang), and a greedy request afterwards gives what it gave
+    before."""
+    import random
+
+    rng = random.Random(47)
+    plain = {"model": model, "prompt": "The quick brown", "max_tokens": 4, "temperature": 0}
+    code, before = _post(server, "/v1/completions", plain)
+    assert code == 200
+    for i in range(240):
+        body = {"model": model, "max_tokens": rng.choice([1, 2])}
+        for field in rng.sample(FUZZ_FIELDS, rng.randint(1, 3)):
+            body[field] = rng.choice(FUZZ_VALUES)
+        if i % 2:
+            path = "/v1/chat/completions"
+            body["messages"] = [{"role": "user", "content": rng.sample(FUZZ_PARTS, rng.randint(1, 3))}]
+        else:
+            path, body["prompt"] = "/v1/completions", "hi"
+        code, answer = _post(server, path, body)
+        assert code == 200 or (400 <= code < 500 and answer["error"]["message"]), (body, code, answer)
+    code, after = _post(server, "/v1/completions", plain)
+    assert code == 200 and after["choices"][0]["text"] == before["choices"][0]["text"]
+
+
+def test_repetition_penalties_reach_the_sampler(server, model):
+    """frequency_penalty / presence_penalty are honoured (tests/test_serve_scheduler.py checks the values): the same
+    greedy request answers otherwise with them; out of [-2, 2] is a 400 naming the field."""
+    body = {"model": model, "prompt": "The quick brown", "max_tokens": 16, "temperature": 0}
+    texts = {}
+    for extra in ({}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        code, answer = _post(server, "/v1/completions", {**body, **extra})
+        assert code == 200, answer
+        texts[tuple(extra)] = answer["choices"][0]["text"]
+    assert texts[()] != texts[("frequency_penalty",)] and texts[()] != texts[("presence_penalty",)]
+    code, err = _post(server, "/v1/completions", {**body, "presence_penalty": 3})
+    assert code == 400 and err["error"]["param"] == "presence_penalty", err

@@ -4,6 +4,9 @@ are each still called by the library they patch."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import pytest
 
 from qconv.convert import patches
@@ -69,14 +72,20 @@ def test_swap_restores_the_originals_on_error():
 
 
 @pytest.mark.slow
-def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt, monkeypatch):
+@pytest.mark.parametrize("library", ["qconv", "qconv-vllm"])
+def test_every_patch_is_called_by_its_library(library, request):
+    """qconv's replacements of llm-compressor / compressed-tensors / transformers, and the vLLM plugin's of vLLM."""
+    if library == "qconv":
+        _qconv_patches_called(*map(request.getfixturevalue, ("tiny_qwen3_5", "tiny_llama", "tmp_path", "calib_txt")))
+    else:
+        _plugin_patches_called(*map(request.getfixturevalue, ("tiny_llama", "tmp_path", "calib_txt", "vllm_python")))
+
+
+def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt):
     """Each replacement is wrapped to count its calls; a streamed build (GPTQ, MSE observer, activations on disk,
     row-blocked compression), a tied awq+gptq build on a CPU torch, transformers loading its packed embedding and
     an AutoRound build call every one of them: none is left in place without the library reaching it."""
     import torch
-
-    from qconv.convert.hfmodel import load_causal_lm
-    from tests.cli_helpers import recipe_variant
 
     swapped, called = set(), set()
     swap = patches.swap
@@ -97,7 +106,19 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
         swapped.update(replacements)
         return swap(**{n: counting(n, fn) for n, fn in replacements.items()})
 
-    monkeypatch.setattr(patches, "swap", counted_swap)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(patches, "swap", counted_swap)
+        _qconv_builds(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt)
+    expected = set(patches.TARGETS) - ({"pin_memory"} if torch.accelerator.is_available() else set())
+    assert swapped == expected
+    values = {n for n, t in patches.TARGETS.items() if t.params is None}
+    assert called == expected - values, expected - values - called
+
+
+def _qconv_builds(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt):
+    from qconv.convert.hfmodel import load_causal_lm
+    from tests.cli_helpers import recipe_variant
+
     r = build(
         "3090",
         tiny_qwen3_5,
@@ -125,10 +146,118 @@ def test_every_patch_is_called_by_its_library(tiny_qwen3_5, tiny_llama, tmp_path
     )
     r = build(recipe, tiny_qwen3_5, tmp_path / "ar", "--dataset", calib_txt, "--work-dir", tmp_path / "w4", *FAST_CAL)
     assert r.exit_code == 0, r.output
-    expected = set(patches.TARGETS) - ({"pin_memory"} if torch.accelerator.is_available() else set())
-    assert swapped == expected
-    values = {n for n, t in patches.TARGETS.items() if t.params is None}
-    assert called == expected - values, expected - values - called
+
+
+# Run in the vLLM runtime: every plugin replacement wrapped to count its calls, then vLLM loads and generates with
+# each artifact (argv[1]: [[path, LLM keyword arguments], ...]); prints what was replaced and what vLLM called.
+PLUGIN_COUNT = r"""
+import json, sys
+from qconv_vllm import patches
+
+called, replaced, replace = set(), set(), patches.replace
+
+
+def counting(name, fn):
+    if isinstance(fn, (staticmethod, classmethod)):
+        return type(fn)(counting(name, fn.__func__))
+    if patches.TARGETS[name].params is None and not patches.TARGETS[name].added:
+        return fn  # a value (a Literal is callable too)
+
+    def wrapper(*a, **k):
+        called.add(name)
+        return fn(*a, **k)
+
+    return wrapper
+
+
+def counted_replace(**new):
+    replaced.update(new)
+    return replace(**{n: counting(n, fn) for n, fn in new.items()})
+
+
+patches.replace = counted_replace
+import qconv_vllm
+qconv_vllm.register()
+from vllm import LLM, SamplingParams
+for art, kw in json.loads(sys.argv[1]):
+    llm = LLM(model=art, enforce_eager=True, max_model_len=256, max_num_seqs=2, seed=0, **kw)
+    llm.generate(["alpha beta gamma delta"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    del llm
+print(json.dumps({"replaced": sorted(replaced), "called": sorted(called)}))
+"""
+
+
+def _vllm_plugin(vllm_python: str, code: str, *args: str) -> subprocess.CompletedProcess:
+    from tests.test_serve_vllm_plugin import ENV
+
+    env = {**ENV, "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "QCONV_VLLM_W4A8": "mlp"}
+    return subprocess.run([vllm_python, "-c", code, *args], capture_output=True, text=True, env=env, timeout=1800)
+
+
+def _plugin_patches_called(tiny_llama, tmp_path, calib_txt, vllm_python):
+    """A tied llama (packed INT8 embed_tokens as its head) and a tied tiny Qwen3.5 with rotations, its MTP head
+    drafting and a KVarN cache, loaded and run by vLLM on CPU: every plugin replacement is called (Marlin's input
+    dtype only where Marlin runs, on a GPU)."""
+    import torch
+
+    from qconv_vllm import patches as plugin_patches
+    from tests.test_serve_vllm_plugin import tiny_qwen3_5_artifact
+
+    r = build("3090-tied-g32", tiny_llama, tmp_path / "llama", "--dataset", calib_txt, *FAST_CAL)
+    assert r.exit_code == 0, r.output
+    qwen, _ = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide_tied", "3090-tied-g32")
+    runs = [
+        [str(tmp_path / "llama"), {}],
+        [
+            str(qwen),
+            {
+                "kv_cache_dtype": "kvarn_k4v2_g64",
+                "block_size": 64,
+                "enable_prefix_caching": False,  # KVarN keeps the first tile in fp16: it refuses prefix caching
+                "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
+            },
+        ],
+    ]
+    p = _vllm_plugin(vllm_python, PLUGIN_COUNT, json.dumps(runs))
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    replaced = {n for n, t in plugin_patches.TARGETS.items() if not t.relied_on}
+    assert set(out["replaced"]) == replaced
+    values = {n for n in replaced if plugin_patches.TARGETS[n].params is None and n != "hadamard_cpu_linear"}
+    expected = replaced - values - ({"marlin_input_dtype"} if not torch.cuda.is_available() else set())
+    assert set(out["called"]) == expected, expected ^ set(out["called"])
+
+
+MOVED = r"""
+import qconv_vllm, vllm
+from vllm.model_executor.layers import vocab_parallel_embedding as e
+from vllm.model_executor.models import llama
+before = llama.LlamaModel.__init__
+e.ParallelLMHead.tie_weights = lambda self, embed_tokens, tie_bias: None
+try:
+    qconv_vllm.register()
+except Exception as err:
+    print(type(err).__name__, err)
+print("untouched" if llama.LlamaModel.__init__ is before and not qconv_vllm.applied() else "patched")
+"""
+
+
+@pytest.mark.slow
+def test_every_plugin_target_matches_vllm_and_a_moved_one_stops_register(vllm_python):
+    """All plugin targets are where the table says in the tested vLLM; one whose signature changed stops register()
+    with the target, its parameters and the vLLM version, before any patch goes in."""
+    p = _vllm_plugin(vllm_python, "from qconv_vllm import patches; print(len(patches.check_all(with_at_use=True)))")
+    assert p.returncode == 0, p.stderr[-3000:]
+    from qconv_vllm import patches as plugin_patches
+
+    assert int(p.stdout.split()[-1]) == len(plugin_patches.TARGETS)
+    p = _vllm_plugin(vllm_python, MOVED)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (
+        "PatchTargetMoved qconv-vllm: vllm.model_executor.layers.vocab_parallel_embedding.ParallelLMHead.tie_weights "
+        "takes (self, embed_tokens, tie_bias), not (self, embed_tokens) in vLLM 0.32" in p.stdout
+    ), p.stdout
+    assert p.stdout.split()[-1] == "untouched"
 
 
 def test_gptq_batches_advance_the_progress_bar_without_parsing_library_logs(log_records):

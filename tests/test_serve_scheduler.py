@@ -125,3 +125,117 @@ def test_generate_and_serve_run_one_decode_loop(tiny_qwen3, monkeypatch):
         sched.stop()
     assert calls["model"] == calls["loop"] > 2
     assert req.out_ids == alone
+
+
+def _manual(path, **kw) -> Scheduler:
+    """A scheduler whose steps the test runs itself (no thread), to count them."""
+    from qconv.engine.loader import load_model, load_tokenizer
+
+    return Scheduler(load_model(path), load_tokenizer(path), max_batch=4, max_len=512, **kw)
+
+
+def test_a_long_prefill_delays_a_short_request_by_one_chunk(tiny_qwen3):
+    """A 400-token prompt is fed 32 tokens per step, each step also decoding the running requests: a 2-token
+    request that arrives after its first chunk has its first token one step later, while the long prompt is still
+    being fed; no forward feeds more than a chunk."""
+    sched = _manual(tiny_qwen3, prefill_chunk=32)
+    fed = []
+    forward = sched.model.forward
+
+    def counting(tokens, *a, **k):
+        fed.append(tokens.numel())
+        return forward(tokens, *a, **k)
+
+    sched.model.forward = counting
+    running = GenRequest(sched.tokenizer("The quick brown").input_ids, 60, lambda ev: None)
+    sched.submit(running)
+    sched.step()
+    assert running.out_ids  # decoding
+    long = GenRequest(list(range(5, 405)), 4, lambda ev: None)
+    sched.submit(long)
+    sched.step()
+    assert not long.out_ids and len(sched.prefilling.rows) == 1
+    before = len(running.out_ids)
+    short = GenRequest([11, 12], 4, lambda ev: None)
+    sched.submit(short)
+    sched.step()
+    assert short.out_ids, "the short request waited for more than one chunk"
+    assert not long.out_ids  # the long prompt is still being fed, a chunk at a time
+    assert len(running.out_ids) == before + 1  # and the running request advanced one token per step
+    steps = 3
+    while not long.out_ids:
+        sched.step()
+        steps += 1
+    assert steps - 1 >= 400 // 32  # chunked: one chunk per step
+    prefill_forwards = [n for n in fed if n > 4]  # decode forwards feed one token per row
+    assert max(prefill_forwards) <= 32, prefill_forwards
+
+
+@pytest.mark.parametrize("family,method", [("qwen3", "none"), ("qwen3_5", "mtp")])
+def test_greedy_is_the_same_with_chunked_prefill(tiny_models, family, method):
+    """fp32 greedy: prompts fed 16 tokens a step, beside each other, give what they give fed whole (the MTP drafter
+    sees the hidden states of every chunk; Gated-DeltaNet state carries across chunks)."""
+    path = tiny_models(family)
+    prompts = [p * 3 for p in PROMPTS]
+    whole = _scheduler(path, prefill_chunk=4096)
+    try:
+        alone = [_run(whole, [p])[0] for p in prompts]
+    finally:
+        whole.stop()
+    spec = SpecConfig(method, max_block=4, adaptive=False) if method != "none" else SpecConfig("none")
+    chunked = _scheduler(path, prefill_chunk=16, spec=spec)
+    try:
+        together = _run(chunked, prompts)
+    finally:
+        chunked.stop()
+    assert together == alone
+
+
+def _penalized_reference(model, prompt: list[int], n: int, fp: float, pp: float) -> list[int]:
+    """Greedy decoding by hand, the whole sequence each step: logits - count * fp - (count > 0) * pp."""
+    import torch
+
+    out: list[int] = []
+    for _ in range(n):
+        cache = model.new_cache(1, len(prompt) + n + 1)
+        logits = model(torch.tensor([prompt + out]), cache)[0, -1].float()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).float()
+        out.append(int((logits - counts * fp - (counts > 0) * pp).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("fp,pp", [(1.5, 0.0), (0.0, 2.0), (-2.0, 0.0)])
+def test_repetition_penalties_are_applied_as_openai_defines_them(tiny_qwen3, fp, pp):
+    """Greedy with frequency/presence penalties equals decoding by hand with them, also with a drafter beside it,
+    and differs from greedy without them."""
+    sched = _scheduler(tiny_qwen3)
+    spec = _scheduler(tiny_qwen3, spec=SpecConfig("lookup", max_block=4, adaptive=False))
+    prompt = PROMPTS[0]
+    try:
+        ids = sched.tokenizer(prompt).input_ids
+        want = _penalized_reference(sched.model, ids, 20, fp, pp)
+        params = SamplingParams(0.0, frequency_penalty=fp, presence_penalty=pp)
+        got = _run(sched, [prompt], 20, sampling=params)[0][0]
+        drafted = _run(spec, [prompt], 20, sampling=params)[0][0]
+        plain = _run(sched, [prompt], 20)[0][0]
+    finally:
+        sched.stop()
+        spec.stop()
+    assert got == want and drafted == want
+    assert plain != want  # the penalty changed what greedy picks
+
+
+def test_each_verified_position_is_penalized_by_the_drafts_before_it():
+    """In a block, row i is scored after generated + draft[:i]: what plain decoding would have seen there."""
+    import torch
+
+    from qconv.engine.sampling import penalize
+
+    logits = torch.zeros(3, 6)
+    params = SamplingParams(0.0, frequency_penalty=1.0, presence_penalty=0.5)
+    out = penalize(logits, [2, 2], [4, 2], params)
+    want = torch.zeros(3, 6)
+    want[:, 2] -= 2 * 1.0 + 0.5  # generated twice
+    want[1:, 4] -= 1.0 + 0.5  # the first draft, from row 1 on
+    want[2, 2] -= 1.0  # the second draft: a third 2
+    assert torch.equal(out, want)

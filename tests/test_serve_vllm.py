@@ -273,3 +273,17 @@ def test_batch_profile_switches_marlin_int8_input_on_its_roles_only(config_27b, 
     assert env == {} and "CUDA-only" in note and "W4A16" in note  # Marlin is CUDA-only: said once, not set
     assert vllm.profile_env(src, "fast", "cuda") == ({}, None)
     assert vllm.vllm_env(None, {"VLLM_MARLIN_INPUT_DTYPE": "int8"})["VLLM_MARLIN_INPUT_DTYPE"] == "int8"
+
+
+def test_a_cpu_runtime_loads_multimodal_models_text_only(config_27b):
+    """A profile may ask for the vision tower; on vLLM's CPU runtime (no image stack) the model is still loaded
+    text only, so an image request is one 400 at vLLM's API, never a failure inside the model."""
+    from dataclasses import replace
+
+    src = vllm.load_source(config_27b, "3090")
+    assert src.architecture in vllm.MULTIMODAL_ARCHS
+    name, p = vllm.pick_profile(src, "fast")
+    src.profiles = {**src.profiles, name: replace(p, language_model_only=False)}
+    gpu = vllm.build_command(src, "fast", vllm.LaunchOptions(platform="cuda"))
+    cpu = vllm.build_command(src, "fast", vllm.LaunchOptions(platform="cpu"))
+    assert "--language-model-only" not in gpu and "--language-model-only" in cpu

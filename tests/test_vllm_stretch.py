@@ -172,7 +172,7 @@ def test_w4a8_patch_target_in_vllm(vllm_python):
     """Fails when vLLM's WNA16 scheme stops choosing Marlin's input dtype through get_marlin_input_dtype."""
     code = (
         "import json, os; os.environ['QCONV_VLLM_W4A8'] = 'mlp'; from qconv_vllm import w4a8; "
-        "names = w4a8.apply(); f = w4a8._module().get_marlin_input_dtype; "
+        "names = w4a8.apply(); from qconv_vllm import patches; f = patches.current('marlin_input_dtype'); "
         "print(json.dumps({'names': names, 'attn': repr(f('model.layers.0.self_attn.qkv_proj'))}))"
     )
     out = _vllm_run(vllm_python, code)

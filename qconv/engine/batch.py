@@ -44,23 +44,57 @@ def _needs_hidden(rows) -> bool:
     return any(r.speculator is not None and r.speculator.needs_hidden for r in rows)
 
 
-def prefill(model, cache, rows: list, guard: Callable = call) -> list[list[int] | None]:
-    """Feed every row's prompt into its (reset) slot and sample its first token. Rows must share T, so each
-    forward feeds the shortest remaining prompt length to every unfinished row (one forward when they match)."""
-    fed = {id(r): 0 for r in rows}
-    last: dict[int, torch.Tensor] = {}
-    hidden: dict[int, list[torch.Tensor]] = {id(r): [] for r in rows}  # model drafters see every position
-    need_hidden = _needs_hidden(rows)
-    while todo := [r for r in rows if fed[id(r)] < len(r.prompt_ids)]:
-        T = min(len(r.prompt_ids) - fed[id(r)] for r in todo)
-        logits, h = _forward(model, cache, todo, [r.prompt_ids[fed[id(r)] : fed[id(r)] + T] for r in todo], need_hidden)
-        for i, r in enumerate(todo):
-            fed[id(r)] += T
+class Prefill:
+    """Prompts being fed into their (reset) slots, one forward per `step`. The server bounds each step by a token
+    budget and runs a decode step between them (chunked prefill), so one long prompt delays the other requests by a
+    chunk, not by its whole prefill; `prefill` runs it unbounded to the end."""
+
+    def __init__(self, rows=()):
+        self.rows: list = []
+        self.fed: dict[int, int] = {}
+        self.hidden: dict[int, list[torch.Tensor]] = {}  # model drafters see every prompt position
+        self.add(rows)
+
+    def add(self, rows) -> None:
+        for r in rows:
+            self.rows.append(r)
+            self.fed[id(r)], self.hidden[id(r)] = 0, []
+
+    def drop(self, r) -> None:
+        if r in self.rows:
+            self.rows.remove(r)
+            del self.fed[id(r)], self.hidden[id(r)]
+
+    def step(self, model, cache, guard: Callable = call, budget: int | None = None) -> tuple[int, list[tuple]]:
+        """One forward over every row still feeding. Rows must share T: T is the shortest remaining prompt, and at
+        most budget // rows (at least 1). -> (tokens fed, [(row, its first tokens, or None if its own work failed)]
+        for the rows whose prompt is now whole)."""
+        rows = list(self.rows)
+        T = min(len(r.prompt_ids) - self.fed[id(r)] for r in rows)
+        if budget is not None:
+            T = max(1, min(T, budget // len(rows)))
+        need_hidden = _needs_hidden(rows)
+        chunks = [r.prompt_ids[self.fed[id(r)] : self.fed[id(r)] + T] for r in rows]
+        logits, h = _forward(model, cache, rows, chunks, need_hidden)
+        done = []
+        for i, r in enumerate(rows):
+            self.fed[id(r)] += T
             if need_hidden:
-                hidden[id(r)].append(h[i])
-            if fed[id(r)] == len(r.prompt_ids):
-                last[id(r)] = logits[i, -1]
-    return [guard(r, _first, cache, r, last[id(r)], hidden[id(r)]) for r in rows]
+                self.hidden[id(r)].append(h[i])
+            if self.fed[id(r)] == len(r.prompt_ids):  # a guard that ends the row drops it itself: still held here
+                done.append((r, guard(r, _first, cache, r, logits[i, -1], self.hidden[id(r)])))
+                self.drop(r)
+        return T * len(rows), done
+
+
+def prefill(model, cache, rows: list, guard: Callable = call) -> list[list[int] | None]:
+    """Feed every row's prompt into its (reset) slot and sample its first token (each forward feeds the shortest
+    remaining prompt length to every unfinished row: one forward when they match)."""
+    p, first = Prefill(rows), {}
+    while p.rows:
+        for r, new in p.step(model, cache, guard)[1]:
+            first[id(r)] = new
+    return [first[id(r)] for r in rows]
 
 
 def _first(cache, r, logits: torch.Tensor, hidden: list[torch.Tensor]) -> list[int]:
@@ -99,7 +133,7 @@ def _draft(r, room: int) -> Draft:
 
 
 def _verify(r, draft: Draft, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
-    new = verify(draft, logits, r.sampling, r.generator)
+    new = verify(draft, logits, r.sampling, r.generator, r.out_ids)
     if r.speculator is not None:
         r.speculator.verified(draft, new, hidden)
     return new

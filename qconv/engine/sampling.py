@@ -10,11 +10,17 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters; penalties 0 are off."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    frequency_penalty: float = 0.0  # OpenAI's: a generated token's logit loses this per time it was generated
+    presence_penalty: float = 0.0  # and this once it was generated at all
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty)
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +56,19 @@ def probs_from_logits(logits: torch.Tensor, temperature=1.0, top_p=1.0, top_k=0)
     probs = torch.softmax(x, dim=-1)
     onehot = torch.zeros_like(probs).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, onehot, probs).reshape(shape)
+
+
+def penalize(logits: torch.Tensor, generated: list[int], draft: list[int], params: SamplingParams) -> torch.Tensor:
+    """OpenAI's repetition penalties on logits[k+1, V] (as vLLM applies them: over generated tokens, not the
+    prompt). Row i is scored after `generated` + draft[:i], so a verified block gets what plain decoding would."""
+    v = logits.shape[-1]
+    counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=v)[:v].float()
+    rows = []
+    for i in range(logits.shape[0]):
+        if i:
+            counts[draft[i - 1]] += 1
+        rows.append(logits[i].float() - counts * params.frequency_penalty - (counts > 0) * params.presence_penalty)
+    return torch.stack(rows)
 
 
 def verify_greedy(draft: list[int], target_logits: torch.Tensor) -> tuple[int, int]:

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from qconv.artifact import Artifact
-from qconv.engine.sampling import SamplingParams, probs_from_logits, verify_greedy, verify_sampling
+from qconv.engine.sampling import SamplingParams, penalize, probs_from_logits, verify_greedy, verify_sampling
 from qconv.errors import QconvError
 from qconv.recipes.sections import Speculative
 
@@ -341,10 +341,17 @@ def make_speculator(
 
 
 def verify(
-    draft: Draft, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    draft: Draft,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    generated: list[int] | None = None,
 ) -> list[int]:
     """The accepted drafts plus the target's next token, from logits[len(draft) + 1, V] scored at the last accepted
-    token and each draft: greedy prefix match, or rejection sampling (distributed exactly as plain sampling)."""
+    token and each draft: greedy prefix match, or rejection sampling (distributed exactly as plain sampling).
+    `generated`: the tokens generated so far, for the repetition penalties."""
+    if params.penalized:
+        logits = penalize(logits, generated or [], draft.tokens, params)
     if params.greedy:
         n, nxt = verify_greedy(draft.tokens, logits)
     else:

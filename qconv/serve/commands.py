@@ -15,6 +15,7 @@ from click.core import ParameterSource
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
 from qconv.manifest import verify_files
+from qconv.serve.limits import ConnectionLimits
 
 
 def _cuda_gpu() -> bool:
@@ -86,6 +87,20 @@ def _cuda_gpu() -> bool:
     help="Draft tokens per step (0: no speculative decoding; default: the artifact's speculative config).",
 )
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
+@click.option(
+    "--max-connections",
+    default=ConnectionLimits.max_connections,
+    show_default=True,
+    type=click.IntRange(min=16),
+    help="Native: connections held at once; one more is answered 503 (kept under the descriptor limit).",
+)
+@click.option(
+    "--request-timeout",
+    default=ConnectionLimits.request_timeout_s,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Native: seconds for a request to arrive whole (headers and body); then 408 and the connection closes.",
+)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve(
     target,
@@ -103,6 +118,8 @@ def serve(
     vllm_features,
     spec_tokens,
     served_model_name,
+    max_connections,
+    request_timeout,
     vllm_args,
 ) -> None:
     """Serve ARTIFACT_OR_NAME over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
@@ -121,6 +138,10 @@ def serve(
         )
     if print_command:
         backend = "vllm"
+    else:
+        from qconv.serve.native import check_bind
+
+        check_bind(host, api_key)  # both backends: before anything loads
     if vllm_python:  # that interpreter, described by probing it (not needed just to print the command)
         runtime = _override_runtime(vllm_python) if backend == "auto" else None
     else:
@@ -157,10 +178,19 @@ def serve(
                 profile=profile,
                 spec_tokens=spec_tokens,
                 served_model_name=served_model_name,
+                limits=ConnectionLimits(max_connections=max_connections, request_timeout_s=request_timeout),
             ),
             art,
         )
         return
+    for name in ("max_connections", "request_timeout"):
+        if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            raise QconvError(
+                f"{flag} limits qconv's own server; vLLM's has its own settings",
+                where=flag,
+                fix="drop it, or use --backend native (vLLM: pass its options after `--`)",
+            )
     src = vllm.load_source(path, recipe, art)
     if served_model_name:
         src.name = served_model_name

@@ -4,7 +4,7 @@ thread and uvicorn."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import EllipsisType
 
@@ -14,6 +14,7 @@ from qconv.engine.spec import SpecConfig
 from qconv.errors import QconvError
 from qconv.modelfiles import read_model_config
 from qconv.recipes.sections import Speculative
+from qconv.serve.limits import ConnectionLimits
 
 DEFAULT_NATIVE_CONTEXT = 4096  # the native cache is allocated up front for every slot: keep the default modest
 DEFAULT_MAX_TOKENS = 2048  # a chat request without max_tokens, when the profile names no `max_tokens` of its own
@@ -31,6 +32,7 @@ class NativeOptions:
     profile: str | None = None
     served_model_name: str | None = None
     spec_tokens: int | None = None  # draft tokens per step (0: off); None: the artifact's speculative config
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
 
 @dataclass
@@ -101,16 +103,18 @@ def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | E
     return create_app(sched, cfg), sched
 
 
-def bind_warnings(host: str, api_key: str | None) -> list[str]:
-    """What to tell the operator about exposure before serving."""
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse a non-loopback bind without an API key: anyone who can reach the address would use the model, and the
+    Host check that keeps web pages out (DNS rebinding) can only run on a loopback bind, where every legitimate Host
+    header is known."""
     from qconv.serve.server import is_loopback
 
     if not is_loopback(host) and not api_key:
-        return [
-            f"serving on {host} without an API key: anyone who can reach this address can use the model "
-            f"(set QCONV_API_KEY, or bind 127.0.0.1)"
-        ]
-    return []
+        raise QconvError(
+            f"serving on {host} without an API key: anyone who can reach this address could use the model",
+            where="--host",
+            fix="set QCONV_API_KEY (clients then send 'Authorization: Bearer <key>'), or bind 127.0.0.1",
+        )
 
 
 SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client")  # pyproject's `serve` extra, by import name
@@ -133,10 +137,11 @@ def run_native(path: str | Path, opts: NativeOptions, art: Artifact | None | Ell
     require_serve_extra()
     import uvicorn
 
-    for w in bind_warnings(opts.host, opts.api_key):
-        log.warning("%s", w)
+    from qconv.serve.limits import uvicorn_config
+
+    check_bind(opts.host, opts.api_key)
     app, sched = build_native(path, opts, art)
     try:
-        uvicorn.run(app, host=opts.host, port=opts.port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.Server(uvicorn_config(app, opts.host, opts.port, opts.limits)).run()
     finally:
         sched.stop()

@@ -49,6 +49,29 @@ class _Common(BaseModel):
     stream_options: dict | None = None
     logprobs: bool | int | None = None  # not supported: refused rather than silently ignored
     logit_bias: dict[str, float] | None = None  # not supported: refused (a non-empty one) rather than ignored
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # applied in sampling (engine/sampling.py)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # Not supported, each refused when it asks for something (see `refused`) rather than answered as if applied
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+    def refused(self) -> tuple[str, str] | None:
+        """(field, why) of the first field that asks for what this server cannot do, or None. A field at its
+        neutral value (a zero penalty, an empty bias, a text response format, no tools) asks for nothing."""
+        fmt = (self.response_format or {}).get("type", "text")
+        checks = (
+            ("logprobs", bool(self.logprobs), "log-probabilities are not returned"),
+            ("logit_bias", bool(self.logit_bias), "logit bias is not applied"),
+            ("response_format", fmt != "text", f"response_format {fmt!r} is not enforced (only 'text')"),
+            ("tools", bool(self.tools), "tool calls are not produced"),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tool calls are not produced"),
+            *self._refused_own(),
+        )
+        return next(((f, why) for f, asked, why in checks if asked), None)
+
+    def _refused_own(self) -> tuple[tuple[str, bool, str], ...]:
+        return ()
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -66,12 +89,21 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     echo: bool = False  # not supported: refused
+    suffix: str | None = None  # not supported: refused (a non-empty one)
+    best_of: int | None = Field(default=None, ge=1, le=INT32_MAX)  # only 1
+
+    def _refused_own(self) -> tuple[tuple[str, bool, str], ...]:
+        return (
+            ("echo", self.echo, "the prompt is not echoed"),
+            ("suffix", bool(self.suffix), "insertion (a suffix) is not supported"),
+            ("best_of", (self.best_of or 1) > 1, "only best_of=1 is supported"),
+        )
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str = Field(max_length=64)  # any: a non-text part (image_url, input_audio, ...) is refused by name
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -79,9 +111,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
 
-    def text(self) -> str:
+    def text(self, where: str = "messages") -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            for i, p in enumerate(self.content):
+                if p.type != "text" or p.text is None:
+                    raise APIError(
+                        400,
+                        f"{where}.content[{i}] is a {p.type!r} part: this server serves text only",
+                        param=f"{where}.content",
+                        code="text_only",
+                    )
+            return "".join(p.text or "" for p in self.content)
         return self.content or ""
 
 

@@ -1,5 +1,7 @@
-"""Continuous batching: one thread owns the model and its cache. Requests join between decode steps (prefilled
-together into their own slots); each batched forward (engine/batch.py, the engine's one decode loop) advances every
+"""Continuous batching: one thread owns the model and its cache. Requests join between decode steps into their own
+slots; their prompts are prefilled a chunk (`prefill_chunk` tokens, all joining rows together) per step, between the
+decode steps of the others, so a long prompt delays the running requests and a short newcomer by one chunk, not by
+its whole prefill (as vLLM's chunked prefill). Each batched forward (engine/batch.py, the engine's one decode loop) advances every
 active slot by its sampled token plus whatever of its own drafts (spec.py) verify. The HTTP layer submits a `GenRequest` with a thread-safe `emit` callback and
 cancels by setting a flag the thread checks every step.
 
@@ -18,15 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qconv.engine.batch import decode, prefill
+from qconv.engine.batch import Prefill, decode
 from qconv.engine.detok import TextStream
 from qconv.engine.sampling import SamplingParams
 from qconv.engine.spec import SpecConfig, Speculator, make_speculator
 from qconv.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
-# Prompt tokens prefilled in one batch of joining requests (bounds the [rows, T, vocab] logits of that forward).
-PREFILL_TOKENS = 2048
+# Prompt tokens prefilled per scheduler step, over every joining request (bounds that forward's work and its
+# [rows, T, vocab] logits, and so how long the running requests wait for their next token)
+PREFILL_CHUNK = 256
 
 
 class QueueFull(Exception):
@@ -81,8 +84,11 @@ class Scheduler:
         max_queue: int = 64,
         kv_scheme: str = "bf16",
         spec: SpecConfig = SpecConfig("none"),
+        prefill_chunk: int = PREFILL_CHUNK,
     ):
         self.model, self.tokenizer = model, tokenizer
+        self.prefill_chunk = prefill_chunk
+        self.prefilling = Prefill()  # requests with a slot whose prompt is not yet whole
         self.max_len, self.max_queue = max_len, max_queue
         self.spec = spec  # each row drafts with its own speculator (spec.py), verified in the batched forward
         self.cache = model.new_cache(max_batch, max_len, kv_scheme)
@@ -130,7 +136,7 @@ class Scheduler:
         try:
             while True:
                 with self.cond:
-                    while not self.stopping and not self.waiting and not self.active:
+                    while not self.stopping and not self.waiting and not self.active and not self.prefilling.rows:
                         self.cond.wait()
                     if self.stopping:
                         break
@@ -138,7 +144,7 @@ class Scheduler:
                     self.step()
                 except Exception as e:  # a model error fails the batch in flight, never the server
                     log.exception("scheduler step failed")
-                    for r in list(self.active):
+                    for r in self._held():
                         self._finish(r, "error", error=f"{type(e).__name__}: {e}")
         except BaseException as e:  # the thread is dying: nobody will run what it holds
             log.exception("scheduler thread died")
@@ -148,7 +154,7 @@ class Scheduler:
             raise
         finally:
             with self.cond:
-                held = list(self.active) + list(self.waiting)
+                held = self._held() + list(self.waiting)
                 self.waiting.clear()
             for r in held:
                 with contextlib.suppress(Exception):
@@ -164,47 +170,49 @@ class Scheduler:
                 self._finish(r, "error", error=f"{type(e).__name__}: {e}")
             return None
 
+    def _held(self) -> list[GenRequest]:
+        return list(self.active) + list(self.prefilling.rows)
+
     def step(self) -> None:
-        """One scheduling round: drop cancelled work, admit (prefill) waiting requests into free slots, then one
-        batched decode step over every active slot."""
+        """One scheduling round: drop cancelled work, give waiting requests free slots, feed one chunk of the
+        joining prompts, then one batched decode step over every active slot."""
         with self.cond:  # clients that left while queued free their place in the bounded queue
             gone = [r for r in self.waiting if r.cancelled.is_set()]
             for r in gone:
                 self.waiting.remove(r)
-        for r in gone + [r for r in self.active if r.cancelled.is_set()]:
+        for r in gone + [r for r in self._held() if r.cancelled.is_set()]:
             self._finish(r, "cancelled")
-        joining: list[GenRequest] = []
-        budget = PREFILL_TOKENS
-        while len(joining) < len(self.free):
+        while self.free:
             with self.cond:
-                if not self.waiting or (joining and len(self.waiting[0].prompt_ids) > budget):
+                if not self.waiting:
                     break
                 r = self.waiting.popleft()
                 self.metrics.queue_depth.set(len(self.waiting))
             if r.cancelled.is_set():
                 self._finish(r, "cancelled")
                 continue
-            joining.append(r)
-            budget -= len(r.prompt_ids)
-        if joining:
-            self._prefill(joining)
+            self._join(r)
+        if self.prefilling.rows:
+            self._prefill()
         if self.active:
             self._decode()
-        self.metrics.running.set(len(self.active))
+        self.metrics.running.set(len(self.active) + len(self.prefilling.rows))
 
-    def _prefill(self, reqs: list[GenRequest]) -> None:
-        """Give the joining requests their slots and prefill them together (batch.prefill)."""
-        for r in reqs:
-            r.slot = self.free.pop(0)
-            self.active.append(r)
-            self.cache.reset([r.slot])
-            self._guard(r, self._setup, r)
-        reqs = [r for r in reqs if r in self.active]
-        if not reqs:
-            return
-        first = prefill(self.model, self.cache, reqs, self._guard)
-        self.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in reqs))
-        self._accept(reqs, first)
+    def _join(self, r: GenRequest) -> None:
+        """A slot for the request, and its prompt queued for prefill (batch.Prefill)."""
+        r.slot = self.free.pop(0)
+        self.cache.reset([r.slot])
+        self.prefilling.add([r])
+        self._guard(r, self._setup, r)
+
+    def _prefill(self) -> None:
+        """One chunk of the joining prompts; the requests whose prompt is now whole sample their first token and
+        decode from the next step on."""
+        fed, done = self.prefilling.step(self.model, self.cache, self._guard, self.prefill_chunk)
+        self.metrics.prompt_tokens.inc(fed)
+        done = [(r, new) for r, new in done if new is not None]  # the others ended on their own error
+        self.active.extend(r for r, _ in done)
+        self._accept([r for r, _ in done], [new for _, new in done])
 
     def _setup(self, r: GenRequest) -> None:
         r.generator = torch.Generator().manual_seed(r.seed) if r.seed is not None else self.generator
@@ -248,8 +256,10 @@ class Scheduler:
                 return
 
     def _finish(self, r: GenRequest, reason: str, *, text: str | None = None, error: str | None = None) -> None:
-        if r in self.active:
-            self.active.remove(r)
+        if r in self.active or r in self.prefilling.rows:
+            if r in self.active:
+                self.active.remove(r)
+            self.prefilling.drop(r)
             self.cache.reset([r.slot])
             self.free.append(r.slot)
         if text is None:  # an error sends no text: decoding may be what failed

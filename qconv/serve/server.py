@@ -123,7 +123,7 @@ class RequestGuard:
 
 
 def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
-    app = FastAPI(title="qconv", docs_url=None, redoc_url=None)
+    app = FastAPI(title="qconv", docs_url=None, redoc_url=None, openapi_url=None)  # its schema: behind the key
     tok = sched.tokenizer
     metrics = sched.metrics
     app.add_middleware(RequestGuard, cfg=cfg, reject=metrics.reject)
@@ -152,8 +152,13 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
             what = "incorrect API key" if request.headers.get("authorization") else "missing API key"
             raise APIError(401, f"{what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
+    @app.get("/openapi.json", dependencies=[Depends(check_key)], include_in_schema=False)
+    async def openapi():
+        return JSONResponse(app.openapi())
+
     @app.get("/health")
     async def health():
+        """Open without the key (load balancers probe it): it says only ok or dead."""
         ok = sched.thread is not None and sched.thread.is_alive()
         return JSONResponse({"status": "ok" if ok else "dead"}, status_code=200 if ok else 503)
 
@@ -187,9 +192,12 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
             )
         if body.n != 1:
             raise APIError(400, "only n=1 is supported", param="n", code="unsupported_value")
-        for field in ("logprobs", "echo", "logit_bias"):
-            if getattr(body, field, None):
-                raise APIError(400, f"{field} is not supported by this server", param=field, code="unsupported_value")
+        refused = body.refused()
+        if refused is not None:
+            field, why = refused
+            raise APIError(
+                400, f"{field} is not supported by this server: {why}", param=field, code="unsupported_value"
+            )
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         n = len(prompt_ids)
@@ -203,7 +211,13 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                 param="max_tokens" if max_tokens else "messages",
                 code="context_length_exceeded",
             )
-        sp = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0))
+        sp = SamplingParams(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=max(body.top_k, 0),
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+        )
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         r = GenRequest(
             prompt_ids, want, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), sp, body.seed, body.stop_list()
@@ -330,7 +344,7 @@ def create_app(sched: Scheduler, cfg: ServerConfig) -> FastAPI:
                 param="messages",
                 code="too_many_messages",
             )
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        msgs = [{"role": m.role, "content": m.text(f"messages[{i}]")} for i, m in enumerate(body.messages)]
         chars = sum(len(m["content"]) for m in msgs)
         if chars > cfg.prompt_chars:
             raise too_long(chars, "characters", "messages")

@@ -259,7 +259,9 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
     argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
     if src.hybrid:
         argv += ["--mamba-ssm-cache-dtype", p.mamba_ssm_cache_dtype, "--no-enable-prefix-caching"]
-    if src.architecture in MULTIMODAL_ARCHS and p.language_model_only:
+    if src.architecture in MULTIMODAL_ARCHS and (p.language_model_only or opts.platform == "cpu"):
+        # vLLM's CPU runtime has no image stack (runtimes.py installs a text-only torchvision stand-in): loaded text
+        # only, vLLM's API refuses an image with a 400 instead of failing inside the model
         argv += ["--language-model-only"]
     if (spec := speculative_config(src, opts.platform, opts.spec_tokens)) is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]

@@ -1,9 +1,10 @@
 """qconv-vllm: what stock vLLM lacks to run qconv artifacts as built, loaded by vLLM itself through the
 `vllm.general_plugins` entry point in every vLLM process. It never imports qconv.
 
-Each patch is tied to the vLLM versions it was written against (`TESTED`): on another version `register()` stops
-vLLM with a message naming what to install, since a silently skipped patch would load a model with the wrong
-weights or fail deep inside model loading."""
+Each patch is tied to the vLLM versions it was written against (`TESTED`), and each target to its signature in one
+table (patches.py): on another version, or a release that moved a target, `register()` stops vLLM with a message
+naming the target and what to install, since a silently skipped patch would load a model with the wrong weights or
+fail deep inside model loading."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def register() -> None:
     import vllm
 
     check_version(vllm.__version__)
-    from qconv_vllm import embedding, kernels, kvarn, rotation, tied_head, w4a8
+    from qconv_vllm import embedding, kernels, kvarn, patches, rotation, tied_head, w4a8
+
+    patches.check_all()  # every target, before the first patch: a moved one stops vLLM naming it and the version
 
     _applied.extend(embedding.apply())
     _applied.extend(tied_head.apply())

@@ -15,6 +15,7 @@ import functools
 import logging
 from collections.abc import Callable
 
+from qconv_vllm import patches
 from qconv_vllm.packing import dequantize_rows
 
 log = logging.getLogger(__name__)
@@ -34,30 +35,29 @@ def _mtp_predictor(prefix: str) -> str:
     return f"{head}model.embed_tokens"
 
 
-# (module, class, how its embed_tokens is named) for each vLLM model that builds a bare VocabParallelEmbedding
+# (patch target of the model's __init__, how its embed_tokens is named) for each vLLM model that builds a bare
+# VocabParallelEmbedding
 MODELS = (
-    ("vllm.model_executor.models.llama", "LlamaModel", _main_model),
-    ("vllm.model_executor.models.qwen3_5", "Qwen3_5Model", _main_model),
-    ("vllm.model_executor.models.qwen3_5_mtp", "Qwen3_5MultiTokenPredictor", _mtp_predictor),
+    ("llama_model_init", _main_model),
+    ("qwen3_5_model_init", _main_model),
+    ("qwen3_5_mtp_init", _mtp_predictor),
 )
 
 
-def _model_classes() -> list[tuple[type, Callable[[str], str]]]:
-    """The classes whose modules import here; one that does not (e.g. Qwen3.5 without torchvision) cannot be
-    served by this vLLM either, so it needs no patch."""
-    import importlib
-
+def _model_inits() -> list[tuple[str, Callable[[str], str]]]:
+    """The targets whose modules import here; a model whose module does not (e.g. Qwen3.5 without torchvision)
+    cannot be served by this vLLM either, so it needs no patch."""
     out = []
-    for module, name, name_of in MODELS:
-        try:
-            out.append((getattr(importlib.import_module(module), name), name_of))
-        except ImportError as e:
-            log.warning("qconv-vllm: %s not patched (%s does not import: %s)", name, module, e)
+    for target, name_of in MODELS:
+        if patches.importable(target):
+            out.append((target, name_of))
+        else:
+            log.warning("qconv-vllm: %s not patched (its module does not import)", patches.TARGETS[target].attr)
     return out
 
 
-def _wrap_model_init(cls: type, name_of: Callable[[str], str]) -> None:
-    orig = cls.__init__
+def _wrap_model_init(target: str, name_of: Callable[[str], str]) -> None:
+    orig = patches.current(target)
 
     @functools.wraps(orig)
     def __init__(self, *args, vllm_config, prefix: str = "", **kwargs):
@@ -72,13 +72,13 @@ def _wrap_model_init(cls: type, name_of: Callable[[str], str]) -> None:
         finally:
             _PENDING.reset(token)
 
-    cls.__init__ = __init__
+    patches.replace(**{target: __init__})
 
 
 def _wrap_embedding_init() -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    orig = VocabParallelEmbedding.__init__
+    orig = patches.current("embedding_init")
 
     @functools.wraps(orig)
     def __init__(self, num_embeddings, embedding_dim, *args, **kwargs):
@@ -90,16 +90,12 @@ def _wrap_embedding_init() -> None:
                 kwargs["quant_config"] = pending[0]
         orig(self, num_embeddings, embedding_dim, *args, **kwargs)
 
-    VocabParallelEmbedding.__init__ = __init__
+    patches.replace(embedding_init=__init__)
 
 
 def _cpu_lookup() -> None:
     """vLLM's lookup kernel is Triton-only; gather and dequantize the rows in torch when the weights are on CPU."""
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_embedding import (
-        CompressedTensorsEmbeddingWNA16Int as Method,
-    )
-
-    orig = Method.embedding
+    orig = patches.current("embedding_lookup")
 
     @functools.wraps(orig)
     def embedding(self, layer, input_):
@@ -115,14 +111,14 @@ def _cpu_lookup() -> None:
         )
         return rows.reshape(*input_.shape, layer.hidden_size)
 
-    Method.embedding = embedding
+    patches.replace(embedding_lookup=embedding)
 
 
 def apply() -> list[str]:
     names = []
-    for cls, name_of in _model_classes():
-        _wrap_model_init(cls, name_of)
-        names.append(f"quantized embed_tokens: {cls.__name__}")
+    for target, name_of in _model_inits():
+        _wrap_model_init(target, name_of)
+        names.append(f"quantized embed_tokens: {patches.TARGETS[target].attr.split('.')[0]}")
     _wrap_embedding_init()
     _cpu_lookup()
     names.append("quantized embedding lookup on CPU")

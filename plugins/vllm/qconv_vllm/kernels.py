@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from qconv_vllm import patches
 from qconv_vllm.packing import dequantize_rows
 
 
@@ -79,10 +80,10 @@ def cpu_wna16_runs() -> bool:
 def apply() -> list[str]:
     import os
 
-    from vllm.model_executor.kernels.linear import register_linear_kernel
     from vllm.platforms import PlatformEnum, current_platform
 
-    register_linear_kernel(_kernel_class(), PlatformEnum.CPU, "mp")
+    patches.current("mp_transform_param"), patches.current("mp_weight_params")  # checked: what the kernel calls
+    patches.current("register_linear_kernel")(_kernel_class(), PlatformEnum.CPU, "mp")
     done = ["reference WNA16 kernel (CPU, 2/4/8-bit, zero points)"]
     if current_platform.is_cpu() and not cpu_wna16_runs():
         disabled = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]

@@ -18,12 +18,10 @@ import typing
 import torch
 
 from qconv_vllm import KVARN_PRESETS as PRESETS
+from qconv_vllm import patches
+from qconv_vllm.patches import PatchTargetMoved
 
 BACKEND_MODULE = "qconv_vllm.kvarn_backend"  # one class per preset, named by it
-
-
-class PatchTargetMoved(RuntimeError):
-    pass
 
 
 def _require(ok: bool, what: str) -> None:
@@ -88,13 +86,11 @@ def _extend_cache_dtype() -> None:
     import pydantic
     from vllm.config import cache
     from vllm.engine import arg_utils
-    from vllm.v1.attention import selector
 
     if _is_patched(cache.CacheDType):
         return
     lit = typing.Literal[typing.get_args(cache.CacheDType) + PRESETS]  # type: ignore[valid-type]
-    cache.CacheDType = lit
-    selector.CacheDType = lit
+    patches.replace(cache_dtype=lit, selector_cache_dtype=lit)
     cache.CacheConfig.__annotations__["cache_dtype"] = lit
     cache.CacheConfig.__dataclass_fields__["cache_dtype"].type = lit
     pydantic.dataclasses.rebuild_dataclass(cache.CacheConfig, force=True)
@@ -102,12 +98,10 @@ def _extend_cache_dtype() -> None:
 
 
 def _route_backend() -> None:
-    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, f"{BACKEND_MODULE}.{PRESETS[0]}")  # --attention-backend CUSTOM
-    cls = type(current_platform)
-    orig = cls.get_attn_backend_cls
+    orig = patches.current("attn_backend_cls")
     if getattr(orig, "_qconv_kvarn", False):
         return
 
@@ -119,7 +113,7 @@ def _route_backend() -> None:
         return orig(selected_backend, attn_selector_config, *args, **kwargs)
 
     get_attn_backend_cls._qconv_kvarn = True
-    cls.get_attn_backend_cls = staticmethod(get_attn_backend_cls)
+    patches.replace(attn_backend_cls=staticmethod(get_attn_backend_cls))
 
 
 def apply() -> list[str]:

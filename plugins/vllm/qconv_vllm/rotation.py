@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from qconv_vllm import patches
+
 
 def apply() -> list[str]:
-    from vllm.model_executor.layers.quantization.compressed_tensors.transform.module import HadamardTransform
-
-    if not hasattr(HadamardTransform, "cpu_linear"):
-        HadamardTransform.cpu_linear = staticmethod(torch.nn.functional.linear)
+    patches.current("cpu_gemm")  # checked: vLLM's CPU GEMM still calls layer.cpu_linear(x, weight, bias)
+    if patches.current("hadamard_cpu_linear") is None:
+        patches.replace(hadamard_cpu_linear=staticmethod(torch.nn.functional.linear))
     return ["input rotations on CPU (HadamardTransform.cpu_linear)"]

@@ -12,37 +12,17 @@ after_saturated, n-gram range) is in the class name vLLM imports: StretchedLooku
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass
 
-# What this proposer relies on in vLLM 0.32, checked at construction (check_targets)
-RUNNER_CALL = (
-    "cast(Any, self.drafter).propose(",
-    "sampled_token_ids,",
-    "self.input_batch.num_tokens_no_spec,",
-    "self.input_batch.token_ids_cpu,",
-    "slot_mappings=slot_mappings,",
-)
-MATCH_ARGS = ["origin_tokens", "min_ngram", "max_ngram", "max_model_len", "k"]
-
 
 def check_targets() -> None:
-    """Raise, naming the vLLM version, if the runner's custom_class call or vLLM's n-gram matcher moved."""
-    import vllm
-    from vllm.v1.spec_decode import ngram_proposer
-    from vllm.v1.worker import gpu_model_runner
+    """Raise, naming the vLLM version, if the runner's custom_class call or vLLM's n-gram matcher moved (the
+    plugin's patch table holds both)."""
+    from qconv_vllm import patches
 
-    src = "".join(inspect.getsource(gpu_model_runner.GPUModelRunner.propose_draft_token_ids).split())
-    call = "".join("".join(RUNNER_CALL).split())
-    fn = getattr(ngram_proposer, "_find_longest_matched_ngram_and_propose_tokens", None)
-    args = list(inspect.signature(getattr(fn, "py_func", fn)).parameters) if fn is not None else None
-    if call not in src or args != MATCH_ARGS:
-        raise RuntimeError(
-            f"qconv_vllm.stretch was written against vLLM 0.32's custom_class proposer call and "
-            f"n-gram matcher; vLLM {vllm.__version__} changed them (runner call found: "
-            f"{call in src}, matcher arguments: {args}). Use speculative method ngram or vLLM 0.32."
-        )
+    patches.current("runner_propose")
+    patches.current("ngram_match")
 
 
 @dataclass

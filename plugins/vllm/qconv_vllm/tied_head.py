@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from qconv_vllm import patches
+
 ROWS = 8192  # vocabulary rows dequantized at a time: bounds the transient dense block to ROWS x hidden
 
 
@@ -29,9 +31,7 @@ def _method():
 
 
 def _tie_to_packed_embedding() -> None:
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    method, orig = _method(), ParallelLMHead.tie_weights
+    method, orig = _method(), patches.current("tie_weights")
 
     @functools.wraps(orig)
     def tie_weights(self, embed_tokens):
@@ -39,7 +39,7 @@ def _tie_to_packed_embedding() -> None:
             return embed_tokens  # vocab-sharded like a head; LogitsProcessor calls quant_method.apply on it
         return orig(self, embed_tokens)
 
-    ParallelLMHead.tie_weights = tie_weights
+    patches.replace(tie_weights=tie_weights)
 
 
 def _row_blocks(method, layer: torch.nn.Module):
@@ -50,8 +50,6 @@ def _row_blocks(method, layer: torch.nn.Module):
 
 
 def _logits_from_packed_rows() -> None:
-    method = _method()
-
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """hidden @ dequant(W).T over this rank's (padded) vocabulary rows; LogitsProcessor drops the padding."""
         vocab = layer.weight_packed.shape[0]
@@ -69,7 +67,7 @@ def _logits_from_packed_rows() -> None:
             out += bias
         return out.view(*x.shape[:-1], vocab)
 
-    method.apply = apply
+    patches.replace(packed_head_apply=apply)
 
 
 def apply() -> list[str]:

@@ -6,17 +6,12 @@ scheme gets int8 input only for the modules it matches; without it vLLM's behavi
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import re
 
+from qconv_vllm import patches
+
 ENV = "QCONV_VLLM_W4A8"
-
-
-def _module():
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import compressed_tensors_wNa16
-
-    return compressed_tensors_wNa16
 
 
 def restricted(orig, pattern: str):
@@ -31,21 +26,10 @@ def restricted(orig, pattern: str):
 
 
 def apply() -> list[str]:
-    import vllm
-
-    mod = _module()
-    orig = getattr(mod, "get_marlin_input_dtype", None)
-    if (
-        orig is None
-        or list(inspect.signature(orig).parameters) != ["prefix"]
-        or "get_marlin_input_dtype(self.layer_name)" not in inspect.getsource(mod)
-    ):
-        raise RuntimeError(
-            f"qconv_vllm.w4a8: vLLM {vllm.__version__}'s compressed-tensors WNA16 scheme no longer "
-            "picks Marlin's input dtype through get_marlin_input_dtype(self.layer_name)"
-        )
+    orig = patches.current("marlin_input_dtype")
+    patches.current("wna16_create_weights")  # checked: the scheme still asks by layer name
     pattern = os.environ.get(ENV)
     if not pattern:
         return []
-    mod.get_marlin_input_dtype = restricted(orig, pattern)
+    patches.replace(marlin_input_dtype=restricted(orig, pattern))
     return [f"W4A8 restricted to /{pattern}/"]

@@ -35,6 +35,23 @@ def build(recipe, model, out, *args):
     return run(*build_args(recipe, model, out, *args))
 
 
+def built_once(name: str, recipe: str, make) -> Path:
+    """An artifact built once and shared by every test and session that asks for the same thing: cached under
+    CACHE/artifacts by a key of `name`, the recipe file (a built-in name or a path) and the build code it was made
+    with. `make(out)` builds it into `out`; tests must not change what it gives them."""
+    from qconv.fsutil import sha256_bytes
+    from tests.conftest import CACHE
+
+    recipe_file = Path(recipe) if Path(recipe).is_file() else REPO / "qconv" / "recipes" / f"{recipe}.yaml"
+    code = [p for area in ("build", "convert", "calibrate") for p in sorted((REPO / "qconv" / area).glob("*.py"))]
+    code += sorted((REPO / "qconv" / "recipes").glob("*.yaml"))  # a recipe's `extends` included
+    key = sha256_bytes(b"".join(p.read_bytes() for p in [*code, recipe_file]) + name.encode())[:12]
+    out = CACHE / "artifacts" / f"{name}-{key}"
+    if not (out / "qconv.json").is_file():
+        make(out)
+    return out
+
+
 def recipe_variant(tmp_path: Path, name: str, **over) -> Path:
     """A recipe file NAME.yaml that extends the 3090 recipe with `over`."""
     p = tmp_path / f"{name}.yaml"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_helpers import build_args
+from tests.cli_helpers import build_args, built_once
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("QCONV_TEST_CACHE", REPO / ".cache"))
@@ -108,20 +108,16 @@ def _built_smollm2(gguf: Path, calib: Path, name: str, recipes: tuple[str, ...],
     from click.testing import CliRunner
 
     from qconv.cli import main
-    from qconv.fsutil import sha256_bytes
 
-    code = [p for area in ("build", "convert") for p in sorted((REPO / "qconv" / area).glob("*.py"))]
-    code += [REPO / "qconv" / "recipes" / f"{r}.yaml" for r in recipes]
-    key = sha256_bytes(b"".join(p.read_bytes() for p in code))[:12]
-    out = CACHE / "artifacts" / f"smollm2-{name}-{key}"
-    if not (out / "qconv.json").is_file():
+    def make(out: Path) -> None:
         r = CliRunner().invoke(
             main,
-            [*build_args(recipes[-1], gguf, out), "--dataset", str(calib), *args],
+            [*build_args(recipes[-1], gguf, out), "--dataset", str(calib), "--force", *args],
             catch_exceptions=False,
         )
         assert r.exit_code == 0, r.output
-    return out
+
+    return built_once(f"smollm2-{name}", recipes[-1], make)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from qconv.cli import main
+from tests.cli_helpers import build_args
 from tests.serve_helpers import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,32 +113,20 @@ def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, vllm_python
 
 
 def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Path, dict]:
-    """A tiny qwen3_5 (tests/tiny.py `family`) built by `qconv build --recipe RECIPE`; its weight map."""
+    """A tiny qwen3_5 (tests/tiny.py `family`) built by `qconv build --recipe RECIPE` (built once: tests only read
+    it); its weight map."""
+    from tests.cli_helpers import built_once
     from tests.tiny import CORPUS, make_tiny_model
 
-    src = make_tiny_model(family, tmp_path / "src")
-    calib = tmp_path / "calib.txt"
-    calib.write_text(CORPUS * 20)
-    art = tmp_path / f"tiny-{family}-{Path(recipe).stem}"  # RECIPE: a built-in name or a file
-    r = CliRunner().invoke(
-        main,
-        [
-            "build",
-            "--recipe",
-            recipe,
-            "--model",
-            str(src),
-            "--out",
-            str(art),
-            "--dataset",
-            str(calib),
-            "--samples",
-            "8",
-            "--seq-len",
-            "64",
-        ],
-    )
-    assert r.exit_code == 0, r.output
+    def make(out: Path) -> None:
+        src = make_tiny_model(family, tmp_path / "src")
+        calib = tmp_path / "calib.txt"
+        calib.write_text(CORPUS * 20)
+        args = ["--dataset", calib, "--samples", "8", "--seq-len", "64", "--force", "--work-dir", tmp_path / "w"]
+        r = CliRunner().invoke(main, [str(a) for a in build_args(recipe, src, out, *args)])
+        assert r.exit_code == 0, r.output
+
+    art = built_once(f"tiny-{family}-{Path(recipe).stem}", recipe, make)  # RECIPE: a built-in name or a file
     return art, json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
 
 

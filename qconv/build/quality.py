@@ -63,7 +63,8 @@ def measure(
         return None
     weights = {k: v.sha256 for k, v in manifest.files.items() if k.endswith(".safetensors")}
     text_id = sha256_file(Path(text)) if Path(text).is_file() else text
-    key = stage_key("quality", weights, text_id, asdict(recipe.quality), manifest.source.sha256)
+    fwd = Forward(streamed=True if streamed else None, device=opts.device, compute_dtype=opts.compute_dtype)
+    key = stage_key("quality", weights, text_id, asdict(recipe.quality), manifest.source.sha256, str(fwd.dtype()))
     qdir = work.cached_dir("quality", key)
     if qdir is None:
         with work.new_dir("quality", key) as tmp:
@@ -74,7 +75,7 @@ def measure(
                 text=text,
                 source_sha256=manifest.source.sha256,
                 num_parameters=manifest.source.num_parameters,
-                fwd=Forward(streamed=True if streamed else None, device=opts.device, compute_dtype=opts.compute_dtype),
+                fwd=fwd,
                 final=final,
             )
             _copy_files(artifact, tmp, REPORTS)

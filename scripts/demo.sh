@@ -13,8 +13,9 @@ eval_text="${QCONV_EVAL_TEXT:-../shared/data/wikitext-2-raw-test.txt}"
 [ -f "$eval_text" ] || eval_text="Salesforce/wikitext:wikitext-2-raw-v1@test"
 qconv convert gguf "$gguf" "$out/smollm2-135m" --force
 # No --dataset and no network: qconv calibrates on text the model writes itself (announced in the log).
-# The demo's calibration size keeps its own work to minutes on a 2-core CPU (README: what it costs; the 3090 recipe's default,
-# 128 x 2048 tokens, is for the 27B); a --samples / --seq-len passed to this script comes later and wins.
+# The demo's calibration size keeps its own work to minutes on a 2-core CPU (what it costs: docs/BENCHMARKS.md,
+# "First contact"; the 3090 recipe's default, 128 x 2048 tokens, is for the 27B); a --samples / --seq-len passed to
+# this script comes later and wins.
 calib=(--samples 16 --seq-len 256)
 echo "demo: calibration ${calib[*]} (the demo's size, for a CPU; pass --samples/--seq-len to change)"
 qconv build --recipe 3090 --model "$out/smollm2-135m" --out "$out/smollm2-135m-3090" --force \

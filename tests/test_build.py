@@ -242,7 +242,8 @@ def test_bad_inputs(case, pattern, tmp_path, tiny_llama):
 def test_build_smollm2_from_gguf_beats_rtn(smollm2_3090, shared_data):
     """SmolLM2 straight from the GGUF through the 3090 recipe (llama family, tied embeddings, hidden 576 -> g64 where
     128 does not divide). Must beat the round-to-nearest W4 g128 + int8-embedding anchor (KLD 0.588, top-1 61.1%),
-    measured on the same text: the first 8,192 tokens of WikiText-2 test in windows of 2,048 (README, "Numbers")."""
+    measured on the same text: the first 8,192 tokens of WikiText-2 test in windows of 2,048 (docs/BENCHMARKS.md,
+    "Quality of the weights")."""
     from qconv.eval.record import EvalSettings
     from qconv.eval.run import evaluate
 

@@ -243,12 +243,12 @@ def test_push_uploads_with_model_card(hub, monkeypatch):
 
 
 def test_readme_publishing_example_runs_offline(tmp_path, monkeypatch):
-    """The README's shared-folder example, line by line, with /mnt/team under tmp and no network."""
+    """docs/HUB.md's shared-folder example, line by line, with /mnt/team under tmp and no network."""
     import re
     import shlex
 
-    text = (REPO / "README.md").read_text()
-    block = re.search(r"## Pulling and publishing artifacts.*?```\n(.*?)```", text, re.S)[1]
+    text = (REPO / "docs" / "HUB.md").read_text()
+    block = re.search(r"## Publishing for a team.*?```\n(.*?)```", text, re.S)[1]
     team = tmp_path / "team"
     (team / "models").mkdir(parents=True)
     make_artifact(tmp_path / "work" / "my-27b-3090")

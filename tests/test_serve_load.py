@@ -1,7 +1,7 @@
 """Load on the native server with SmolLM2-135M (slow): 32 concurrent streaming clients all complete with the same
 greedy text as each prompt alone, and 8 concurrent clients get >= 2x one client's tokens/s, measured in the same run:
-continuous batching at work (without it the ratio is ~1x). The 3.5x in the README is bench/serve_load.py's number on a
-quiet machine (docs/BENCHMARKS.md); 2x is what a busy 2-core machine still gives, so it is the bound tested here."""
+continuous batching at work (without it the ratio is ~1x). The 3.5x in docs/BENCHMARKS.md ("Serving") is bench/serve_load.py's
+number on a quiet machine; 2x is what a busy 2-core machine still gives, so it is the bound tested here."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ same numbers (bf16 -> float32 is exact), only the arithmetic is wider."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,6 +17,9 @@ from qconv.errors import QconvError
 
 HALF = (torch.bfloat16, torch.float16)
 CHOICES = ("auto", "float32", "bfloat16")  # --compute-dtype on build and eval
+# --cpu-isa avx2: torch's, oneDNN's and MKL's AVX2 kernels on any x86 CPU, so that float sums come out as an AVX2-only
+# CPU makes them (read by each library when it first computes, so set before torch runs anything).
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def bf16_native(device: str = "cpu") -> bool:
@@ -40,6 +44,21 @@ def resolve(choice: str | None, device: str = "cpu") -> torch.dtype:
             f"unknown compute dtype {choice!r}", where="--compute-dtype", fix=f"use one of {', '.join(CHOICES)}"
         )
     return compute_dtype(device) if choice == "auto" else getattr(torch, choice)
+
+
+def limit_cpu_isa(isa: str) -> None:
+    """--cpu-isa: `native` leaves the kernels to the CPU; `avx2` makes an AVX-512 host compute as an AVX2-only one
+    does, its artifacts then rebuildable bit for bit there. Refused where the libraries have already computed."""
+    if isa == "native":
+        return
+    os.environ.update(AVX2_ENV)
+    if torch.backends.cpu.get_cpu_capability() != "AVX2" or bf16_native("cpu"):
+        raise QconvError(
+            f"--cpu-isa {isa} did not take effect: torch computes with {torch.backends.cpu.get_cpu_capability()} "
+            "kernels (they were chosen before qconv could ask, or this CPU has no AVX2)",
+            where="--cpu-isa",
+            fix="set " + " ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) + " in the environment instead",
+        )
 
 
 def dtype_name(dtype: torch.dtype) -> str:

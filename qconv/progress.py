@@ -140,6 +140,7 @@ class JobView:
     on the terminal and their log records go to both."""
 
     verbose: bool = False
+    quantizer: bool = True  # the job runs llmcompressor: its logger is taken over (importing it takes seconds)
     log_name: str = LOG_NAME
     log_path: Path | None = None
     warned: list[str] = field(default_factory=list)
@@ -242,23 +243,24 @@ class JobView:
     def _setup_libraries(self) -> None:
         """Point llmcompressor's loguru logger and transformers'/datasets' own handlers at the view (tqdm bars write
         to file descriptor 2, which is the log already)."""
-        with contextlib.suppress(ImportError):
-            import llmcompressor  # noqa: F401  (configures loguru on import: do it before taking loguru over)
-            from llmcompressor.logger import configure_logger
-            from loguru import logger
+        if self.quantizer:
+            with contextlib.suppress(ImportError):
+                import llmcompressor  # noqa: F401  (configures loguru on import: do it before taking loguru over)
+                from llmcompressor.logger import configure_logger
+                from loguru import logger
 
-            logger.remove()
-            sink = logger.add(
-                self._loguru,
-                level="DEBUG" if self.verbose else "INFO",
-                format="{time:HH:mm:ss.SSS} | {function} | {level} - {message}",
-            )
+                logger.remove()
+                sink = logger.add(
+                    self._loguru,
+                    level="DEBUG" if self.verbose else "INFO",
+                    format="{time:HH:mm:ss.SSS} | {function} | {level} - {message}",
+                )
 
-            def restore_loguru():
-                logger.remove(sink)
-                configure_logger()
+                def restore_loguru():
+                    logger.remove(sink)
+                    configure_logger()
 
-            self._exit.callback(restore_loguru)
+                self._exit.callback(restore_loguru)
         for name in ("transformers", "datasets"):
             with contextlib.suppress(ImportError, AttributeError):
                 lib = __import__(f"{name}.utils.logging", fromlist=["x"])

@@ -133,3 +133,50 @@ def test_compute_dtype_is_checked(tiny_llama, tmp_path):
     with pytest.raises(compute.QconvError, match="compute dtype"):
         compute.resolve("half")
     assert compute.resolve("auto", "cuda") == torch.bfloat16 and compute.resolve("float32", "cuda") == torch.float32
+
+
+def test_cpu_isa_avx2_builds_what_an_avx2_environment_builds(tiny_qwen3_5, tmp_path, calib_txt):
+    """`--cpu-isa avx2` on any x86 host gives the bytes a build gets where torch, oneDNN and MKL take their AVX2
+    kernels (an AVX2-only CPU; here the same libraries told so by their environment), and records AVX2."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    from qconv.manifest import read_manifest
+
+    made = {}
+    for tag, extra, env in (("flag", ["--cpu-isa", "avx2"], {}), ("environment", [], compute.AVX2_ENV)):
+        out = tmp_path / tag
+        args = [
+            "--dataset",
+            calib_txt,
+            *SMALL_CAL,
+            "--upgrade-budget",
+            "8%",
+            "--no-gates",
+            "--work-dir",
+            tmp_path / f"w-{tag}",
+        ]
+        cmd = [sys.executable, "-m", "qconv.cli", "build", "--recipe", "3090", "--model", tiny_qwen3_5, "--out", out]
+        r = subprocess.run(
+            [str(c) for c in cmd + args + extra], env={**os.environ, **env}, capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+        m = read_manifest(out)
+        assert (m.build.cpu_isa, m.build.compute_dtype) == ("AVX2", "float32")  # bf16 is emulated there: auto
+        made[tag] = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(out.glob("*.safetensors")))).digest()
+    assert made["flag"] == made["environment"]
+
+
+def test_cpu_isa_too_late_is_one_error(tiny_llama, tmp_path):
+    """In a process whose torch has computed already (this one), the AVX2 kernels can no longer be chosen: one
+    error that names the environment variables, unless the CPU is AVX2-only anyway."""
+    torch.ones(2) @ torch.ones(2)
+    r = run(
+        "build", "--recipe", "3090", "--model", tiny_llama, "--out", tmp_path / "o", "--cpu-isa", "avx2", "--dry-run"
+    )
+    if torch.backends.cpu.get_cpu_capability() == "AVX2" and not compute.bf16_native():
+        assert r.exit_code == 0, r.output
+    else:
+        assert r.exit_code == 2 and "ATEN_CPU_CAPABILITY=avx2" in r.output, r.output

@@ -176,6 +176,14 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
     "Recorded in qconv.json; the weights are the same bf16 numbers either way.",
 )
 @click.option(
+    "--cpu-isa",
+    type=click.Choice(["native", "avx2"]),
+    default="native",
+    show_default=True,
+    help="avx2: compute with AVX2 kernels on any x86 CPU (bf16 emulated, so auto computes in float32), so that an "
+    "AVX2-only CPU rebuilds the artifact bit for bit. Recorded in qconv.json as build.cpu_isa.",
+)
+@click.option(
     "--card",
     help="--dry-run: the card the device-memory plan is for (3090, 4090, a100-80, ...; default: "
     "the recipe's). A build measures the GPU it runs on.",
@@ -206,6 +214,7 @@ def build(
     reference,
     device,
     compute_dtype,
+    cpu_isa,
     card,
     as_json,
     verbose,
@@ -213,7 +222,10 @@ def build(
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
     from qconv.build.budget import BuildOptions
     from qconv.build.budget import dry_run as run_dry
+    from qconv.compute import limit_cpu_isa
     from qconv.errors import QconvError
+
+    limit_cpu_isa(cpu_isa)  # before anything computes
 
     opts = BuildOptions(
         model=model,

@@ -25,7 +25,9 @@ def convert_gguf(gguf_file, out, dtype, force, verbose):
     from qconv import progress
     from qconv.convert.gguf import import_gguf
 
-    with progress.JobView(verbose=verbose):  # one stage line; transformers' bars and warnings stay off the terminal
+    with progress.JobView(
+        verbose=verbose, quantizer=False
+    ):  # one stage line; transformers' bars and warnings stay off the terminal
         logging.getLogger(__name__).info(
             f"gguf import: {Path(gguf_file).name} -> {dtype}", extra={**progress.stage("gguf import"), **progress.SHOW}
         )

@@ -6,7 +6,7 @@ BLAS order. With the balance in float32 that moved a scale by an fp16 ulp or a c
 (qconv.kv.kvarn.BALANCE_DTYPE), and the records are asserted byte for byte equal, random and SmolLM2 tiles alike.
 Decode attention vs fp32 softmax attention over TileScheme.decode's K/V: max abs difference 1.7e-6 with fp32 output
 (|out| up to 3.5), 9.5e-4 with fp16 output (its rounding); asserted at 1e-4 (+1e-3 relative for fp16 output).
-On CUDA the same comparisons run in bench/gpu_kvarn.py.
+On CUDA the same comparisons run in bench/gpu_day.py.
 """
 
 from __future__ import annotations
@@ -122,6 +122,35 @@ def _cache(n_closed: list[int], cur: list[int], hq: int, hkv: int, d: int, g: in
     )
 
 
+def _attention(q, pool, table, n_closed, stage_k, stage_v, sink, cur, kb, vb, g, scale, splits=None):
+    """kvarn_attention.attention over _cache's sequences, one query each at its last position: the exact run is
+    the sink then the tile being filled (at positions (n_closed + 1) G onwards)."""
+    lens = sink + n_closed * g + cur
+    ks, vs, pos, start = [], [], [], [0]
+    for b in range(q.shape[0]):
+        s, c, first = int(sink[b]), int(cur[b]), (int(n_closed[b]) + 1) * g
+        ks += [stage_k[b, 0, :, :s], stage_k[b, 1, :, :c]]
+        vs += [stage_v[b, 0, :, :s], stage_v[b, 1, :, :c]]
+        pos += [*range(s), *range(first, first + c)]
+        start.append(start[-1] + s + c)
+    return kvarn_attention.attention(
+        q,
+        pool,
+        table,
+        lens,
+        torch.arange(q.shape[0] + 1, dtype=torch.int32),
+        torch.cat(ks, 1),
+        torch.cat(vs, 1),
+        torch.tensor(pos, dtype=torch.int32),
+        torch.tensor(start, dtype=torch.int32),
+        kb,
+        vb,
+        g,
+        scale,
+        splits,
+    )
+
+
 @pytest.mark.parametrize(
     "d,g,kb,vb,hq,hkv,splits",
     [(64, 64, 4, 2, 4, 2, 2), (128, 64, 4, 4, 2, 1, None), (256, 128, 4, 2, 3, 1, 3), (64, 128, 4, 4, 6, 2, 1)],
@@ -130,12 +159,12 @@ def test_decode_attention_matches_reference(d, g, kb, vb, hq, hkv, splits):
     # sequences: n_closed 0 with a short sink, partial current tiles at 0, mid and G-1 tokens
     args = _cache([0, 3, 1, 2], [0, g // 2, g - 1, 5], hq, hkv, d, g, kb, vb, seed=d + g)
     args[6][0] = 7  # sequence 0: only 7 sink tokens
-    out = kvarn_attention.decode_attention(*args, kb, vb, g, d**-0.5, num_splits=splits)
+    out = _attention(*args, kb, vb, g, d**-0.5, splits)
     ref = _reference_attention(*args, kb, vb, g, d**-0.5)
     assert out.shape == ref.shape and out.dtype == torch.float16
     err = float((out.float() - ref).abs().max())
     assert err < ATTN_TOL + 1e-3 * float(ref.abs().max()), err  # fp16 output: half an ulp at |out| ~ 1 is 5e-4
-    out32 = kvarn_attention.decode_attention(args[0].float(), *args[1:], kb, vb, g, d**-0.5, num_splits=splits)
+    out32 = _attention(args[0].float(), *args[1:], kb, vb, g, d**-0.5, splits)
     assert float((out32 - ref).abs().max()) < ATTN_TOL
 
 
@@ -145,16 +174,24 @@ def test_decode_attention_long_context_many_splits():
     args = _cache([64, 0], [17, 0], 2, 1, d, g, 4, 2, seed=3)
     ref = _reference_attention(*args, 4, 2, g, d**-0.5)
     for splits in (8, 24):
-        out = kvarn_attention.decode_attention(args[0].float(), *args[1:], 4, 2, g, d**-0.5, num_splits=splits)
+        out = _attention(args[0].float(), *args[1:], 4, 2, g, d**-0.5, splits)
         assert torch.isfinite(out).all()
         assert float((out - ref).abs().max()) < ATTN_TOL
 
 
-def test_decode_attention_rejects_a_wrong_pool():
+def test_attention_rejects_a_wrong_pool():
     args = list(_cache([1], [3], 2, 1, 64, 64, 4, 2, seed=0))
     args[1] = args[1][..., :-8]
     with pytest.raises(ValueError, match="pool must be uint8"):
-        kvarn_attention.decode_attention(*args, 4, 2, 64, 0.125)
+        _attention(*args, 4, 2, 64, 0.125)
+
+
+def test_work_memory_grows_with_the_batch_not_the_context():
+    """The bound the planner and the backend's reservation use: linear in query tokens, free of context."""
+    w = kvarn_attention.work_bytes
+    assert w(2048, 4, 24, 4, 256, 128) < 2.2 * w(1024, 4, 24, 4, 256, 128)
+    assert kvarn_attention.num_splits(1, 2048) == 64 and kvarn_attention.num_splits(2048, 2048) == 1
+    assert w(2048, 4, 24, 4, 256, 128) < 400 * 2**20  # 2,048-token chunk of the 27B: ~200 MiB, at any context
 
 
 def _smollm2_kv(smollm2: Path, text: str, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

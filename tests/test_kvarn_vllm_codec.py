@@ -53,8 +53,11 @@ def test_record_is_not_padded_to_a_power_of_two():
 class _Seq:
     """Drives one KVarN layer the way vLLM's runner does: a block table of tile ids, a slot table, steps."""
 
-    def __init__(self, preset: str, d: int, hk: int, grp: int, n_blocks: int = 64, capacity: int = 6):
+    def __init__(
+        self, preset: str, d: int, hk: int, grp: int, n_blocks: int = 64, capacity: int = 6, kernels: bool = False
+    ):
         self.impl = KVarNAttentionImpl(hk * grp, d, d**-0.5, hk, kv_cache_dtype=preset)
+        self.impl.kernels = kernels  # the Triton attention (TRITON_INTERPRET=1 here) instead of the torch path
         c = self.impl.codec
         self.pool = torch.zeros(n_blocks, hk, c.tile, c.bytes_per_token, dtype=torch.uint8)
         self.table = SlotTable(capacity)
@@ -153,32 +156,51 @@ def test_batched_sequences_and_reused_blocks_equal_one_by_one():
         assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())
 
 
-def test_cuda_decode_path_reads_the_same_cache_as_the_torch_path():
-    """The batch-of-decodes branch hands the backend's own pool, staging slots and block table to the Triton
-    split-K kernel (run here under TRITON_INTERPRET=1); it must attend exactly what `_attend` attends."""
+def test_kernel_path_at_the_27b_head_layout_matches_the_simulation():
+    """The Triton attention the backend runs on CUDA (here under TRITON_INTERPRET=1), at the 27B's 24 query / 4 KV
+    heads, D=256, tile 128, on mixed batches: a prefill crossing the sink and one closing a tile, a decode,
+    5-token verifies (one of them across a tile's end), all against what each query reads at its decode step."""
+    pytest.importorskip("triton")
+    torch.manual_seed(4)
+    preset, d, hk, grp = "kvarn_k4v2_g128", 256, 4, 6
+    seq = _Seq(preset, d, hk, grp, n_blocks=12, kernels=True)
+    lens = (264, 134)
+    data = [
+        (torch.randn(t, hk * grp, d), torch.randn(t, hk, d).half().float(), torch.randn(t, hk, d).half().float())
+        for t in lens
+    ]
+    blocks = [[0, 5, 7], [3, 1]]
+    # the first step (250 tokens of the first request) on the torch path, the rest on the kernels: a chunk that
+    # closes tile 1 next to a prefill crossing the sink, then a 5-token verify next to a decode, then both verify
+    steps = [((0, 250), None), ((250, 258), (0, 132)), ((258, 263), (132, 133)), ((263, 264), (133, 134))]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for n, step in enumerate(steps):
+        seq.impl.kernels = n > 0
+        reqs = [
+            (blocks[i][0], blocks[i], ab[0], *(x[ab[0] : ab[1]] for x in data[i])) for i, ab in enumerate(step) if ab
+        ]
+        for i, o in zip([i for i, ab in enumerate(step) if ab], seq.step(reqs)):
+            outs[i].append(o)
+    for i, (q, k, v) in enumerate(data):
+        got, want = torch.cat(outs[i]), _reference(preset, q, k, v, d**-0.5)
+        assert torch.allclose(got, want, atol=1e-4), (i, float((got - want).abs().max()))
+
+
+def test_kernel_path_reads_the_same_cache_as_the_torch_path():
+    """A batch of decodes through the Triton attention (TRITON_INTERPRET=1) equals the torch path on the same
+    pool, staging slots and block table: sink only, closed tiles + a tile in progress, a tile just closed."""
     pytest.importorskip("triton")
     torch.manual_seed(3)
     preset, d, hk, grp = "kvarn_k4v2_g64", 64, 1, 2
-    seq = _Seq(preset, d, hk, grp, n_blocks=16)
-    lens, reqs = (30, 3 * 64 + 5, 2 * 64), []
-    for i, n in enumerate(lens):  # three sequences: sink only, closed tiles + a tile in progress, tile just closed
-        blocks = list(range(5 * i, 5 * i + 5))
-        q, k, v = torch.randn(n, hk * grp, d), torch.randn(n, hk, d), torch.randn(n, hk, d)
-        seq.step([(blocks[0], blocks, 0, q[: n - 1], k[: n - 1], v[: n - 1])])
-        reqs.append((blocks[0], blocks, n - 1, q[n - 1 :], k[n - 1 :], v[n - 1 :]))
-    torch_out = [o[0] for o in seq.step(reqs)]  # writes the last token and attends (torch path)
-    width = max(len(r[1]) for r in reqs)
-    m = KVarNMetadata(
-        len(reqs),
-        list(range(len(reqs) + 1)),
-        list(lens),
-        torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32),
-        [seq.table.owner[r[0]] for r in reqs],
-        [False] * 3,
-        list(lens),
-        seq.table.capacity,
-    )
-    q = torch.cat([r[3] for r in reqs])
-    got = seq.impl._decode_cuda(seq.impl.stage, seq.pool.flatten(2), m, q)
-    want = torch.stack(torch_out)
-    assert torch.allclose(got.float(), want, atol=1e-4), float((got - want).abs().max())
+    runs = []
+    for kernels in (False, True):
+        seq, outs = _Seq(preset, d, hk, grp, n_blocks=16, kernels=kernels), []
+        gen = torch.Generator().manual_seed(5)
+        reqs = []
+        for i, n in enumerate((30, 3 * 64 + 5, 2 * 64)):
+            blocks = list(range(5 * i, 5 * i + 5))
+            q, k, v = (torch.randn(n, h, d, generator=gen) for h in (hk * grp, hk, hk))
+            seq.step([(blocks[0], blocks, 0, q[: n - 1], k[: n - 1], v[: n - 1])])
+            reqs.append((blocks[0], blocks, n - 1, q[n - 1 :], k[n - 1 :], v[n - 1 :]))
+        runs.append(torch.stack([o[0] for o in seq.step(reqs)]))
+    assert torch.allclose(runs[1], runs[0], atol=1e-4), float((runs[1] - runs[0]).abs().max())

@@ -137,6 +137,7 @@ class KVarNAttentionImpl:
         self.kv_cache_dtype = kv_cache_dtype
         self.codec = Codec.from_dtype(kv_cache_dtype, head_size)
         self.stage: torch.Tensor | None = None  # [slots, 3 tiles, 2 (k, v), kv heads, G, D] fp16
+        self.kernels: bool | None = None  # Triton attention: None = on CUDA tensors (tests force it on CPU)
 
     def _staging(self, capacity: int, device) -> torch.Tensor:
         g, d = self.codec.tile, self.head_size
@@ -161,40 +162,62 @@ class KVarNAttentionImpl:
         k_all = key[: m.num_actual_tokens].view(-1, hk, d)
         v_all = value[: m.num_actual_tokens].view(-1, hk, d)
         out = output[: m.num_actual_tokens].view(-1, h, d)
-        decode_only = query.is_cuda and all(b - a == 1 for a, b in zip(m.query_start, m.query_start[1:]))
+        kernels = query.is_cuda if self.kernels is None else self.kernels
+        runs = []
         for i, slot in enumerate(m.slots):
             q0, q1 = m.query_start[i], m.query_start[i + 1]
-            if q1 == q0:
-                continue
             length, blocks = m.seq_lens[i], m.block_table[i]
             start = length - (q1 - q0)
             if m.fresh[i]:
                 stage[slot].zero_()
-            exact = self._write(stage[slot], pool, blocks, start, m.written_before[i], k_all[q0:q1], v_all[q0:q1])
-            if not decode_only:
+            exact = None
+            if q1 > q0:
+                exact = self._write(stage[slot], pool, blocks, start, m.written_before[i], k_all[q0:q1], v_all[q0:q1])
+            if kernels:
+                runs.append(self._exact_run(stage[slot], length, exact))
+            elif q1 > q0:
                 out[q0:q1] = self._attend(stage[slot], pool, blocks, start, length, q_all[q0:q1], exact).to(out.dtype)
-        if decode_only and m.slots:
-            out[: len(m.slots)] = self._decode_cuda(stage, pool, m, q_all[: len(m.slots)])
+        if kernels and m.slots:
+            out[: m.query_start[-1]] = self._attend_kernels(pool, m, q_all[: m.query_start[-1]], runs)
         return output
 
-    def _decode_cuda(self, stage, pool, m: KVarNMetadata, q):
-        """A batch of single-token decodes on CUDA: one split-K Triton kernel over every sequence's cache."""
-        from qconv_vllm.kvarn_attention import decode_attention
+    def _exact_run(self, st, length, exact) -> tuple[torch.Tensor, int, int]:
+        """The fp16 tokens a request's queries may read exactly: [2, kv heads, n, D], the position of its first
+        token after the sink, n. The sink and then `exact` (the open tiles' tokens, `_write`'s return)."""
+        g = self.codec.tile
+        sink = st[SINK, :, :, : min(length, g)]
+        if exact is None:
+            return sink, length, sink.shape[2]
+        return torch.cat([sink, exact], 2), length - exact.shape[2], sink.shape[2] + exact.shape[2]
+
+    def _attend_kernels(self, pool, m: KVarNMetadata, q, runs):
+        """Every query of the batch in one Triton launch (qconv_vllm.kvarn_attention.attention): decodes,
+        verifies and prefill chunks alike; extra memory proportional to the batch's tokens (`work_bytes`)."""
+        from qconv_vllm.kvarn_attention import attention
 
         g, dev = self.codec.tile, q.device
-        lens = torch.tensor(m.seq_lens, device=dev)
-        sink = lens.clamp(max=g)
-        closed = (lens // g - 1).clamp(min=0)
-        st = stage[torch.tensor(m.slots, device=dev)][:, [SINK, CUR]]  # [B, 2, 2 (k, v), hk, G, D]
-        return decode_attention(
+        ex = torch.cat([r[0] for r in runs], 2)  # [2, kv heads, E, D]
+        pos, ex_start = [], [0]
+        for (_, first, n), length in zip(runs, m.seq_lens):
+            n_sink = min(length, g)
+            pos.extend(range(n_sink))
+            pos.extend(range(first, first + n - n_sink))
+            ex_start.append(ex_start[-1] + n)
+        cpu = torch.tensor([*pos, *ex_start, *m.seq_lens, *m.query_start], dtype=torch.int32)
+        if dev.type == "cuda":  # one pinned host-to-device copy, queued without waiting for the device
+            cpu = cpu.pin_memory()
+        ints = cpu.to(dev, non_blocking=True)
+        n, b = len(pos), len(m.seq_lens)
+        return attention(
             q,
             pool,
             m.block_table,
-            closed,
-            st[:, :, 0],
-            st[:, :, 1],
-            sink,
-            lens - sink - closed * g,
+            ints[n + b + 1 : n + 2 * b + 1],
+            ints[n + 2 * b + 1 :],
+            ex[0],
+            ex[1],
+            ints[:n],
+            ints[n : n + b + 1],
             self.codec.k_bits,
             self.codec.v_bits,
             g,

@@ -17,7 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA kernels' wiring runs 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
 from qconv_vllm import KVARN_PRESETS  # noqa: E402
-from qconv_vllm.kvarn_backend import KVarNAttentionImpl, KVarNMetadata, SlotTable  # noqa: E402
+from qconv_vllm.kvarn_backend import KVarNAttentionImpl, SlotTable, step_metadata  # noqa: E402
 from qconv_vllm.kvarn_codec import Codec  # noqa: E402
 
 # Largest |plugin - simulation| of attention outputs measured over the prefill/decode cases: 3.3e-6 (float32 sums
@@ -50,6 +50,19 @@ def test_record_is_not_padded_to_a_power_of_two():
     assert Codec.from_dtype("kvarn_k4v2_g128", 256).bytes_per_token == 210  # 1/4.88 of bf16's 1,024
 
 
+class NoSync(torch.Tensor):
+    """A "device" tensor that refuses to be read by the host: what the backend's forward must never need."""
+
+    @staticmethod
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        return t.as_subclass(NoSync)
+
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("host sync: a device tensor was read on the host")
+
+    tolist = item = __bool__ = __int__ = __index__ = numpy = cpu = _refuse
+
+
 class _Seq:
     """Drives one KVarN layer the way vLLM's runner does: a block table of tile ids, a slot table, steps."""
 
@@ -65,19 +78,14 @@ class _Seq:
 
     def step(self, reqs: list[tuple[int, list[int], int, torch.Tensor, torch.Tensor, torch.Tensor]]):
         """reqs: (first block id, block ids, start, q [T, H, D], k [T, hk, D], v) -> outputs per request."""
-        qs, lens, slots, fresh, before = [0], [], [], [], []
-        keys = {r[0] for r in reqs}
-        for key, _, start, q, _, _ in reqs:
-            slot, new = self.table.assign(key, start, keys)
-            qs.append(qs[-1] + q.shape[0])
-            lens.append(start + q.shape[0])
-            slots.append(slot)
-            fresh.append(new or start == 0)
-            before.append(0 if new else self.table.written[slot])
-            self.table.written[slot] = lens[-1]
+        qs = [0]
+        for r in reqs:
+            qs.append(qs[-1] + r[3].shape[0])
+        lens = [r[2] + r[3].shape[0] for r in reqs]
         width = max(len(r[1]) for r in reqs)
-        bt = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32)
-        m = KVarNMetadata(qs[-1], qs, lens, bt, slots, fresh, before, self.table.capacity)
+        bt = NoSync.wrap(torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32))
+        m = step_metadata(self.table, qs, lens, [r[0] for r in reqs], bt, self.impl.codec.tile)
+        m.ints = NoSync.wrap(m.ints)
         q = torch.cat([r[3] for r in reqs]).flatten(1)
         k = torch.cat([r[4] for r in reqs]).flatten(1)
         v = torch.cat([r[5] for r in reqs]).flatten(1)

@@ -71,12 +71,65 @@ class KVarNMetadata:
     fresh: list[bool]
     written_before: list[int]  # tokens the slot held written before this step (> start: speculative rollback)
     capacity: int
+    ints: torch.Tensor  # on the device: exact-run positions [E], exact-run starts, seq_lens, query_start
+    n_exact: int  # E
+
+
+def exact_positions(query_start: list[int], seq_lens: list[int], tile: int) -> tuple[list[int], list[int]]:
+    """Positions of each request's exact run (what the Triton attention may read in fp16): the sink, then the
+    tokens `_write` returns (from the first tile still open when the step's first query past the sink came in
+    to the end), and the run starts [num_reqs + 1]. From host lists only: the same for every layer."""
+    pos, starts = [], [0]
+    for i, end in enumerate(seq_lens):
+        start = end - (query_start[i + 1] - query_start[i])
+        pos.extend(range(min(end, tile)))
+        p0 = start + max(0, min(end, tile) - start)
+        if p0 < end:
+            pos.extend(range(p0 // tile * tile, end))
+        starts.append(len(pos))
+    return pos, starts
+
+
+def step_metadata(
+    table: SlotTable, query_start: list[int], seq_lens: list[int], keys: list[int], block_table, tile: int
+) -> KVarNMetadata:
+    """One step's metadata from host lists (vLLM's CPU-side copies): staging slots, and one host-to-device copy
+    of the ints the attention kernel reads, from pinned memory without waiting for the device."""
+    in_batch = set(keys)
+    slots, fresh, before = [], [], []
+    for i, key in enumerate(keys):
+        start = seq_lens[i] - (query_start[i + 1] - query_start[i])
+        slot, new = table.assign(key, start, in_batch)
+        slots.append(slot)
+        fresh.append(new or start == 0)
+        before.append(0 if new else table.written[slot])
+        table.written[slot] = seq_lens[i]
+    pos, starts = exact_positions(query_start, seq_lens, tile)
+    ints = torch.tensor([*pos, *starts, *seq_lens, *query_start], dtype=torch.int32)
+    if block_table.is_cuda:
+        ints = ints.pin_memory()
+    return KVarNMetadata(
+        query_start[-1],
+        query_start,
+        seq_lens,
+        block_table,
+        slots,
+        fresh,
+        before,
+        table.capacity,
+        ints.to(block_table.device, non_blocking=True),
+        len(pos),
+    )
 
 
 def _builder_cls():
     from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
 
     class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
+        # The attention kernel's grid and arguments depend on shapes only, but a step's writes are host-driven
+        # (staging slots from the SlotTable, per-request writes of the new tokens), so a captured graph would
+        # replay stale slots and positions: no CUDA graphs for KVarN layers (vLLM runs them eagerly between
+        # graph pieces of the other layers).
         _cudagraph_support: ClassVar = AttentionCGSupport.NEVER
 
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -86,27 +139,30 @@ def _builder_cls():
                     "KVarN KV cache: prefix caching would share a quantized first tile that KVarN "
                     "keeps in fp16; start vLLM with --no-enable-prefix-caching"
                 )
-            self.table = SlotTable(2 * vllm_config.scheduler_config.max_num_seqs + 8)
+            self.table = SlotTable(slot_capacity(vllm_config.scheduler_config.max_num_seqs))
+            self.tile = Codec.from_dtype(vllm_config.cache_config.cache_dtype, kv_cache_spec.head_size).tile
+            # the CPU upper bound of seq_lens is exact unless drafts are scheduled before the last step's
+            # acceptance is known (async scheduling with speculative decoding)
+            sched = vllm_config.scheduler_config
+            self.exact_cpu_lens = not (vllm_config.speculative_config and sched.async_scheduling)
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> KVarNMetadata:
             cam = common_attn_metadata
             n = cam.num_reqs
             qs = cam.query_start_loc_cpu[: n + 1].tolist()
-            lens = cam.seq_lens[:n].tolist()
+            cpu_lens = cam.seq_lens_cpu_upper_bound
+            lens = (cpu_lens if cpu_lens is not None and self.exact_cpu_lens else cam.seq_lens)[:n].tolist()
             table = cam.block_table_tensor[:n]
-            keys = table[:, 0].tolist()
-            in_batch = set(keys)
-            slots, fresh, before = [], [], []
-            for i in range(n):
-                start = lens[i] - (qs[i + 1] - qs[i])
-                slot, new = self.table.assign(keys[i], start, in_batch)
-                slots.append(slot)
-                fresh.append(new or start == 0)
-                before.append(0 if new else self.table.written[slot])
-                self.table.written[slot] = lens[i]
-            return KVarNMetadata(cam.num_actual_tokens, qs, lens, table, slots, fresh, before, self.table.capacity)
+            # the request's row in the runner's table where vLLM hands it over, else its first block id
+            keys = cam.req_idx[:n].tolist() if cam.req_idx is not None else table[:, 0].tolist()
+            return step_metadata(self.table, qs, lens, keys, table, self.tile)
 
     return KVarNMetadataBuilder
+
+
+def slot_capacity(max_num_seqs: int) -> int:
+    """Staging slots: every sequence the scheduler can hold, twice over (see SlotTable)."""
+    return 2 * max_num_seqs + 8
 
 
 class KVarNAttentionImpl:
@@ -181,46 +237,34 @@ class KVarNAttentionImpl:
             out[: m.query_start[-1]] = self._attend_kernels(pool, m, q_all[: m.query_start[-1]], runs)
         return output
 
-    def _exact_run(self, st, length, exact) -> tuple[torch.Tensor, int, int]:
-        """The fp16 tokens a request's queries may read exactly: [2, kv heads, n, D], the position of its first
-        token after the sink, n. The sink and then `exact` (the open tiles' tokens, `_write`'s return)."""
-        g = self.codec.tile
-        sink = st[SINK, :, :, : min(length, g)]
-        if exact is None:
-            return sink, length, sink.shape[2]
-        return torch.cat([sink, exact], 2), length - exact.shape[2], sink.shape[2] + exact.shape[2]
+    def _exact_run(self, st, length, exact) -> torch.Tensor:
+        """The fp16 tokens a request's queries may read exactly, [2, kv heads, n, D]: the sink, then `exact`
+        (`_write`'s return), at the positions `exact_positions` lists."""
+        sink = st[SINK, :, :, : min(length, self.codec.tile)]
+        return sink if exact is None else torch.cat([sink, exact], 2)
 
     def _attend_kernels(self, pool, m: KVarNMetadata, q, runs):
         """Every query of the batch in one Triton launch (qconv_vllm.kvarn_attention.attention): decodes,
         verifies and prefill chunks alike; extra memory proportional to the batch's tokens (`work_bytes`)."""
         from qconv_vllm.kvarn_attention import attention
 
-        g, dev = self.codec.tile, q.device
-        ex = torch.cat([r[0] for r in runs], 2)  # [2, kv heads, E, D]
-        pos, ex_start = [], [0]
-        for (_, first, n), length in zip(runs, m.seq_lens):
-            n_sink = min(length, g)
-            pos.extend(range(n_sink))
-            pos.extend(range(first, first + n - n_sink))
-            ex_start.append(ex_start[-1] + n)
-        cpu = torch.tensor([*pos, *ex_start, *m.seq_lens, *m.query_start], dtype=torch.int32)
-        if dev.type == "cuda":  # one pinned host-to-device copy, queued without waiting for the device
-            cpu = cpu.pin_memory()
-        ints = cpu.to(dev, non_blocking=True)
-        n, b = len(pos), len(m.seq_lens)
+        ex = torch.cat(runs, 2)  # [2, kv heads, E, D]
+        n, b = m.n_exact, len(m.seq_lens)
+        if ex.shape[2] != n:
+            raise RuntimeError(f"KVarN: {ex.shape[2]} exact tokens staged, the step's metadata lists {n}")
         return attention(
             q,
             pool,
             m.block_table,
-            ints[n + b + 1 : n + 2 * b + 1],
-            ints[n + 2 * b + 1 :],
+            m.ints[n + b + 1 : n + 2 * b + 1],
+            m.ints[n + 2 * b + 1 :],
             ex[0],
             ex[1],
-            ints[:n],
-            ints[n : n + b + 1],
+            m.ints[:n],
+            m.ints[n : n + b + 1],
             self.codec.k_bits,
             self.codec.v_bits,
-            g,
+            self.codec.tile,
             self.scale,
         )
 

@@ -57,17 +57,6 @@ def test_encode_matches_qconv_records_random(d, g, kb, vb):
     assert_records_equal(rec, kvarn(kb, vb, g).encode(k.float(), v.float()), d, g, kb, vb)
 
 
-@pytest.mark.parametrize("d,g,kb,vb", [(64, 64, 4, 2), (128, 128, 4, 4), (256, 128, 4, 2)])
-def test_dequant_matches_qconv_decode(d, g, kb, vb):
-    k, v = _tiles(2, g, d, seed=7)
-    scheme = kvarn(kb, vb, g)
-    rec = scheme.encode(k.float(), v.float())
-    ref_k, ref_v = scheme.decode(rec, d)
-    got_k, got_v = kt.dequant_tiles(rec, d, g, kb, vb)
-    assert (got_k - ref_k).abs().max() < 1e-5 * ref_k.abs().max()
-    assert (got_v - ref_v).abs().max() < 1e-5 * ref_v.abs().max()
-
-
 def test_record_bytes_are_the_layout_not_a_power_of_two():
     rb = kt.record_bytes(256, 128, 4, 4)
     assert rb == kvarn(4, 4, 128).record_bytes(256) == 35_072  # 32,768 B of codes + 2,304 B of fp16 scales
@@ -234,3 +223,15 @@ def test_gpu_bench_without_cuda_says_so():
     assert r.returncode == 2, r.stderr
     line = json.loads(r.stdout.strip().splitlines()[-1])
     assert line["bench"] == "gpu_kvarn" and "no CUDA" in line["error"]
+
+
+def test_planner_counts_the_backends_work_memory():
+    """qconv plan's KVarN work memory is the plugin's: its staging buffers (slot_capacity x 3 tiles) and
+    kvarn_attention.work_bytes for the batch vLLM profiles, at the 27B's shapes and a small one."""
+    from qconv_vllm.kvarn_backend import KVarNAttentionImpl
+
+    for layers, hq, hkv, d, seqs, tokens, g in [(16, 24, 4, 256, 1, 2048, 128), (3, 4, 2, 64, 8, 512, 64)]:
+        impl = KVarNAttentionImpl(hq, d, d**-0.5, hkv, kv_cache_dtype=f"kvarn_k4v2_g{g}")
+        impl.reserve(seqs, "cpu")  # what vLLM's layer construction allocates
+        plugin = layers * impl.stage.nbytes + kvarn_attention.work_bytes(tokens, seqs, hq, hkv, d, g)
+        assert kvarn(4, 2, g).serving_work_bytes(layers, hq, hkv, d, seqs, tokens) == plugin

@@ -17,8 +17,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA kernels' wiring runs 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
 from qconv_vllm import KVARN_PRESETS  # noqa: E402
-from qconv_vllm.kvarn_backend import KVarNAttentionImpl, SlotTable, step_metadata  # noqa: E402
+from qconv_vllm.kvarn_backend import KVarNAttentionImpl  # noqa: E402
 from qconv_vllm.kvarn_codec import Codec  # noqa: E402
+from qconv_vllm.kvarn_metadata import SlotTable, step_metadata  # noqa: E402
 
 # Largest |plugin - simulation| of attention outputs measured over the prefill/decode cases: 3.3e-6 (float32 sums
 # in another order)
@@ -202,7 +203,7 @@ def test_kernel_path_reads_the_same_cache_as_the_torch_path():
     preset, d, hk, grp = "kvarn_k4v2_g64", 64, 1, 2
     runs = []
     for kernels in (False, True):
-        seq, outs = _Seq(preset, d, hk, grp, n_blocks=16, kernels=kernels), []
+        seq = _Seq(preset, d, hk, grp, n_blocks=16, kernels=kernels)
         gen = torch.Generator().manual_seed(5)
         reqs = []
         for i, n in enumerate((30, 3 * 64 + 5, 2 * 64)):

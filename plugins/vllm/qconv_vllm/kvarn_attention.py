@@ -59,6 +59,17 @@ def _online(sc, m, den):
 
 
 @triton.jit
+def _dot_exact_b(a, b, PREC: tl.constexpr):
+    """a @ b for fp32 a and a b that tf32 holds exactly (codes, small integers): two tf32 MMAs, a split into its
+    top 11 significant bits and the rest (relative error ~2^-21, as tf32x3's three). "ieee" where it is asked."""
+    if PREC == "ieee":
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        hi = (a.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        return tl.dot(hi, b, input_precision="tf32") + tl.dot(a - hi, b, input_precision="tf32")
+
+
+@triton.jit
 def _find_request(qs_ptr, pid, nreq, BT: tl.constexpr):
     """The request whose program blocks hold program `pid`: request b owns blocks qs[b] // BT + b onwards."""
     lo = 0
@@ -157,13 +168,13 @@ def _attn_kernel(
         vc = tl.load(rec16 + VCOL // 2 + d).to(tl.float32)
         for j in range(0, G // BG):
             g = j * BG + tl.arange(0, BG)
-            sc = tl.dot(qa, unpack_codes(rec + KC, d, g, G, KB), input_precision=PREC) + qz[:, None]
+            sc = _dot_exact_b(qa, unpack_codes(rec + KC, d, g, G, KB), PREC) + qz[:, None]
             sc = sc * tl.load(rec16 + KR // 2 + g).to(tl.float32)[None, :] * scale
             m, alpha, p, den = _online(tl.where(closed[:, None], sc, float("-inf")), m, den)
             # V~[t, d] = (code a_t + z_t) c_d: sum_t p_t V~[t, d] = c_d (sum_t (p_t a_t) code + p . z)
             pa = p * tl.load(rec16 + VA // 2 + g).to(tl.float32)[None, :]
             pz = tl.sum(p * tl.load(rec16 + VZ // 2 + g).to(tl.float32)[None, :], 1)
-            pv = tl.dot(pa, unpack_codes(rec + VC, g, d, D, VB), input_precision=PREC)
+            pv = _dot_exact_b(pa, unpack_codes(rec + VC, g, d, D, VB), PREC)
             acc = acc * alpha[:, None] + (pv + pz[:, None]) * vc[None, :]
     row = qrow * S + s
     tl.store(m_ptr + row, m, mask=valid)
@@ -173,8 +184,9 @@ def _attn_kernel(
 
 def launch_args(d: int, g: int, k_bits: int, v_bits: int, hkv: int, gq: int) -> dict:
     """_attn_kernel's constexprs and launch options, as `attention` passes them (and the compile test compiles
-    them). BG keeps a [BG, D] fp32 operand at 32 KB; one pipeline stage less on sm_86 is chosen by Triton itself
-    (num_stages only pipelines tl.range loops, these are plain ranges)."""
+    them). BG = 4096 / D keys a step: at D=256 BG=32 took 168 KB of shared memory and spilled 1 KB a thread on
+    sm_86 (tf32x3); BG=16 with 8 warps and the two-MMA dots on codes takes 100,480 B (<= 101,376 on an RTX 3090)
+    and no spills (tests/test_kvarn_triton_compile.py, which also records sm_90a)."""
     bt = tokens_per_program(gq)
     return dict(
         field_args(d, g, k_bits, v_bits),
@@ -182,7 +194,7 @@ def launch_args(d: int, g: int, k_bits: int, v_bits: int, hkv: int, gq: int) -> 
         GQ=gq,
         BT=bt,
         BQ=max(16, triton.next_power_of_2(bt * gq)),
-        BG=min(g, 8192 // d),
+        BG=min(g, 4096 // d),
         PREC="ieee" if not use_libdevice() else "tf32x3",
         num_warps=8,
     )

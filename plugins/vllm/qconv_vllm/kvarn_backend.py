@@ -4,122 +4,35 @@ Cache: one vLLM block is one tile of G tokens (the backend's only kernel block s
 hybrid models get, are split into tiles by vLLM). Per (block, KV head) the page holds one KVarN record, K and V
 together, so a slot costs record_bytes / G per token and head (`customize_spec`), never padded to a power of two.
 The first tile of a sequence (sink), the tile being filled and a copy of the last closed tile stay fp16 in a small
-per-layer staging buffer indexed by a sequence slot (`SlotTable`), outside the paged pool: max_num_seqs x 3 tiles.
+per-layer staging buffer indexed by a sequence slot (`SlotTable`), outside the paged pool: 3 tiles a slot.
+
+Work memory vLLM's profiler sees (`reserve`): the staging buffer is allocated when vLLM builds the layer (model
+memory), and the profiling forward, which has no metadata, takes the attention's worst-case transient bytes for
+the batch it profiles (`kvarn_attention.work_bytes`), so the KV pool vLLM sizes afterwards leaves room for both.
 
 Attention is the decode form: a query at position i reads token j from its quantized tile once that tile closed at
 or before i, from the fp16 copy otherwise, so a prompt's logits are what token-by-token decoding would give.
-This module is the torch path (vLLM's CPU backend has no Triton); on CUDA, tiles are encoded and dequantized by
-`qconv_vllm.kvarn_triton` and a batch of single-token decodes is one split-K Triton kernel. Gated-DeltaNet layers keep their own state: only attention layers come here."""
+This module is the torch path (vLLM's CPU backend has no Triton); on CUDA, tiles are encoded by
+`qconv_vllm.kvarn_triton` and every batch (decodes, verifies, prefill chunks, mixed) is one split-K Triton launch
+(`qconv_vllm.kvarn_attention`) whose extra memory grows with the batch's tokens, not the context. Gated-DeltaNet
+layers keep their own state: only attention layers come here."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
 
 from qconv_vllm import KVARN_PRESETS as PRESETS
 from qconv_vllm.kvarn_codec import Codec
+from qconv_vllm.kvarn_metadata import KVarNMetadata, SlotTable, slot_capacity, step_metadata
 
 log = logging.getLogger(__name__)
 SINK, CUR, LAST = 0, 1, 2  # staging tiles per slot
 QUERY_CHUNK = 512  # queries scored at once (bounds the [heads, queries, keys] score matrix of a long prompt)
-
-
-class SlotTable:
-    """Which staging slot each running sequence holds, keyed by its first block id (unique among live sequences;
-    prefix caching, which would share it, is refused). vLLM does not tell a backend when a request ends, so slots
-    are recycled least-recently-used among keys absent from the batch; capacity leaves room for every sequence
-    the scheduler can hold twice over, so a live sequence is never evicted in practice, and if one were, its
-    fp16 tokens are zeroed and counted in `lost` instead of being read from another sequence."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.owner: OrderedDict[int, int] = OrderedDict()
-        self.free = list(range(capacity - 1, -1, -1))
-        self.written = [0] * capacity  # tokens written to each slot up to the last step (rollback detection)
-        self.lost = 0
-
-    def assign(self, key: int, start: int, in_batch: set[int]) -> tuple[int, bool]:
-        """(slot, fresh): fresh when the slot's exact tiles must be cleared before use."""
-        if key in self.owner:
-            self.owner.move_to_end(key)
-            return self.owner[key], False
-        if not self.free:
-            old = next((k for k in self.owner if k not in in_batch), None)
-            if old is None:
-                raise RuntimeError(f"KVarN: more than {self.capacity} sequences in one batch")
-            self.free.append(self.owner.pop(old))
-        slot = self.free.pop()
-        self.owner[key] = slot
-        if start > 0:
-            self.lost += 1
-            log.warning("KVarN: a running sequence lost its fp16 tiles (slot recycled); %d so far", self.lost)
-        return slot, True
-
-
-@dataclass
-class KVarNMetadata:
-    num_actual_tokens: int
-    query_start: list[int]  # [num_reqs + 1]
-    seq_lens: list[int]  # [num_reqs]
-    block_table: torch.Tensor  # [num_reqs, max_tiles] kernel block (tile) ids
-    slots: list[int]
-    fresh: list[bool]
-    written_before: list[int]  # tokens the slot held written before this step (> start: speculative rollback)
-    capacity: int
-    ints: torch.Tensor  # on the device: exact-run positions [E], exact-run starts, seq_lens, query_start
-    n_exact: int  # E
-
-
-def exact_positions(query_start: list[int], seq_lens: list[int], tile: int) -> tuple[list[int], list[int]]:
-    """Positions of each request's exact run (what the Triton attention may read in fp16): the sink, then the
-    tokens `_write` returns (from the first tile still open when the step's first query past the sink came in
-    to the end), and the run starts [num_reqs + 1]. From host lists only: the same for every layer."""
-    pos, starts = [], [0]
-    for i, end in enumerate(seq_lens):
-        start = end - (query_start[i + 1] - query_start[i])
-        pos.extend(range(min(end, tile)))
-        p0 = start + max(0, min(end, tile) - start)
-        if p0 < end:
-            pos.extend(range(p0 // tile * tile, end))
-        starts.append(len(pos))
-    return pos, starts
-
-
-def step_metadata(
-    table: SlotTable, query_start: list[int], seq_lens: list[int], keys: list[int], block_table, tile: int
-) -> KVarNMetadata:
-    """One step's metadata from host lists (vLLM's CPU-side copies): staging slots, and one host-to-device copy
-    of the ints the attention kernel reads, from pinned memory without waiting for the device."""
-    in_batch = set(keys)
-    slots, fresh, before = [], [], []
-    for i, key in enumerate(keys):
-        start = seq_lens[i] - (query_start[i + 1] - query_start[i])
-        slot, new = table.assign(key, start, in_batch)
-        slots.append(slot)
-        fresh.append(new or start == 0)
-        before.append(0 if new else table.written[slot])
-        table.written[slot] = seq_lens[i]
-    pos, starts = exact_positions(query_start, seq_lens, tile)
-    ints = torch.tensor([*pos, *starts, *seq_lens, *query_start], dtype=torch.int32)
-    if block_table.is_cuda:
-        ints = ints.pin_memory()
-    return KVarNMetadata(
-        query_start[-1],
-        query_start,
-        seq_lens,
-        block_table,
-        slots,
-        fresh,
-        before,
-        table.capacity,
-        ints.to(block_table.device, non_blocking=True),
-        len(pos),
-    )
 
 
 def _builder_cls():
@@ -160,11 +73,6 @@ def _builder_cls():
     return KVarNMetadataBuilder
 
 
-def slot_capacity(max_num_seqs: int) -> int:
-    """Staging slots: every sequence the scheduler can hold, twice over (see SlotTable)."""
-    return 2 * max_num_seqs + 8
-
-
 class KVarNAttentionImpl:
     """Per attention layer: writes each step's K/V (tiles that fill are quantized at once) and attends over sink +
     closed records + fp16 tokens. Built by vLLM through the backend; subclassed from vLLM's AttentionImpl at
@@ -194,10 +102,17 @@ class KVarNAttentionImpl:
         self.codec = Codec.from_dtype(kv_cache_dtype, head_size)
         self.stage: torch.Tensor | None = None  # [slots, 3 tiles, 2 (k, v), kv heads, G, D] fp16
         self.kernels: bool | None = None  # Triton attention: None = on CUDA tensors (tests force it on CPU)
+        self.max_seqs = 0  # set by `reserve`
+
+    def reserve(self, max_num_seqs: int, device) -> None:
+        """Allocate the staging buffer now, for every slot the scheduler may use (`slot_capacity`), so that it
+        is model memory to vLLM's profiler, and size the profiling forward's work memory by max_num_seqs."""
+        self.max_seqs = max_num_seqs
+        self._staging(slot_capacity(max_num_seqs), device)
 
     def _staging(self, capacity: int, device) -> torch.Tensor:
         g, d = self.codec.tile, self.head_size
-        if self.stage is None or self.stage.shape[0] < capacity or self.stage.device != torch.device(device):
+        if self.stage is None or self.stage.shape[0] < capacity or self.stage.device.type != torch.device(device).type:
             self.stage = torch.zeros(capacity, 3, 2, self.num_kv_heads, g, d, dtype=torch.float16, device=device)
         return self.stage
 
@@ -208,7 +123,13 @@ class KVarNAttentionImpl:
             output = torch.zeros(
                 query.shape[0], self.num_heads * self.head_size, dtype=query.dtype, device=query.device
             )
-        if attn_metadata is None:  # profiling run: no cache yet
+        if attn_metadata is None:  # profiling run: no cache yet; the peak it measures must include our work memory
+            if query.is_cuda and self.max_seqs:
+                from qconv_vllm.kvarn_attention import work_bytes
+
+                h, hk = self.num_heads, self.num_kv_heads
+                n = work_bytes(query.shape[0], self.max_seqs, h, hk, self.head_size, self.codec.tile)
+                torch.empty(n, dtype=torch.uint8, device=query.device)
             return output.fill_(0)
         m: KVarNMetadata = attn_metadata
         stage = self._staging(m.capacity, query.device)
@@ -302,16 +223,6 @@ class KVarNAttentionImpl:
         st[CUR, :, :, :rest] = exact[:, :, n_full * g :]
         return exact
 
-    def _dequant(self, rec):
-        if rec.is_cuda:
-            from qconv_vllm.kvarn_triton import dequant_tiles
-
-            k, v = dequant_tiles(
-                rec.flatten(0, 1), self.head_size, self.codec.tile, self.codec.k_bits, self.codec.v_bits
-            )
-            return k.unflatten(0, rec.shape[:2]), v.unflatten(0, rec.shape[:2])
-        return self.codec.decode(rec)
-
     def _attend(self, st, pool, blocks, start, length, q, exact):
         """Decode-form attention of queries at positions start..length-1 -> [T, heads, D] float32."""
         g = self.codec.tile
@@ -321,7 +232,7 @@ class KVarNAttentionImpl:
         kind.append(torch.zeros(min(length, g), dtype=torch.long, device=dev))  # 0 sink, 1 quantized, 2 exact
         closed = max(0, length // g - 1)  # tiles 1..closed are records
         if closed:
-            kq, vq = self._dequant(pool[blocks[1 : closed + 1].long()])  # [closed, hk, G, D]
+            kq, vq = self.codec.decode(pool[blocks[1 : closed + 1].long()])  # [closed, hk, G, D]
             parts_k.append(kq.transpose(0, 1).flatten(1, 2))
             parts_v.append(vq.transpose(0, 1).flatten(1, 2))
             pos.append(torch.arange(g, (closed + 1) * g, device=dev))
@@ -371,7 +282,15 @@ def backend_cls(preset: str):
 
     tile = Codec.from_dtype(preset, 64).tile
     builder = _builder_cls()
-    impl = type("KVarNAttentionImpl", (KVarNAttentionImpl, AttentionImpl), {})
+
+    def init(self, *args, **kwargs):
+        from vllm.config import get_current_vllm_config
+
+        KVarNAttentionImpl.__init__(self, *args, **kwargs)
+        cfg = get_current_vllm_config()
+        self.reserve(cfg.scheduler_config.max_num_seqs, cfg.device_config.device)
+
+    impl = type("KVarNAttentionImpl", (KVarNAttentionImpl, AttentionImpl), {"__init__": init})
 
     class KVarNAttentionBackend(AttentionBackend):
         accept_output_buffer: bool = True

@@ -214,15 +214,49 @@ def test_encode_matches_qconv_records_on_smollm2_kv(smollm2, shared_data, one_th
         assert_records_equal(rec, kvarn(kb, vb, g).encode(k.float(), v.float()), d, g, kb, vb)
 
 
-def test_gpu_bench_without_cuda_says_so():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_kvarn.py")], capture_output=True, text=True, env=env, timeout=120
+def _gpu_day(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if not interpret:
+        env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_day.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
+
+
+def test_gpu_day_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: bench/gpu_day.py would run for real")
+    r = _gpu_day()
     assert r.returncode == 2, r.stderr
     line = json.loads(r.stdout.strip().splitlines()[-1])
-    assert line["bench"] == "gpu_kvarn" and "no CUDA" in line["error"]
+    assert line["bench"] == "gpu_day" and "no CUDA" in line["error"]
+    r = _gpu_day("--parts", "kernels,bogus")
+    assert r.returncode == 2 and "bogus" in json.loads(r.stdout)["error"]
+
+
+@pytest.mark.slow
+def test_gpu_day_kvarn_parts_run_here_at_small_shapes():
+    """The device script's KVarN parts on this CPU (Triton interpreted, tiny shapes): one JSON line a part, the
+    Triton path of the backend equal to its torch path, the build part saying it is left out."""
+    r = _gpu_day("--device", "cpu", "--small", "--repeat", "1", "--parts", "kernels,backend,build", interpret=True)
+    rows = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert [x["part"] for x in rows] == ["kernels", "backend", "build"]
+    assert rows[0]["pass"] and rows[1]["pass"] and 0 < rows[1]["max_abs_vs_cpu"] < 1e-3
+    assert "skipped" in rows[2] and rows[2]["carried_wheels"] == []
+
+
+def test_gpu_day_carried_wheels_fit():
+    """What a device session carries for bench/gpu_day.py: every listed wheel present, 40 MiB in all at most."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_day import wheels
+
+    sizes = [(REPO / w).stat().st_size for w in wheels()]
+    assert sum(sizes) <= 40 * 2**20
 
 
 def test_planner_counts_the_backends_work_memory():

@@ -4,13 +4,13 @@ tests/test_kvarn_triton.py runs the kernels under TRITON_INTERPRET=1, where a ke
 there tl.arange takes any int, so a size unpacked from a constexpr tuple (`D = F[0]; tl.arange(0, D)`) passes, yet
 the compiled frontend rejects it ("arange's arguments must be of type tl.constexpr"), which is how the kernels once
 failed on an H200 (Triton 3.6). triton.jit picks interpret mode when a kernel is decorated, so the compile runs in a
-subprocess without TRITON_INTERPRET. Every kernel goes through the frontend (TTIR) at each shape the CPU tests run;
-at D=64 G=64 all three compile to sm_86 (RTX 3090) cubin with Triton's bundled ptxas. At the 27B's D=256 G=128,
-dequant and decode attention compile to sm_90a (H200) cubin, encode to sm_86 and sm_90a cubin, and ptxas -v must
-report no spill stores for encode: holding a whole tile in registers it spilled 211 KB a thread (sm_90a), and its
-ptxas took a CPU minute for sm_90a, over seven for sm_86 (now about a second each).
+subprocess without TRITON_INTERPRET. Both kernels (encode, attention) go through the frontend (TTIR) at each shape
+the CPU tests run, and at the 27B's D=256 G=128 to sm_86 (RTX 3090) and sm_90a (H200) cubin with Triton's bundled
+ptxas: on sm_86 the shared memory Triton records (what it checks against the device at launch) must be at most
+101,376 B and ptxas -v must report no spill stores. Each compile prints one JSON line (shared bytes, registers,
+spills, the PTX's float64 instructions by opcode and per loop); docs/BENCHMARKS.md keeps the table.
 
-    python tests/test_kvarn_triton_compile.py   # the subprocess: one line per kernel compiled, then "ok"
+    python tests/test_kvarn_triton_compile.py [OUT.jsonl]   # the subprocess: one line per compile, then "ok"
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def compile_kernel(fn, constexprs: dict, options: dict, stop: str, arch: int = 8
         for ext, stage in stages.items():
             module = stage(module, metadata)
             if ext == "ptx":
-                metadata["fp64_ops"] = fp64_ops(module)
+                metadata["fp64_ops"], metadata["fp64_loops"] = fp64_ops(module), fp64_loops(module)
             if ext == stop:
                 break
         else:
@@ -88,6 +88,7 @@ def compile_kernel(fn, constexprs: dict, options: dict, stop: str, arch: int = 8
         "registers": registers(report.getvalue()) if stop == "cubin" else None,
         "spill_stores": spill_stores(report.getvalue()) if stop == "cubin" else None,
         "fp64_ops": metadata.get("fp64_ops"),
+        "fp64_loops": metadata.get("fp64_loops"),
     }
     print(json.dumps(row), flush=True)
     return report.getvalue(), row
@@ -103,6 +104,23 @@ def fp64_ops(ptx: str) -> dict[str, int]:
     for op in re.findall(r"^\s*(?:@%p\d+\s+)?([a-z]+)(?:\.[a-z]+)*\.f64\b", ptx, re.M):
         ops[op] = ops.get(op, 0) + 1
     return ops
+
+
+F64 = re.compile(r"^\s*(?:@%p\d+\s+)?[a-z]+(?:\.[a-z0-9]+)*\.f64\b")
+
+
+def fp64_loops(ptx: str) -> list[list[int]]:
+    """[first line, last line, float64 instructions] of each PTX loop (a branch back to an earlier label), outer
+    loops including their inner ones: with the trip counts (row chunks, balance iterations) they give the dynamic
+    count per thread that docs/BENCHMARKS.md turns into an RTX 3090's FP64 time."""
+    lines = ptx.splitlines()
+    labels = {m[1]: i for i, x in enumerate(lines) if (m := re.match(r"^(\$L__BB\d+_\d+):", x.strip()))}
+    out = []
+    for i, x in enumerate(lines):
+        m = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", x)
+        if m and labels.get(m[1], i) < i:
+            out.append([labels[m[1]], i, sum(1 for y in lines[labels[m[1]] : i + 1] if F64.match(y))])
+    return out
 
 
 def spill_stores(report: str) -> int:

@@ -84,6 +84,7 @@ def compile_kernel(fn, constexprs: dict, options: dict, stop: str, arch: int = 8
         "G": constexprs.get("G"),
         "arch": f"sm_{arch}",
         "stage": stop,
+        "num_stages": options.get("num_stages"),
         "shared": metadata.get("shared"),
         "registers": registers(report.getvalue()) if stop == "cubin" else None,
         "spill_stores": spill_stores(report.getvalue()) if stop == "cubin" else None,
@@ -148,14 +149,15 @@ def compile_all(out: Path | None = None) -> None:
     for d, g, kb, vb in CASES:
         a = kt.field_args(d, g, kb, vb)
         big = (d, g) == (256, 128)
-        enc = kt.encode_args(a)
-        att = ka.launch_args(d, g, kb, vb, 4, 6)
-        kernels = [
-            (kt._encode_kernel, enc, {k: enc.pop(k) for k in ("num_warps", "enable_fp_fusion")}),
-            (ka._attn_kernel, att, {"num_warps": att.pop("num_warps")}),
-        ]
-        for fn, const, launch in kernels:
-            for arch in (86, 90) if big else (86,):
+        archs = (86, 90) if big else (86,)
+        for arch in archs:
+            att = ka.launch_args(d, g, kb, vb, 4, 6, arch)
+            enc = kt.encode_args(a)
+            kernels = [
+                (kt._encode_kernel, enc, {k: enc.pop(k) for k in ("num_warps", "enable_fp_fusion")}),
+                (ka._attn_kernel, att, {k: att.pop(k) for k in ("num_warps", "num_stages")}),
+            ]
+            for fn, const, launch in kernels:
                 report, row = compile_kernel(fn, const, launch, "cubin" if big else "ttir", arch)
                 rows.append(row)
                 if big and arch == 86:

@@ -125,11 +125,13 @@ def test_chunked_prefill_and_decode_match_the_decode_time_simulation(preset, d):
     assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())
 
 
-def test_speculative_rollback_into_a_closed_tile_reads_its_fp16_copy():
-    """A draft that closed a tile and was then rejected: the next write starts inside that tile again."""
+@pytest.mark.parametrize("kernels", [False, True])
+def test_speculative_rollback_into_a_closed_tile_reads_its_fp16_copy(kernels):
+    """A draft that closed a tile and was then rejected: the next write starts inside that tile again (torch path
+    and the Triton attention, interpreted)."""
     torch.manual_seed(1)
     preset, d, hk, grp = "kvarn_k4v2_g64", 64, 1, 2
-    seq = _Seq(preset, d, hk, grp)
+    seq = _Seq(preset, d, hk, grp, kernels=kernels)
     t = 200
     q, k, v = torch.randn(t, hk * grp, d), torch.randn(t, hk, d).half().float(), torch.randn(t, hk, d).half().float()
     blocks = list(range(4))

@@ -182,11 +182,12 @@ def _attn_kernel(
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=valid[:, None])
 
 
-def launch_args(d: int, g: int, k_bits: int, v_bits: int, hkv: int, gq: int) -> dict:
-    """_attn_kernel's constexprs and launch options, as `attention` passes them (and the compile test compiles
-    them). BG = 4096 / D keys a step: at D=256 BG=32 took 168 KB of shared memory and spilled 1 KB a thread on
-    sm_86 (tf32x3); BG=16 with 8 warps and the two-MMA dots on codes takes 100,480 B (<= 101,376 on an RTX 3090)
-    and no spills (tests/test_kvarn_triton_compile.py, which also records sm_90a)."""
+def launch_args(d: int, g: int, k_bits: int, v_bits: int, hkv: int, gq: int, arch: int | None = None) -> dict:
+    """_attn_kernel's constexprs and launch options for compute capability `arch` (86 = RTX 3090), as `attention`
+    passes them and the compile test compiles them. At D=256 (ptxas, tests/test_kvarn_triton_compile.py): 32 keys a
+    step took 168 KB of shared memory and spilled on sm_86, so BG = 4096 / D keys a step (16), with the two-MMA dots
+    on codes (tf32x3 everywhere still spilled 360 B). Pipeline stages: 3 take 100,480 B of shared memory, 896 B under
+    an RTX 3090's 101,376; 2 take 67,648 B, no spills, so Ampere gets 2; sm_90a keeps 3 (2 spill there)."""
     bt = tokens_per_program(gq)
     return dict(
         field_args(d, g, k_bits, v_bits),
@@ -197,6 +198,7 @@ def launch_args(d: int, g: int, k_bits: int, v_bits: int, hkv: int, gq: int) -> 
         BG=min(g, 4096 // d),
         PREC="ieee" if not use_libdevice() else "tf32x3",
         num_warps=8,
+        num_stages=2 if arch is not None and arch < 90 else 3,
     )
 
 
@@ -220,7 +222,8 @@ def attention(
     t, hq, d = q.shape
     check_shape(d, G, k_bits, v_bits)
     hkv, nreq = pool.shape[1], seq_lens.shape[0]
-    a = launch_args(d, G, k_bits, v_bits, hkv, hq // max(hkv, 1))
+    cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None  # cached by torch: no device work
+    a = launch_args(d, G, k_bits, v_bits, hkv, hq // max(hkv, 1), cc[0] * 10 + cc[1] if cc else None)
     if hq % hkv or pool.shape[2] != a["RB"] or pool.dtype != torch.uint8:
         raise ValueError(
             f"attention: pool must be uint8 [blocks, Hkv, {a['RB']}] with Hq={hq} a multiple of "

@@ -140,22 +140,34 @@ class KVarNAttentionImpl:
         v_all = value[: m.num_actual_tokens].view(-1, hk, d)
         out = output[: m.num_actual_tokens].view(-1, h, d)
         kernels = query.is_cuda if self.kernels is None else self.kernels
-        runs = []
-        for i, slot in enumerate(m.slots):
+        exacts, closing = [], []
+        for i, slot in enumerate(m.slots):  # stage every request's new tokens; collect the tiles they close
             q0, q1 = m.query_start[i], m.query_start[i + 1]
-            length, blocks = m.seq_lens[i], m.block_table[i]
-            start = length - (q1 - q0)
+            start = m.seq_lens[i] - (q1 - q0)
             if m.fresh[i]:
                 stage[slot].zero_()
             exact = None
             if q1 > q0:
-                exact = self._write(stage[slot], pool, blocks, start, m.written_before[i], k_all[q0:q1], v_all[q0:q1])
-            if kernels:
-                runs.append(self._exact_run(stage[slot], length, exact))
-            elif q1 > q0:
-                out[q0:q1] = self._attend(stage[slot], pool, blocks, start, length, q_all[q0:q1], exact).to(out.dtype)
+                exact = self._write(
+                    stage[slot], m.block_table[i], start, m.written_before[i], k_all[q0:q1], v_all[q0:q1]
+                )
+                closing += [exact[1]] if exact[1] is not None else []
+                exact = exact[0]
+            exacts.append(exact)
+        if closing:  # every tile closed this step, all requests together: one encode, one scatter into the pool
+            tiles = torch.cat([c[0] for c in closing], 1)  # [2, n, kv heads, G, D]
+            rec = self._encode(tiles[0].flatten(0, 1), tiles[1].flatten(0, 1))
+            pool[torch.cat([c[1] for c in closing]).long()] = rec.view(tiles.shape[1], self.num_kv_heads, -1)
         if kernels and m.slots:
+            runs = [self._exact_run(stage[s], n, e) for s, n, e in zip(m.slots, m.seq_lens, exacts)]
             out[: m.query_start[-1]] = self._attend_kernels(pool, m, q_all[: m.query_start[-1]], runs)
+        elif not kernels:
+            for i, slot in enumerate(m.slots):
+                q0, q1 = m.query_start[i], m.query_start[i + 1]
+                if q1 > q0:
+                    length, blocks = m.seq_lens[i], m.block_table[i]
+                    o = self._attend(stage[slot], pool, blocks, length - (q1 - q0), length, q_all[q0:q1], exacts[i])
+                    out[q0:q1] = o.to(out.dtype)
         return output
 
     def _exact_run(self, st, length, exact) -> torch.Tensor:
@@ -196,9 +208,10 @@ class KVarNAttentionImpl:
             return encode_tiles(k, v, self.codec.k_bits, self.codec.v_bits)
         return self.codec.encode(k, v)
 
-    def _write(self, st, pool, blocks, start, written, k, v):
-        """Stage the new tokens (positions start..), quantize every tile they close into its block; returns the
-        fp16 K/V [2, kv heads, n, D] of positions first_open_tile*G .. end (None when all are in the sink)."""
+    def _write(self, st, blocks, start, written, k, v):
+        """Stage the new tokens (positions start..); returns (the fp16 K/V [2, kv heads, n, D] of positions
+        first_open_tile*G .. end, or None when all are in the sink; the tiles they close, [2, n, kv heads, G, D],
+        with their block ids, or None) -- the caller encodes every request's closed tiles at once."""
         g = self.codec.tile
         kv = torch.stack([k, v]).transpose(1, 2).to(torch.float16)  # [2, kv heads, T, D]
         end = start + kv.shape[2]
@@ -207,21 +220,21 @@ class KVarNAttentionImpl:
             st[SINK, :, :, start : start + n_sink] = kv[:, :, :n_sink]
         p0 = start + n_sink
         if p0 == end:
-            return None
+            return None, None
         t0, o0 = divmod(p0, g)
         # The exact head of tile t0: the tile in progress, or, after a speculative rollback into the tile closed
         # last step, its fp16 copy.
         head = st[LAST if written >= (t0 + 1) * g else CUR, :, :, :o0]
         exact = torch.cat([head, kv[:, :, n_sink:]], 2)
         n_full = exact.shape[2] // g
+        closed = None
         if n_full:
             tiles = exact[:, :, : n_full * g].unflatten(2, (n_full, g)).permute(0, 2, 1, 3, 4)  # [2, n, hk, G, D]
-            rec = self._encode(tiles[0].flatten(0, 1), tiles[1].flatten(0, 1))
-            pool[blocks[t0 : t0 + n_full].long()] = rec.view(n_full, self.num_kv_heads, -1)
+            closed = (tiles, blocks[t0 : t0 + n_full])
             st[LAST] = tiles[:, -1]
         rest = exact.shape[2] - n_full * g
         st[CUR, :, :, :rest] = exact[:, :, n_full * g :]
-        return exact
+        return exact, closed
 
     def _attend(self, st, pool, blocks, start, length, q, exact):
         """Decode-form attention of queries at positions start..length-1 -> [T, heads, D] float32."""

@@ -4,8 +4,10 @@ Encode follows kvarn.py op by op (same torch matmul for the rotation); its sums 
 BLAS order. With the balance in float32 that moved a scale by an fp16 ulp or a code by a step in about 1 record of
 10 (2 of these 6 random cases failed byte equality); the codecs now balance in float64 and take each exp in float64
 (qconv.kv.kvarn.BALANCE_DTYPE), and the records are asserted byte for byte equal, random and SmolLM2 tiles alike.
-Decode attention vs fp32 softmax attention over TileScheme.decode's K/V: max abs difference 1.7e-6 with fp32 output
-(|out| up to 3.5), 9.5e-4 with fp16 output (its rounding); asserted at 1e-4 (+1e-3 relative for fp16 output).
+The attention (kvarn_attention.attention, one query per sequence here; verifies and prefill chunks are in
+tests/test_kvarn_vllm_codec.py) vs fp32 softmax attention over TileScheme.decode's K/V: max abs difference 1.7e-6
+with fp32 output (|out| up to 3.5), 9.5e-4 with fp16 output (its rounding); asserted at 1e-4 (+1e-3 relative for
+fp16 output). The work-memory bound and the planner's copy of it, and bench/gpu_day.py's CPU form, are here too.
 On CUDA the same comparisons run in bench/gpu_day.py.
 """
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm")
 from qconv_vllm import KVARN_PRESETS  # noqa: E402
 from qconv_vllm.kvarn_backend import KVarNAttentionImpl  # noqa: E402
 from qconv_vllm.kvarn_codec import Codec  # noqa: E402
-from qconv_vllm.kvarn_metadata import SlotTable, step_metadata  # noqa: E402
+from qconv_vllm.kvarn_metadata import SlotTable, host_lists, step_metadata  # noqa: E402
 
 # Largest |plugin - simulation| of attention outputs measured over the prefill/decode cases: 3.3e-6 (float32 sums
 # in another order)
@@ -215,3 +215,44 @@ def test_kernel_path_reads_the_same_cache_as_the_torch_path():
             reqs.append((blocks[0], blocks, n - 1, q[n - 1 :], k[n - 1 :], v[n - 1 :]))
         runs.append(torch.stack([o[0] for o in seq.step(reqs)]))
     assert torch.allclose(runs[1], runs[0], atol=1e-4), float((runs[1] - runs[0]).abs().max())
+
+
+def test_builder_reads_vllms_cpu_copies_only():
+    """The metadata builder's inputs: query_start_loc_cpu, seq_lens_cpu_upper_bound and req_idx (the v2 runner
+    gives all three); the device tensors beside them refuse host reads."""
+    import types
+
+    import numpy as np
+
+    dev = NoSync.wrap(torch.tensor([7, 9]))
+    cam = types.SimpleNamespace(
+        num_reqs=2,
+        query_start_loc_cpu=torch.tensor([0, 5, 6, 6]),
+        seq_lens_cpu_upper_bound=torch.tensor([130, 40, 0]),
+        seq_lens=dev,
+        req_idx=np.array([3, 0, 1]),
+        block_table_tensor=NoSync.wrap(torch.zeros(3, 4, dtype=torch.int32)),
+    )
+    assert host_lists(cam, exact_cpu_lens=True) == ([0, 5, 6], [130, 40], [3, 0])
+    with pytest.raises(AssertionError, match="host sync"):  # async spec decode: the exact lengths are read
+        host_lists(cam, exact_cpu_lens=False)
+    m = step_metadata(SlotTable(4), [0, 5, 6], [130, 40], [3, 0], cam.block_table_tensor[:2], 64)
+    # request 0 (positions 125..129): its sink and tiles 1-2's tokens from 64 on (tile 1 closes at 127, inside the
+    # step, so queries 125-126 read it in fp16); request 1: 40 tokens, all sink
+    assert m.n_exact == 64 + 66 + 40 and m.ints[:170].tolist()[64:66] == [64, 65]
+
+
+def test_profiling_forward_takes_the_work_memory(monkeypatch):
+    """vLLM profiles without metadata: the layer's staging buffer exists from `reserve`, and the forward takes
+    kvarn_attention.work_bytes for the profiled batch, so the profiler's peak includes both."""
+    from qconv_vllm import kvarn_attention
+    from qconv_vllm.kvarn_metadata import slot_capacity
+
+    impl = KVarNAttentionImpl(24, 256, 256**-0.5, 4, kv_cache_dtype="kvarn_k4v2_g128")
+    impl.reserve(3, "cpu")
+    assert impl.stage.shape == (slot_capacity(3), 3, 2, 4, 128, 256) and impl.stage.dtype == torch.float16
+    sizes, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (sizes.append(a), empty(*a, **k))[1])
+    q = torch.zeros(16, 24 * 256)
+    out = impl.forward(None, q, torch.zeros(16, 1024), torch.zeros(16, 1024), None, None)
+    assert not out.any() and sizes == [(kvarn_attention.work_bytes(16, 3, 24, 4, 256, 128),)]

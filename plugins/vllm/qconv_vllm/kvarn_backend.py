@@ -28,7 +28,7 @@ import torch
 
 from qconv_vllm import KVARN_PRESETS as PRESETS
 from qconv_vllm.kvarn_codec import Codec
-from qconv_vllm.kvarn_metadata import KVarNMetadata, SlotTable, slot_capacity, step_metadata
+from qconv_vllm.kvarn_metadata import KVarNMetadata, SlotTable, host_lists, slot_capacity, step_metadata
 
 log = logging.getLogger(__name__)
 SINK, CUR, LAST = 0, 1, 2  # staging tiles per slot
@@ -61,14 +61,8 @@ def _builder_cls():
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> KVarNMetadata:
             cam = common_attn_metadata
-            n = cam.num_reqs
-            qs = cam.query_start_loc_cpu[: n + 1].tolist()
-            cpu_lens = cam.seq_lens_cpu_upper_bound
-            lens = (cpu_lens if cpu_lens is not None and self.exact_cpu_lens else cam.seq_lens)[:n].tolist()
-            table = cam.block_table_tensor[:n]
-            # the request's row in the runner's table where vLLM hands it over, else its first block id
-            keys = cam.req_idx[:n].tolist() if cam.req_idx is not None else table[:, 0].tolist()
-            return step_metadata(self.table, qs, lens, keys, table, self.tile)
+            qs, lens, keys = host_lists(cam, self.exact_cpu_lens)
+            return step_metadata(self.table, qs, lens, keys, cam.block_table_tensor[: cam.num_reqs], self.tile)
 
     return KVarNMetadataBuilder
 
@@ -124,7 +118,7 @@ class KVarNAttentionImpl:
                 query.shape[0], self.num_heads * self.head_size, dtype=query.dtype, device=query.device
             )
         if attn_metadata is None:  # profiling run: no cache yet; the peak it measures must include our work memory
-            if query.is_cuda and self.max_seqs:
+            if self.max_seqs:  # (on the CPU an untouched empty tensor costs nothing)
                 from qconv_vllm.kvarn_attention import work_bytes
 
                 h, hk = self.num_heads, self.num_kv_heads

@@ -74,6 +74,19 @@ def exact_positions(query_start: list[int], seq_lens: list[int], tile: int) -> t
     return pos, starts
 
 
+def host_lists(cam, exact_cpu_lens: bool) -> tuple[list[int], list[int], list[int]]:
+    """(query_start, seq_lens, slot keys) of vLLM's CommonAttentionMetadata from its CPU-side copies. Two reads of
+    the device remain, once a step: seq_lens when the CPU copy is only an upper bound (`exact_cpu_lens` False:
+    async scheduling with speculative decoding) or absent, and the block table's first column as the key where
+    vLLM gives no `req_idx` (its v1 runner)."""
+    n = cam.num_reqs
+    qs = cam.query_start_loc_cpu[: n + 1].tolist()
+    cpu_lens = cam.seq_lens_cpu_upper_bound
+    lens = (cpu_lens if cpu_lens is not None and exact_cpu_lens else cam.seq_lens)[:n].tolist()
+    keys = cam.req_idx[:n].tolist() if cam.req_idx is not None else cam.block_table_tensor[:n, 0].tolist()
+    return qs, lens, keys
+
+
 def step_metadata(
     table: SlotTable, query_start: list[int], seq_lens: list[int], keys: list[int], block_table, tile: int
 ) -> KVarNMetadata:

@@ -195,7 +195,7 @@ def launch_args(d: int, g: int, k_bits: int, v_bits: int, hkv: int, gq: int, arc
         GQ=gq,
         BT=bt,
         BQ=max(16, triton.next_power_of_2(bt * gq)),
-        BG=min(g, 4096 // d),
+        BG=min(g, 4096 // d if use_libdevice() else 64),  # interpreted: 64 (its cost is per op, not per element)
         PREC="ieee" if not use_libdevice() else "tf32x3",
         num_warps=8,
         num_stages=2 if arch is not None and arch < 90 else 3,

@@ -155,7 +155,8 @@ def test_device_plan_numbers(config_27b):
     assert layer["Hessians"] == 4 * (4 * 5120**2 + 6144**2 + 17408**2)
     assert phases["lm_head: calibration"]["weight"] == 248320 * 5120 * 2
     assert dp.block_bytes == (24 - 1) * 2**30 // 16
-    assert 30 * 60 < dp.seconds["total"] < 45 * 60  # BENCHMARKS.md's 35-45 min estimate for a 3090
+    # llmcompressor's `hessian += inp.matmul(inp.t())` materializes the product first: down_proj's 17,408^2 fp32
+    assert phases["decoder layer: calibration"]["Hessian update"] == 4 * 17408**2  # 1.13 GiB
 
 
 def test_gpu_build_bench_without_cuda_is_one_json_error(tmp_path):

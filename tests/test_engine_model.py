@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from qconv.engine import load_model
+from tests.tiny import hf_model as _hf
+from tests.tiny import parity
+from tests.tiny import random_tokens as _tokens
 
 TOL = 1e-3  # max |logit difference| in fp32
 
@@ -17,36 +20,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _tokens(vocab: int, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (batch, n), generator=g)
-
-
-def parity(path, prompt_len: int = 40, steps: int = 32, device: str = "cpu") -> tuple[float, float]:
-    """Max |Δlogit| vs transformers on a prefill and on `steps` greedy decode steps (reference picks the tokens).
-    `device`: both models run there (bench/gpu_check.py uses cuda)."""
-    ref, ours = _hf(path).to(device), load_model(path).to(device)
-    toks = _tokens(ours.config.vocab_size, prompt_len).to(device)
-    cache = ours.new_cache(1, prompt_len + steps + 1)
-    with torch.no_grad():
-        out = ref(toks, use_cache=True)
-        pre = (out.logits - ours(toks, cache)).abs().max().item()
-        dec, pkv = 0.0, out.past_key_values
-        nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(steps):
-            out = ref(nxt, past_key_values=pkv, use_cache=True)
-            pkv = out.past_key_values
-            dec = max(dec, (out.logits - ours(nxt, cache)).abs().max().item())
-            nxt = out.logits[:, -1:].argmax(-1)
-    return pre, dec
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,10 @@ def test_plan_from_manifest(artifact_27b):
     usable = int(24 * GIB * 0.92 - 1.5 * GIB) - (15_000_000_000 - r.weights.vision)
     assert fast.usable == usable
     assert all(f.fits for f in r.profiles)
-    # KVarN lets one sequence get ~4.8x longer than bf16 under the same settings
-    assert 4.7 < huge.max_context["kvarn_k4v2_g128"] / huge.max_context["bf16"] < 4.9
+    # KVarN's tokens cost 1/4.88 of bf16's, once the plugin's work memory (staging + attention, ~0.5 GiB here)
+    # is set aside: one sequence gets ~4.5x longer than bf16 under the same settings
+    assert huge.work_bytes > 0.4 * GIB and huge.usable == usable - huge.work_bytes and fast.work_bytes == 0
+    assert 4.3 < huge.max_context["kvarn_k4v2_g128"] / huge.max_context["bf16"] < 4.6
     text = render(r)
     assert "65,536 B" in text and "32,768 B" in text and "4.88x smaller" in text
     assert "kvarn_k4v2_g256       13,056 B" in text and "kvarn_k4v4_g256       17,152 B" in text  # 204, 268 B/tok/head

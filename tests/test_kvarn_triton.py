@@ -4,9 +4,11 @@ Encode follows kvarn.py op by op (same torch matmul for the rotation); its sums 
 BLAS order. With the balance in float32 that moved a scale by an fp16 ulp or a code by a step in about 1 record of
 10 (2 of these 6 random cases failed byte equality); the codecs now balance in float64 and take each exp in float64
 (qconv.kv.kvarn.BALANCE_DTYPE), and the records are asserted byte for byte equal, random and SmolLM2 tiles alike.
-Decode attention vs fp32 softmax attention over TileScheme.decode's K/V: max abs difference 1.7e-6 with fp32 output
-(|out| up to 3.5), 9.5e-4 with fp16 output (its rounding); asserted at 1e-4 (+1e-3 relative for fp16 output).
-On CUDA the same comparisons run in bench/gpu_kvarn.py.
+The attention (kvarn_attention.attention, one query per sequence here; verifies and prefill chunks are in
+tests/test_kvarn_vllm_codec.py) vs fp32 softmax attention over TileScheme.decode's K/V: max abs difference 1.7e-6
+with fp32 output (|out| up to 3.5), 9.5e-4 with fp16 output (its rounding); asserted at 1e-4 (+1e-3 relative for
+fp16 output). The work-memory bound and the planner's copy of it, and bench/gpu_day.py's CPU form, are here too.
+On CUDA the same comparisons run in bench/gpu_day.py.
 """
 
 from __future__ import annotations
@@ -55,17 +57,6 @@ def test_encode_matches_qconv_records_random(d, g, kb, vb):
     k, v = _tiles(8, g, d, seed=d + g + vb)
     rec = kt.encode_tiles(k, v, kb, vb)
     assert_records_equal(rec, kvarn(kb, vb, g).encode(k.float(), v.float()), d, g, kb, vb)
-
-
-@pytest.mark.parametrize("d,g,kb,vb", [(64, 64, 4, 2), (128, 128, 4, 4), (256, 128, 4, 2)])
-def test_dequant_matches_qconv_decode(d, g, kb, vb):
-    k, v = _tiles(2, g, d, seed=7)
-    scheme = kvarn(kb, vb, g)
-    rec = scheme.encode(k.float(), v.float())
-    ref_k, ref_v = scheme.decode(rec, d)
-    got_k, got_v = kt.dequant_tiles(rec, d, g, kb, vb)
-    assert (got_k - ref_k).abs().max() < 1e-5 * ref_k.abs().max()
-    assert (got_v - ref_v).abs().max() < 1e-5 * ref_v.abs().max()
 
 
 def test_record_bytes_are_the_layout_not_a_power_of_two():
@@ -122,6 +113,35 @@ def _cache(n_closed: list[int], cur: list[int], hq: int, hkv: int, d: int, g: in
     )
 
 
+def _attention(q, pool, table, n_closed, stage_k, stage_v, sink, cur, kb, vb, g, scale, splits=None):
+    """kvarn_attention.attention over _cache's sequences, one query each at its last position: the exact run is
+    the sink then the tile being filled (at positions (n_closed + 1) G onwards)."""
+    lens = sink + n_closed * g + cur
+    ks, vs, pos, start = [], [], [], [0]
+    for b in range(q.shape[0]):
+        s, c, first = int(sink[b]), int(cur[b]), (int(n_closed[b]) + 1) * g
+        ks += [stage_k[b, 0, :, :s], stage_k[b, 1, :, :c]]
+        vs += [stage_v[b, 0, :, :s], stage_v[b, 1, :, :c]]
+        pos += [*range(s), *range(first, first + c)]
+        start.append(start[-1] + s + c)
+    return kvarn_attention.attention(
+        q,
+        pool,
+        table,
+        lens,
+        torch.arange(q.shape[0] + 1, dtype=torch.int32),
+        torch.cat(ks, 1),
+        torch.cat(vs, 1),
+        torch.tensor(pos, dtype=torch.int32),
+        torch.tensor(start, dtype=torch.int32),
+        kb,
+        vb,
+        g,
+        scale,
+        splits,
+    )
+
+
 @pytest.mark.parametrize(
     "d,g,kb,vb,hq,hkv,splits",
     [(64, 64, 4, 2, 4, 2, 2), (128, 64, 4, 4, 2, 1, None), (256, 128, 4, 2, 3, 1, 3), (64, 128, 4, 4, 6, 2, 1)],
@@ -130,12 +150,12 @@ def test_decode_attention_matches_reference(d, g, kb, vb, hq, hkv, splits):
     # sequences: n_closed 0 with a short sink, partial current tiles at 0, mid and G-1 tokens
     args = _cache([0, 3, 1, 2], [0, g // 2, g - 1, 5], hq, hkv, d, g, kb, vb, seed=d + g)
     args[6][0] = 7  # sequence 0: only 7 sink tokens
-    out = kvarn_attention.decode_attention(*args, kb, vb, g, d**-0.5, num_splits=splits)
+    out = _attention(*args, kb, vb, g, d**-0.5, splits)
     ref = _reference_attention(*args, kb, vb, g, d**-0.5)
     assert out.shape == ref.shape and out.dtype == torch.float16
     err = float((out.float() - ref).abs().max())
     assert err < ATTN_TOL + 1e-3 * float(ref.abs().max()), err  # fp16 output: half an ulp at |out| ~ 1 is 5e-4
-    out32 = kvarn_attention.decode_attention(args[0].float(), *args[1:], kb, vb, g, d**-0.5, num_splits=splits)
+    out32 = _attention(args[0].float(), *args[1:], kb, vb, g, d**-0.5, splits)
     assert float((out32 - ref).abs().max()) < ATTN_TOL
 
 
@@ -145,16 +165,24 @@ def test_decode_attention_long_context_many_splits():
     args = _cache([64, 0], [17, 0], 2, 1, d, g, 4, 2, seed=3)
     ref = _reference_attention(*args, 4, 2, g, d**-0.5)
     for splits in (8, 24):
-        out = kvarn_attention.decode_attention(args[0].float(), *args[1:], 4, 2, g, d**-0.5, num_splits=splits)
+        out = _attention(args[0].float(), *args[1:], 4, 2, g, d**-0.5, splits)
         assert torch.isfinite(out).all()
         assert float((out - ref).abs().max()) < ATTN_TOL
 
 
-def test_decode_attention_rejects_a_wrong_pool():
+def test_attention_rejects_a_wrong_pool():
     args = list(_cache([1], [3], 2, 1, 64, 64, 4, 2, seed=0))
     args[1] = args[1][..., :-8]
     with pytest.raises(ValueError, match="pool must be uint8"):
-        kvarn_attention.decode_attention(*args, 4, 2, 64, 0.125)
+        _attention(*args, 4, 2, 64, 0.125)
+
+
+def test_work_memory_grows_with_the_batch_not_the_context():
+    """The bound the planner and the backend's reservation use: linear in query tokens, free of context."""
+    w = kvarn_attention.work_bytes
+    assert w(2048, 4, 24, 4, 256, 128) < 2.2 * w(1024, 4, 24, 4, 256, 128)
+    assert kvarn_attention.num_splits(1, 2048) == 64 and kvarn_attention.num_splits(2048, 2048) == 1
+    assert w(2048, 4, 24, 4, 256, 128) < 400 * 2**20  # 2,048-token chunk of the 27B: 258 MiB, at any context
 
 
 def _smollm2_kv(smollm2: Path, text: str, tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -188,12 +216,58 @@ def test_encode_matches_qconv_records_on_smollm2_kv(smollm2, shared_data, one_th
         assert_records_equal(rec, kvarn(kb, vb, g).encode(k.float(), v.float()), d, g, kb, vb)
 
 
-def test_gpu_bench_without_cuda_says_so():
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_kvarn.py")], capture_output=True, text=True, env=env, timeout=120
+def _gpu_day(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if not interpret:
+        env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_day.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
+
+
+def test_gpu_day_without_cuda_says_so():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: bench/gpu_day.py would run for real")
+    r = _gpu_day()
     assert r.returncode == 2, r.stderr
     line = json.loads(r.stdout.strip().splitlines()[-1])
-    assert line["bench"] == "gpu_kvarn" and "no CUDA" in line["error"]
+    assert line["bench"] == "gpu_day" and "no CUDA" in line["error"]
+    r = _gpu_day("--parts", "kernels,bogus")
+    assert r.returncode == 2 and "bogus" in json.loads(r.stdout)["error"]
+
+
+@pytest.mark.slow
+def test_gpu_day_kvarn_parts_run_here_at_small_shapes():
+    """The device script's KVarN parts on this CPU (Triton interpreted, tiny shapes): one JSON line a part, the
+    Triton path of the backend equal to its torch path, the build part saying it is left out."""
+    r = _gpu_day("--device", "cpu", "--small", "--repeat", "1", "--parts", "kernels,backend,build", interpret=True)
+    rows = [json.loads(x) for x in r.stdout.strip().splitlines()]
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert [x["part"] for x in rows] == ["kernels", "backend", "build"]
+    assert rows[0]["pass"] and rows[1]["pass"] and 0 < rows[1]["max_abs_vs_cpu"] < 1e-3
+    assert "skipped" in rows[2] and rows[2]["carried_wheels"] == []
+
+
+def test_gpu_day_carried_wheels_fit():
+    """What a device session carries for bench/gpu_day.py: every listed wheel present, 40 MiB in all at most."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_day import wheels
+
+    sizes = [(REPO / w).stat().st_size for w in wheels()]
+    assert sum(sizes) <= 40 * 2**20
+
+
+def test_planner_counts_the_backends_work_memory():
+    """qconv plan's KVarN work memory is the plugin's: its staging buffers (slot_capacity x 3 tiles) and
+    kvarn_attention.work_bytes for the batch vLLM profiles, at the 27B's shapes and a small one."""
+    from qconv_vllm.kvarn_backend import KVarNAttentionImpl
+
+    for layers, hq, hkv, d, seqs, tokens, g in [(16, 24, 4, 256, 1, 2048, 128), (3, 4, 2, 64, 8, 512, 64)]:
+        impl = KVarNAttentionImpl(hq, d, d**-0.5, hkv, kv_cache_dtype=f"kvarn_k4v2_g{g}")
+        impl.reserve(seqs, "cpu")  # what vLLM's layer construction allocates
+        plugin = layers * impl.stage.nbytes + kvarn_attention.work_bytes(tokens, seqs, hq, hkv, d, g)
+        assert kvarn(4, 2, g).serving_work_bytes(layers, hq, hkv, d, seqs, tokens) == plugin

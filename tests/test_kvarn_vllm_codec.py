@@ -17,8 +17,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the CUDA kernels' wiring runs 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
 from qconv_vllm import KVARN_PRESETS  # noqa: E402
-from qconv_vllm.kvarn_backend import KVarNAttentionImpl, KVarNMetadata, SlotTable  # noqa: E402
+from qconv_vllm.kvarn_backend import KVarNAttentionImpl  # noqa: E402
 from qconv_vllm.kvarn_codec import Codec  # noqa: E402
+from qconv_vllm.kvarn_metadata import SlotTable, host_lists, step_metadata  # noqa: E402
 
 # Largest |plugin - simulation| of attention outputs measured over the prefill/decode cases: 3.3e-6 (float32 sums
 # in another order)
@@ -50,11 +51,27 @@ def test_record_is_not_padded_to_a_power_of_two():
     assert Codec.from_dtype("kvarn_k4v2_g128", 256).bytes_per_token == 210  # 1/4.88 of bf16's 1,024
 
 
+class NoSync(torch.Tensor):
+    """A "device" tensor that refuses to be read by the host: what the backend's forward must never need."""
+
+    @staticmethod
+    def wrap(t: torch.Tensor) -> torch.Tensor:
+        return t.as_subclass(NoSync)
+
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("host sync: a device tensor was read on the host")
+
+    tolist = item = __bool__ = __int__ = __index__ = numpy = cpu = _refuse
+
+
 class _Seq:
     """Drives one KVarN layer the way vLLM's runner does: a block table of tile ids, a slot table, steps."""
 
-    def __init__(self, preset: str, d: int, hk: int, grp: int, n_blocks: int = 64, capacity: int = 6):
+    def __init__(
+        self, preset: str, d: int, hk: int, grp: int, n_blocks: int = 64, capacity: int = 6, kernels: bool = False
+    ):
         self.impl = KVarNAttentionImpl(hk * grp, d, d**-0.5, hk, kv_cache_dtype=preset)
+        self.impl.kernels = kernels  # the Triton attention (TRITON_INTERPRET=1 here) instead of the torch path
         c = self.impl.codec
         self.pool = torch.zeros(n_blocks, hk, c.tile, c.bytes_per_token, dtype=torch.uint8)
         self.table = SlotTable(capacity)
@@ -62,19 +79,14 @@ class _Seq:
 
     def step(self, reqs: list[tuple[int, list[int], int, torch.Tensor, torch.Tensor, torch.Tensor]]):
         """reqs: (first block id, block ids, start, q [T, H, D], k [T, hk, D], v) -> outputs per request."""
-        qs, lens, slots, fresh, before = [0], [], [], [], []
-        keys = {r[0] for r in reqs}
-        for key, _, start, q, _, _ in reqs:
-            slot, new = self.table.assign(key, start, keys)
-            qs.append(qs[-1] + q.shape[0])
-            lens.append(start + q.shape[0])
-            slots.append(slot)
-            fresh.append(new or start == 0)
-            before.append(0 if new else self.table.written[slot])
-            self.table.written[slot] = lens[-1]
+        qs = [0]
+        for r in reqs:
+            qs.append(qs[-1] + r[3].shape[0])
+        lens = [r[2] + r[3].shape[0] for r in reqs]
         width = max(len(r[1]) for r in reqs)
-        bt = torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32)
-        m = KVarNMetadata(qs[-1], qs, lens, bt, slots, fresh, before, self.table.capacity)
+        bt = NoSync.wrap(torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32))
+        m = step_metadata(self.table, qs, lens, [r[0] for r in reqs], bt, self.impl.codec.tile)
+        m.ints = NoSync.wrap(m.ints)
         q = torch.cat([r[3] for r in reqs]).flatten(1)
         k = torch.cat([r[4] for r in reqs]).flatten(1)
         v = torch.cat([r[5] for r in reqs]).flatten(1)
@@ -113,11 +125,13 @@ def test_chunked_prefill_and_decode_match_the_decode_time_simulation(preset, d):
     assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())
 
 
-def test_speculative_rollback_into_a_closed_tile_reads_its_fp16_copy():
-    """A draft that closed a tile and was then rejected: the next write starts inside that tile again."""
+@pytest.mark.parametrize("kernels", [False, True])
+def test_speculative_rollback_into_a_closed_tile_reads_its_fp16_copy(kernels):
+    """A draft that closed a tile and was then rejected: the next write starts inside that tile again (torch path
+    and the Triton attention, interpreted)."""
     torch.manual_seed(1)
     preset, d, hk, grp = "kvarn_k4v2_g64", 64, 1, 2
-    seq = _Seq(preset, d, hk, grp)
+    seq = _Seq(preset, d, hk, grp, kernels=kernels)
     t = 200
     q, k, v = torch.randn(t, hk * grp, d), torch.randn(t, hk, d).half().float(), torch.randn(t, hk, d).half().float()
     blocks = list(range(4))
@@ -153,32 +167,92 @@ def test_batched_sequences_and_reused_blocks_equal_one_by_one():
         assert torch.allclose(got, want, atol=ATOL), float((got - want).abs().max())
 
 
-def test_cuda_decode_path_reads_the_same_cache_as_the_torch_path():
-    """The batch-of-decodes branch hands the backend's own pool, staging slots and block table to the Triton
-    split-K kernel (run here under TRITON_INTERPRET=1); it must attend exactly what `_attend` attends."""
+def test_kernel_path_at_the_27b_head_layout_matches_the_simulation():
+    """The Triton attention the backend runs on CUDA (here under TRITON_INTERPRET=1), at the 27B's 24 query / 4 KV
+    heads, D=256, tile 128, on mixed batches: a prefill crossing the sink and one closing a tile, a decode,
+    5-token verifies (one of them across a tile's end), all against what each query reads at its decode step."""
+    pytest.importorskip("triton")
+    torch.manual_seed(4)
+    preset, d, hk, grp = "kvarn_k4v2_g128", 256, 4, 6
+    seq = _Seq(preset, d, hk, grp, n_blocks=12, kernels=True)
+    lens = (264, 134)
+    data = [
+        (torch.randn(t, hk * grp, d), torch.randn(t, hk, d).half().float(), torch.randn(t, hk, d).half().float())
+        for t in lens
+    ]
+    blocks = [[0, 5, 7], [3, 1]]
+    # the first step (250 tokens of the first request) on the torch path, the rest on the kernels: a chunk that
+    # closes tile 1 next to a prefill crossing the sink, then a 5-token verify next to a decode, then both verify
+    steps = [((0, 250), None), ((250, 258), (0, 132)), ((258, 263), (132, 133)), ((263, 264), (133, 134))]
+    outs: list[list[torch.Tensor]] = [[], []]
+    for n, step in enumerate(steps):
+        seq.impl.kernels = n > 0
+        reqs = [
+            (blocks[i][0], blocks[i], ab[0], *(x[ab[0] : ab[1]] for x in data[i])) for i, ab in enumerate(step) if ab
+        ]
+        for i, o in zip([i for i, ab in enumerate(step) if ab], seq.step(reqs)):
+            outs[i].append(o)
+    for i, (q, k, v) in enumerate(data):
+        got, want = torch.cat(outs[i]), _reference(preset, q, k, v, d**-0.5)
+        assert torch.allclose(got, want, atol=1e-4), (i, float((got - want).abs().max()))
+
+
+def test_kernel_path_reads_the_same_cache_as_the_torch_path():
+    """A batch of decodes through the Triton attention (TRITON_INTERPRET=1) equals the torch path on the same
+    pool, staging slots and block table: sink only, closed tiles + a tile in progress, a tile just closed."""
     pytest.importorskip("triton")
     torch.manual_seed(3)
     preset, d, hk, grp = "kvarn_k4v2_g64", 64, 1, 2
-    seq = _Seq(preset, d, hk, grp, n_blocks=16)
-    lens, reqs = (30, 3 * 64 + 5, 2 * 64), []
-    for i, n in enumerate(lens):  # three sequences: sink only, closed tiles + a tile in progress, tile just closed
-        blocks = list(range(5 * i, 5 * i + 5))
-        q, k, v = torch.randn(n, hk * grp, d), torch.randn(n, hk, d), torch.randn(n, hk, d)
-        seq.step([(blocks[0], blocks, 0, q[: n - 1], k[: n - 1], v[: n - 1])])
-        reqs.append((blocks[0], blocks, n - 1, q[n - 1 :], k[n - 1 :], v[n - 1 :]))
-    torch_out = [o[0] for o in seq.step(reqs)]  # writes the last token and attends (torch path)
-    width = max(len(r[1]) for r in reqs)
-    m = KVarNMetadata(
-        len(reqs),
-        list(range(len(reqs) + 1)),
-        list(lens),
-        torch.tensor([r[1] + [0] * (width - len(r[1])) for r in reqs], dtype=torch.int32),
-        [seq.table.owner[r[0]] for r in reqs],
-        [False] * 3,
-        list(lens),
-        seq.table.capacity,
+    runs = []
+    for kernels in (False, True):
+        seq = _Seq(preset, d, hk, grp, n_blocks=16, kernels=kernels)
+        gen = torch.Generator().manual_seed(5)
+        reqs = []
+        for i, n in enumerate((30, 3 * 64 + 5, 2 * 64)):
+            blocks = list(range(5 * i, 5 * i + 5))
+            q, k, v = (torch.randn(n, h, d, generator=gen) for h in (hk * grp, hk, hk))
+            seq.step([(blocks[0], blocks, 0, q[: n - 1], k[: n - 1], v[: n - 1])])
+            reqs.append((blocks[0], blocks, n - 1, q[n - 1 :], k[n - 1 :], v[n - 1 :]))
+        runs.append(torch.stack([o[0] for o in seq.step(reqs)]))
+    assert torch.allclose(runs[1], runs[0], atol=1e-4), float((runs[1] - runs[0]).abs().max())
+
+
+def test_builder_reads_vllms_cpu_copies_only():
+    """The metadata builder's inputs: query_start_loc_cpu, seq_lens_cpu_upper_bound and req_idx (the v2 runner
+    gives all three); the device tensors beside them refuse host reads."""
+    import types
+
+    import numpy as np
+
+    dev = NoSync.wrap(torch.tensor([7, 9]))
+    cam = types.SimpleNamespace(
+        num_reqs=2,
+        query_start_loc_cpu=torch.tensor([0, 5, 6, 6]),
+        seq_lens_cpu_upper_bound=torch.tensor([130, 40, 0]),
+        seq_lens=dev,
+        req_idx=np.array([3, 0, 1]),
+        block_table_tensor=NoSync.wrap(torch.zeros(3, 4, dtype=torch.int32)),
     )
-    q = torch.cat([r[3] for r in reqs])
-    got = seq.impl._decode_cuda(seq.impl.stage, seq.pool.flatten(2), m, q)
-    want = torch.stack(torch_out)
-    assert torch.allclose(got.float(), want, atol=1e-4), float((got - want).abs().max())
+    assert host_lists(cam, exact_cpu_lens=True) == ([0, 5, 6], [130, 40], [3, 0])
+    with pytest.raises(AssertionError, match="host sync"):  # async spec decode: the exact lengths are read
+        host_lists(cam, exact_cpu_lens=False)
+    m = step_metadata(SlotTable(4), [0, 5, 6], [130, 40], [3, 0], cam.block_table_tensor[:2], 64)
+    # request 0 (positions 125..129): its sink and tiles 1-2's tokens from 64 on (tile 1 closes at 127, inside the
+    # step, so queries 125-126 read it in fp16); request 1: 40 tokens, all sink
+    assert m.n_exact == 64 + 66 + 40 and m.ints[:170].tolist()[64:66] == [64, 65]
+
+
+def test_profiling_forward_takes_the_work_memory(monkeypatch):
+    """vLLM profiles without metadata: the layer's staging buffer exists from `reserve`, and the forward takes
+    kvarn_attention.work_bytes for the profiled batch, so the profiler's peak includes both."""
+    from qconv_vllm import kvarn_attention
+    from qconv_vllm.kvarn_metadata import slot_capacity
+
+    impl = KVarNAttentionImpl(24, 256, 256**-0.5, 4, kv_cache_dtype="kvarn_k4v2_g128")
+    impl.reserve(3, "cpu")
+    assert impl.stage.shape == (slot_capacity(3), 3, 2, 4, 128, 256) and impl.stage.dtype == torch.float16
+    sizes, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (sizes.append(a), empty(*a, **k))[1])
+    q = torch.zeros(16, 24 * 256)
+    out = impl.forward(None, q, torch.zeros(16, 1024), torch.zeros(16, 1024), None, None)
+    assert not out.any() and sizes == [(kvarn_attention.work_bytes(16, 3, 24, 4, 256, 128),)]

@@ -221,3 +221,36 @@ def make_real_layout_model(config_27b: Path, out: Path, seed: int = 0) -> Path:
     index["weight_map"].update({k: shard for k in mtp})
     index_path.write_text(json.dumps(index, indent=2))
     return out
+
+
+def hf_model(path):
+    """transformers' float32 model of `path` (the parity reference)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def random_tokens(vocab: int, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, n), generator=g)
+
+
+def parity(path, prompt_len: int = 40, steps: int = 32, device: str = "cpu") -> tuple[float, float]:
+    """Max |Δlogit| vs transformers on a prefill and on `steps` greedy decode steps (reference picks the tokens).
+    `device`: both models run there (bench/gpu_day.py uses cuda). Here, free of pytest, for that script."""
+    from qconv.engine import load_model
+
+    ref, ours = hf_model(path).to(device), load_model(path).to(device)
+    toks = random_tokens(ours.config.vocab_size, prompt_len).to(device)
+    cache = ours.new_cache(1, prompt_len + steps + 1)
+    with torch.no_grad():
+        out = ref(toks, use_cache=True)
+        pre = (out.logits - ours(toks, cache)).abs().max().item()
+        dec, pkv = 0.0, out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = ref(nxt, past_key_values=pkv, use_cache=True)
+            pkv = out.past_key_values
+            dec = max(dec, (out.logits - ours(nxt, cache)).abs().max().item())
+            nxt = out.logits[:, -1:].argmax(-1)
+    return pre, dec

@@ -5,13 +5,16 @@ before anything is written, a device the plan does not fit, naming the knob to t
 
 What each phase holds (llmcompressor's sequential pipeline, one subgraph onloaded at a time, batch size 1):
 - a decoder layer's calibration: its bf16 weights, one float32 Hessian per quantized Linear (all kept until the
-  layer's GPTQ), and one calibration sample's activations inside the layer;
+  layer's GPTQ), one calibration sample's activations inside the layer, and the float32 [in, in] product that
+  llmcompressor's `hessian += inp.matmul(inp.t())` makes before adding it (the widest module's: 1.13 GiB for the
+  27B's 17,408-wide down_proj);
 - its GPTQ: weights, Hessians, and the widest module's work (its Cholesky factor and inverse, a bf16 stack of its
   weight, four float32 copies of one row block);
 - embed_tokens (round-to-nearest, its own subgraph): the table and one sample's hidden states;
 - lm_head (its own subgraph): the weight, its Hessian and one sample's logits during calibration; then GPTQ and
   the MSE observer in row blocks (qconv.convert.stream.row_blocked_gptq), the block sized from free memory.
-Estimates of what llmcompressor and PyTorch allocate, not measurements: `bench/gpu_build.py` measures them."""
+Estimates of what llmcompressor and PyTorch allocate, not measurements: `bench/gpu_build.py` measures them
+(the build's log gives each layer's peak allocated and reserved memory)."""
 
 from __future__ import annotations
 
@@ -175,8 +178,12 @@ def device_plan(
         weights = sum(m.shape[0] * m.shape[1] * 2 for m in big)
         hess = sum(m.shape[1] ** 2 * 4 for m in quantized(big))
         work = max((_gptq_work(m, block) for m in quantized(big)), default=0)
+        update = max((m.shape[1] ** 2 * 4 for m in quantized(big)), default=0)  # inp @ inp.T before +=
         dp.phases.append(
-            Phase("decoder layer: calibration", {"weights": weights, "Hessians": hess, "activations": acts})
+            Phase(
+                "decoder layer: calibration",
+                {"weights": weights, "Hessians": hess, "activations": acts, "Hessian update": update},
+            )
         )
         dp.phases.append(Phase("decoder layer: GPTQ", {"weights": weights, "Hessians": hess, "GPTQ work": work}))
     tc = config.get("text_config", config)
@@ -187,10 +194,17 @@ def device_plan(
             dp.phases.append(Phase("embed_tokens", {"table": rows * cols * 2, "hidden states": hidden}))
         elif m.role == "lm_head" and not plan.tied_embeddings:
             w, hs = rows * cols * 2, cols * cols * 4
+            upd = hs if m.scheme != KEEP and recipe.quantizer.gptq else 0
             dp.phases.append(
                 Phase(
                     "lm_head: calibration",
-                    {"weight": w, "Hessian": hs, "hidden states": hidden, "logits": seq_len * rows * 2},
+                    {
+                        "weight": w,
+                        "Hessian": hs,
+                        "Hessian update": upd,
+                        "hidden states": hidden,
+                        "logits": seq_len * rows * 2,
+                    },
                 )
             )
             if m.scheme != KEEP:

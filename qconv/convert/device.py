@@ -107,6 +107,16 @@ def peak_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def peak_reserved(device: str) -> int | None:
+    """Peak memory torch's caching allocator held from the driver since the last reset_peak (what the card must
+    have: allocated plus the allocator's free blocks); None off CUDA."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_reserved()
+    return None
+
+
 def key_part(device: str) -> tuple:
     """What a stage key adds for the device: nothing on the CPU (its cached stages and artifacts stay what they
     were), the device otherwise (GPU float arithmetic gives other roundings)."""
@@ -163,6 +173,9 @@ class LayerClock:
         now = time.time()
         where = f"{self.device} peak {'allocated' if self.device == 'cuda' else 'RSS'}"
         peak = peak_bytes(self.device) / 2**30
+        reserved = peak_reserved(self.device)
+        if reserved is not None:  # the allocator's high-water mark: what a smaller card would have to hold
+            where = f"{self.device} peak reserved {reserved / 2**30:.2f} GiB, {where}"
         if self.current is not None and self.current < self.n:
             self.times.append(now - self.t0)
             mean, left = sum(self.times) / len(self.times), self.n - len(self.times)

@@ -47,6 +47,12 @@ class KVScheme:
     def bits_per_element(self, head_dim: int) -> float:
         return 8 * self.bytes_per_token_per_head(head_dim) / (2 * head_dim)
 
+    def serving_work_bytes(
+        self, layers: int, q_heads: int, kv_heads: int, head_dim: int, max_num_seqs: int, batched_tokens: int
+    ) -> int:
+        """Device memory a GPU runtime needs beside the KV pool to serve this scheme (none for plain caches)."""
+        return 0
+
     def max_exact_tokens(self) -> int:
         """Most tokens a sequence holds exactly (fp16) at once: the sink plus a tile being filled."""
         return (self.tile if self.sink else 0) + self.tile - 1

@@ -69,7 +69,8 @@ def render(r: FitReport) -> str:
             f"profile {f.name}: {p.kv_cache} KV, context {p.context_length:,}, max_num_seqs {p.max_num_seqs}, "
             f"gpu_memory_utilization {p.gpu_memory_utilization}, GDN state {p.mamba_ssm_cache_dtype}",
             f"  runs on: {f.runtime or NO_GPU_RUNTIME}",
-            f"  usable for KV + state: {_gib(f.usable)}",
+            f"  usable for KV + state: {_gib(f.usable)}"
+            + (f" (after {_gib(f.work_bytes)} of KV-cache work memory)" if f.work_bytes else ""),
             f"  KV {f.kv_per_token:,} B/token"
             + (f" + MTP drafter {f.draft_kv_per_token:,} B/token" if f.draft_kv_per_token else "")
             + (f" + {_gib(f.kv_exact_bytes)} exact fp16 tokens" if f.kv_exact_bytes else "")

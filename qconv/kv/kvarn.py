@@ -110,6 +110,19 @@ class TileScheme(KVScheme):
     def record_bytes(self, head_dim: int) -> int:
         return self.layout(head_dim).size
 
+    def serving_work_bytes(
+        self, layers: int, q_heads: int, kv_heads: int, head_dim: int, max_num_seqs: int, batched_tokens: int
+    ) -> int:
+        """The qconv-vllm backend's worst case beside the KV pool (tests/test_kvarn_triton.py holds it to the
+        plugin's own sizes): per layer an fp16 staging buffer of 3 tiles of K and V for each of 2 x max_num_seqs
+        + 8 slots, and once, the Triton attention's transient work for a batch of `batched_tokens` query tokens
+        (rotated query and output, split-K partials for at least 1,024 rows, the rotated exact run)."""
+        g, d, t = self.tile, head_dim, batched_tokens
+        staging = layers * (2 * max_num_seqs + 8) * 3 * 2 * kv_heads * g * d * 2
+        exact = t + 2 * g * max_num_seqs
+        attention = 4 * (4 * t * q_heads * d + max(t, 1024) * q_heads * (d + 2) + exact * (2 * kv_heads * d + 1))
+        return staging + attention
+
     def _side(self, x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One tile matrix [N, R, C] -> (packed codes, row scale a, row zero z, column scale), scales as fp16 bytes."""
         if self.balance:

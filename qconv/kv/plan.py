@@ -50,6 +50,7 @@ class ModelDims:
     config_ssm_dtype: str = "float32"
     mtp_layers: int = 0
     max_position: int = 0
+    q_heads: int = 0
 
 
 def model_dims(config: dict) -> ModelDims:
@@ -65,6 +66,7 @@ def model_dims(config: dict) -> ModelDims:
         linear,
         mtp_layers=int(tc.get("mtp_num_hidden_layers") or 0),
         max_position=tc.get("max_position_embeddings", 0),
+        q_heads=tc["num_attention_heads"],
     )
     if linear:
         nk, nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
@@ -108,7 +110,8 @@ class ProfileFit:
     state_bytes: int  # one GDN state slot
     state_slots: int
     draft_block: int  # draft tokens a sequence may hold beyond its context while verifying
-    usable: int  # bytes left for KV + state after weights and reserve
+    usable: int  # bytes left for KV + state after weights, reserve and the KV runtime's work memory
+    work_bytes: int = 0  # the KV runtime's work memory beside the pool (KVarN: staging + attention work)
     max_context: dict[str, int] = field(default_factory=dict)  # single sequence, per KV scheme
 
     @property
@@ -146,6 +149,9 @@ class FitReport:
     profiles: list[ProfileFit]
 
 
+VLLM_BATCHED_TOKENS = 2048  # vLLM 0.32's max_num_batched_tokens for its API server on cards under 70 GiB
+
+
 def _max_context(usable: int, kv_tok: int, fixed: int) -> int:
     return max(0, (usable - fixed) // kv_tok) if kv_tok else 0
 
@@ -161,6 +167,18 @@ def fit_profile(
     uses_mtp: bool,
 ) -> ProfileFit:
     usable = int(card_gib * GIB * p.gpu_memory_utilization - recipe.card.reserve_gib * GIB) - w_resident
+    draft_layers = dims.mtp_layers if uses_mtp else 0
+
+    def work(scheme_name: str) -> int:
+        return get_kv_scheme(scheme_name).serving_work_bytes(
+            dims.full_layers + draft_layers,
+            dims.q_heads or dims.kv_heads,
+            dims.kv_heads,
+            dims.head_dim,
+            p.max_num_seqs,
+            VLLM_BATCHED_TOKENS,
+        )
+
     ssm = dims.config_ssm_dtype if p.mamba_ssm_cache_dtype == "auto" else p.mamba_ssm_cache_dtype
     state = dims.linear_layers * (dims.conv_elems * 2 + dims.recurrent_elems * DTYPE_BYTES[ssm])
     spec = recipe.speculative
@@ -171,7 +189,6 @@ def fit_profile(
         s = get_kv_scheme(scheme_name)
         per_head = s.bytes_per_token_per_head(dims.head_dim)
         exact = s.max_exact_tokens() * 2 * dims.head_dim * EXACT_DTYPE.itemsize
-        draft_layers = dims.mtp_layers if uses_mtp else 0
         return (
             round(dims.full_layers * dims.kv_heads * per_head),
             round(draft_layers * dims.kv_heads * per_head),
@@ -179,10 +196,10 @@ def fit_profile(
         )
 
     tok, draft_tok, exact = kv(p.kv_cache)
-    fit = ProfileFit(name, p, tok, draft_tok, exact, state, slots, block, usable)
+    fit = ProfileFit(name, p, tok, draft_tok, exact, state, slots, block, usable - work(p.kv_cache), work(p.kv_cache))
     for s in dict.fromkeys((p.kv_cache, *COMPARE)):
         t, d, e = kv(s)
-        fit.max_context[s] = max(0, _max_context(usable, t + d, e + state * slots) - block)
+        fit.max_context[s] = max(0, _max_context(usable - work(s), t + d, e + state * slots) - block)
     return fit
 
 

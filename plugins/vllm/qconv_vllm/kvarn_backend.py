@@ -4,79 +4,45 @@ Cache: one vLLM block is one tile of G tokens (the backend's only kernel block s
 hybrid models get, are split into tiles by vLLM). Per (block, KV head) the page holds one KVarN record, K and V
 together, so a slot costs record_bytes / G per token and head (`customize_spec`), never padded to a power of two.
 The first tile of a sequence (sink), the tile being filled and a copy of the last closed tile stay fp16 in a small
-per-layer staging buffer indexed by a sequence slot (`SlotTable`), outside the paged pool: max_num_seqs x 3 tiles.
+per-layer staging buffer indexed by a sequence slot (`SlotTable`), outside the paged pool: 3 tiles a slot.
+
+Work memory vLLM's profiler sees (`reserve`): the staging buffer is allocated when vLLM builds the layer (model
+memory), and the profiling forward, which has no metadata, takes the attention's worst-case transient bytes for
+the batch it profiles (`kvarn_attention.work_bytes`), so the KV pool vLLM sizes afterwards leaves room for both.
 
 Attention is the decode form: a query at position i reads token j from its quantized tile once that tile closed at
 or before i, from the fp16 copy otherwise, so a prompt's logits are what token-by-token decoding would give.
-This module is the torch path (vLLM's CPU backend has no Triton); on CUDA, tiles are encoded and dequantized by
-`qconv_vllm.kvarn_triton` and a batch of single-token decodes is one split-K Triton kernel. Gated-DeltaNet layers keep their own state: only attention layers come here."""
+This module is the torch path (vLLM's CPU backend has no Triton); on CUDA, tiles are encoded by
+`qconv_vllm.kvarn_triton` and every batch (decodes, verifies, prefill chunks, mixed) is one split-K Triton launch
+(`qconv_vllm.kvarn_attention`) whose extra memory grows with the batch's tokens, not the context. Gated-DeltaNet
+layers keep their own state: only attention layers come here."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
 
 from qconv_vllm import KVARN_PRESETS as PRESETS
 from qconv_vllm.kvarn_codec import Codec
+from qconv_vllm.kvarn_metadata import KVarNMetadata, SlotTable, host_lists, slot_capacity, step_metadata
 
 log = logging.getLogger(__name__)
 SINK, CUR, LAST = 0, 1, 2  # staging tiles per slot
 QUERY_CHUNK = 512  # queries scored at once (bounds the [heads, queries, keys] score matrix of a long prompt)
 
 
-class SlotTable:
-    """Which staging slot each running sequence holds, keyed by its first block id (unique among live sequences;
-    prefix caching, which would share it, is refused). vLLM does not tell a backend when a request ends, so slots
-    are recycled least-recently-used among keys absent from the batch; capacity leaves room for every sequence
-    the scheduler can hold twice over, so a live sequence is never evicted in practice, and if one were, its
-    fp16 tokens are zeroed and counted in `lost` instead of being read from another sequence."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.owner: OrderedDict[int, int] = OrderedDict()
-        self.free = list(range(capacity - 1, -1, -1))
-        self.written = [0] * capacity  # tokens written to each slot up to the last step (rollback detection)
-        self.lost = 0
-
-    def assign(self, key: int, start: int, in_batch: set[int]) -> tuple[int, bool]:
-        """(slot, fresh): fresh when the slot's exact tiles must be cleared before use."""
-        if key in self.owner:
-            self.owner.move_to_end(key)
-            return self.owner[key], False
-        if not self.free:
-            old = next((k for k in self.owner if k not in in_batch), None)
-            if old is None:
-                raise RuntimeError(f"KVarN: more than {self.capacity} sequences in one batch")
-            self.free.append(self.owner.pop(old))
-        slot = self.free.pop()
-        self.owner[key] = slot
-        if start > 0:
-            self.lost += 1
-            log.warning("KVarN: a running sequence lost its fp16 tiles (slot recycled); %d so far", self.lost)
-        return slot, True
-
-
-@dataclass
-class KVarNMetadata:
-    num_actual_tokens: int
-    query_start: list[int]  # [num_reqs + 1]
-    seq_lens: list[int]  # [num_reqs]
-    block_table: torch.Tensor  # [num_reqs, max_tiles] kernel block (tile) ids
-    slots: list[int]
-    fresh: list[bool]
-    written_before: list[int]  # tokens the slot held written before this step (> start: speculative rollback)
-    capacity: int
-
-
 def _builder_cls():
     from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
 
     class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
+        # The attention kernel's grid and arguments depend on shapes only, but a step's writes are host-driven
+        # (staging slots from the SlotTable, per-request writes of the new tokens), so a captured graph would
+        # replay stale slots and positions: no CUDA graphs for KVarN layers (vLLM runs them eagerly between
+        # graph pieces of the other layers).
         _cudagraph_support: ClassVar = AttentionCGSupport.NEVER
 
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -86,25 +52,17 @@ def _builder_cls():
                     "KVarN KV cache: prefix caching would share a quantized first tile that KVarN "
                     "keeps in fp16; start vLLM with --no-enable-prefix-caching"
                 )
-            self.table = SlotTable(2 * vllm_config.scheduler_config.max_num_seqs + 8)
+            self.table = SlotTable(slot_capacity(vllm_config.scheduler_config.max_num_seqs))
+            self.tile = Codec.from_dtype(vllm_config.cache_config.cache_dtype, kv_cache_spec.head_size).tile
+            # the CPU upper bound of seq_lens is exact unless drafts are scheduled before the last step's
+            # acceptance is known (async scheduling with speculative decoding)
+            sched = vllm_config.scheduler_config
+            self.exact_cpu_lens = not (vllm_config.speculative_config and sched.async_scheduling)
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> KVarNMetadata:
             cam = common_attn_metadata
-            n = cam.num_reqs
-            qs = cam.query_start_loc_cpu[: n + 1].tolist()
-            lens = cam.seq_lens[:n].tolist()
-            table = cam.block_table_tensor[:n]
-            keys = table[:, 0].tolist()
-            in_batch = set(keys)
-            slots, fresh, before = [], [], []
-            for i in range(n):
-                start = lens[i] - (qs[i + 1] - qs[i])
-                slot, new = self.table.assign(keys[i], start, in_batch)
-                slots.append(slot)
-                fresh.append(new or start == 0)
-                before.append(0 if new else self.table.written[slot])
-                self.table.written[slot] = lens[i]
-            return KVarNMetadata(cam.num_actual_tokens, qs, lens, table, slots, fresh, before, self.table.capacity)
+            qs, lens, keys = host_lists(cam, self.exact_cpu_lens)
+            return step_metadata(self.table, qs, lens, keys, cam.block_table_tensor[: cam.num_reqs], self.tile)
 
     return KVarNMetadataBuilder
 
@@ -137,10 +95,18 @@ class KVarNAttentionImpl:
         self.kv_cache_dtype = kv_cache_dtype
         self.codec = Codec.from_dtype(kv_cache_dtype, head_size)
         self.stage: torch.Tensor | None = None  # [slots, 3 tiles, 2 (k, v), kv heads, G, D] fp16
+        self.kernels: bool | None = None  # Triton attention: None = on CUDA tensors (tests force it on CPU)
+        self.max_seqs = 0  # set by `reserve`
+
+    def reserve(self, max_num_seqs: int, device) -> None:
+        """Allocate the staging buffer now, for every slot the scheduler may use (`slot_capacity`), so that it
+        is model memory to vLLM's profiler, and size the profiling forward's work memory by max_num_seqs."""
+        self.max_seqs = max_num_seqs
+        self._staging(slot_capacity(max_num_seqs), device)
 
     def _staging(self, capacity: int, device) -> torch.Tensor:
         g, d = self.codec.tile, self.head_size
-        if self.stage is None or self.stage.shape[0] < capacity or self.stage.device != torch.device(device):
+        if self.stage is None or self.stage.shape[0] < capacity or self.stage.device.type != torch.device(device).type:
             self.stage = torch.zeros(capacity, 3, 2, self.num_kv_heads, g, d, dtype=torch.float16, device=device)
         return self.stage
 
@@ -151,7 +117,13 @@ class KVarNAttentionImpl:
             output = torch.zeros(
                 query.shape[0], self.num_heads * self.head_size, dtype=query.dtype, device=query.device
             )
-        if attn_metadata is None:  # profiling run: no cache yet
+        if attn_metadata is None:  # profiling run: no cache yet; the peak it measures must include our work memory
+            if self.max_seqs:  # (on the CPU an untouched empty tensor costs nothing)
+                from qconv_vllm.kvarn_attention import work_bytes
+
+                h, hk = self.num_heads, self.num_kv_heads
+                n = work_bytes(query.shape[0], self.max_seqs, h, hk, self.head_size, self.codec.tile)
+                torch.empty(n, dtype=torch.uint8, device=query.device)
             return output.fill_(0)
         m: KVarNMetadata = attn_metadata
         stage = self._staging(m.capacity, query.device)
@@ -161,43 +133,65 @@ class KVarNAttentionImpl:
         k_all = key[: m.num_actual_tokens].view(-1, hk, d)
         v_all = value[: m.num_actual_tokens].view(-1, hk, d)
         out = output[: m.num_actual_tokens].view(-1, h, d)
-        decode_only = query.is_cuda and all(b - a == 1 for a, b in zip(m.query_start, m.query_start[1:]))
-        for i, slot in enumerate(m.slots):
+        kernels = query.is_cuda if self.kernels is None else self.kernels
+        exacts, closing = [], []
+        for i, slot in enumerate(m.slots):  # stage every request's new tokens; collect the tiles they close
             q0, q1 = m.query_start[i], m.query_start[i + 1]
-            if q1 == q0:
-                continue
-            length, blocks = m.seq_lens[i], m.block_table[i]
-            start = length - (q1 - q0)
+            start = m.seq_lens[i] - (q1 - q0)
             if m.fresh[i]:
                 stage[slot].zero_()
-            exact = self._write(stage[slot], pool, blocks, start, m.written_before[i], k_all[q0:q1], v_all[q0:q1])
-            if not decode_only:
-                out[q0:q1] = self._attend(stage[slot], pool, blocks, start, length, q_all[q0:q1], exact).to(out.dtype)
-        if decode_only and m.slots:
-            out[: len(m.slots)] = self._decode_cuda(stage, pool, m, q_all[: len(m.slots)])
+            exact = None
+            if q1 > q0:
+                exact = self._write(
+                    stage[slot], m.block_table[i], start, m.written_before[i], k_all[q0:q1], v_all[q0:q1]
+                )
+                closing += [exact[1]] if exact[1] is not None else []
+                exact = exact[0]
+            exacts.append(exact)
+        if closing:  # every tile closed this step, all requests together: one encode, one scatter into the pool
+            tiles = torch.cat([c[0] for c in closing], 1)  # [2, n, kv heads, G, D]
+            rec = self._encode(tiles[0].flatten(0, 1), tiles[1].flatten(0, 1))
+            pool[torch.cat([c[1] for c in closing]).long()] = rec.view(tiles.shape[1], self.num_kv_heads, -1)
+        if kernels and m.slots:
+            runs = [self._exact_run(stage[s], n, e) for s, n, e in zip(m.slots, m.seq_lens, exacts)]
+            out[: m.query_start[-1]] = self._attend_kernels(pool, m, q_all[: m.query_start[-1]], runs)
+        elif not kernels:
+            for i, slot in enumerate(m.slots):
+                q0, q1 = m.query_start[i], m.query_start[i + 1]
+                if q1 > q0:
+                    length, blocks = m.seq_lens[i], m.block_table[i]
+                    o = self._attend(stage[slot], pool, blocks, length - (q1 - q0), length, q_all[q0:q1], exacts[i])
+                    out[q0:q1] = o.to(out.dtype)
         return output
 
-    def _decode_cuda(self, stage, pool, m: KVarNMetadata, q):
-        """A batch of single-token decodes on CUDA: one split-K Triton kernel over every sequence's cache."""
-        from qconv_vllm.kvarn_attention import decode_attention
+    def _exact_run(self, st, length, exact) -> torch.Tensor:
+        """The fp16 tokens a request's queries may read exactly, [2, kv heads, n, D]: the sink, then `exact`
+        (`_write`'s return), at the positions `exact_positions` lists."""
+        sink = st[SINK, :, :, : min(length, self.codec.tile)]
+        return sink if exact is None else torch.cat([sink, exact], 2)
 
-        g, dev = self.codec.tile, q.device
-        lens = torch.tensor(m.seq_lens, device=dev)
-        sink = lens.clamp(max=g)
-        closed = (lens // g - 1).clamp(min=0)
-        st = stage[torch.tensor(m.slots, device=dev)][:, [SINK, CUR]]  # [B, 2, 2 (k, v), hk, G, D]
-        return decode_attention(
+    def _attend_kernels(self, pool, m: KVarNMetadata, q, runs):
+        """Every query of the batch in one Triton launch (qconv_vllm.kvarn_attention.attention): decodes,
+        verifies and prefill chunks alike; extra memory proportional to the batch's tokens (`work_bytes`)."""
+        from qconv_vllm.kvarn_attention import attention
+
+        ex = torch.cat(runs, 2)  # [2, kv heads, E, D]
+        n, b = m.n_exact, len(m.seq_lens)
+        if ex.shape[2] != n:
+            raise RuntimeError(f"KVarN: {ex.shape[2]} exact tokens staged, the step's metadata lists {n}")
+        return attention(
             q,
             pool,
             m.block_table,
-            closed,
-            st[:, :, 0],
-            st[:, :, 1],
-            sink,
-            lens - sink - closed * g,
+            m.ints[n + b + 1 : n + 2 * b + 1],
+            m.ints[n + 2 * b + 1 :],
+            ex[0],
+            ex[1],
+            m.ints[:n],
+            m.ints[n : n + b + 1],
             self.codec.k_bits,
             self.codec.v_bits,
-            g,
+            self.codec.tile,
             self.scale,
         )
 
@@ -208,9 +202,10 @@ class KVarNAttentionImpl:
             return encode_tiles(k, v, self.codec.k_bits, self.codec.v_bits)
         return self.codec.encode(k, v)
 
-    def _write(self, st, pool, blocks, start, written, k, v):
-        """Stage the new tokens (positions start..), quantize every tile they close into its block; returns the
-        fp16 K/V [2, kv heads, n, D] of positions first_open_tile*G .. end (None when all are in the sink)."""
+    def _write(self, st, blocks, start, written, k, v):
+        """Stage the new tokens (positions start..); returns (the fp16 K/V [2, kv heads, n, D] of positions
+        first_open_tile*G .. end, or None when all are in the sink; the tiles they close, [2, n, kv heads, G, D],
+        with their block ids, or None) -- the caller encodes every request's closed tiles at once."""
         g = self.codec.tile
         kv = torch.stack([k, v]).transpose(1, 2).to(torch.float16)  # [2, kv heads, T, D]
         end = start + kv.shape[2]
@@ -219,31 +214,21 @@ class KVarNAttentionImpl:
             st[SINK, :, :, start : start + n_sink] = kv[:, :, :n_sink]
         p0 = start + n_sink
         if p0 == end:
-            return None
+            return None, None
         t0, o0 = divmod(p0, g)
         # The exact head of tile t0: the tile in progress, or, after a speculative rollback into the tile closed
         # last step, its fp16 copy.
         head = st[LAST if written >= (t0 + 1) * g else CUR, :, :, :o0]
         exact = torch.cat([head, kv[:, :, n_sink:]], 2)
         n_full = exact.shape[2] // g
+        closed = None
         if n_full:
             tiles = exact[:, :, : n_full * g].unflatten(2, (n_full, g)).permute(0, 2, 1, 3, 4)  # [2, n, hk, G, D]
-            rec = self._encode(tiles[0].flatten(0, 1), tiles[1].flatten(0, 1))
-            pool[blocks[t0 : t0 + n_full].long()] = rec.view(n_full, self.num_kv_heads, -1)
+            closed = (tiles, blocks[t0 : t0 + n_full])
             st[LAST] = tiles[:, -1]
         rest = exact.shape[2] - n_full * g
         st[CUR, :, :, :rest] = exact[:, :, n_full * g :]
-        return exact
-
-    def _dequant(self, rec):
-        if rec.is_cuda:
-            from qconv_vllm.kvarn_triton import dequant_tiles
-
-            k, v = dequant_tiles(
-                rec.flatten(0, 1), self.head_size, self.codec.tile, self.codec.k_bits, self.codec.v_bits
-            )
-            return k.unflatten(0, rec.shape[:2]), v.unflatten(0, rec.shape[:2])
-        return self.codec.decode(rec)
+        return exact, closed
 
     def _attend(self, st, pool, blocks, start, length, q, exact):
         """Decode-form attention of queries at positions start..length-1 -> [T, heads, D] float32."""
@@ -254,7 +239,7 @@ class KVarNAttentionImpl:
         kind.append(torch.zeros(min(length, g), dtype=torch.long, device=dev))  # 0 sink, 1 quantized, 2 exact
         closed = max(0, length // g - 1)  # tiles 1..closed are records
         if closed:
-            kq, vq = self._dequant(pool[blocks[1 : closed + 1].long()])  # [closed, hk, G, D]
+            kq, vq = self.codec.decode(pool[blocks[1 : closed + 1].long()])  # [closed, hk, G, D]
             parts_k.append(kq.transpose(0, 1).flatten(1, 2))
             parts_v.append(vq.transpose(0, 1).flatten(1, 2))
             pos.append(torch.arange(g, (closed + 1) * g, device=dev))
@@ -304,7 +289,15 @@ def backend_cls(preset: str):
 
     tile = Codec.from_dtype(preset, 64).tile
     builder = _builder_cls()
-    impl = type("KVarNAttentionImpl", (KVarNAttentionImpl, AttentionImpl), {})
+
+    def init(self, *args, **kwargs):
+        from vllm.config import get_current_vllm_config
+
+        KVarNAttentionImpl.__init__(self, *args, **kwargs)
+        cfg = get_current_vllm_config()
+        self.reserve(cfg.scheduler_config.max_num_seqs, cfg.device_config.device)
+
+    impl = type("KVarNAttentionImpl", (KVarNAttentionImpl, AttentionImpl), {"__init__": init})
 
     class KVarNAttentionBackend(AttentionBackend):
         accept_output_buffer: bool = True

@@ -1,5 +1,5 @@
-"""Triton kernels for the KVarN KV cache: encode full tiles into records and dequantize records, with the device
-helpers decode attention (kvarn_attention.py) shares. Pure functions over tensors (no vLLM, no qconv import;
+"""Triton kernels for the KVarN KV cache: encode full tiles into records, with the device helpers the attention
+(kvarn_attention.py) shares. Pure functions over tensors (no vLLM, no qconv import;
 constants and layout from kvarn_codec, the torch path), so the vLLM backend calls them on CUDA and the tests run them
 on CPU under TRITON_INTERPRET=1 against qconv.kv.kvarn.
 
@@ -8,8 +8,7 @@ Record of one (tile of G tokens, KV head): the byte layout of qconv.kv.kvarn.Til
 codes little-end-first, padded to 8 bytes (never to a power of two). K codes are in the rotated domain (x @ H/sqrt(D)).
 
 - encode_tiles(k, v, k_bits, v_bits, iters=8) -> uint8 [N, record_bytes]; k, v fp16 [N, G, D], natural domain.
-- dequant_tiles(records, D, G, k_bits, v_bits, out_dtype=float32) -> (k, v) [N, G, D] in the NATURAL domain.
-- decode_attention: kvarn_attention.py.
+- attention (decodes, verifies, prefill chunks): kvarn_attention.py, which reads records without dequantizing.
 
 Records follow kvarn.py op by op (the rotation is the same torch matmul; IEEE division and sqrt, round-half-even,
 libdevice exp/log on CUDA). The kernel's sums run in another order than torch's BLAS, so, as in the torch codecs,
@@ -306,63 +305,3 @@ def encode_tiles(k: torch.Tensor, v: torch.Tensor, k_bits: int, v_bits: int, ite
             **encode_args(a, iters),
         )
     return rec
-
-
-# ---------------------------------------------------------------- dequantize
-@triton.jit
-def _dequant_kernel(
-    rec_ptr,
-    rec16_ptr,
-    k_ptr,
-    v_ptr,
-    D: tl.constexpr,
-    G: tl.constexpr,
-    KB: tl.constexpr,
-    VB: tl.constexpr,
-    RB: tl.constexpr,
-    KC: tl.constexpr,
-    KA: tl.constexpr,
-    KZ: tl.constexpr,
-    KR: tl.constexpr,
-    VC: tl.constexpr,
-    VCOL: tl.constexpr,
-    VA: tl.constexpr,
-    VZ: tl.constexpr,
-):
-    """One record per program -> k [G, D], v [G, D] float32, rotated."""
-    n = tl.program_id(0).to(tl.int64)
-    d, g = tl.arange(0, D), tl.arange(0, G)
-    rec, rec16 = rec_ptr + n * RB, rec16_ptr + n * (RB // 2)
-    kt = (
-        unpack_codes(rec + KC, d, g, G, KB) * tl.load(rec16 + KA // 2 + d).to(tl.float32)[:, None]
-        + tl.load(rec16 + KZ // 2 + d).to(tl.float32)[:, None]
-    )
-    kt = kt * tl.load(rec16 + KR // 2 + g).to(tl.float32)[None, :]  # [D, G] rotated
-    vt = (
-        unpack_codes(rec + VC, g, d, D, VB) * tl.load(rec16 + VA // 2 + g).to(tl.float32)[:, None]
-        + tl.load(rec16 + VZ // 2 + g).to(tl.float32)[:, None]
-    )
-    vt = vt * tl.load(rec16 + VCOL // 2 + d).to(tl.float32)[None, :]  # [G, D] rotated
-    tl.store(k_ptr + n * G * D + g[None, :] * D + d[:, None], kt)  # transposed store: [G, D]
-    tl.store(v_ptr + n * G * D + g[:, None] * D + d[None, :], vt)
-
-
-def dequant_tiles(
-    records: torch.Tensor, D: int, G: int, k_bits: int, v_bits: int, out_dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Records uint8 [N, record_bytes] -> (k, v) [N, G, D] in the natural (un-rotated) domain, like TileScheme.decode;
-    natural so the prefill path can concatenate them with the exact fp16 sink and current tile."""
-    check_shape(D, G, k_bits, v_bits)
-    a = field_args(D, G, k_bits, v_bits)
-    n = records.shape[0]
-    if records.shape != (n, a["RB"]) or records.dtype != torch.uint8:
-        raise ValueError(
-            f"dequant_tiles: records must be uint8 [N, {a['RB']}], got {records.dtype} {tuple(records.shape)}"
-        )
-    k = torch.empty(n, G, D, dtype=torch.float32, device=records.device)
-    v = torch.empty_like(k)
-    if n:
-        rec = records.contiguous()
-        _dequant_kernel[(n,)](rec, rec.view(torch.float16), k, v, num_warps=8, **a)
-    h = hadamard(D, records.device)  # un-rotate with the reference's own op
-    return (k @ h).to(out_dtype), (v @ h).to(out_dtype)

@@ -110,29 +110,25 @@ _HEADING = re.compile(r"^(=+) .* \1$")  # wikitext's "= Title =", "= = Section =
 
 def paragraphs(text: str, long_line: int = 200) -> list[str]:
     """One per line in a file whose lines are longer than wrapped text has (wikitext), else blank-line separated
-    blocks (their line breaks kept); headings dropped."""
+    blocks with their wrapped lines joined; headings dropped."""
     lines = [ln.strip() for ln in text.splitlines()]
     if any(len(ln) > long_line for ln in lines):
         return [ln for ln in lines if ln and not _HEADING.match(ln)]
-    blocks = [b.strip() for b in re.split(r"\n[ \t]*\n", text)]
-    return [b for b in blocks if b and not _HEADING.match(b)]
+    blocks = re.split(r"\n[ \t]*\n", text)
+    return [
+        " ".join(ln.strip() for ln in b.splitlines() if ln.strip() and not _HEADING.match(ln.strip())) for b in blocks
+    ]
 
 
 def passages(text: str, n: int, min_chars: int = 400, max_chars: int = 900) -> list[str]:
-    """Consecutive paragraphs joined into passages of min..max characters (a longer paragraph is cut at a sentence
-    end)."""
-    out: list[str] = []
-    cur = ""
+    """The paragraphs of at least `min_chars`, each cut at a sentence end within `max_chars`."""
+    out = []
     for para in paragraphs(text):
-        cur = f"{cur}\n\n{para}" if cur else para
-        if len(cur) < min_chars:
+        if len(para) < min_chars:
             continue
-        if len(cur) > max_chars:
-            cut = cur[:max_chars]
-            end = cut.rfind(". ")
-            cur = cut[: end + 1] if end > min_chars // 2 else cut
-        out.append(cur)
-        cur = ""
+        cut = para[:max_chars]
+        end = cut.rfind(". ")
+        out.append(cut[: end + 1] if end > min_chars // 2 else cut)
         if len(out) == n:
             break
     return out

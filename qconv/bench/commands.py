@@ -43,12 +43,13 @@ def _backend(backend: str, art, profile: str | None) -> str:
     return choice.backend
 
 
-def _sides(target, url, compare, backend, profile, common: list[str], vllm_args: list[str]):
-    """The one or two targets: (label, serve args | url, artifact, profile) each."""
+def _sides(target, url, compare, backend, profile, spec: str | None, common: list[str], vllm_args: list[str]):
+    """The one or two targets: a server to start (`qconv serve` arguments) or a URL each."""
     from qconv.bench.runner import Side
 
-    def started(path: Path, prof: str | None, extra: list[str], label: str) -> Side:
-        args = [str(path), "--backend", backend, *(["--profile", prof] if prof else []), *common, *extra]
+    def started(path: Path, prof: str | None, tokens: str | None, label: str) -> Side:
+        args = [str(path), "--backend", backend, *(["--profile", prof] if prof else []), *common]
+        args += ["--spec-tokens", tokens] if tokens is not None else []
         return Side(label, args + (["--", *vllm_args] if vllm_args else []), None, str(path), backend, prof)
 
     if url:
@@ -69,21 +70,24 @@ def _sides(target, url, compare, backend, profile, common: list[str], vllm_args:
     backend = _backend(backend, art, profile)
     prof = profile or (art.default_profile if art and art.profiles else None)
     if compare is None:
-        return [started(path, prof, [], path.name)]
+        return [started(path, prof, spec, path.name)]
     if compare.startswith("spec-tokens="):
         n = compare.partition("=")[2]
-        if not n.isdigit():
-            raise QconvError(f"{compare!r}: the draft tokens must be a number", where="--compare", fix="spec-tokens=0")
+        if not n.isdigit() or n == spec:
+            raise QconvError(
+                f"{compare!r}: need a number of draft tokens other than --spec-tokens'", where="--compare",
+                fix="e.g. spec-tokens=0 (speculation off)",
+            )  # fmt: skip
         return [
-            started(path, prof, [], f"{path.name} spec default"),
-            started(path, prof, ["--spec-tokens", n], compare),
+            started(path, prof, spec, f"spec-tokens={spec}" if spec else "spec default"),
+            started(path, prof, n, compare),
         ]
     if art is not None and compare in art.profiles:
         if compare == prof:
             raise QconvError(
                 f"--compare {compare} is the profile already measured", where="--compare", fix="name another profile"
             )
-        return [started(path, prof, [], prof or "default"), started(path, compare, [], compare)]
+        return [started(path, prof, spec, prof or "default"), started(path, compare, spec, compare)]
     if not Path(compare).expanduser().is_dir():
         profiles = ", ".join(art.profiles) if art is not None and art.profiles else "none"
         raise QconvError(
@@ -93,8 +97,8 @@ def _sides(target, url, compare, backend, profile, common: list[str], vllm_args:
         )
     path2, art2 = _artifact(compare)
     prof2 = profile if (profile and art2 and profile in art2.profiles) else None
-    la, lb = path.name, path2.name if path2.name != path.name else path2.name + " (2)"
-    return [started(path, prof, [], la), started(path2, prof2, [], lb)]
+    lb = path2.name if path2.name != path.name else path2.name + " (2)"
+    return [started(path, prof, spec, path.name), started(path2, prof2, spec, lb)]
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -210,13 +214,10 @@ def bench(
         from qconv.bench.launch import check_port
 
         check_port(port)
-    common = [
-        *(["--max-batch", str(max_batch)] if max_batch else []),
-        *(["--spec-tokens", str(spec_tokens)] if spec_tokens is not None else []),
-    ]
-    if device:
-        common += ["--device", device]
-    sides = _sides(target, url, compare, backend, profile, common, list(vllm_args))
+    common = ["--max-batch", str(max_batch)] if max_batch else []
+    common += ["--device", device] if device else []
+    spec = str(spec_tokens) if spec_tokens is not None else None
+    sides = _sides(target, url, compare, backend, profile, spec, common, list(vllm_args))
     for s in sides:
         if s.backend == "native" and not max_batch and max(levels) > 8:
             s.serve_args[1:1] = ["--max-batch", str(max(levels))]
@@ -234,6 +235,7 @@ def bench(
         shlex.join(["qconv", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else "qconv bench",
     )
     report = runner.run(plan, runner.Console(console.print))
+    plan.out.mkdir(parents=True, exist_ok=True)
     pngs = [] if no_charts else render.charts(report, plan.out)
     path = report.save(plan.out)
     (plan.out / "bench.md").write_text(render.markdown(report, pngs))

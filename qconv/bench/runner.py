@@ -71,6 +71,7 @@ def _connect(side: Side, plan: Plan, stack: contextlib.ExitStack, first: bool, c
         return Endpoint(side.url.rstrip("/").removesuffix("/v1"), api_key=plan.api_key).connect()
     port = plan.port if first and plan.port else free_port()
     check_port(port)
+    plan.out.mkdir(parents=True, exist_ok=True)
     log = plan.out / f"server-{side.label}.log"
     srv = ServerProcess(side.serve_args, port, log=log, env={"QCONV_API_KEY": plan.api_key} if plan.api_key else {})
     console.line(f"starting {side.label}: qconv serve {' '.join(side.serve_args)} --port {port}  (log: {log})")
@@ -112,7 +113,6 @@ def _summary(c: Cell) -> str:
 
 def run(plan: Plan, console: Console) -> BenchReport:
     """Measure every (workload, concurrency) on every side; the report (not yet written)."""
-    plan.out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         eps: list[Endpoint] = []
         targets: list[Target] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -39,31 +40,39 @@ VLLM_BENCH_SERVE = (
 def _vllm_bench(python: str, root: str, art: Path, data: Path, out: Path) -> dict:
     cmd = [
         python, "-c", VLLM_BENCH_SERVE, "--backend", "openai-chat", "--base-url", root, "--endpoint", "/v1/chat/completions",
-        "--model", art.name, "--tokenizer", str(art), "--dataset-name", "custom", "--dataset-path", str(data),
-        "--custom-output-len", str(MAX_TOKENS), "--skip-chat-template", "--disable-shuffle", "--num-prompts",
+        "--model", art.name, "--tokenizer", str(art), "--dataset-name", "sharegpt", "--dataset-path", str(data),
+        "--sharegpt-output-len", str(MAX_TOKENS), "--disable-shuffle", "--num-prompts",
         str(PROMPTS), "--max-concurrency", "1", "--request-rate", "inf", "--temperature", "0", "--save-result",
-        "--result-dir", str(out), "--result-filename", "vllm.json",
+        "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads((out / "vllm.json").read_text())
+    return json.loads(out.read_text())
 
 
 @pytest.mark.slow
 def test_qconv_bench_agrees_with_vllm_bench_serve(smollm2_3090, vllm_python, tmp_path):
-    data = tmp_path / "copy.jsonl"
+    """Three rounds each, taken turn about (a shared machine's load moves a single run by more than 10%); the
+    medians of output throughput are compared, the counters exactly."""
+    data = tmp_path / "copy.json"  # ShareGPT's format: vLLM's `custom` jsonl reader needs pandas, not in the runtime
     texts = workloads.texts("copy", workloads.DATA / "passages.txt", PROMPTS)
-    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    data.write_text(
+        json.dumps([{"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "-"}]} for t in texts])
+    )
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'plugins' / 'vllm'}", "VLLM_CPU_KVCACHE_SPACE": "1"}
     args = [str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"]
+    ours, theirs = [], []
     with ServerProcess(args, free_port(), env=env, health_timeout=900) as srv:
-        first = _qconv_bench(srv.root, tmp_path / "a")  # its warm-up request also warms the server for vLLM's
-        theirs = _vllm_bench(vllm_python, srv.root, smollm2_3090, data, tmp_path)
-        second = _qconv_bench(srv.root, tmp_path / "b")
-    ours = (first.output_throughput + second.output_throughput) / 2
-    assert theirs["completed"] == first.completed == PROMPTS
-    assert theirs["total_output_tokens"] == first.total_output_tokens == second.total_output_tokens
-    assert abs(theirs["output_throughput"] - ours) <= 0.10 * ours, (theirs["output_throughput"], ours)
-    assert first.spec_decode_source == "vllm" and first.spec_decode_acceptance_length > 1
-    assert first.spec_decode_acceptance_length == pytest.approx(theirs["spec_decode_acceptance_length"], rel=0.10)
-    assert first.spec_decode_num_drafts == theirs["spec_decode_num_drafts"]
+        for i in range(3):
+            ours.append(_qconv_bench(srv.root, tmp_path / f"q{i}"))
+            theirs.append(_vllm_bench(vllm_python, srv.root, smollm2_3090, data, tmp_path / f"v{i}.json"))
+    q, v = (
+        statistics.median(c.output_throughput for c in ours),
+        statistics.median(r["output_throughput"] for r in theirs),
+    )
+    assert abs(v - q) <= 0.10 * q, ([c.output_throughput for c in ours], [r["output_throughput"] for r in theirs])
+    for c, r in zip(ours, theirs):  # greedy: the same tokens, so the same drafts and acceptances
+        assert r["completed"] == c.completed == PROMPTS and r["total_output_tokens"] == c.total_output_tokens
+        assert c.spec_decode_source == "vllm" and c.spec_decode_acceptance_length > 1
+        assert c.spec_decode_num_drafts == r["spec_decode_num_drafts"]
+        assert c.spec_decode_acceptance_length == pytest.approx(r["spec_decode_acceptance_length"], abs=1e-3)

@@ -175,3 +175,17 @@ def test_cli_compare_starts_both_servers_and_writes_every_output(tiny_llama, tmp
     for t in rep.targets:  # stopped: nothing answers there any more
         with pytest.raises(OSError), socket.create_connection(("127.0.0.1", int(t.url.rsplit(":", 1)[1])), timeout=2):
             pass
+
+
+def test_native_device_choice(monkeypatch):
+    """`qconv serve/bench --device`: auto takes CUDA when torch sees it; cuda without one is one clear error."""
+    import torch
+
+    from qconv.serve.native import engine_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_device("auto") == "cpu" and engine_device("cpu") == "cpu"
+    with pytest.raises(QconvError, match="no CUDA device"):
+        engine_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert engine_device("auto") == "cuda"

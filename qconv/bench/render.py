@@ -67,7 +67,8 @@ def markdown(report: BenchReport, charts: list[Path]) -> str:
         "# qconv bench",
         "",
         f"Command: `{report.command}`  ",
-        f"Date: {report.date}; host: {h.get('cpu', '?')}, {h.get('cores', '?')} cores; qconv {report.qconv_version}; "
+        f"Date: {report.date}; host: {h.get('cpu', '?')} ({h.get('isa') or 'no AVX2'}), {h.get('cores', '?')} cores; "
+        f"qconv {report.qconv_version}; "
         f"{report.max_tokens} tokens per answer, greedy"
         + ("; targets interleaved cell by cell" if report.interleaved else ""),
         "",

@@ -56,14 +56,21 @@ class Console:
         self.line, self.request = line, request
 
 
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")  # what decides a CPU's class for these kernels
+
+
 def host_info() -> dict[str, str]:
-    cpu = platform.processor() or platform.machine()
+    """lscpu's model name, the cores and the vector / matrix extensions the CPU has."""
+    cpu, flags = platform.processor() or platform.machine(), set()
     with contextlib.suppress(OSError):
         for ln in Path("/proc/cpuinfo").read_text().splitlines():
             if ln.startswith("model name"):
                 cpu = ln.split(":", 1)[1].strip()
+            elif ln.startswith("flags"):
+                flags = set(ln.split(":", 1)[1].split())
                 break
-    return {"cpu": cpu, "cores": str(os.cpu_count() or 0), "python": platform.python_version()}
+    isa = " ".join(f for f in ISA_FLAGS if f in flags)
+    return {"cpu": cpu, "isa": isa, "cores": str(os.cpu_count() or 0), "python": platform.python_version()}
 
 
 def _connect(side: Side, plan: Plan, stack: contextlib.ExitStack, first: bool, console: Console) -> Endpoint:

@@ -210,6 +210,8 @@ def bench(
     files = wl.data_files(names, data)
     for w in names:  # a bad data file fails here, before any server starts
         wl.texts(w, files[w], prompts, 4096)
+    if not no_charts:
+        render.require_matplotlib()
     if port:
         from qconv.bench.launch import check_port
 
@@ -232,7 +234,7 @@ def bench(
         Path(out),
         port,
         api_key,
-        shlex.join(["qconv", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else "qconv bench",
+        shlex.join(["qconv", *sys.argv[sys.argv.index("bench") :]]) if "bench" in sys.argv else "qconv bench",
     )
     report = runner.run(plan, runner.Console(console.print))
     plan.out.mkdir(parents=True, exist_ok=True)

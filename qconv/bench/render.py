@@ -91,18 +91,25 @@ def markdown(report: BenchReport, charts: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def require_matplotlib() -> None:
+    """Checked before a run, so that a missing chart library does not waste one."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise QconvError(
+            "the charts need matplotlib", where="qconv bench", fix="pip install 'qconv[eval]', or pass --no-charts"
+        )
+
+
 def charts(report: BenchReport, folder: Path) -> list[Path]:
     """One PNG per workload: output tok/s (bars) and tokens per verify step (bars on the right) by concurrency, one
     colour per target."""
-    try:
-        import matplotlib
+    require_matplotlib()
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise QconvError(
-            "the charts need matplotlib", where="qconv bench", fix="pip install 'qconv[eval]', or pass --no-charts"
-        ) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     out = []
     labels = [t.label for t in report.targets]
     concs = sorted({c.concurrency for c in report.cells})

@@ -126,7 +126,7 @@ def _sides(target, url, compare, backend, profile, spec: str | None, common: lis
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=2), help="Tokens per answer.")
 @click.option(
     "--prompts",
-    default=8,
+    default=4,
     show_default=True,
     type=click.IntRange(min=1),
     help="Prompts per workload (each level runs them all).",

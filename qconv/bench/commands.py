@@ -157,7 +157,7 @@ def _sides(target, url, compare, backend, profile, spec: str | None, common: lis
     "--max-batch",
     default=None,
     type=int,
-    help="Sequences decoded together (default: the native engine gets the highest concurrency).",
+    help="Sequences decoded together (default: the highest --concurrency level, on either backend).",
 )
 @click.option("--api-key", default=None, envvar="QCONV_API_KEY", help="Key the server wants (prefer QCONV_API_KEY).")
 @click.option(
@@ -220,8 +220,8 @@ def bench(
     common += ["--device", device] if device else []
     spec = str(spec_tokens) if spec_tokens is not None else None
     sides = _sides(target, url, compare, backend, profile, spec, common, list(vllm_args))
-    for s in sides:
-        if s.backend == "native" and not max_batch and max(levels) > 8:
+    for s in sides:  # the server batches as many sequences as the highest level sends (a profile may say 1)
+        if s.url is None and not max_batch:
             s.serve_args[1:1] = ["--max-batch", str(max(levels))]
     console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
     plan = runner.Plan(

@@ -1,13 +1,13 @@
-"""Speculative decoding workloads built from user files (copy, code, codecopy, testcopy, chat, math) and our decode with and without
-speculation on them, interleaved per prompt (machine load hits both alike). Driven by bench/spec_bench.py."""
+"""Speculative decoding workloads built from user files (copy, code, codecopy, testcopy, chat, math; read as
+qconv.bench.workloads reads them) and our decode with and without speculation on them, in process, interleaved per
+prompt (machine load hits both alike). Driven by bench/spec_bench.py; `qconv bench` measures served speed."""
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import replace
 from pathlib import Path
 
+from qconv.bench.workloads import jsonl_field, passages
 from qconv.compute import dtype_name
 from qconv.engine.generate import GenerationConfig, GenerationStats, encode_prompt, generate_tokens
 from qconv.engine.spec import SpecConfig
@@ -27,55 +27,6 @@ CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{}```"
 CODE_COPY_INSTRUCTION = "Repeat the following Python code exactly.\n\n```python\n{}```"
 
 
-def _jsonl(path: Path, field: str, n: int, *more: str) -> list:
-    """Each row's `field`, with the `more` fields' text appended."""
-    out = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            out.append(row[field] + "".join(row[m] for m in more) if more else row[field])
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise QconvError(
-                f"line {i + 1} is not a JSON object with a {' + '.join(map(repr, (field, *more)))} field",
-                where=str(path),
-                fix="pass the jsonl file this workload expects (see bench/spec_bench.py --help)",
-            ) from e
-        if len(out) == n:
-            break
-    return out
-
-
-_HEADING = re.compile(r"^(=+) .* \1$")  # wikitext's "= Title =", "= = Section = ="
-
-
-def _paragraphs(text: str, long_line: int = 200) -> list[str]:
-    """Paragraphs: one per line in a file with lines longer than wrapped text has (wikitext), else blank-line
-    separated blocks with their wrapped lines joined."""
-    lines = [ln.strip() for ln in text.splitlines()]
-    if any(len(ln) > long_line for ln in lines):
-        return [ln for ln in lines if ln and not _HEADING.match(ln)]
-    blocks = re.split(r"\n[ \t]*\n", text)
-    return [
-        " ".join(ln.strip() for ln in b.splitlines() if ln.strip() and not _HEADING.match(ln.strip())) for b in blocks
-    ]
-
-
-def _passages(path: Path, n: int, min_chars: int = 400, max_chars: int = 900) -> list[str]:
-    """Paragraphs of a plain-text file (headings and short ones skipped), cut at a sentence end."""
-    out = []
-    for para in _paragraphs(path.read_text(errors="replace")):
-        if len(para) < min_chars:
-            continue
-        cut = para[:max_chars]
-        end = cut.rfind(". ")
-        out.append(cut[: end + 1] if end > min_chars // 2 else cut)
-        if len(out) == n:
-            break
-    return out
-
-
 def workload_texts(workload: str, data: Path, n: int) -> list[str]:
     """The user messages of a workload: copy = a text file's passages; code = HumanEval-style jsonl ("prompt");
     codecopy = the same jsonl's whole functions ("prompt" + "canonical_solution") to repeat, a copy the model
@@ -87,17 +38,18 @@ def workload_texts(workload: str, data: Path, n: int) -> list[str]:
     if not data.is_file():
         raise QconvError("data file not found", where=str(data), fix="pass --data FILE for this workload")
     if workload == "copy":
-        texts = [COPY_INSTRUCTION + p for p in _passages(data, n)]
+        texts = [COPY_INSTRUCTION + p for p in passages(data.read_text(errors="replace"), n)]
     elif workload == "code":
-        texts = [CODE_INSTRUCTION.format(p) for p in _jsonl(data, "prompt", n)]
+        texts = [CODE_INSTRUCTION.format(p) for p in jsonl_field(data, ("prompt",), n)]
     elif workload == "codecopy":
-        texts = [CODE_COPY_INSTRUCTION.format(p) for p in _jsonl(data, "prompt", n, "canonical_solution")]
+        whole = zip(jsonl_field(data, ("prompt",), n), jsonl_field(data, ("canonical_solution",), n))
+        texts = [CODE_COPY_INSTRUCTION.format(p + s) for p, s in whole]
     elif workload == "testcopy":
-        texts = [CODE_COPY_INSTRUCTION.format(p) for p in _jsonl(data, "test", n)]
+        texts = [CODE_COPY_INSTRUCTION.format(p) for p in jsonl_field(data, ("test",), n)]
     elif workload == "chat":
-        texts = [turns[0] for turns in _jsonl(data, "turns", n)]
+        texts = [turns[0] for turns in jsonl_field(data, ("turns",), n)]
     else:
-        texts = _jsonl(data, "question", n)
+        texts = jsonl_field(data, ("question",), n)
     if not texts:
         raise QconvError(f"no {workload} prompts found", where=str(data))
     return texts

@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "qconv.engine.commands",
     "qconv.serve.commands",
     "qconv.hub.commands",
+    "qconv.bench.commands",
 )
 
 

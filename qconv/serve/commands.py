@@ -18,7 +18,7 @@ from qconv.manifest import verify_files
 from qconv.serve.limits import ConnectionLimits
 
 
-def _cuda_gpu() -> bool:
+def cuda_gpu() -> bool:
     if shutil.which("nvidia-smi") is None:
         return False
     import torch
@@ -86,6 +86,13 @@ def _cuda_gpu() -> bool:
     type=int,
     help="Draft tokens per step (0: no speculative decoding; default: the artifact's speculative config).",
 )
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Native: where qconv's engine runs (auto: cuda when torch sees a GPU).",
+)
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
 @click.option(
     "--max-connections",
@@ -117,6 +124,7 @@ def serve(
     vllm_python,
     vllm_features,
     spec_tokens,
+    device,
     served_model_name,
     max_connections,
     request_timeout,
@@ -153,7 +161,7 @@ def serve(
         VerifyReport(path, art.manifest, verify_files(path, art.manifest)).raise_for_problems()
     if backend == "auto":  # what it needs of vLLM under which profile (a plain folder: nothing)
         requires, pname = (art.requires, profile or art.default_profile) if art else ([], profile or "")
-        choice = runtimes.choose_backend(requires, pname, runtime, _cuda_gpu(), set(vllm_features))
+        choice = runtimes.choose_backend(requires, pname, runtime, cuda_gpu(), set(vllm_features))
         click.echo(f"backend: {choice.backend} ({choice.reason})", err=True)
         backend = choice.backend
     _refuse_unknown_needs(art, profile, backend, set(vllm_features))
@@ -179,6 +187,7 @@ def serve(
                 spec_tokens=spec_tokens,
                 served_model_name=served_model_name,
                 limits=ConnectionLimits(max_connections=max_connections, request_timeout_s=request_timeout),
+                device=device,
             ),
             art,
         )

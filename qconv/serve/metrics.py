@@ -22,6 +22,9 @@ class Metrics:
         self.step_tokens = Counter(
             "qconv_step_tokens", "Tokens produced by decode steps (batch x accepted).", registry=r
         )
+        self.drafts = Counter(
+            "qconv_spec_drafts", "Decode rows that verified a non-empty draft (vLLM's num_drafts).", registry=r
+        )
         self.draft_tokens = Counter("qconv_spec_draft_tokens", "Speculative draft tokens proposed.", registry=r)
         self.accepted_tokens = Counter("qconv_spec_accepted_tokens", "Speculative draft tokens accepted.", registry=r)
         self.queue_depth = Gauge("qconv_queue_depth", "Requests waiting for a slot.", registry=r)

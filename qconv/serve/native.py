@@ -33,6 +33,7 @@ class NativeOptions:
     served_model_name: str | None = None
     spec_tokens: int | None = None  # draft tokens per step (0: off); None: the artifact's speculative config
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    device: str = "auto"  # cpu | cuda | auto (cuda when torch sees one)
 
 
 @dataclass
@@ -65,19 +66,37 @@ def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | Ellipsis
     return plan
 
 
+def engine_device(requested: str) -> str:
+    """`auto`: cuda when torch sees a CUDA device, else cpu; `cuda` without one is an error."""
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise QconvError("no CUDA device is visible to torch", where="--device", fix="--device cpu (or auto)")
+    return requested
+
+
 def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...):
     """(FastAPI app, started Scheduler) for the model at `path`, loaded as `qconv generate` loads it (bf16 with the
     CPU int kernels for an artifact where torch has them)."""
-    from qconv.engine.loader import describe_engine, load_for_engine, load_tokenizer
+    from qconv.engine.loader import describe_engine, load_for_engine, load_model, load_tokenizer
     from qconv.serve.scheduler import Scheduler
     from qconv.serve.server import ServerConfig, create_app
 
     path = model_dir(path)
     plan = native_plan(path, opts, art)
     tok = load_tokenizer(path)
-    model = load_for_engine(path)
+    device = engine_device(opts.device)
+    if device == "cpu":
+        model = load_for_engine(path)
+    else:  # the CPU int kernels do not run there: dense bf16 weights on the device
+        import torch
+
+        model = load_model(path, dtype=torch.bfloat16, pack=False, int_kernels=False).to(device)
     log.warning(
-        "native engine: %s, %d slots x %d tokens, KV %s",
+        "native engine on %s: %s, %d slots x %d tokens, KV %s",
+        device,
         describe_engine(model),
         opts.max_batch,
         plan.context_len,

@@ -243,7 +243,7 @@ def choose_backend(
     """`qconv serve --backend auto`: vLLM + plugin whenever a usable CUDA runtime meets the artifact's `requires` for
     this profile (plus what the user `declared` their vLLM handles), qconv's own engine otherwise; the reason is said
     to the user in one line. A CPU runtime that could serve it still loses to qconv's engine, which serves the
-    artifacts faster on a CPU host (docs/BENCHMARKS.md, bench/serve_engines.py); `--backend vllm` picks it anyway."""
+    artifacts faster on a CPU host (docs/BENCHMARKS.md, `qconv bench --backend native|vllm`); `--backend vllm` picks it anyway."""
     if runtime is None:
         return BackendChoice("native", "no vLLM runtime is installed (`qconv runtime install` adds one)")
     if runtime.device == "cuda" and not gpu:

@@ -223,6 +223,7 @@ class Scheduler:
         """One batched step over every active slot (batch.decode), then the metrics and each row's new tokens."""
         batch = list(self.active)
         drafts, toks = decode(self.model, self.cache, batch, self.max_len, self._guard)
+        self.metrics.drafts.inc(sum(1 for d in drafts if len(d)))
         self.metrics.draft_tokens.inc(sum(map(len, drafts)))
         self.metrics.accepted_tokens.inc(sum(len(t) - 1 for t in toks if t is not None))
         self.metrics.step(len(batch), sum(len(t) for t in toks if t is not None))

@@ -1,0 +1,1 @@
+"""`qconv bench`: serving speed by workload."""

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from qconv.eval.commands import compute_dtype_option
+
 
 def _gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
@@ -166,13 +168,8 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
     show_default=True,
     help="Where each layer is calibrated and quantized and the quality report runs (auto: CUDA when torch sees a GPU).",
 )
-@click.option(
-    "--compute-dtype",
-    type=click.Choice(["auto", "float32", "bfloat16"]),
-    default="auto",
-    show_default=True,
-    help="What the build's forwards compute in (self-generated calibration, sensitivity, GPTQ's calibration passes, "
-    "the quality report). auto: bf16 on a GPU or a CPU with native bf16 (AVX-512 bf16 / AMX), else float32. "
+@compute_dtype_option(
+    "the build's forwards (self-generated calibration, sensitivity, GPTQ's calibration passes, the quality report)",
     "Recorded in qconv.json; the weights are the same bf16 numbers either way.",
 )
 @click.option(

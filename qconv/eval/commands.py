@@ -7,6 +7,18 @@ import contextlib
 import click
 
 
+def compute_dtype_option(what: str, note: str):
+    """--compute-dtype for `what` (the same choices on build, eval and check), `note` where it is recorded."""
+    return click.option(
+        "--compute-dtype",
+        type=click.Choice(["auto", "float32", "bfloat16"]),
+        default="auto",
+        show_default=True,
+        help=f"What {what} compute in. auto: bf16 on a GPU or a CPU with native bf16 (AVX-512 bf16 / AMX), else "
+        f"float32. {note}",
+    )
+
+
 def _text_options(f):
     for opt in reversed(
         [
@@ -36,14 +48,7 @@ def _text_options(f):
                 type=click.Choice(["cpu", "cuda"]),
                 help="Run the forward passes here (default: cuda when available).",
             ),
-            click.option(
-                "--compute-dtype",
-                type=click.Choice(["auto", "float32", "bfloat16"]),
-                default="auto",
-                show_default=True,
-                help="What the forwards compute in (auto: bf16 where the device computes it natively, else "
-                "float32); recorded in report.json.",
-            ),
+            compute_dtype_option("the forwards", "Recorded in report.json."),
             click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object on stdout."),
         ]
     ):

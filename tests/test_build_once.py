@@ -73,7 +73,7 @@ def test_a_build_does_each_thing_once_and_serve_reads_its_manifest_once(tiny_lla
 
     from qconv.serve import runtimes
 
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)  # build the server, do not serve
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: None)  # build the server, do not serve
     monkeypatch.setattr(runtimes, "find_runtime", lambda *a, **k: None)  # no vLLM here: auto picks our engine
     _counting(monkeypatch, artifact, "read_manifest", counts, key=lambda path: "serve")
     r = run("serve", out, "--port", "0")  # --backend auto: reads `requires`, then serves

@@ -227,7 +227,7 @@ def test_serve_native_runs_as_generate_does(tiny_artifact, monkeypatch, log_reco
     monkeypatch.setattr(loader, "bf16_native", lambda: True)  # as on a CPU with native bf16 (see above)
     served = []
     monkeypatch.setattr(Scheduler, "start", lambda self: served.append(self) or self)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **kw: None)
     records = log_records("qconv.serve.native")
     r = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--backend", "native"])
     assert r.exit_code == 0, r.output
@@ -236,5 +236,5 @@ def test_serve_native_runs_as_generate_does(tiny_artifact, monkeypatch, log_reco
     assert model.norm.weight.dtype == torch.bfloat16
     n4 = len(_int4_modules(model))
     assert n4 == 4 * model.config.num_layers and isinstance(model.embed_tokens, Int8Embedding)
-    line = next(rec.getMessage() for rec in records if rec.getMessage().startswith("native engine:"))
+    line = next(rec.getMessage() for rec in records if rec.getMessage().startswith("native engine on "))
     assert f"bfloat16, int4 kernels on {n4} Linears + int8 embedding lookup" in line

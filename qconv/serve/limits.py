@@ -14,6 +14,7 @@ file descriptor and the next accept fails with EMFILE (and asyncio logs each fai
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import time
@@ -51,6 +52,17 @@ class ConnectionLimits:
         if cap < self.max_connections:
             log.warning("at most %d connections (the descriptor limit is %d)", cap, soft)
         return ConnectionLimits(cap, self.request_timeout_s, self.keep_alive_s, backlog)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (the serve command and the Host check both ask)."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _raw_response(status: int, reason: str, message: str, code: str) -> bytes:

@@ -126,7 +126,7 @@ def check_bind(host: str, api_key: str | None) -> None:
     """Refuse a non-loopback bind without an API key: anyone who can reach the address would use the model, and the
     Host check that keeps web pages out (DNS rebinding) can only run on a loopback bind, where every legitimate Host
     header is known."""
-    from qconv.serve.server import is_loopback
+    from qconv.serve.limits import is_loopback
 
     if not is_loopback(host) and not api_key:
         raise QconvError(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import time
 import uuid
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from qconv.engine.sampling import SamplingParams
+from qconv.serve.limits import is_loopback
 from qconv.serve.protocol import APIError, ChatRequest, CompletionRequest, validation_error
 from qconv.serve.scheduler import Event, GenRequest, QueueFull, Scheduler, SchedulerDown
 
@@ -45,16 +45,6 @@ class ServerConfig:
     @property
     def prompt_chars(self) -> int:
         return CHARS_PER_TOKEN * self.context_len
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_of(header: str) -> str:

@@ -51,8 +51,14 @@ def limit_cpu_isa(isa: str) -> None:
     does, its artifacts then rebuildable bit for bit there. Refused where the libraries have already computed."""
     if isa == "native":
         return
+    was = {k: os.environ.get(k) for k in AVX2_ENV}
     os.environ.update(AVX2_ENV)
     if torch.backends.cpu.get_cpu_capability() != "AVX2" or bf16_native("cpu"):
+        for k, v in was.items():  # refused: the environment this process hands its children stays as it was
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
         raise QconvError(
             f"--cpu-isa {isa} did not take effect: torch computes with {torch.backends.cpu.get_cpu_capability()} "
             "kernels (they were chosen before qconv could ask, or this CPU has no AVX2)",

@@ -172,6 +172,9 @@ def test_cpu_isa_avx2_builds_what_an_avx2_environment_builds(tiny_qwen3_5, tmp_p
 def test_cpu_isa_too_late_is_one_error(tiny_llama, tmp_path):
     """In a process whose torch has computed already (this one), the AVX2 kernels can no longer be chosen: one
     error that names the environment variables, unless the CPU is AVX2-only anyway."""
+    import os
+
+    before = set(os.environ)
     torch.ones(2) @ torch.ones(2)
     r = run(
         "build", "--recipe", "3090", "--model", tiny_llama, "--out", tmp_path / "o", "--cpu-isa", "avx2", "--dry-run"
@@ -180,3 +183,5 @@ def test_cpu_isa_too_late_is_one_error(tiny_llama, tmp_path):
         assert r.exit_code == 0, r.output
     else:
         assert r.exit_code == 2 and "ATEN_CPU_CAPABILITY=avx2" in r.output, r.output
+        # nothing left behind for the processes this one starts later (vLLM's CPU kernels read ONEDNN_MAX_CPU_ISA)
+        assert not set(compute.AVX2_ENV) & set(os.environ) - before

@@ -448,7 +448,8 @@ def quantize(
             recipe=modifiers(model, recipe, groups, ignore, rotated_modules(modules, recipe)),
             max_seq_length=max_len,
             num_calibration_samples=len(calib_ids),
-            batch_size=calibration_batch(calib_ids, _widest(model.config)),
+            # AutoRound tunes on the samples one at a time (auto-round exits on a batched llmcompressor model)
+            batch_size=1 if autoround else calibration_batch(calib_ids, _widest(model.config)),
             pipeline="sequential" if recipe.quantizer.calibrated else "datafree",
             sequential_targets=sequential_targets(model),
             processor=tokenizer,

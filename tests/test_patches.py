@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from qconv.convert import patches
 from qconv.errors import QconvError
 from tests.cli_helpers import FAST_CAL, build
+
+# the plugin's patch table is read here too (its package imports no vLLM at module level), as tests/test_kvarn_*.py do
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins" / "vllm"))
 
 
 def test_every_target_matches_the_installed_libraries():

@@ -54,12 +54,12 @@ def test_bad_budget_is_a_clear_error(spec, pattern):
 
 
 def _units(model_dir: Path, recipe=None):
-    from qconv.convert.layout import candidate_units, plan_model
+    from qconv.convert.layout import candidate_units, layout_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
     r = recipe or load_recipe("3090")
-    plan = plan_model(model_dir, read_config(model_dir), r)
+    plan = layout_model(model_dir, read_config(model_dir), r)
     return plan, candidate_units(plan, r)
 
 
@@ -597,7 +597,7 @@ def test_row_blocked_compression_gives_the_same_integers(fmt, bits, strategy, gr
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    from qconv.convert.quantize import row_blocked_compression
+    from qconv.convert.oneshot_fixes import row_blocked_compression
 
     torch.manual_seed(0)
     w = torch.randn(203, 64).to(torch.bfloat16)

@@ -108,12 +108,12 @@ def _steps_recipe(tmp_path):
 
 
 def test_candidate_units_carry_their_steps(tiny_llama, tmp_path):
-    from qconv.convert.layout import candidate_units, plan_model
+    from qconv.convert.layout import candidate_units, layout_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
     r = load_recipe(str(_steps_recipe(tmp_path)))
-    plan = plan_model(tiny_llama, read_config(tiny_llama), r)
+    plan = layout_model(tiny_llama, read_config(tiny_llama), r)
     units = candidate_units(plan, r)
     assert units and all([o.scheme for o in u.options] == ["w4a16_g32", "w8a16"] for u in units)
     assert all(u.base_bytes < u.steps[0].bytes < u.top_bytes for u in units)

@@ -8,9 +8,10 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from qconv.build.quality import REPORTS, eval_text, record
+from qconv.build.options import eval_text
+from qconv.build.quality_stage import REPORTS, record
 from qconv.convert.imported import IMPORT_RECIPE, requant_args, write_imported
-from qconv.convert.layout import kept_plan
+from qconv.convert.layout import kept_layout
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config
@@ -39,7 +40,7 @@ def build_from_quantized(opts, recipe: Recipe, src: ResolvedSource) -> Manifest:
     def requires(decisions):
         # the checkpoint's own rounding is kept: the recipe's rotation is not applied, the source's own is kept
         rotated = bool((src.config.get("quantization_config") or {}).get("transform_config"))
-        return requirements(recipe, kept_plan(src.path, src.config, decisions), rotated)
+        return requirements(recipe, kept_layout(src.path, src.config, decisions), rotated)
 
     m = write_imported(
         src,

@@ -9,7 +9,7 @@ import logging
 import time
 from pathlib import Path
 
-from qconv.convert.artifact import finalize, write_index
+from qconv.convert.finish import finalize, write_index
 from qconv.convert.quantized import (
     QuantFormat,
     check_group_order,

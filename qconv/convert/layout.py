@@ -1,4 +1,4 @@
-"""The per-module plan: which scheme and group size each tensor gets, and what the artifact will weigh.
+"""The per-module layout: which scheme and group size each tensor gets, and what the artifact will weigh.
 
 Works from tensor shapes alone (safetensors headers, or a meta-device model for a config without weights), so the
 same code serves `--dry-run` on a 27B config and the real build.
@@ -50,7 +50,7 @@ class Tensor:
 
 
 @dataclass
-class Plan:
+class Layout:
     family: str
     modules: list[ModuleDecision]
     other_bytes: int  # norms, convs, biases and every tensor that is not a planned module (kept as is)
@@ -209,10 +209,10 @@ def head_is_tied(config: dict, names) -> bool:
     return tied and not any(role_of(n.rpartition(".")[0]) == "lm_head" for n in names)
 
 
-def kept_plan(folder: Path, config: dict, modules: list[ModuleDecision]) -> Plan:
+def kept_layout(folder: Path, config: dict, modules: list[ModuleDecision]) -> Layout:
     """The plan of a build that keeps a checkpoint's own layout (already-quantized sources): what `requires` reads,
     the model type vLLM builds and whether lm_head is the embedding table."""
-    return Plan(
+    return Layout(
         family=family_of(config),
         modules=modules,
         other_bytes=0,
@@ -222,8 +222,8 @@ def kept_plan(folder: Path, config: dict, modules: list[ModuleDecision]) -> Plan
     )
 
 
-def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
-    """The per-module plan for a model folder (weights or config only) under a recipe."""
+def layout_model(folder: Path, config: dict, recipe: Recipe) -> Layout:
+    """The per-module layout for a model folder (weights or config only) under a recipe."""
     family = family_of(config)
     tensors = tensor_table(folder, config)
     modules, warnings, planned = [], [], set()
@@ -259,7 +259,7 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     other = sum(2 * t.numel for n, t in tensors.items() if n not in planned)  # kept tensors are written bf16
     source = sum(t.bytes_per_elem * t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     params = sum(t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
-    plan = Plan(
+    plan = Layout(
         family=family,
         modules=modules,
         other_bytes=other,
@@ -281,7 +281,7 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     return plan
 
 
-def check_fused(plan: Plan) -> None:
+def check_fused(plan: Layout) -> None:
     """vLLM fuses q/k/v, gate/up, in_proj_qkv/z into one layer: one scheme and one group size per fused unit."""
     for unit, members in plan.units().items():
         if len({(m.scheme, m.group_size) for m in members}) > 1:
@@ -322,7 +322,7 @@ def _refusal(role: str, members: list[ModuleDecision], recipe: Recipe, scheme: s
     return (kept[0].note or "no group size fits") if kept else ""  # 4-bit: the base's own kernel limits apply
 
 
-def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
+def candidate_units(plan: Layout, recipe: Recipe) -> list[Unit]:
     """The recipe's candidate roles as units, with their 8-bit decisions, their cheaper steps that change anything
     (a step whose group size the fallback already gave the base is dropped) and any refusal."""
     sel = recipe.selection
@@ -364,7 +364,7 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
     return units
 
 
-def apply_selection(plan: Plan, units: list[Unit], choices: dict[str, str]) -> list[ModuleDecision]:
+def apply_selection(plan: Layout, units: list[Unit], choices: dict[str, str]) -> list[ModuleDecision]:
     """The plan's modules with each chosen unit's (Selection.choices: unit -> scheme) members switched to that
     scheme's decisions."""
     repl = {
@@ -378,7 +378,7 @@ def apply_selection(plan: Plan, units: list[Unit], choices: dict[str, str]) -> l
     return [repl.get(m.name, m) for m in plan.modules]
 
 
-def bpw_budget(bpw: float, plan: Plan) -> int:
+def bpw_budget(bpw: float, plan: Layout) -> int:
     """The bytes a bits-per-weight target leaves for 8-bit upgrades over the recipe's plan, counted as the quality
     report counts bpw (artifact tensor bytes x 8 / source parameters)."""
     base = 8 * plan.total_bytes / max(plan.num_parameters, 1)

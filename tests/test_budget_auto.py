@@ -65,7 +65,7 @@ def test_dry_run_prints_budget_promotion_and_fit(config_27b, tmp_path):
     out = " ".join(r.output.split())
     assert "upgrade budget auto =" in out
     for role in ("mlp_down", "mlp_gate_up", "gdn_qkvz", "attn_qkv"):
-        assert role in out.split("INT8 promotion candidates")[1]
+        assert role in out.split("upgrade candidates")[1]
     after = out.split("after promotion")[1:]
     assert len(after) == 4 and all("-> fits" in part and "DOES NOT FIT" not in part for part in after), out
 

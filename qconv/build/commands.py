@@ -86,7 +86,7 @@ def _promotion_preview(dr, con) -> int:
         if not u.refusal:
             by_role[u.role].append(u.top_bytes - u.base_bytes)
     con.print(
-        f"INT8 promotion candidates under {_gb(dr.plan.budget_bytes)} (units ranked by the build's sensitivity "
+        f"upgrade candidates under {_gb(dr.plan.budget_bytes)} (units ranked by the build's sensitivity "
         "proxy per extra byte; shapes only here):"
     )
     for role, extras in sorted(by_role.items(), key=lambda kv: -sum(kv[1])):

@@ -298,7 +298,7 @@ def check_fused(plan: Layout) -> None:
 CUTLASS_ALIGN = 16
 
 
-def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
+def upgrade_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
     """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations stock vLLM's W8A16
     kernel is Marlin (Exllama is fp16-only, Triton's is 4-bit, Conch and Humming are optional packages), so its
     limits are hard here; W8A8 goes through cutlass scaled_mm."""
@@ -317,7 +317,7 @@ def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: st
 
 def _refusal(role: str, members: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
     if recipe.schemes[scheme].weights.bits >= 8:
-        return int8_refusal(role, members, recipe, scheme)
+        return upgrade_refusal(role, members, recipe, scheme)
     kept = [m for m in members if m.scheme == KEEP]
     return (kept[0].note or "no group size fits") if kept else ""  # 4-bit: the base's own kernel limits apply
 
@@ -335,7 +335,7 @@ def candidate_units(plan: Layout, recipe: Recipe) -> list[Unit]:
         if any(m.scheme == KEEP or (m.bits or 16) >= s8.weights.bits for m in members):
             if recipe.scheme_for(role) == KEEP:
                 raise QconvError(
-                    f"INT8 candidate role {role!r} is kept bf16 by the recipe",
+                    f"upgrade candidate role {role!r} is kept bf16 by the recipe",
                     where="selection.candidates",
                     fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates",
                 )
@@ -346,7 +346,7 @@ def candidate_units(plan: Layout, recipe: Recipe) -> list[Unit]:
             role=role,
             base=members,
             top=w8,
-            refusal=int8_refusal(role, w8, recipe, sel.scheme),
+            refusal=upgrade_refusal(role, w8, recipe, sel.scheme),
             scheme=sel.scheme,
         )
         for step in sel.steps:

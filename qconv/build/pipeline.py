@@ -21,7 +21,7 @@ from qconv.build.quantized import build_from_quantized
 from qconv.build.workdir import WorkDir
 from qconv.calibrate.select import format_table, select
 from qconv.convert import patches
-from qconv.convert.finish import finalize
+from qconv.convert.finish import finalize, write_manifest
 from qconv.convert.layout import Layout, apply_selection, layout_model
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
@@ -29,7 +29,7 @@ from qconv.convert.sources import resolve_source
 from qconv.disk import check_writable, disk_error
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir, owned_temp_dir, sweep_stale
-from qconv.manifest import Manifest, RecipeInfo
+from qconv.manifest import Manifest
 from qconv.recipes.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -88,14 +88,23 @@ def _build(opts: BuildOptions, recipe: Recipe, held: contextlib.ExitStack, where
         if plan.units:
             log.info("%s", format_table(selection))
         qdir = stages.quantization(plan, modules, calib, source_info.sha256, tok, model_loader, work)
-    manifest = _manifest(plan, source_info, calib, selection, replace(plan.layout, modules=modules), work)
+    final = replace(plan.layout, modules=modules)
     where.update(what="writing the artifact", where=out.parent)
     log.info("packaging %s", out, extra=progress.stage("packaging"))
     with atomic_dir(out, force=opts.force) as tmp:
         stages.package(src.path, qdir, tmp)
-        manifest.build.stages = work.record
-        manifest.build.elapsed_s = round(time.time() - t0, 1)
-        finalize(tmp, manifest)
+        build = {**_build_record(plan, final, work), "stages": work.record, "elapsed_s": round(time.time() - t0, 1)}
+        manifest = write_manifest(
+            tmp,
+            source_info,
+            recipe,
+            final.modules,
+            requires=requirements(recipe, final, rotated=bool(plan.rotated)),
+            build=build,
+            calibration=calib.info,
+            selection=selection.to_dict(),
+            tools=plan.tools,
+        )
         gate_error = quality_stage.measure(plan, tmp, manifest, work, final=out)
         manifest.build.stages = work.record
         finalize(tmp, manifest, changed=quality_stage.REPORTS)
@@ -164,33 +173,20 @@ def _model_loader(plan: BuildPlan, work: WorkDir):
             box.clear()
 
 
-def _manifest(plan: BuildPlan, source_info, calib, selection, final: Layout, work: WorkDir) -> Manifest:
-    """The artifact's qconv.json as the plan and the stages made it (its files and quality come at packaging)."""
-    recipe = plan.recipe
-    return Manifest(
-        source=source_info,
-        recipe=RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
-        modules=final.modules,
-        calibration=calib.info,
-        profiles=dict(recipe.profiles),
-        speculative=recipe.speculative,
-        requires=requirements(recipe, final, rotated=bool(plan.rotated)),
-        selection=selection.to_dict(),
-        tools=plan.tools,
-        status="unchecked",
-        build={
-            "seed": plan.seed,
-            "family": final.family,
-            "untied_embeddings": final.untie_embeddings,
-            "tied_embeddings": final.tied_embeddings,
-            "untie_bytes": final.untie_bytes,
-            "estimated_bytes": final.total_bytes,
-            "source_bytes": final.source_bytes,
-            "warnings": final.warnings,
-            "streamed": plan.stream,
-            "work_dir": str(work.root),
-            "device": plan.device,
-            "compute_dtype": compute.dtype_name(plan.compute_dtype),
-            "cpu_isa": plan.cpu_isa,
-        },
-    )
+def _build_record(plan: BuildPlan, final: Layout, work: WorkDir) -> dict:
+    """What qconv.json's `build` records of the plan and the final layout."""
+    return {
+        "seed": plan.seed,
+        "family": final.family,
+        "untied_embeddings": final.untie_embeddings,
+        "tied_embeddings": final.tied_embeddings,
+        "untie_bytes": final.untie_bytes,
+        "estimated_bytes": final.total_bytes,
+        "source_bytes": final.source_bytes,
+        "warnings": final.warnings,
+        "streamed": plan.stream,
+        "work_dir": str(work.root),
+        "device": plan.device,
+        "compute_dtype": compute.dtype_name(plan.compute_dtype),
+        "cpu_isa": plan.cpu_isa,
+    }

@@ -25,8 +25,8 @@ from qconv.convert.device import gptq_block_bytes
 from qconv.convert.layout import Layout
 from qconv.errors import QconvError
 from qconv.kv.plan import CARDS, GIB
+from qconv.models.family import layer_index
 from qconv.recipes.recipe import Recipe
-from qconv.recipes.roles import _LAYER
 from qconv.recipes.sections import KEEP
 
 if TYPE_CHECKING:
@@ -130,9 +130,9 @@ def card_target(card: str | None, recipe: Recipe) -> tuple[str, int, float | Non
 def _layers(layout: Layout) -> dict[int, list]:
     out: dict[int, list] = {}
     for m in layout.modules:
-        hit = _LAYER.search(m.name)
-        if hit and not m.name.startswith("mtp.") and m.role != "vision":
-            out.setdefault(int(hit.group(1)), []).append(m)
+        layer = layer_index(m.name)
+        if layer is not None and not m.name.startswith("mtp.") and m.role != "vision":
+            out.setdefault(layer, []).append(m)
     return out
 
 

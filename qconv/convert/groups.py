@@ -7,11 +7,11 @@ import re
 from collections import defaultdict
 
 from qconv.manifest import ModuleDecision
+from qconv.models.family import all_role_patterns
 from qconv.recipes.recipe import Recipe
-from qconv.recipes.roles import _ROLE_PATTERNS
 from qconv.recipes.sections import KEEP
 
-_PATTERN = dict(_ROLE_PATTERNS)
+_PATTERN = dict(all_role_patterns())
 
 
 def _role_target(role: str) -> str:

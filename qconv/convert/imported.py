@@ -146,7 +146,7 @@ def requant_args(recipe: Recipe, notes: dict[str, str]):
     would need calibration, so such weights are kept and the reason recorded in `notes`."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    from qconv.convert.layout import _pick_group
+    from qconv.convert.layout import pick_group
 
     def choose(name: str, shape: tuple[int, ...]):
         if not name.endswith(".weight") or len(shape) != 2:
@@ -162,7 +162,7 @@ def requant_args(recipe: Recipe, notes: dict[str, str]):
             notes[mod] = f"recipe scheme {label} needs calibration (GPTQ); kept as in the source"
             return None
         k = shape[1]
-        g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback) if w.strategy == "group" else k
+        g = pick_group(k, w.group_size, recipe.quantizer.group_size_fallback) if w.strategy == "group" else k
         if g is None:
             notes[mod] = f"in_features {k} fits no group size: kept as in the source"
             return None

@@ -16,6 +16,7 @@ from qconv.calibrate.units import Option, Unit, module_bytes
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
 from qconv.modelfiles import safetensors_header
+from qconv.models.family import Family
 from qconv.recipes.recipe import Recipe
 from qconv.recipes.roles import FUSED, family_of, role_of, text_config, unit_of
 from qconv.recipes.sections import KEEP, Scheme
@@ -156,7 +157,9 @@ def tensor_table(folder: Path, config: dict) -> dict[str, Tensor]:
     return out
 
 
-def _pick_group(k: int, want: int, fallback: list[int]) -> int | None:
+def pick_group(k: int, want: int, fallback: list[int]) -> int | None:
+    """The group size for in_features `k`: the wanted one when it divides k, else the largest smaller fallback that
+    does; None when none does."""
     if k % want == 0:
         return want
     for g in sorted(fallback, reverse=True):
@@ -176,7 +179,7 @@ def decide(
     notes, warns = [], []
     g = None
     if w.strategy == "group" and w.group_size:  # a group scheme names its size (recipes/schema validates it)
-        g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
+        g = pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
         if g is None:
             note = (
                 f"in_features {k} not divisible by any group size in {recipe.quantizer.group_size_fallback}: kept bf16"
@@ -213,7 +216,7 @@ def kept_layout(folder: Path, config: dict, modules: list[ModuleDecision]) -> La
     """The plan of a build that keeps a checkpoint's own layout (already-quantized sources): what `requires` reads,
     the model type vLLM builds and whether lm_head is the embedding table."""
     return Layout(
-        family=family_of(config),
+        family=family_of(config).name,
         modules=modules,
         other_bytes=0,
         source_bytes=0,
@@ -225,6 +228,7 @@ def kept_layout(folder: Path, config: dict, modules: list[ModuleDecision]) -> La
 def layout_model(folder: Path, config: dict, recipe: Recipe) -> Layout:
     """The per-module layout for a model folder (weights or config only) under a recipe."""
     family = family_of(config)
+    check_roles(recipe, family)
     tensors = tensor_table(folder, config)
     modules, warnings, planned = [], [], set()
     names = list(tensors)
@@ -247,7 +251,7 @@ def layout_model(folder: Path, config: dict, recipe: Recipe) -> Layout:
         if not name.endswith(".weight") or len(t.shape) != 2:
             continue
         mod = name[: -len(".weight")]
-        role = role_of(mod)
+        role = role_of(mod, family)
         if role is None:
             continue
         scheme_name = recipe.scheme_for(role)
@@ -260,7 +264,7 @@ def layout_model(folder: Path, config: dict, recipe: Recipe) -> Layout:
     source = sum(t.bytes_per_elem * t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     params = sum(t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     plan = Layout(
-        family=family,
+        family=family.name,
         modules=modules,
         other_bytes=other,
         source_bytes=source,
@@ -279,6 +283,19 @@ def layout_model(folder: Path, config: dict, recipe: Recipe) -> Layout:
         )
     check_fused(plan)
     return plan
+
+
+def check_roles(recipe: Recipe, family: Family) -> None:
+    """A recipe must quantize some role the model's family has: one that names none of them would leave the whole
+    model at its source precision (a recipe may name other families' roles too: one recipe serves many)."""
+    quantized = [r for r, s in recipe.roles.items() if s != KEEP]
+    if quantized and not set(quantized) & set(family.roles):
+        raise QconvError(
+            f"recipe {recipe.name!r} quantizes roles {', '.join(quantized)}, none of which the {family.name} family "
+            f"has (its roles: {', '.join(family.roles)})",
+            where="recipe roles",
+            fix=f"give schemes to the {family.name} roles ({', '.join(family.roles)})",
+        )
 
 
 def check_fused(plan: Layout) -> None:

@@ -247,7 +247,8 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
 
 
 def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
-    from qconv.convert.layout import bpw_budget, layout_model
+    from qconv.build.budget import bpw_budget
+    from qconv.convert.layout import layout_model
     from qconv.convert.sources import read_config
     from qconv.errors import QconvError
     from qconv.recipes.recipe import load_recipe

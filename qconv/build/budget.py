@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from qconv.build.options import BuildOptions
 from qconv.calibrate.select import parse_budget
-from qconv.convert.layout import Layout, bpw_budget
+from qconv.convert.layout import Layout
 from qconv.disk import human_bytes
+from qconv.errors import QconvError
 from qconv.kv.plan import upgrade_headroom
 from qconv.recipes.recipe import Recipe
 
@@ -55,3 +57,16 @@ def upgrade_budget(recipe: Recipe, layout: Layout, config: dict) -> tuple[int, s
             left = cap
     log.info("%s", note)
     return parse_budget(spec, layout.total_bytes, left), note
+
+
+def bpw_budget(bpw: float, plan: Layout) -> int:
+    """The bytes a bits-per-weight target leaves for 8-bit upgrades over the recipe's plan, counted as the quality
+    report counts bpw (artifact tensor bytes x 8 / source parameters)."""
+    base = 8 * plan.total_bytes / max(plan.num_parameters, 1)
+    if not math.isfinite(bpw) or bpw <= 0 or bpw < base - 1e-9:  # options.check_bpw refused nan/inf earlier
+        raise QconvError(
+            f"bits-per-weight target {bpw} is below the recipe's uniform plan ({base:.3f} bpw)",
+            where="--bpw",
+            fix=f"use --bpw >= {base:.2f}, or a recipe with smaller schemes",
+        )
+    return int(bpw * plan.num_parameters / 8) - plan.total_bytes

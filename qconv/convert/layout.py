@@ -7,7 +7,6 @@ same code serves `--dry-run` on a 27B config and the real build.
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,16 +392,3 @@ def apply_selection(plan: Layout, units: list[Unit], choices: dict[str, str]) ->
         for m in o.members
     }
     return [repl.get(m.name, m) for m in plan.modules]
-
-
-def bpw_budget(bpw: float, plan: Layout) -> int:
-    """The bytes a bits-per-weight target leaves for 8-bit upgrades over the recipe's plan, counted as the quality
-    report counts bpw (artifact tensor bytes x 8 / source parameters)."""
-    base = 8 * plan.total_bytes / max(plan.num_parameters, 1)
-    if not math.isfinite(bpw) or bpw <= 0 or bpw < base - 1e-9:  # options.check_bpw refused nan/inf earlier
-        raise QconvError(
-            f"bits-per-weight target {bpw} is below the recipe's uniform plan ({base:.3f} bpw)",
-            where="--bpw",
-            fix=f"use --bpw >= {base:.2f}, or a recipe with smaller schemes",
-        )
-    return int(bpw * plan.num_parameters / 8) - plan.total_bytes

@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    uvloop.run(entry.run_server(args, **uvicorn_kwargs(ConnectionLimits.from_env(os.environ))))
+    options = uvicorn_kwargs(ConnectionLimits.from_env(os.environ))
+    options.pop("timeout_keep_alive")  # vLLM passes its own (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s as qconv's)
+    uvloop.run(entry.run_server(args, **options))
 
 
 if __name__ == "__main__":

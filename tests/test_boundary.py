@@ -26,7 +26,7 @@ OWNERS = {
     "fp16_bytes": PLUGIN / "packing.py",
     "bytes_fp16": PLUGIN / "packing.py",
     "dequantize_rows": PLUGIN / "packing.py",
-    "Layout": PLUGIN / "packing.py",
+    "RecordLayout": PLUGIN / "packing.py",
     "balance": PLUGIN / "kvarn_codec.py",
     "rtn_rows": PLUGIN / "kvarn_codec.py",
     "exp32": PLUGIN / "kvarn_codec.py",

@@ -18,7 +18,7 @@ import torch
 from qconv.kv.base import KVScheme
 from qconv.kv.hadamard import rotate as hadamard_rotate
 from qconv_vllm.kvarn_codec import encode_side
-from qconv_vllm.packing import Layout, bytes_fp16, unpack_bits
+from qconv_vllm.packing import RecordLayout, bytes_fp16, unpack_bits
 
 
 @dataclass(frozen=True)
@@ -33,14 +33,14 @@ class TileScheme(KVScheme):
     balance: bool = True
     iters: int = 8
 
-    def layout(self, d: int) -> Layout:
+    def layout(self, d: int) -> RecordLayout:
         g, f = self.tile, []
         f += [("k_codes", d * g * self.k_bits // 8), ("k_a", 2 * d), ("k_z", 2 * d)]
         f += [("k_r", 2 * g)] if self.balance else []
         f += [("v_codes", g * d * self.v_bits // 8)]
         f += [("v_c", 2 * d)] if self.balance else []
         f += [("v_a", 2 * g), ("v_z", 2 * g)]
-        return Layout(tuple(f))
+        return RecordLayout(tuple(f))
 
     def record_bytes(self, head_dim: int) -> int:
         return self.layout(head_dim).size

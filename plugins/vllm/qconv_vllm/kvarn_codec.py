@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from qconv_vllm.packing import FP16_MAX as FP16_MAX
-from qconv_vllm.packing import Layout, bytes_fp16, fp16_bytes, pack_bits, unpack_bits
+from qconv_vllm.packing import RecordLayout, bytes_fp16, fp16_bytes, pack_bits, unpack_bits
 
 PRESET = re.compile(r"^kvarn_k(?P<k>[248])v(?P<v>[248])_g(?P<g>64|128|256)$")
 ITERS = 8
@@ -84,8 +84,8 @@ class Codec:
         )
 
     @property
-    def layout(self) -> Layout:
-        return Layout(self.fields)
+    def layout(self) -> RecordLayout:
+        return RecordLayout(self.fields)
 
     @property
     def record_bytes(self) -> int:

@@ -38,7 +38,7 @@ def bytes_fp16(b: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Layout:
+class RecordLayout:
     """Storage order and sizes of a record's fields; `size` includes the padding to `align` bytes."""
 
     fields: tuple[tuple[str, int], ...]

@@ -11,7 +11,7 @@ import pytest
 from qconv.eval.quality import Source, measure, safetensors_stats
 from qconv.eval.record import EvalReport, EvalSettings, ForwardInfo
 from tests.cli_helpers import CPU_COMPUTE, SMALL_CAL, build, run
-from tests.tiny import CORPUS
+from tests.tiny import CORPUS, TINY_FAMILIES
 
 STATS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
 
@@ -61,7 +61,7 @@ def assert_same(a: EvalReport, b: EvalReport, sections=("weights",), tol=1e-4) -
         assert x.tokens == y.tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_streamed_equals_whole_model(family, built, text_file, tmp_path, monkeypatch):
     src, art = built(family)
     kv = "fp8_e4m3" if family == "qwen3_5" else None  # KV simulation inside the streamed attention layers too

@@ -19,6 +19,9 @@ CORPUS = (
 
 VOCAB = 512
 STD = 0.02
+# One tiny fixture per model family (tiny_config's name for it): the tests parametrized over families run each.
+# A new family adds its entry here and its config in tiny_config.
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_5")
 
 
 def make_tokenizer(vocab_size: int = VOCAB):

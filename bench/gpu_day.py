@@ -14,13 +14,22 @@ Parts (PARTS, in order; `--parts a,b` picks):
   same steps on the CPU torch path.
 - engine: our engine's logits against transformers on CUDA (tiny llama / qwen3 / qwen3_5, prefill + 32 decode
   steps), and greedy speculative decoding (lookup; MTP, hybrid) equal to plain greedy.
+- bench: `qconv bench` on our engine on CUDA, the copy/code/chat/math workloads at concurrency 1, 4, 16, on a
+  model of SmolLM2-135M's shape (its carried config and tokenizer, seeded random bf16 weights: the engine runs an
+  artifact's int4 weights dense on CUDA, so the speed is the shape's). `qconv serve`'s server needs fastapi,
+  uvicorn and their chain, which the device lacks: they come from the carried wheels (bench/gpu_day_wheels.txt),
+  unpacked into a temporary folder first on the server's path.
 - build: the streamed GPTQ build (bench/gpu_build.py) needs llm-compressor and its chain (datasets, pyarrow,
-  pandas, accelerate, ...), far over the 40 MiB of wheels a session carries (bench/gpu_day_wheels.txt lists what
-  is carried: nothing today); it is left out and says so. Run bench/gpu_build.py where those are installed.
+  pandas, accelerate, ...), far over the 40 MiB of wheels a session carries; it is left out and says so. Run
+  bench/gpu_build.py where those are installed.
 Every timing here is an H200's; an RTX 3090 runs FP64 at 1/64 of FP32 and has 101,376 B of shared memory a block
 (the compile test checks sm_86 limits on the CPU). A later part registers itself with @part("name").
 
-    python bench/gpu_day.py [--parts kernels,backend,engine,build] [--device cuda] [--small]
+    python bench/gpu_day.py --fetch-wheels          # here, before a device session: the wheels into .cache/wheels
+    python bench/gpu_day.py [--parts kernels,backend,engine,bench,build] [--device cuda] [--small]
+
+The device call carries `.cache/wheels` and SmolLM2's config and tokenizer files (`.cache/models/
+smollm2-135m-instruct/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja}`).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "plugins" / "vllm")]
+sys.path[:0] = [str(REPO), str(REPO / "plugins" / "vllm"), str(REPO / "bench")]
 GIB = 2**30
 PARTS: dict[str, Callable[[argparse.Namespace], dict]] = {}
 HQ, HKV, D, G = 24, 4, 256, 128  # the 27B's attention layer; tile of the huge profile (kvarn_k4v2_g128)
@@ -199,20 +208,40 @@ def engine(a: argparse.Namespace) -> dict:
     return out
 
 
-@part("build")
-def build(a: argparse.Namespace) -> dict:
-    carried = wheels()
+@part("bench")
+def bench(a: argparse.Namespace) -> dict:
+    from gpu_day_bench import bench_model, run_bench, unpack_wheels
+
+    root = Path(tempfile.mkdtemp())
+    site = unpack_wheels(root / "site")
+    model = bench_model(root / "model", small=a.small)
+    levels = "1,2" if a.small else "1,4,16"
+    report = run_bench(model, site, a.device, levels, prompts=2 if a.small else 16, max_tokens=16 if a.small else 96)
+    cells = {
+        f"{c['workload']}_c{c['concurrency']}": {
+            "output_tok_s": c["output_throughput"],
+            "per_request_tok_s": c["per_request_output_throughput"],
+            "ttft_p50_ms": c["ttft_ms"]["median"],
+            "itl_p50_ms": c["itl_ms"]["median"],
+            "tokens_per_step": c["spec_decode_acceptance_length"],
+            "failed": c["failed"],
+        }
+        for c in report["cells"]
+    }
     return {
-        "skipped": "llm-compressor's dependency chain is not installed and does not fit the 40 MiB of carried "
-        "wheels; run bench/gpu_build.py where it is installed",
-        "carried_wheels": carried,
+        "model": model.name,
+        "command": report["command"],
+        "cells": cells,
+        "pass": bool(cells) and all(c["failed"] == 0 and c["output_tok_s"] > 0 for c in cells.values()),
     }
 
 
-def wheels() -> list[str]:
-    """The wheels a device session carries for this script (bench/gpu_day_wheels.txt; the test sums their sizes)."""
-    listed = (REPO / "bench" / "gpu_day_wheels.txt").read_text().splitlines()
-    return [w.strip() for w in listed if w.strip() and not w.startswith("#")]
+@part("build")
+def build(a: argparse.Namespace) -> dict:
+    return {
+        "skipped": "llm-compressor's dependency chain is not installed and does not fit the 40 MiB of carried "
+        "wheels; run bench/gpu_build.py where it is installed",
+    }
 
 
 def main() -> None:
@@ -221,7 +250,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU check of this script)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--fetch-wheels", action="store_true", help="download the carried wheels here, then stop")
     a = ap.parse_args()
+    if a.fetch_wheels:
+        from gpu_day_bench import fetch_wheels
+
+        print(json.dumps({"bench": "gpu_day", "wheels": [w.name for w in fetch_wheels()]}))
+        return
     names = [p for p in a.parts.split(",") if p]
     unknown = [p for p in names if p not in PARTS]
     if unknown:

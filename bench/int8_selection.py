@@ -37,7 +37,7 @@ def smollm2() -> Path:
 
 
 def kld(art: Path, src: Path, text: Path, tokens: int) -> dict:
-    from qconv.eval.quality import Source, measure, safetensors_stats
+    from qconv.eval.measure import Source, measure, safetensors_stats
     from qconv.eval.record import EvalSettings
 
     report, _ = measure(
@@ -82,15 +82,16 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
     from qconv.build.options import BuildOptions, recipe_for
     from qconv.calibrate.data import load_calibration
     from qconv.calibrate.select import parse_budget, select
-    from qconv.convert.artifact import copy_side_files, write_index
+    from qconv.convert.finish import copy_side_files, write_index
     from qconv.convert.hfmodel import load_causal_lm
-    from qconv.convert.layout import apply_selection, candidate_units, plan_model
+    from qconv.convert.layout import apply_selection, candidate_units, layout_model
     from qconv.convert.quantize import quantize
+    from qconv.convert.rotation import rotated_modules
     from qconv.convert.sources import read_config
 
     recipe = recipe_for(BuildOptions(model=str(src), upgrade_budget=budget))
     config = read_config(src)
-    plan = plan_model(src, config, recipe)
+    plan = layout_model(src, config, recipe)
     units = candidate_units(plan, recipe)
     ok = sorted(u.name for u in units if not u.refusal)
     random.Random(seed).shuffle(ok)
@@ -109,6 +110,7 @@ def build_random(src: Path, out: Path, cal: Path, budget: str, seed: int, sample
         out,
         untie=plan.untie_embeddings,
         seed=recipe.calibration.seed,
+        rotated=rotated_modules(plan.modules, recipe),
     )
     copy_side_files(src, out)
     write_index(out)

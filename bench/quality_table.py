@@ -1,5 +1,5 @@
 """Quality table on SmolLM2-135M-Instruct: RTN W4, GPTQ W4, the 3090 recipe, llama.cpp Q4_0 and Q4_K_M, all
-measured by the same code (qconv.eval.quality.measure) against the same cached reference.
+measured by the same code (qconv.eval.measure.measure) against the same cached reference.
 
     .venv/bin/python bench/quality_table.py [--max-tokens 8192] [--window 2048] [--work .cache/eval] [--text FILE]
 
@@ -88,8 +88,8 @@ def main() -> None:
 
     from qconv.convert.gguf import import_gguf
     from qconv.convert.sources import import_cached, source_files
+    from qconv.eval.measure import Source, measure, safetensors_stats
     from qconv.eval.metrics import format_llamacpp
-    from qconv.eval.quality import Source, measure, safetensors_stats
     from qconv.eval.record import EvalSettings
     from qconv.fsutil import sha256_json
     from qconv.paths import embedded_gguf

@@ -24,7 +24,7 @@ def main() -> None:
 
     from qconv.calibrate.data import load_calibration
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores, spearman
-    from qconv.convert.layout import candidate_units, plan_model
+    from qconv.convert.layout import candidate_units, layout_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
@@ -40,7 +40,7 @@ def main() -> None:
     t0 = time.time()
     src = smollm2()
     recipe = load_recipe("3090")
-    plan = plan_model(src, read_config(src), recipe)
+    plan = layout_model(src, read_config(src), recipe)
     units = candidate_units(plan, recipe)
     tok = AutoTokenizer.from_pretrained(src)
     cal = load_calibration(str(SHARED / "tinyshakespeare.txt"), tok, samples=args.samples, seq_len=args.seq_len, seed=0)

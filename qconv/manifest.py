@@ -157,6 +157,12 @@ class QualityReport:
         return {k: v for k, v in asdict(self).items() if v is not None or k not in self._SOMETIMES}
 
 
+# A selection row's decision for a unit moved to the selection's top scheme (`selection.scheme`, normally 8-bit). The
+# word written into qconv.json is "int8" (older artifacts have it, and new ones stay byte-identical to them); the
+# code calls it the upgrade.
+UPGRADE = "int8"
+
+
 @dataclass
 class SelectionRow:
     """One unit of the selection table: qconv.calibrate.select.Row adds the arithmetic, UnitRecord what is recorded."""
@@ -170,7 +176,7 @@ class SelectionRow:
     base_bytes: int  # under the recipe's (4-bit) scheme
     top_bytes: int  # under the selection's top scheme
     score: float | None
-    decision: str  # "int8" (the 8-bit scheme) | "w4" (unchanged) | a step's scheme name | "refused: <why>"
+    decision: str  # UPGRADE (the selection's top scheme) | "w4" (unchanged) | a step's scheme name | "refused: <why>"
     chosen_bytes: int | None = None  # the unit's bytes under its decision (None: base_bytes / top_bytes by decision)
 
 

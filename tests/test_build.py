@@ -62,10 +62,11 @@ def test_recipe_validation_names_the_key(tmp_path, patch, expect):
 
 def test_dry_run_27b_config(config_27b):
     """The real 27B config, no weights: plan and size, checkable against the published ~19-20 GB all-W4A16 build."""
-    from qconv.build.budget import BuildOptions, dry_run
+    from qconv.build.dryrun import dry_run
+    from qconv.build.options import BuildOptions
 
     dr = dry_run(BuildOptions(model=str(config_27b), recipe="3090"))
-    p = dr.plan
+    p = dr.plan.layout
     assert 27.7e9 < p.num_parameters < 27.9e9  # 27.357B (text + vision) + ~0.42B MTP
     assert 55.4e9 < p.source_bytes < 55.7e9  # ~55.6 GB bf16
     roles = p.bytes_by_role()

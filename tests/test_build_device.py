@@ -122,7 +122,7 @@ def test_dry_run_plans_the_27b_on_a_3090(config_27b):
     assert "projected wall time" in r.output and "64 layers x" in r.output
 
 
-def test_device_plan_refuses_what_does_not_fit(config_27b):
+def test_device_budget_refuses_what_does_not_fit(config_27b):
     r = run(
         "build",
         "--recipe",
@@ -140,15 +140,15 @@ def test_device_plan_refuses_what_does_not_fit(config_27b):
     assert r.exit_code == 2 and "does not fit on RTX 3060" in r.output and "lower --seq-len" in r.output
 
 
-def test_device_plan_numbers(config_27b):
+def test_device_budget_numbers(config_27b):
     """The phases from the shapes: the 27B's widest layer holds 383 M bf16 weights and the Hessians of its
     quantized Linears (in_features^2 float32 each); the lm_head 248,320 x 5,120 bf16."""
-    from qconv.build.budget import dry_run
-    from qconv.build.memplan import build_plan
+    from qconv.build.dryrun import dry_run
+    from qconv.build.memplan import budget_on
     from qconv.build.options import BuildOptions
 
-    dr = dry_run(BuildOptions(model=str(config_27b)))
-    dp = build_plan(dr.plan, dr.config, dr.recipe, device="cuda", samples=128, seq_len=2048, card="3090")
+    plan = dry_run(BuildOptions(model=str(config_27b))).plan
+    dp = budget_on(plan.layout, plan.source.config, plan.recipe, device="cuda", samples=128, seq_len=2048, card="3090")
     phases = {p.name: p.parts for p in dp.phases}
     layer = phases["decoder layer: GPTQ"]
     assert layer["weights"] == 2 * (5120 * 6144 + 10240 * 5120 + 6144 * 5120 + 2 * 48 * 5120 + 3 * 17408 * 5120)

@@ -22,7 +22,7 @@ def _counting(monkeypatch, module, name: str, counts: Counter, key=lambda *a, **
 
 
 def test_a_build_does_each_thing_once_and_serve_reads_its_manifest_once(tiny_llama, tmp_path, calib_txt, monkeypatch):
-    import qconv.convert.artifact
+    import qconv.convert.finish
     import qconv.convert.sources
     import qconv.fsutil
     from qconv import artifact
@@ -36,7 +36,7 @@ def test_a_build_does_each_thing_once_and_serve_reads_its_manifest_once(tiny_lla
     _counting(monkeypatch, pipeline, "check_out", counts)
     _counting(monkeypatch, pathlib.Path, "read_text", counts, key=lambda self, *a, **k: str(self))
     _counting(monkeypatch, qconv.convert.sources, "read_config", counts, key=lambda folder: str(Path(folder).resolve()))
-    for mod in (qconv.fsutil, qconv.convert.artifact):
+    for mod in (qconv.fsutil, qconv.convert.finish):
         _counting(monkeypatch, mod, "sha256_file", counts, key=lambda p: str(p))
 
     r = build(

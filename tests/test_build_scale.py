@@ -42,7 +42,7 @@ def test_parse_budget(spec, want):
 
 
 @pytest.mark.parametrize(
-    "spec, pattern", [("-5", "negative INT8 budget"), ("-1%", "negative"), ("lots", "unparseable INT8 budget")]
+    "spec, pattern", [("-5", "negative upgrade budget"), ("-1%", "negative"), ("lots", "unparseable upgrade budget")]
 )
 def test_bad_budget_is_a_clear_error(spec, pattern):
     from qconv.calibrate.select import parse_budget
@@ -54,12 +54,12 @@ def test_bad_budget_is_a_clear_error(spec, pattern):
 
 
 def _units(model_dir: Path, recipe=None):
-    from qconv.convert.layout import candidate_units, plan_model
+    from qconv.convert.layout import candidate_units, layout_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
     r = recipe or load_recipe("3090")
-    plan = plan_model(model_dir, read_config(model_dir), r)
+    plan = layout_model(model_dir, read_config(model_dir), r)
     return plan, candidate_units(plan, r)
 
 
@@ -99,7 +99,7 @@ def test_impossible_unit_is_a_clear_error(tiny_qwen3_5):
     r.selection.steps = []  # int4 with smaller groups would still be open to them
     _, units = _units(tiny_qwen3_5, r)
     assert units and all("Marlin" in u.refusal for u in units)
-    with pytest.raises(QconvError, match="no candidate unit can be INT8 in vLLM") as e:
+    with pytest.raises(QconvError, match="no candidate unit can take the selection.s scheme in vLLM") as e:
         select(units, None, 10**9, budget="1GB", scheme="w8a16")
     assert e.value.exit_code == 2
     r.selection.candidates = ["gdn_ab", "mtp"]
@@ -110,7 +110,7 @@ def test_impossible_unit_is_a_clear_error(tiny_qwen3_5):
 
 def test_impossible_budget_cli_exit_2(tiny_llama, tmp_path, calib_txt):
     r = run(*build_args(tiny_llama, tmp_path / "o", calib_txt, tmp_path / "w", "--int8-budget", "-3MB"))
-    assert r.exit_code == 2 and "negative INT8 budget" in r.output
+    assert r.exit_code == 2 and "negative upgrade budget" in r.output
     assert not (tmp_path / "o").exists()
 
 
@@ -156,7 +156,7 @@ def test_budget_zero_all_and_between(tiny_qwen3_5, tmp_path, calib_txt, caplog):
     m = read_manifest(tmp_path / "all")
     assert m.selection.int8_units == len(m.selection.units) > 0
     assert {d.bits for d in m.modules if d.role in m.recipe.resolved["selection"]["candidates"]} == {8}
-    assert "INT8 selection" in r.output and "int8" in r.output
+    assert "upgrade selection" in r.output and "int8" in r.output
 
     units = m.selection.units
     one = min(u.extra_bytes for u in units)
@@ -185,7 +185,7 @@ def test_budget_zero_all_and_between(tiny_qwen3_5, tmp_path, calib_txt, caplog):
     r = run(
         "build", "--recipe", only, "--model", tiny_qwen3_5, "--dry-run", "--work-dir", work, "--int8-budget", mid_budget
     )
-    assert r.exit_code == 0 and "INT8 selection" in r.output, r.output
+    assert r.exit_code == 0 and "upgrade selection" in r.output, r.output
     for u in chosen:
         assert u in r.output
 
@@ -597,7 +597,7 @@ def test_row_blocked_compression_gives_the_same_integers(fmt, bits, strategy, gr
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    from qconv.convert.quantize import row_blocked_compression
+    from qconv.convert.oneshot_fixes import row_blocked_compression
 
     torch.manual_seed(0)
     w = torch.randn(203, 64).to(torch.bfloat16)

@@ -125,13 +125,13 @@ def test_int8_table_only_when_something_is_selected(tiny_qwen3_5, texts, tmp_pat
     ]
     r = CliRunner().invoke(main, [*map(str, base), "--out", str(tmp_path / "zero")], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert "INT8 selection" not in r.output and "not measured" in r.output
+    assert "upgrade selection" not in r.output and "not measured" in r.output
     r = CliRunner().invoke(
         main, [*map(str, base), "--out", str(tmp_path / "all"), "--int8-budget", "1TB"], catch_exceptions=False
     )
     assert r.exit_code == 0, r.output
     table = [ln for ln in r.output.splitlines() if ln.startswith(("  layers.", "  model."))]
-    assert "INT8 selection" in r.output and 0 < len(table) <= 10 and "more units (all in qconv.json" in r.output
+    assert "upgrade selection" in r.output and 0 < len(table) <= 10 and "more units (all in qconv.json" in r.output
 
 
 def test_group_warnings():

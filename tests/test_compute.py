@@ -85,16 +85,17 @@ def test_in_memory_or_streamed_counts_the_compute_dtype(monkeypatch):
     in bf16 but not in float32 is streamed there."""
     from qconv.build.options import BuildOptions, use_streaming
     from qconv.convert import stream
-    from qconv.convert.layout import Plan
+    from qconv.convert.layout import Layout
 
     monkeypatch.setattr(stream, "available_ram", lambda: 20 * 10**9)
-    plan = Plan(family="llama", modules=[], other_bytes=0, source_bytes=6 * 10**9)  # 6 GB: 12 GB in float32
+    plan = Layout(family="llama", modules=[], other_bytes=0, source_bytes=6 * 10**9)  # 6 GB: 12 GB in float32
     cpu = BuildOptions(recipe="3090", model="m", out="o", device="cpu")
     monkeypatch.setattr(compute, "bf16_native", lambda device="cpu": True)
-    assert not use_streaming(cpu, plan)
+    assert not use_streaming(cpu, plan, "gptq", compute.resolve("auto", "cpu"))
     monkeypatch.setattr(compute, "bf16_native", lambda device="cpu": False)
-    assert use_streaming(cpu, plan)
-    assert not use_streaming(BuildOptions(recipe="3090", model="m", out="o", device="cpu", stream=False), plan)
+    assert use_streaming(cpu, plan, "gptq", compute.resolve("auto", "cpu"))
+    off = BuildOptions(recipe="3090", model="m", out="o", device="cpu", stream=False)
+    assert not use_streaming(off, plan, "gptq", compute.resolve("auto", "cpu"))
 
 
 def test_compute_dtype_choice_what_stays_and_what_moves(tiny_llama, tmp_path, calib_txt):

@@ -16,7 +16,7 @@ from qconv.eval.metrics import TokenStats, kld_topk, summarize
 from qconv.eval.reference import ref_window_from_logits, window_logits
 from qconv.eval.report import summary
 from qconv.eval.text import HeldOutText, load_text, make_windows
-from qconv.recipes.quality import Gates, GateTier, Quality, Regression
+from qconv.recipes.sections import Gates, GateTier, Quality, Regression
 from tests.tiny import CORPUS
 
 

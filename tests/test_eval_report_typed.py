@@ -126,7 +126,7 @@ def test_check_against_an_out_of_range_report_fails_closed(written, tmp_path, ke
 def test_a_regression_limit_that_overflows_fails(written):
     from qconv.eval.gates import regressions
     from qconv.manifest import KldStats
-    from qconv.recipes.quality import Regression
+    from qconv.recipes.sections import Regression
 
     _, report = written
     recorded = summary(report)
@@ -149,12 +149,12 @@ def test_a_bogus_kv_is_refused_before_the_reference_pass(written, monkeypatch):
     from click.testing import CliRunner
 
     from qconv.cli import main
-    from qconv.eval import quality
+    from qconv.eval import measure
 
     _, report = written
     ran = []
-    monkeypatch.setattr(quality, "build_reference", lambda *a, **k: ran.append(1))
-    monkeypatch.setattr(quality, "open_cached", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(measure, "build_reference", lambda *a, **k: ran.append(1))
+    monkeypatch.setattr(measure, "open_cached", lambda *a, **k: ran.append(1))
     args = ["--text", report.settings.text, "--window", "64", "--max-tokens", "256", "--kv", "bogus"]
     for verb in ("eval", "check"):
         r = CliRunner().invoke(main, [verb, report.artifact, *args])

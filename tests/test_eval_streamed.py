@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qconv.eval.quality import Source, measure, safetensors_stats
+from qconv.eval.measure import Source, measure, safetensors_stats
 from qconv.eval.record import EvalReport, EvalSettings, ForwardInfo
 from tests.cli_helpers import CPU_COMPUTE, SMALL_CAL, build, run
 from tests.tiny import CORPUS, TINY_FAMILIES

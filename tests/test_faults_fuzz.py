@@ -152,7 +152,7 @@ def test_fuzzed_manifests_end_in_success_or_one_error(tmp_path, rss_start):
 
 def test_fuzzed_model_configs_end_in_success_or_one_error(tiny_llama, tmp_path, rss_start):
     """config.json as the dry run reads it: the config reader, then the plan from headers and config."""
-    from qconv.convert.layout import plan_model
+    from qconv.convert.layout import layout_model
     from qconv.convert.sources import read_config
     from qconv.modelfiles import check_weight_files
     from qconv.recipes.recipe import load_recipe
@@ -163,7 +163,7 @@ def test_fuzzed_model_configs_end_in_success_or_one_error(tiny_llama, tmp_path, 
     rng, seen = random.Random(35), {"ok": 0, "refused": 0}
     for _ in range(CASES["config"]):
         (folder / "config.json").write_bytes(as_text(mutate_tree(good, rng), rng))
-        seen[_ends_well(lambda: (plan_model(folder, read_config(folder), recipe), check_weight_files(folder)))] += 1
+        seen[_ends_well(lambda: (layout_model(folder, read_config(folder), recipe), check_weight_files(folder)))] += 1
     assert seen["refused"] > 0 and seen["ok"] > 0, seen
     _rss_within_bound(rss_start)
 
@@ -266,7 +266,7 @@ def test_fuzzed_reports_never_make_a_regression_pass_vacuously(tmp_path, rss_sta
     from qconv.eval.record import EvalReport
     from qconv.eval.report import summary
     from qconv.manifest import METRIC_RANGES
-    from qconv.recipes.quality import Regression
+    from qconv.recipes.sections import Regression
     from tests.eval_helpers import eval_report
 
     report = eval_report(0, 256, 0.02, True)

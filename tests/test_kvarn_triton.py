@@ -249,16 +249,42 @@ def test_gpu_day_kvarn_parts_run_here_at_small_shapes():
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert [x["part"] for x in rows] == ["kernels", "backend", "build"]
     assert rows[0]["pass"] and rows[1]["pass"] and 0 < rows[1]["max_abs_vs_cpu"] < 1e-3
-    assert "skipped" in rows[2] and rows[2]["carried_wheels"] == []
+    assert "skipped" in rows[2]
 
 
-def test_gpu_day_carried_wheels_fit():
-    """What a device session carries for bench/gpu_day.py: every listed wheel present, 40 MiB in all at most."""
+@pytest.mark.slow
+def test_gpu_day_bench_part_runs_qconv_bench_from_the_carried_wheels():
+    """The device script's bench part on this CPU: the server chain unpacked from the carried wheels, `qconv bench`
+    on our engine over the four workloads at two levels, no request failed."""
+    _fetched_wheels()
+    r = _gpu_day("--device", "cpu", "--small", "--parts", "bench")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    row = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["pass"] and "--device cpu" in row["command"]
+    assert sorted(row["cells"]) == sorted(f"{w}_c{c}" for w in ("copy", "code", "chat", "math") for c in (1, 2))
+
+
+def _fetched_wheels() -> list[Path]:
     sys.path.insert(0, str(REPO / "bench"))
-    from gpu_day import wheels
+    from gpu_day_bench import fetch_wheels, requirements, wheel_files
 
-    sizes = [(REPO / w).stat().st_size for w in wheels()]
-    assert sum(sizes) <= 40 * 2**20
+    files = wheel_files()
+    if len({f.name.split("-")[0] for f in files}) < len(requirements()):
+        files = fetch_wheels()
+    return files
+
+
+def test_gpu_day_carried_wheels_fit_and_are_the_tested_versions():
+    """What a device session carries for bench/gpu_day.py: the versions this suite runs, 40 MiB in all at most."""
+    from importlib.metadata import version
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_day_bench import requirements
+
+    for req in requirements():
+        name, pinned = req.split("==")
+        assert version(name) == pinned, f"bench/gpu_day_wheels.txt pins {req}, the suite runs {version(name)}"
+    assert sum(f.stat().st_size for f in _fetched_wheels()) <= 40 * 2**20
 
 
 def test_planner_counts_the_backends_work_memory():

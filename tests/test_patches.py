@@ -43,7 +43,7 @@ def test_a_changed_signature_stops_before_anything_is_patched(monkeypatch):
     from compressed_tensors.compressors.naive_quantized import base as naive
     from compressed_tensors.compressors.pack_quantized import base as packed
 
-    from qconv.convert.quantize import row_blocked_compression
+    from qconv.convert.oneshot_fixes import row_blocked_compression
 
     before = naive.quantize
     monkeypatch.setattr(packed, "pack_to_int32", lambda value, num_bits: value)

@@ -46,8 +46,9 @@ def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):
     """GPTQModifier turns a scheme's actorder null into "static" by default; the recipe's null must stay null."""
     from compressed_tensors.quantization import ActivationOrdering
 
-    from qconv.convert.layout import plan_model
-    from qconv.convert.quantize import config_groups, modifiers
+    from qconv.convert.groups import config_groups
+    from qconv.convert.layout import layout_model
+    from qconv.convert.quantize import modifiers
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
@@ -56,7 +57,7 @@ def test_actorder_and_observer_reach_llmcompressor(tmp_path, tiny_llama):
         recipe = load_recipe(
             str(recipe_variant(tmp_path, f"a{actorder}", quantizer={"actorder": actorder, "observer": observer}))
         )
-        plan = plan_model(tiny_llama, config, recipe)
+        plan = layout_model(tiny_llama, config, recipe)
         groups, ignore = config_groups(plan.modules, recipe)
         assert {g.weights.observer for g in groups.values()} == {observer}
         (gptq,) = modifiers(None, recipe, groups, ignore)
@@ -120,8 +121,9 @@ def test_autoround_writes_what_it_tuned(tiny_qwen3_5, tmp_path, calib_txt, monke
 
     import qconv.convert.quantize as qz
     from qconv.convert.dequant import _dequantized
+    from qconv.convert.groups import config_groups
     from qconv.convert.hfmodel import load_causal_lm
-    from qconv.convert.layout import plan_model
+    from qconv.convert.layout import layout_model
     from qconv.convert.sources import read_config
     from qconv.engine.loader import read_safetensors
     from qconv.recipes.recipe import load_recipe
@@ -129,7 +131,7 @@ def test_autoround_writes_what_it_tuned(tiny_qwen3_5, tmp_path, calib_txt, monke
     recipe = tmp_path / "ar.yaml"  # the built-in 3090-autoround, with fewer steps
     recipe.write_text('extends: "3090-autoround"\nquantizer: {iters: 2, batch_size: 2}\n')
     loaded = load_recipe(str(recipe))
-    groups, ignore = qz.config_groups(plan_model(tiny_qwen3_5, read_config(tiny_qwen3_5), loaded).modules, loaded)
+    groups, ignore = config_groups(layout_model(tiny_qwen3_5, read_config(tiny_qwen3_5), loaded).modules, loaded)
     (mod,) = qz.modifiers(None, loaded, groups, ignore)  # the rotation comes first when given its Linears
     assert type(mod).__name__ == "AutoRoundModifier" and (mod.iters, mod.batch_size) == (2, 2)
 
@@ -246,12 +248,13 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
 
 
 def test_bpw_target_sets_the_int8_budget(tiny_llama, tmp_path, calib_txt):
-    from qconv.convert.layout import bpw_budget, plan_model
+    from qconv.build.budget import bpw_budget
+    from qconv.convert.layout import layout_model
     from qconv.convert.sources import read_config
     from qconv.errors import QconvError
     from qconv.recipes.recipe import load_recipe
 
-    plan = plan_model(tiny_llama, read_config(tiny_llama), load_recipe("3090"))
+    plan = layout_model(tiny_llama, read_config(tiny_llama), load_recipe("3090"))
     base = 8 * plan.total_bytes / plan.num_parameters
     assert bpw_budget(base + 1.0, plan) == pytest.approx(plan.num_parameters / 8, abs=2)
     with pytest.raises(QconvError, match=r"below the recipe's uniform plan"):

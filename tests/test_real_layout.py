@@ -136,12 +136,12 @@ def test_streamed_sensitivity_reads_the_real_layout(real_layout_27b, tmp_path):
     from qconv.build.streamed_sensitivity import streamed_proxy_scores
     from qconv.calibrate.sensitivity import proxy_scores
     from qconv.convert.hfmodel import load_causal_lm
-    from qconv.convert.layout import candidate_units, plan_model
+    from qconv.convert.layout import candidate_units, layout_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
     recipe = load_recipe("3090")
-    units = candidate_units(plan_model(real_layout_27b, read_config(real_layout_27b), recipe), recipe)
+    units = candidate_units(layout_model(real_layout_27b, read_config(real_layout_27b), recipe), recipe)
     assert units and all(".language_model.layers." in m.name for u in units for m in u.base)
     ids = [list(range(5, 45)), list(range(50, 90))]
     want = proxy_scores(load_causal_lm(real_layout_27b).eval(), units, ids)

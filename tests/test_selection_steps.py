@@ -16,7 +16,7 @@ from qconv.manifest import ModuleDecision
 from tests.cli_helpers import build, run
 
 
-def _unit(name: str, k: int = 256, n: int = 256, int8_refusal: str = "") -> Unit:
+def _unit(name: str, k: int = 256, n: int = 256, refusal: str = "") -> Unit:
     def d(bits, g):
         return ModuleDecision(name=name, role="mlp_down", scheme=f"w{bits}a16", bits=bits, group_size=g, shape=[n, k])
 
@@ -25,7 +25,7 @@ def _unit(name: str, k: int = 256, n: int = 256, int8_refusal: str = "") -> Unit
         "mlp_down",
         [d(4, 128)],
         [d(8, 128)],
-        refusal=int8_refusal,
+        refusal=refusal,
         scheme="w8a16",
         steps=[Option("w4a16_g32", [d(4, 32)])],
     )
@@ -69,7 +69,7 @@ def test_greedy_takes_the_best_gain_per_byte_across_schemes():
 
 
 def test_a_unit_refused_at_int8_can_still_take_a_step():
-    u = _unit("u", int8_refusal="W8A16 needs Marlin")
+    u = _unit("u", refusal="W8A16 needs Marlin")
     scores = Scores("proxy", {"u": 5.0}, 1, gains={"u": {"w4a16_g32": 4.0, "w8a16": 5.0}})
     sel = select([u], scores, 10**9, budget="x", scheme="w8a16")
     assert sel.choices == {"u": "w4a16_g32"}
@@ -108,12 +108,12 @@ def _steps_recipe(tmp_path):
 
 
 def test_candidate_units_carry_their_steps(tiny_llama, tmp_path):
-    from qconv.convert.layout import candidate_units, plan_model
+    from qconv.convert.layout import candidate_units, layout_model
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
     r = load_recipe(str(_steps_recipe(tmp_path)))
-    plan = plan_model(tiny_llama, read_config(tiny_llama), r)
+    plan = layout_model(tiny_llama, read_config(tiny_llama), r)
     units = candidate_units(plan, r)
     assert units and all([o.scheme for o in u.options] == ["w4a16_g32", "w8a16"] for u in units)
     assert all(u.base_bytes < u.steps[0].bytes < u.top_bytes for u in units)

@@ -42,8 +42,9 @@ def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
     """The 3090 recipe's int4 roles take zero points; a variant gives mlp_down symmetric g64: two config groups that
     differ in `symmetric`, and GPTQModifier resolves them as given; the plan counts the zero points' bytes."""
     from qconv.calibrate.units import module_bytes
-    from qconv.convert.layout import plan_model
-    from qconv.convert.quantize import config_groups, modifiers
+    from qconv.convert.groups import config_groups
+    from qconv.convert.layout import layout_model
+    from qconv.convert.quantize import modifiers
     from qconv.convert.sources import read_config
     from qconv.recipes.recipe import load_recipe
 
@@ -51,7 +52,7 @@ def test_zero_points_per_role_reach_gptq(tmp_path, tiny_llama):
     recipe = load_recipe(
         str(recipe_variant(tmp_path, "zp", schemes={"w4a16_sym": sym64}, roles={"mlp_down": "w4a16_sym"}))
     )
-    plan = plan_model(tiny_llama, read_config(tiny_llama), recipe)
+    plan = layout_model(tiny_llama, read_config(tiny_llama), recipe)
     by_role = {m.role: m for m in plan.modules}
     down, o = by_role["mlp_down"], by_role["attn_o"]
     assert (down.scheme, down.group_size, down.symmetric) == ("w4a16", 64, True) and o.symmetric is False

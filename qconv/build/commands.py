@@ -21,7 +21,7 @@ def print_plan(dr) -> None:
 
     from qconv.calibrate.units import module_bytes
 
-    plan, recipe = dr.plan, dr.recipe
+    plan, recipe = dr.plan.layout, dr.plan.recipe
     con = Console()
     t = Table(title=f"plan: recipe {recipe.name} on {plan.family} ({plan.num_parameters / 1e9:.3f}B params)")
     for c in ("role", "modules", "params", "scheme", "bytes"):
@@ -54,15 +54,15 @@ def print_plan(dr) -> None:
     fits = _profile_fits(dr)
     for line in fits:
         con.print(line)
-    if dr.budget_note:
-        con.print(dr.budget_note)
-    if dr.budget_bytes and dr.selection is None and dr.units:
+    if dr.plan.budget_note:
+        con.print(dr.plan.budget_note)
+    if dr.plan.budget_bytes and dr.selection is None and dr.plan.units:
         promoted = _promotion_preview(dr, con)
         for line in _profile_fits(dr, extra=promoted):
             con.print(f"after promotion (+{_gb(promoted)}): {line}")
 
 
-def print_device_plan(dp, requested: str) -> None:
+def print_device_budget(dp, requested: str) -> None:
     """The per-phase device-memory peaks and projected time; a plan that does not fit exits 2 with the knob."""
     from qconv.convert.device import cuda_available
 
@@ -82,34 +82,34 @@ def _promotion_preview(dr, con) -> int:
     from collections import defaultdict
 
     by_role = defaultdict(list)
-    for u in dr.units:
+    for u in dr.plan.units:
         if not u.refusal:
             by_role[u.role].append(u.top_bytes - u.base_bytes)
     con.print(
-        f"INT8 promotion candidates under {_gb(dr.budget_bytes)} (units ranked by the build's sensitivity "
+        f"upgrade candidates under {_gb(dr.plan.budget_bytes)} (units ranked by the build's sensitivity "
         "proxy per extra byte; shapes only here):"
     )
     for role, extras in sorted(by_role.items(), key=lambda kv: -sum(kv[1])):
         each = max(extras)
         con.print(
             f"  {role:12s} {len(extras):4d} units, +{each / 1e6:.1f} MB each, "
-            f"{min(len(extras), dr.budget_bytes // max(each, 1))} affordable alone ({_gb(sum(extras))} for all)"
+            f"{min(len(extras), dr.plan.budget_bytes // max(each, 1))} affordable alone ({_gb(sum(extras))} for all)"
         )
-    refused = [u for u in dr.units if u.refusal]
+    refused = [u for u in dr.plan.units if u.refusal]
     if refused:
         con.print(f"  {len(refused)} units refused (e.g. {refused[0].name}: {refused[0].refusal})")
-    return min(dr.budget_bytes, sum(sum(v) for v in by_role.values()))
+    return min(dr.plan.budget_bytes, sum(sum(v) for v in by_role.values()))
 
 
 def _profile_fits(dr, extra: int = 0) -> list[str]:
     """Bytes left on the card per profile (weights + `extra` promoted bytes), from the KV/state planner."""
     from qconv.kv.fit_text import profile_fit_lines
 
-    roles = dr.plan.bytes_by_role()
+    roles = dr.plan.layout.bytes_by_role()
     return profile_fit_lines(
-        dr.config,
-        dr.recipe,
-        dr.plan.total_bytes + extra,
+        dr.plan.source.config,
+        dr.plan.recipe,
+        dr.plan.layout.total_bytes + extra,
         vision_bytes=roles.get("vision", {}).get("bytes", 0),
         mtp_bytes=roles.get("mtp", {}).get("bytes", 0),
     )
@@ -217,8 +217,8 @@ def build(
     verbose,
 ):
     """Quantize MODEL with RECIPE into a compressed-tensors artifact (+ qconv.json)."""
-    from qconv.build.budget import BuildOptions
-    from qconv.build.budget import dry_run as run_dry
+    from qconv.build.dryrun import dry_run as run_dry
+    from qconv.build.options import BuildOptions
     from qconv.compute import limit_cpu_isa
     from qconv.errors import QconvError
 
@@ -254,7 +254,7 @@ def build(
             from qconv.calibrate.select import format_table
 
             click.echo(format_table(dr.selection))
-        print_device_plan(dr.device_plan, requested=device)
+        print_device_budget(dr.device_budget, requested=device)
         return
     if out is None:
         raise QconvError("missing --out", where="qconv build", fix="pass --out DIR (or --dry-run to only plan)")
@@ -264,15 +264,17 @@ def build(
 
 def _calibration_line(opts, recipe) -> str:
     """Which calibration size this build uses and where it comes from (a demo passes a small one)."""
+    from qconv.build.options import calibration_choice
+
     cal = recipe.calibration
-    samples, seq_len = opts.samples or cal.samples, opts.seq_len or cal.seq_len
+    dataset, samples, seq_len = calibration_choice(opts, recipe)
     given = [f for f, v in (("--samples", opts.samples), ("--seq-len", opts.seq_len)) if v]
     origin = (
         f"{'/'.join(given)}; recipe default {cal.samples} x {cal.seq_len}"
         if given
         else "recipe default; --samples/--seq-len change it"
     )
-    data = opts.dataset or cal.dataset or f"{cal.default_dataset}, else self-generated text"
+    data = dataset or f"{cal.default_dataset}, else self-generated text"
     return f"calibration: {samples} samples x {seq_len} tokens ({origin}) from {data}"
 
 

@@ -1,7 +1,7 @@
-"""The build's device-memory plan: the peak of each phase of a streamed GPTQ build on the device it runs on,
+"""The build's device-memory budget: the peak of each phase of a streamed GPTQ build on the device it runs on,
 computed from the model's shapes and the recipe (nothing loaded), and its projected wall time from the FLOP model
 of docs/BENCHMARKS.md ("Projected 64-layer times"). `qconv build --dry-run` prints it; a real build refuses,
-before anything is written, a device the plan does not fit, naming the knob to turn.
+before anything is written, a device the budget does not fit, naming the knob to turn.
 
 What each phase holds (llmcompressor's sequential pipeline, one subgraph onloaded at a time, batch size 1):
 - a decoder layer's calibration: its bf16 weights, one float32 Hessian per quantized Linear (all kept until the
@@ -19,14 +19,18 @@ Estimates of what llmcompressor and PyTorch allocate, not measurements: `bench/g
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qconv.convert.device import gptq_block_bytes
-from qconv.convert.layout import Plan
+from qconv.convert.layout import Layout
 from qconv.errors import QconvError
 from qconv.kv.plan import CARDS, GIB
 from qconv.models.family import family_for, layer_index
 from qconv.recipes.recipe import Recipe
 from qconv.recipes.sections import KEEP
+
+if TYPE_CHECKING:
+    from qconv.build.plan import BuildPlan
 
 # CUDA context and the caching allocator's slack, kept off the card's memory before the phases are fitted.
 CUDA_OVERHEAD = GIB
@@ -60,7 +64,7 @@ class Phase:
 
 
 @dataclass
-class DevicePlan:
+class DeviceBudget:
     device: str
     target: str  # the card or memory it is planned for, in words
     capacity: int  # bytes the phases may use
@@ -123,9 +127,9 @@ def card_target(card: str | None, recipe: Recipe) -> tuple[str, int, float | Non
     return recipe.card.name, int(recipe.card.memory_gib * GIB), FP32_TFLOPS.get(key) if key else None
 
 
-def _layers(plan: Plan) -> dict[int, list]:
+def _layers(layout: Layout) -> dict[int, list]:
     out: dict[int, list] = {}
-    for m in plan.modules:
+    for m in layout.modules:
         layer = layer_index(m.name)
         if layer is not None and not m.name.startswith("mtp.") and m.role != "vision":
             out.setdefault(layer, []).append(m)
@@ -152,8 +156,8 @@ def _activations(config: dict, layer_modules: list, seq: int) -> int:
     return 3 * seq * h * 2 + 3 * seq * inter * 2 + 2 * seq * widest * 4 + attn
 
 
-def device_plan(
-    plan: Plan,
+def device_budget(
+    layout: Layout,
     config: dict,
     recipe: Recipe,
     *,
@@ -163,11 +167,11 @@ def device_plan(
     capacity: int,
     target: str,
     tflops: float | None = None,
-) -> DevicePlan:
+) -> DeviceBudget:
     """The phases' peaks on a device with `capacity` bytes free for the build."""
     block = gptq_block_bytes(device, free=capacity) if device != "cpu" else gptq_block_bytes("cpu")
-    dp = DevicePlan(device, target, capacity, samples, seq_len, block)
-    layers = _layers(plan)
+    dp = DeviceBudget(device, target, capacity, samples, seq_len, block)
+    layers = _layers(layout)
     quantized = lambda ms: [m for m in ms if m.scheme != KEEP and recipe.quantizer.gptq]  # noqa: E731
     big = max(layers.values(), key=lambda ms: sum(m.shape[0] * m.shape[1] for m in ms), default=[])
     acts = max((_activations(config, ms, seq_len) for ms in layers.values()), default=0)
@@ -185,11 +189,11 @@ def device_plan(
         dp.phases.append(Phase("decoder layer: GPTQ", {"weights": weights, "Hessians": hess, "GPTQ work": work}))
     tc = config.get("text_config", config)
     hidden = seq_len * tc["hidden_size"] * 2
-    for m in plan.modules:
+    for m in layout.modules:
         rows, cols = m.shape
         if m.role == "embed":
             dp.phases.append(Phase("embed_tokens", {"table": rows * cols * 2, "hidden states": hidden}))
-        elif m.role == "lm_head" and not plan.tied_embeddings:
+        elif m.role == "lm_head" and not layout.tied_embeddings:
             w, hs = rows * cols * 2, cols * cols * 4
             upd = hs if m.scheme != KEEP and recipe.quantizer.gptq else 0
             dp.phases.append(
@@ -209,16 +213,16 @@ def device_plan(
                     Phase("lm_head: GPTQ row blocks", {"weight": w, "Hessian": hs, "GPTQ work": _gptq_work(m, block)})
                 )
     if tflops and layers:
-        dp.seconds = projection(plan, layers, recipe, samples * seq_len, tflops)
+        dp.seconds = projection(layout, layers, recipe, samples * seq_len, tflops)
     return dp
 
 
-def projection(plan: Plan, layers: dict[int, list], recipe: Recipe, tokens: int, tflops: float) -> dict:
+def projection(layout: Layout, layers: dict[int, list], recipe: Recipe, tokens: int, tflops: float) -> dict:
     """BENCHMARKS.md's FLOP model: per layer, two forwards (calibrate, propagate) of 2 FLOP a weight a token and
     the Hessians (2 x in^2 a token a quantized module) at EFFICIENCY of the fp32 peak, GPTQ (2 x rows x in^2 + in^3/3
     a module) at GPTQ_SHARE of that, and the disk (weights read, activations written and read back) at 2 GB/s."""
     rate = tflops * 1e12 * EFFICIENCY
-    tc_hidden = next(m.shape[1] for m in plan.modules if m.role in ("embed", "lm_head"))
+    tc_hidden = next(m.shape[1] for m in layout.modules if m.role in ("embed", "lm_head"))
     per = []
     for ms in layers.values():
         q = [m for m in ms if m.scheme != KEEP] if recipe.quantizer.gptq else []
@@ -227,7 +231,7 @@ def projection(plan: Plan, layers: dict[int, list], recipe: Recipe, tokens: int,
         gptq = sum(2 * m.shape[0] * m.shape[1] ** 2 + m.shape[1] ** 3 / 3 for m in q) / (rate * GPTQ_SHARE)
         disk = (2 * params + 2 * 2 * tokens * tc_hidden) / DISK_BYTES_S
         per.append((fwd, gptq, disk))
-    head = next((m for m in plan.modules if m.role == "lm_head"), None)
+    head = next((m for m in layout.modules if m.role == "lm_head"), None)
     head_s = 0.0
     if head is not None:
         rows, cols = head.shape
@@ -250,16 +254,16 @@ def projection(plan: Plan, layers: dict[int, list], recipe: Recipe, tokens: int,
     }
 
 
-def build_plan(
-    plan: Plan, config: dict, recipe: Recipe, *, device: str, samples: int, seq_len: int, card: str | None = None
-) -> DevicePlan:
-    """The plan for `device`: a GPU card (the one present, or `card` / the recipe's for a dry run on a machine
+def budget_on(
+    layout: Layout, config: dict, recipe: Recipe, *, device: str, samples: int, seq_len: int, card: str | None = None
+) -> DeviceBudget:
+    """The budget for `device`: a GPU card (the one present, or `card` / the recipe's for a dry run on a machine
     without one), or the host's free memory."""
     from qconv.convert.device import cuda_available, free_bytes
 
     if device == "cpu":
-        return device_plan(
-            plan,
+        return device_budget(
+            layout,
             config,
             recipe,
             device="cpu",
@@ -274,8 +278,8 @@ def build_plan(
 
         key = next((k for k, (n, _) in CARDS.items() if n.lower() in torch.cuda.get_device_name().lower()), None)
         name, total, tflops = torch.cuda.get_device_name(), free_bytes("cuda") + CUDA_OVERHEAD, FP32_TFLOPS.get(key)
-    return device_plan(
-        plan,
+    return device_budget(
+        layout,
         config,
         recipe,
         device="cuda",
@@ -287,24 +291,15 @@ def build_plan(
     )
 
 
-def plan_for(opts, recipe: Recipe, plan: Plan, config: dict, planning: bool = False) -> DevicePlan:
-    """The plan for a build's options (build.pipeline.BuildOptions). A dry run plans for a card without one being
-    present: `--device cuda`, or `auto` with `--card`, plans for the card; a build plans for the device it
-    resolved to, with the memory free on it now."""
-    from qconv.convert.device import cuda_available, resolve_device
-
-    if planning:
-        device = opts.device or "auto"
-        device = "cuda" if device == "cuda" or (device == "auto" and (opts.card or cuda_available())) else "cpu"
-    else:
-        device = resolve_device(opts.device)
-    cal = recipe.calibration
-    return build_plan(
-        plan,
-        config,
-        recipe,
-        device=device,
-        samples=opts.samples or cal.samples,
-        seq_len=opts.seq_len or cal.seq_len,
-        card=opts.card if planning else None,
+def budget_for(plan: BuildPlan, card: str | None = None) -> DeviceBudget:
+    """The budget of a resolved build plan on the device it resolved to (`card`: a dry run's --card, planned for
+    without one present; a build measures the memory free on its device now)."""
+    return budget_on(
+        plan.layout,
+        plan.source.config,
+        plan.recipe,
+        device=plan.device,
+        samples=plan.samples,
+        seq_len=plan.seq_len,
+        card=card,
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from qconv.build.workdir import default_work_dir
-from qconv.convert.layout import Plan
+from qconv.convert.layout import Layout
 from qconv.disk import check_out_folder
 from qconv.errors import QconvError
 from qconv.manifest import MANIFEST
@@ -74,18 +74,40 @@ def recipe_for(opts: BuildOptions) -> Recipe:
     return recipe
 
 
+def calibration_choice(opts: BuildOptions, recipe: Recipe) -> tuple[str | None, int, int]:
+    """(dataset or None for the recipe's default, samples, seq_len): the command line's, else the recipe's."""
+    cal = recipe.calibration
+    return opts.dataset or cal.dataset, opts.samples or cal.samples, opts.seq_len or cal.seq_len
+
+
+def eval_text(opts: BuildOptions, recipe: Recipe) -> str | None:
+    """The held-out text of the quality report, or None (and a warning: the artifact stays unchecked)."""
+    text = opts.eval_text or recipe.quality.text
+    if not text:
+        log.warning(
+            "quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
+            "in the recipe); the artifact is marked unchecked"
+        )
+    return text or None
+
+
 def work_root(opts: BuildOptions, src_id: str) -> Path:
     return Path(opts.work_dir) if opts.work_dir else default_work_dir(src_id, opts.revision)
 
 
-def use_streaming(opts: BuildOptions, plan: Plan, algorithm: str = "gptq") -> bool:
-    """Whether the build streams its layers from disk; an algorithm that cannot is refused here, before any work."""
-    stream = _streams(opts, plan)
+def use_streaming(opts: BuildOptions, layout: Layout, algorithm: str, dtype) -> bool:
+    """Whether the build streams its layers from disk (`dtype`: what its forwards compute in, which sets what a
+    whole model takes in memory); an algorithm that cannot stream is refused here, before any work."""
+    stream = _streams(opts, layout, dtype)
     if stream and algorithm == "autoround":
         raise QconvError(
             "algorithm autoround cannot run on a streamed build: llmcompressor 0.14's AutoRoundModifier walks every "
             "parameter of the model when it starts, which its disk-offload cache cannot serve"
-            + ("" if opts.stream else f" (streaming was chosen: {plan.source_bytes / 2**30:.1f} GiB against free RAM)"),
+            + (
+                ""
+                if opts.stream
+                else f" (streaming was chosen: {layout.source_bytes / 2**30:.1f} GiB against free RAM)"
+            ),
             where="--stream" if opts.stream else "quantizer.algorithm",
             fix="build in memory (drop --stream) on a host with the RAM for the model, or use algorithm gptq "
             "(recipe 3090)",
@@ -93,17 +115,11 @@ def use_streaming(opts: BuildOptions, plan: Plan, algorithm: str = "gptq") -> bo
     return stream
 
 
-def _streams(opts: BuildOptions, plan: Plan) -> bool:
-    from qconv.compute import resolve
-    from qconv.convert.device import resolve_device
+def _streams(opts: BuildOptions, layout: Layout, dtype) -> bool:
     from qconv.convert.stream import should_stream
 
-    if opts.stream is None:
-        device = "cuda" if opts.device == "cuda" else resolve_device(opts.device)  # a missing GPU is refused later
-        stream = should_stream(plan.source_bytes, resolve(opts.compute_dtype, device))
-    else:
-        stream = opts.stream
-    if stream and (plan.untie_embeddings or plan.tied_embeddings):
+    stream = should_stream(layout.source_bytes, dtype) if opts.stream is None else opts.stream
+    if stream and (layout.untie_embeddings or layout.tied_embeddings):
         if opts.stream:
             raise QconvError(
                 "--stream cannot build tied embeddings (the disk-offloaded lm_head shares the embedding's storage)",

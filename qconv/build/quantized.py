@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
-from qconv.build.quality import REPORTS, eval_text, record
-from qconv.convert.imported import IMPORT_RECIPE, requant_args, write_imported
-from qconv.convert.layout import kept_plan
+from qconv.build.options import eval_text
+from qconv.build.quality_stage import REPORTS, record
+from qconv.convert.finish import finalize, write_manifest
+from qconv.convert.imported import import_into, requant_args, write_import
+from qconv.convert.layout import kept_layout
 from qconv.convert.quantized import detect_format
 from qconv.convert.requires import requirements
 from qconv.convert.sources import ResolvedSource, read_config
@@ -19,7 +22,8 @@ from qconv.eval.forward import Forward
 from qconv.eval.record import EvalReport, ReferenceModel
 from qconv.eval.reference import is_cache
 from qconv.eval.run import quality_report
-from qconv.manifest import Manifest, RecipeInfo
+from qconv.fsutil import atomic_dir
+from qconv.manifest import Manifest
 from qconv.recipes.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -32,30 +36,26 @@ def build_from_quantized(opts, recipe: Recipe, src: ResolvedSource) -> Manifest:
     fmt = detect_format(src.config, where=str(src.path / "config.json"))
     notes: dict[str, str] = {}
     reference = getattr(opts, "reference", None)
-
-    def quality(tmp: Path, manifest: Manifest, final: Path):
-        return _quality_vs(opts, recipe, src, fmt, reference, tmp, manifest, final)
-
-    def requires(decisions):
+    out = Path(opts.out)
+    t0 = time.time()
+    with atomic_dir(out, force=opts.force) as tmp:
+        imp = import_into(src, fmt, tmp, requant_args(recipe, notes))
         # the checkpoint's own rounding is kept: the recipe's rotation is not applied, the source's own is kept
         rotated = bool((src.config.get("quantization_config") or {}).get("transform_config"))
-        return requirements(recipe, kept_plan(src.path, src.config, decisions), rotated)
-
-    m = write_imported(
-        src,
-        fmt,
-        Path(opts.out),
-        opts.force,
-        RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict()),
-        requant_args(recipe, notes),
-        {"notes": notes, "streamed": True, "reference": reference},
-        quality=quality,
-        profiles=dict(recipe.profiles),
-        speculative=recipe.speculative,
-        requires=requires,
-        reports=REPORTS,
-    )
-    return m
+        requires = requirements(recipe, kept_layout(src.path, src.config, imp.decisions), rotated)
+        build = {
+            **imp.build,
+            "elapsed_s": round(time.time() - t0, 1),
+            "notes": notes,
+            "streamed": True,
+            "reference": reference,
+        }
+        manifest = write_manifest(tmp, imp.source, recipe, imp.decisions, requires=requires, build=build)
+        gate_error = _quality_vs(opts, recipe, src, fmt, reference, tmp, manifest, out)
+        finalize(tmp, manifest, changed=REPORTS)
+    if gate_error is not None:
+        raise gate_error
+    return manifest
 
 
 def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Manifest, final: Path):
@@ -98,7 +98,7 @@ def _quality_vs(opts, recipe, src, fmt, reference, artifact: Path, manifest: Man
             ref, model["kind"] = src.path, "source checkpoint"
         else:
             ref, model["kind"] = Path(tmpd) / "source", "source checkpoint"
-            write_imported(src, fmt, ref, True, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
+            write_import(src, fmt, ref, True)
         summary = quality_report(
             ref,
             artifact,

@@ -3,18 +3,20 @@ by everything that feeds it (see qconv.build.workdir), so a rerun picks up where
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
+from qconv.build.plan import CALIBRATION, QUANTIZATION, SENSITIVITY, BuildPlan
 from qconv.build.workdir import DONE, WorkDir, stage_key
 from qconv.calibrate.sensitivity import Scores
-from qconv.convert.artifact import copy_mtp, copy_side_files, write_index
-from qconv.convert.layout import Plan
+from qconv.convert.finish import copy_mtp, copy_side_files, write_index
+from qconv.convert.layout import Layout
 from qconv.convert.sources import ResolvedSource
 from qconv.disk import check_space
-from qconv.fsutil import owned_temp_dir, sha256_file
+from qconv.fsutil import owned_temp_dir
 from qconv.manifest import CalibrationInfo, SourceInfo
 
 log = logging.getLogger(__name__)
@@ -38,98 +40,114 @@ def source_info(src: ResolvedSource, work: WorkDir) -> SourceInfo:
     return info
 
 
-def calibration(opts, recipe, src_sha, tok, model_loader, work: WorkDir, seed: int, dtype):
-    """Stage `calibration`: token ids, keyed by the source and everything that picks them (`dtype`: what
-    self-generated text is computed in)."""
+def calibration(plan: BuildPlan, src_sha: str, tok, model_loader, work: WorkDir):
+    """Stage `calibration`: token ids, keyed by the source and the plan's calibration fields (its compute dtype:
+    what self-generated text is computed in)."""
     from qconv.calibrate.data import CalibSet, load_calibration
 
-    cal = recipe.calibration
-    dataset = opts.dataset or cal.dataset
-    samples, seq_len = opts.samples or cal.samples, opts.seq_len or cal.seq_len
-    file_sha = sha256_file(Path(dataset).expanduser()) if dataset and Path(dataset).expanduser().is_file() else None
-    key = stage_key(
-        "calibration", src_sha, dataset, file_sha, samples, seq_len, seed, cal.default_dataset, cal.split, str(dtype)
-    )
-    cached = work.load_json("calibration", key)
+    key = plan.key(CALIBRATION, source=src_sha)
+    cached = work.load_json(CALIBRATION, key)
     if cached:
         return CalibSet(cached["input_ids"], CalibrationInfo(**cached["info"]))
     calib = load_calibration(
-        dataset,
+        plan.dataset,
         tok,
-        samples=samples,
-        seq_len=seq_len,
-        seed=seed,
-        default_dataset=cal.default_dataset,
-        split=cal.split,
+        samples=plan.samples,
+        seq_len=plan.seq_len,
+        seed=plan.seed,
+        default_dataset=plan.default_dataset,
+        split=plan.split,
         model_loader=model_loader,
-        dtype=dtype,
+        dtype=plan.compute_dtype,
     )
-    work.save_json("calibration", key, {"input_ids": calib.input_ids, "info": asdict(calib.info)})
+    work.save_json(CALIBRATION, key, {"input_ids": calib.input_ids, "info": asdict(calib.info)})
     return calib
 
 
-def sensitivity(
-    opts,
-    units,
-    calib,
-    src_sha,
-    model_loader,
-    work: WorkDir,
-    streamed_from: Path | None,
-    rotated: dict | None = None,
-    sens_samples: int = 8,
-    dtype=None,
-) -> Scores:
-    """Stage `sensitivity`: per-unit scores, keyed by source sha256 + calibration sha256 + the units' decisions and
-    their input rotations (`rotated`: module name -> block; each unit is scored as it will be rounded, turned).
-    A streamed build (`streamed_from`: the source folder) scores a decoder layer at a time."""
+def sensitivity(plan: BuildPlan, calib, src_sha: str, model_loader, work: WorkDir) -> Scores:
+    """Stage `sensitivity`: per-unit scores of the plan's candidates, each scored as it will be rounded and turned
+    (the plan's rotated modules). A streamed build scores a decoder layer at a time from the source folder."""
     from qconv.calibrate.sensitivity import model_kld_scores, proxy_scores
-    from qconv.compute import computing_in, resolve
-    from qconv.convert.device import key_part, resolve_device
+    from qconv.compute import computing_in
+    from qconv.convert.rotation import selection_rotations
 
-    ids = calib.input_ids[:sens_samples]  # a few sequences rank the units; all of them feed GPTQ
-    device = resolve_device(opts.device)
-    dtype = dtype or resolve(opts.compute_dtype, device)  # float32 where bf16 is emulated: its backward is far slower
-    key = stage_key(
-        "sensitivity",
-        src_sha,
-        calib.info.sha256,
-        opts.sensitivity,
-        sens_samples,
-        [
-            (u.name, [asdict(m) for m in u.base], [(o.scheme, [asdict(m) for m in o.members]) for o in u.options])
-            for u in units
-        ],
-        *key_part(device),
-        str(dtype),
-        sorted((n, b.shape[0], float(b.double().sum())) for n, b in (rotated or {}).items()),
-    )
-    cached = work.load_json("sensitivity", key)
+    ids = calib.input_ids[: plan.sensitivity_samples]
+    key = plan.key(SENSITIVITY, source=src_sha, calibration=calib.info.sha256)
+    cached = work.load_json(SENSITIVITY, key)
     if cached:
         return Scores(**cached)
-    if streamed_from is not None:
+    rotated = selection_rotations(plan.rotated, plan.recipe)
+    units = list(plan.units)
+    if plan.stream:
         from qconv.build.streamed_sensitivity import streamed_proxy_scores
 
         with owned_temp_dir(work.root, "qconv-sensitivity") as spill:
             scores = streamed_proxy_scores(
-                streamed_from, units, ids, spill, device=device, dtype=dtype, rotated=rotated
+                plan.source.path, units, ids, spill, device=plan.device, dtype=plan.compute_dtype, rotated=rotated
             )
     else:
-        fn = model_kld_scores if opts.sensitivity == "kld" else proxy_scores
-        with computing_in(model_loader(), dtype) as model:
+        fn = model_kld_scores if plan.sensitivity == "kld" else proxy_scores
+        with computing_in(model_loader(), plan.compute_dtype) as model:
             scores = fn(model, units, ids, rotated)
-    work.save_json("sensitivity", key, asdict(scores))
+    work.save_json(SENSITIVITY, key, asdict(scores))
     return scores
 
 
-def check_space_for(out: Path, work: WorkDir, plan: Plan) -> None:
+def quantization(plan: BuildPlan, modules: list, calib, src_sha: str, tok, model_loader, work: WorkDir) -> Path:
+    """Stage `quantization`: the compressed model folder of the selected `modules`, keyed by them, the source,
+    the calibration and the plan's quantization fields. Returns the stage folder."""
+    from qconv.convert.device import on_device
+    from qconv.convert.quantize import quantize
+
+    key = plan.key(QUANTIZATION, source=src_sha, calibration=calib.info.sha256, modules=modules)
+    qdir = work.cached_dir(QUANTIZATION, key)
+    if qdir is not None:
+        return qdir
+    with work.new_dir(QUANTIZATION, key) as tmp:
+        model = model_loader()
+        names = {mod: name for name, mod in model.named_modules()}  # for the progress bar's note
+        with on_device(plan.device, names), _calibration_activations(plan.stream, work.root):
+            quantize(
+                model,
+                modules,
+                plan.recipe,
+                calib.input_ids,
+                tmp,
+                untie=plan.untie,
+                seed=plan.seed,
+                rotated=list(plan.rotated),
+                tied=plan.tied,
+                tokenizer=tok,
+                device=plan.device,
+                dtype=plan.compute_dtype,
+                max_shard_size=plan.max_shard_size,
+            )
+        del model, names  # freed with the caller's model holder (a streamed model holds its offload folder until then)
+    return work.root / f"{QUANTIZATION}-{key}"
+
+
+@contextlib.contextmanager
+def _calibration_activations(stream: bool, root: Path):
+    """A streamed build keeps its calibration activations on disk (bounded memory whatever the sample count), in
+    a temp folder of the work dir that a crash leaves for sweeping; an in-memory build keeps them in memory."""
+    if not stream:
+        yield
+        return
+    from qconv.convert.stream import activations_on_disk
+
+    with owned_temp_dir(root, "qconv-activations") as tmp, activations_on_disk(tmp):
+        log.info("calibration activations are kept on disk under %s", tmp)
+        yield
+
+
+def check_space_for(out: Path, work: WorkDir, layout: Layout) -> None:
     """About the artifact's size goes to the work dir (the quantization stage, unless one is cached) and again to
     --out: refuse before the work when the disks do not hold that."""
     need = {}
     cached = any(p.is_dir() for p in work.root.glob("quantization-*"))
     for folder in (out.parent,) if cached else (work.root, out.parent):
         dev = folder.stat().st_dev
-        need[dev] = (folder, need.get(dev, (folder, 0))[1] + plan.total_bytes)
+        need[dev] = (folder, need.get(dev, (folder, 0))[1] + layout.total_bytes)
     for folder, n in need.values():
         check_space(folder, n, "the build's files (work dir and --out)")
 

@@ -38,7 +38,7 @@ def members_by_layer(units: list[Unit], n_layers: int | None = None) -> dict[int
             hit = LAYER.search(m.name)
             if m.name.startswith("mtp.") or hit is None or (n_layers is not None and int(hit.group(1)) >= n_layers):
                 raise QconvError(
-                    f"INT8 candidate {m.name} ({u.role}) is not in a decoder layer: a streamed build "
+                    f"upgrade candidate {m.name} ({u.role}) is not in a decoder layer: a streamed build "
                     "scores decoder layers only",
                     where="selection.candidates",
                     fix=f"drop {u.role} from selection.candidates, or build in memory (no --stream)",

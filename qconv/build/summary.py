@@ -12,7 +12,7 @@ from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG
 from qconv.manifest import QualityReport, SelectionRecord, read_manifest
 
 QUALITY_KEYS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
-INT8_ROWS = 5  # the summary's selection rows; all of them are in qconv.json `selection`
+UPGRADE_ROWS = 5  # the summary's selection rows; all of them are in qconv.json `selection`
 
 
 def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
@@ -86,7 +86,7 @@ def print_summary(s: dict, console=None) -> None:
     if s["int8_units"] or s.get("step_units"):
         from qconv.calibrate.select import Selection, format_table
 
-        con.print(escape(format_table(Selection.from_dict(s["selection"]), limit=INT8_ROWS)))
+        con.print(escape(format_table(Selection.from_dict(s["selection"]), limit=UPGRADE_ROWS)))
     if s["quality"]:
         t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         for col in ("quality vs source", "mean KLD", "p99 KLD", "top-1", "PPL ratio"):

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from qconv.calibrate.sensitivity import BASE, Scores
 from qconv.calibrate.units import Unit
 from qconv.errors import QconvError
-from qconv.manifest import SelectionRow
+from qconv.manifest import UPGRADE, SelectionRow
 from qconv.recipes.schema import renamed
 
 _UNITS = {
@@ -66,13 +66,13 @@ class Selection:
 
     @property
     def chosen(self) -> list[str]:
-        """The units moved to the 8-bit scheme."""
-        return [r.unit for r in self.rows if r.decision == "int8"]
+        """The units moved to the selection's top scheme."""
+        return [r.unit for r in self.rows if r.decision == UPGRADE]
 
     @property
     def choices(self) -> dict[str, str]:
         """Every upgraded unit -> the recipe scheme it takes (qconv.convert.layout.apply_selection)."""
-        return {r.unit: self.scheme if r.decision == "int8" else r.decision for r in self.rows if r.upgraded}
+        return {r.unit: self.scheme if r.decision == UPGRADE else r.decision for r in self.rows if r.upgraded}
 
     @classmethod
     def from_dict(cls, d: dict) -> Selection:
@@ -87,14 +87,14 @@ class Selection:
         )
 
     def to_dict(self) -> dict:
-        steps = Counter(r.decision for r in self.rows if r.upgraded and r.decision != "int8")
+        steps = Counter(r.decision for r in self.rows if r.upgraded and r.decision != UPGRADE)
         return {
             "budget": self.budget,
             "budget_bytes": self.budget_bytes,
             "scheme": self.scheme,
             "method": self.method,
             "spent_bytes": self.spent,
-            "int8_units": len(self.chosen),
+            "int8_units": len(self.chosen),  # the upgrades' count, under its qconv.json name
             "step_units": dict(steps),
             "predicted_kld": self.predicted_kld,
             "units": [{**asdict(r), "extra_bytes": r.extra} for r in self.rows],
@@ -107,7 +107,7 @@ def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) 
     if str(spec).strip() == "auto":
         if auto_bytes is None:
             raise QconvError(
-                "INT8 budget 'auto' needs the card's fit, which was not computed",
+                "upgrade budget 'auto' needs the card's fit, which was not computed",
                 where="selection.budget",
                 fix="this is a bug; pass an explicit --int8-budget meanwhile",
             )
@@ -115,14 +115,14 @@ def parse_budget(spec: str, artifact_bytes: int, auto_bytes: int | None = None) 
     m = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*(%|[kKMGT]i?B|B)?\s*", str(spec))
     if not m:
         raise QconvError(
-            f"unparseable INT8 budget {spec!r}",
+            f"unparseable upgrade budget {spec!r}",
             where="selection.budget",
             fix="use bytes (1500000000), a size (1.5GB, 300MiB) or a percent of the artifact (5%)",
         )
     value, unit = float(m.group(1)), (m.group(2) or "")
     if value < 0:
         raise QconvError(
-            f"negative INT8 budget {spec!r}",
+            f"negative upgrade budget {spec!r}",
             where="selection.budget",
             fix="use 0 for uniform 4-bit, or a positive size / percent",
         )
@@ -154,12 +154,12 @@ def select(
     if budget_bytes > 0 and units and not ok:
         detail = "; ".join(f"{u.name}: {u.refusal}" for u in units[:4])
         raise QconvError(
-            f"INT8 budget {budget!r} cannot be spent: no candidate unit can be INT8 in vLLM ({detail})",
+            f"upgrade budget {budget!r} cannot be spent: no candidate unit can take the selection's scheme in vLLM ({detail})",
             where="selection",
             fix="use budget 0, another selection.scheme, or other selection.candidates",
         )
     if order is None and budget_bytes > 0 and ok and scores is None:
-        raise QconvError("INT8 selection needs sensitivity scores", where="selection")
+        raise QconvError("the upgrade selection needs sensitivity scores", where="selection")
     level: dict[str, tuple[str, int, float]] = {}  # unit -> (scheme, extra bytes, gain)
     if order is not None:
         left = budget_bytes
@@ -174,7 +174,7 @@ def select(
         score = scores.values.get(u.name) if scores else None
         chosen, extra, _ = level.get(u.name, ("", 0, 0.0))
         if chosen:
-            decision = "int8" if chosen == scheme else chosen
+            decision = UPGRADE if chosen == scheme else chosen
         else:
             decision = f"refused: {u.refusal}" if u.refusal else "w4"
         out.rows.append(
@@ -222,11 +222,11 @@ def format_table(selection: Selection, limit: int = 40) -> str:
     rows = sorted(selection.rows, key=lambda r: (r.decision.startswith("refused"), -(r.score or 0.0), r.unit))
     steps = len(selection.choices) - len(selection.chosen)
     lines = [
-        f"INT8 selection: budget {selection.budget} = {selection.budget_bytes / 1e6:.2f} MB, scheme "
+        f"upgrade selection: budget {selection.budget} = {selection.budget_bytes / 1e6:.2f} MB, scheme "
         f"{selection.scheme}, scored by {selection.method}: {len(selection.chosen)} units"
         + (f" + {steps} at a cheaper step" if steps else "")
         + f", {selection.spent / 1e6:.2f} MB spent",
-        f"  {'unit':40s} {'role':12s} {'score':>11s} {'w4 MB':>8s} {'+int8 MB':>9s}  decision",
+        f"  {'unit':40s} {'role':12s} {'score':>11s} {'w4 MB':>8s} {'+top MB':>9s}  decision",
     ]
     for r in rows[:limit]:
         score = f"{r.score:.4g}" if r.score is not None else "-"

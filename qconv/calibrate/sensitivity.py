@@ -329,7 +329,7 @@ def model_kld_scores(
     finally:
         for name, w in orig.items():
             mods[name].weight.data.copy_(w)
-    log.info("model-level sensitivity: base KLD (all candidates int8) %.5f", base)
+    log.info("model-level sensitivity: base KLD (all candidates at the top scheme) %.5f", base)
     return Scores("kld", values, sum(len(r) for r in ids), gains)
 
 

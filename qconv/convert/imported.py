@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from qconv.convert.artifact import finalize, write_index
+from qconv.convert.finish import write_index, write_manifest
 from qconv.convert.quantized import (
     QuantFormat,
     check_group_order,
@@ -21,14 +22,12 @@ from qconv.convert.repack import Converted, copy_model_files, stream_convert, wr
 from qconv.convert.sources import ResolvedSource, read_config, resolve_source
 from qconv.errors import QconvError
 from qconv.fsutil import atomic_dir
-from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, tool_versions
+from qconv.manifest import Manifest, ModuleDecision, SourceInfo
 from qconv.recipes.recipe import Recipe
 from qconv.recipes.roles import role_of
-from qconv.recipes.sections import KEEP, Speculative
+from qconv.recipes.sections import KEEP
 
 log = logging.getLogger(__name__)
-
-IMPORT_RECIPE = "import"  # recipe name recorded for a plain `convert quantized`
 
 
 def _final_config(src: Path, fmt: QuantFormat, done: Converted) -> dict:
@@ -78,67 +77,49 @@ def _decisions(done: Converted, fmt: QuantFormat) -> list[ModuleDecision]:
     return out
 
 
-def write_imported(
-    src: ResolvedSource,
-    fmt: QuantFormat,
-    out: Path,
-    force: bool,
-    recipe: RecipeInfo,
-    requantize,
-    extra_build: dict,
-    quality=None,
-    profiles: dict | None = None,
-    speculative: Speculative | None = None,
-    requires=None,
-    reports: tuple[str, ...] = (),
-) -> Manifest:
-    """Convert into a temp folder that becomes `out` only when complete. `requires(decisions)` lists what the
-    artifact needs at run time; `quality(tmp, manifest, out)` measures it, writing the files named in `reports`,
-    and returns the gate failure, raised once the artifact (marked failed) is in place."""
-    t0 = time.time()
+@dataclass
+class Imported:
+    """A quantized checkpoint converted into an artifact folder, before its manifest: the source's record, the module
+    decisions (kept and requantized) and what the manifest's `build` says about the conversion."""
+
+    source: SourceInfo
+    decisions: list[ModuleDecision]
+    build: dict
+
+
+def import_into(src: ResolvedSource, fmt: QuantFormat, tmp: Path, requantize=None) -> Imported:
+    """Convert `src` into the folder `tmp` (the caller's temp folder, renamed into place when complete): its quantized
+    tensors repacked, the high-precision weights `requantize(name, shape)` picks rounded (None: all kept), config,
+    model files and index written."""
     check_group_order(src.path, fmt)
     info = src.info()
     info.quantization = fmt.summary()
-    with atomic_dir(out, force=force) as tmp:
-        done = stream_convert(src.path, fmt, tmp, requantize)
-        write_config(src.path, tmp, _final_config(src.path, fmt, done))
-        copy_model_files(src.path, tmp)
-        write_index(tmp)
-        decisions = _decisions(done, fmt)
-        manifest = Manifest(
-            source=info,
-            recipe=recipe,
-            modules=decisions,
-            profiles=profiles or {},
-            speculative=speculative,
-            requires=requires(decisions) if requires else [],
-            tools=tool_versions(),
-            status="unchecked",
-            build={
-                "source_format": fmt.summary(),
-                "kept": sorted(done.kept),
-                "requantized": sorted(done.requantized),
-                "copied": sorted(done.copied),
-                "elapsed_s": round(time.time() - t0, 1),
-                **extra_build,
-            },
-        )
-        finalize(tmp, manifest)
-        if quality is not None:
-            gate_error = quality(tmp, manifest, Path(out))
-            finalize(tmp, manifest, changed=reports)
-        else:
-            gate_error = None
-    if gate_error is not None:
-        raise gate_error
+    done = stream_convert(src.path, fmt, tmp, requantize)
+    write_config(src.path, tmp, _final_config(src.path, fmt, done))
+    copy_model_files(src.path, tmp)
+    write_index(tmp)
     log.info(
-        "%s: %d quantized modules kept, %d requantized, %d tensors copied",
-        out,
+        "%d quantized modules kept, %d requantized, %d tensors copied",
         len(done.kept),
         len(done.requantized),
         len(done.copied),
     )
-    return manifest
+    build = {
+        "source_format": fmt.summary(),
+        "kept": sorted(done.kept),
+        "requantized": sorted(done.requantized),
+        "copied": sorted(done.copied),
+    }
+    return Imported(info, _decisions(done, fmt), build)
+
+
+def write_import(src: ResolvedSource, fmt: QuantFormat, out: Path, force: bool) -> Manifest:
+    """The lossless import of `src` into `out`, all or nothing."""
+    t0 = time.time()
+    with atomic_dir(out, force=force) as tmp:
+        imp = import_into(src, fmt, tmp)
+        build = {**imp.build, "elapsed_s": round(time.time() - t0, 1)}
+        return write_manifest(tmp, imp.source, None, imp.decisions, requires=[], build=build)
 
 
 def quantized_source(model: str, revision: str | None = None) -> tuple[ResolvedSource, QuantFormat]:
@@ -156,7 +137,7 @@ def quantized_source(model: str, revision: str | None = None) -> tuple[ResolvedS
 def convert_quantized(model: str, out: Path, *, force: bool = False, revision: str | None = None) -> Manifest:
     """Lossless import of a GPTQ / AWQ / AutoRound / compressed-tensors checkpoint into compressed-tensors."""
     src, fmt = quantized_source(model, revision)
-    return write_imported(src, fmt, Path(out), force, RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={}), None, {})
+    return write_import(src, fmt, Path(out), force)
 
 
 def requant_args(recipe: Recipe, notes: dict[str, str]):
@@ -165,7 +146,7 @@ def requant_args(recipe: Recipe, notes: dict[str, str]):
     would need calibration, so such weights are kept and the reason recorded in `notes`."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    from qconv.convert.layout import _pick_group
+    from qconv.convert.layout import pick_group
 
     def choose(name: str, shape: tuple[int, ...]):
         if not name.endswith(".weight") or len(shape) != 2:
@@ -181,7 +162,7 @@ def requant_args(recipe: Recipe, notes: dict[str, str]):
             notes[mod] = f"recipe scheme {label} needs calibration (GPTQ); kept as in the source"
             return None
         k = shape[1]
-        g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback) if w.strategy == "group" else k
+        g = pick_group(k, w.group_size, recipe.quantizer.group_size_fallback) if w.strategy == "group" else k
         if g is None:
             notes[mod] = f"in_features {k} fits no group size: kept as in the source"
             return None

@@ -1,4 +1,4 @@
-"""The per-module plan: which scheme and group size each tensor gets, and what the artifact will weigh.
+"""The per-module layout: which scheme and group size each tensor gets, and what the artifact will weigh.
 
 Works from tensor shapes alone (safetensors headers, or a meta-device model for a config without weights), so the
 same code serves `--dry-run` on a 27B config and the real build.
@@ -7,7 +7,6 @@ same code serves `--dry-run` on a 27B config and the real build.
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +50,7 @@ class Tensor:
 
 
 @dataclass
-class Plan:
+class Layout:
     family: str
     modules: list[ModuleDecision]
     other_bytes: int  # norms, convs, biases and every tensor that is not a planned module (kept as is)
@@ -157,7 +156,9 @@ def tensor_table(folder: Path, config: dict) -> dict[str, Tensor]:
     return out
 
 
-def _pick_group(k: int, want: int, fallback: list[int]) -> int | None:
+def pick_group(k: int, want: int, fallback: list[int]) -> int | None:
+    """The group size for in_features `k`: the wanted one when it divides k, else the largest smaller fallback that
+    does; None when none does."""
     if k % want == 0:
         return want
     for g in sorted(fallback, reverse=True):
@@ -177,7 +178,7 @@ def decide(
     notes, warns = [], []
     g = None
     if w.strategy == "group" and w.group_size:  # a group scheme names its size (recipes/schema validates it)
-        g = _pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
+        g = pick_group(k, w.group_size, recipe.quantizer.group_size_fallback)
         if g is None:
             note = (
                 f"in_features {k} not divisible by any group size in {recipe.quantizer.group_size_fallback}: kept bf16"
@@ -210,10 +211,10 @@ def head_is_tied(config: dict, names) -> bool:
     return tied and not any(role_of(n.rpartition(".")[0]) == "lm_head" for n in names)
 
 
-def kept_plan(folder: Path, config: dict, modules: list[ModuleDecision]) -> Plan:
+def kept_layout(folder: Path, config: dict, modules: list[ModuleDecision]) -> Layout:
     """The plan of a build that keeps a checkpoint's own layout (already-quantized sources): what `requires` reads,
     the model type vLLM builds and whether lm_head is the embedding table."""
-    return Plan(
+    return Layout(
         family=family_of(config).name,
         modules=modules,
         other_bytes=0,
@@ -223,8 +224,8 @@ def kept_plan(folder: Path, config: dict, modules: list[ModuleDecision]) -> Plan
     )
 
 
-def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
-    """The per-module plan for a model folder (weights or config only) under a recipe."""
+def layout_model(folder: Path, config: dict, recipe: Recipe) -> Layout:
+    """The per-module layout for a model folder (weights or config only) under a recipe."""
     family = family_of(config)
     check_roles(recipe, family)
     tensors = tensor_table(folder, config)
@@ -261,7 +262,7 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     other = sum(2 * t.numel for n, t in tensors.items() if n not in planned)  # kept tensors are written bf16
     source = sum(t.bytes_per_elem * t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     params = sum(t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
-    plan = Plan(
+    plan = Layout(
         family=family.name,
         modules=modules,
         other_bytes=other,
@@ -296,7 +297,7 @@ def check_roles(recipe: Recipe, family: Family) -> None:
         )
 
 
-def check_fused(plan: Plan) -> None:
+def check_fused(plan: Layout) -> None:
     """vLLM fuses q/k/v, gate/up, in_proj_qkv/z into one layer: one scheme and one group size per fused unit."""
     for unit, members in plan.units().items():
         if len({(m.scheme, m.group_size) for m in members}) > 1:
@@ -313,7 +314,7 @@ def check_fused(plan: Plan) -> None:
 CUTLASS_ALIGN = 16
 
 
-def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
+def upgrade_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
     """Why vLLM could not run this unit at 8 bits ("" if it can). On Ampere with bf16 activations stock vLLM's W8A16
     kernel is Marlin (Exllama is fp16-only, Triton's is 4-bit, Conch and Humming are optional packages), so its
     limits are hard here; W8A8 goes through cutlass scaled_mm."""
@@ -332,12 +333,12 @@ def int8_refusal(role: str, w8: list[ModuleDecision], recipe: Recipe, scheme: st
 
 def _refusal(role: str, members: list[ModuleDecision], recipe: Recipe, scheme: str) -> str:
     if recipe.schemes[scheme].weights.bits >= 8:
-        return int8_refusal(role, members, recipe, scheme)
+        return upgrade_refusal(role, members, recipe, scheme)
     kept = [m for m in members if m.scheme == KEEP]
     return (kept[0].note or "no group size fits") if kept else ""  # 4-bit: the base's own kernel limits apply
 
 
-def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
+def candidate_units(plan: Layout, recipe: Recipe) -> list[Unit]:
     """The recipe's candidate roles as units, with their 8-bit decisions, their cheaper steps that change anything
     (a step whose group size the fallback already gave the base is dropped) and any refusal."""
     sel = recipe.selection
@@ -350,7 +351,7 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
         if any(m.scheme == KEEP or (m.bits or 16) >= s8.weights.bits for m in members):
             if recipe.scheme_for(role) == KEEP:
                 raise QconvError(
-                    f"INT8 candidate role {role!r} is kept bf16 by the recipe",
+                    f"upgrade candidate role {role!r} is kept bf16 by the recipe",
                     where="selection.candidates",
                     fix=f"selection upgrades 4-bit units only: drop {role} from selection.candidates",
                 )
@@ -361,7 +362,7 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
             role=role,
             base=members,
             top=w8,
-            refusal=int8_refusal(role, w8, recipe, sel.scheme),
+            refusal=upgrade_refusal(role, w8, recipe, sel.scheme),
             scheme=sel.scheme,
         )
         for step in sel.steps:
@@ -379,7 +380,7 @@ def candidate_units(plan: Plan, recipe: Recipe) -> list[Unit]:
     return units
 
 
-def apply_selection(plan: Plan, units: list[Unit], choices: dict[str, str]) -> list[ModuleDecision]:
+def apply_selection(plan: Layout, units: list[Unit], choices: dict[str, str]) -> list[ModuleDecision]:
     """The plan's modules with each chosen unit's (Selection.choices: unit -> scheme) members switched to that
     scheme's decisions."""
     repl = {
@@ -391,16 +392,3 @@ def apply_selection(plan: Plan, units: list[Unit], choices: dict[str, str]) -> l
         for m in o.members
     }
     return [repl.get(m.name, m) for m in plan.modules]
-
-
-def bpw_budget(bpw: float, plan: Plan) -> int:
-    """The bytes a bits-per-weight target leaves for 8-bit upgrades over the recipe's plan, counted as the quality
-    report counts bpw (artifact tensor bytes x 8 / source parameters)."""
-    base = 8 * plan.total_bytes / max(plan.num_parameters, 1)
-    if not math.isfinite(bpw) or bpw <= 0 or bpw < base - 1e-9:  # options.check_bpw refused nan/inf earlier
-        raise QconvError(
-            f"bits-per-weight target {bpw} is below the recipe's uniform plan ({base:.3f} bpw)",
-            where="--bpw",
-            fix=f"use --bpw >= {base:.2f}, or a recipe with smaller schemes",
-        )
-    return int(bpw * plan.num_parameters / 8) - plan.total_bytes

@@ -7,7 +7,7 @@ series, before it patches anything: a moved or changed target stops the build wi
 would otherwise run without the patch (other weights, or a large model out of memory). Where a library offers a
 public way, qconv takes it instead (llmcompressor's `oneshot(processor=...)`, compressed-tensors' offload API in
 convert/stream.py). The replacements themselves live with the code they serve (convert/stream.py,
-convert/quantize.py, convert/hfmodel.py); tests/test_patches.py proves each one is still called by the library."""
+convert/oneshot_fixes.py, convert/hfmodel.py); tests/test_patches.py proves each one is still called by the library."""
 
 from __future__ import annotations
 
@@ -100,56 +100,56 @@ TARGETS = {
         _CACHE,
         "IntermediatesCache.pin_memory",
         ("self", "batch_index", "input_names"),
-        "convert.quantize._cpu_awq: AWQ on a torch without an accelerator",
+        "convert.oneshot_fixes.cpu_awq: AWQ on a torch without an accelerator",
     ),
     "autoround_match": Target(
         _LC,
         _AR,
         "match_named_modules",
         ("model", "targets", "ignore", "fused", "warn_on_fail"),
-        "convert.quantize._autoround_writes_what_it_tuned: targets matched by full module name inside a layer",
+        "convert.oneshot_fixes.autoround_writes_what_it_tuned: targets matched by full module name inside a layer",
     ),
     "autoround_postprocess": Target(
         _LC,
         _AR,
         "AutoRoundModifier._postprocess_qparams",
         ("self", "model", "llmc_registered_qparams"),
-        "convert.quantize._autoround_writes_what_it_tuned: AutoRound's zero points written back",
+        "convert.oneshot_fixes.autoround_writes_what_it_tuned: AutoRound's zero points written back",
     ),
     "transform_offloaded_device": Target(
         _CT,
         "compressed_tensors.transform.factory.hadamard",
         "get_offloaded_device",
         ("module", "default"),
-        "convert.quantize._rotations_offloadable: a rotation block built beside a disk-offloaded Linear",
+        "convert.oneshot_fixes.rotations_offloadable: a rotation block built beside a disk-offloaded Linear",
     ),
     "untie_word_embeddings": Target(
         _LC,
         "llmcompressor.modifiers.quantization.quantization.mixin",
         "untie_word_embeddings",
         ("model",),
-        "convert.quantize._untie_only_tied: separate tables are not cloned",
+        "convert.oneshot_fixes.untie_only_tied: separate tables are not cloned",
     ),
     "naive_quantize": Target(
         _CT,
         "compressed_tensors.compressors.naive_quantized.base",
         "quantize",
         ("x", "scale", "zero_point", "args", "dtype", "global_scale"),
-        "convert.quantize.row_blocked_compression: quantized for saving a block at a time",
+        "convert.oneshot_fixes.row_blocked_compression: quantized for saving a block at a time",
     ),
     "packed_quantize": Target(
         _CT,
         "compressed_tensors.compressors.pack_quantized.base",
         "quantize",
         ("x", "scale", "zero_point", "args", "dtype", "global_scale"),
-        "convert.quantize.row_blocked_compression: the same for packed formats",
+        "convert.oneshot_fixes.row_blocked_compression: the same for packed formats",
     ),
     "pack_to_int32": Target(
         _CT,
         "compressed_tensors.compressors.pack_quantized.base",
         "pack_to_int32",
         ("value", "num_bits", "packed_dim"),
-        "convert.quantize.row_blocked_compression: packed a block of rows at a time",
+        "convert.oneshot_fixes.row_blocked_compression: packed a block of rows at a time",
     ),
     "sequential_main_device": Target(
         _LC,

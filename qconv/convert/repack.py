@@ -164,7 +164,7 @@ def write_config(src: Path, out: Path, qcfg: dict) -> None:
 def copy_model_files(src: Path, out: Path) -> None:
     """Tokenizer, chat template and generation config: everything but weights, config and the source's
     own quantization side files."""
-    from qconv.convert.artifact import copy_side_files
+    from qconv.convert.finish import copy_side_files
 
     copy_side_files(src, out)
     if (src / "generation_config.json").is_file():

@@ -9,7 +9,7 @@ embed_tokens without the quantization prefix, and its CPU backend has no 8-bit w
 
 from __future__ import annotations
 
-from qconv.convert.layout import Plan
+from qconv.convert.layout import Layout
 from qconv.manifest import (
     KV_PREFIX,
     QUANTIZED_EMBEDDINGS,
@@ -39,7 +39,7 @@ PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
 STOCK_QUANTIZED_EMBED_TYPES = ("qwen2", "qwen3")
 
 
-def requirements(recipe: Recipe, plan: Plan, rotated: bool = False) -> list[Requirement]:
+def requirements(recipe: Recipe, plan: Layout, rotated: bool = False) -> list[Requirement]:
     """`rotated`: the artifact carries input rotations (a transform_config)."""
     req = []
     quantized = [m for m in plan.modules if m.scheme != KEEP]

@@ -5,6 +5,7 @@ into the dequantized weight, W'·Vᵀ: the same product without a runtime transf
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ import torch
 from qconv.calibrate.sensitivity import turned
 from qconv.errors import QconvError
 from qconv.modelfiles import ROTATION_STORED, transform_config
+from qconv.recipes.sections import KEEP
+
+log = logging.getLogger(__name__)
 
 STORED = ROTATION_STORED  # `<module>.<scheme>_input.weight`: the block of one scheme, stored once per size
 
@@ -41,16 +45,29 @@ def quip_block(size: int) -> torch.Tensor:
     return random_hadamard_matrix(size, torch.float64, torch.device("cpu"), torch.Generator()) / math.sqrt(size)
 
 
-def selection_rotations(modules, recipe) -> dict[str, torch.Tensor]:
-    """module name -> the block its input will be turned by, for the modules the recipe rotates: the selection
-    scores each unit's rounding as the build will round it."""
-    from qconv.convert.quantize import rotated_modules
+def rotated_modules(modules, recipe) -> list[str]:
+    """The Linears the recipe's rotation turns: every quantized Linear of its roles whose in_features the rotation's
+    block divides; none without a rotation."""
+    rot = recipe.quantizer.rotation
+    if rot is None:
+        return []
+    out, skipped = [], []
+    for m in modules:
+        if m.scheme == KEEP or m.role not in rot.roles:
+            continue
+        (out if m.shape[-1] % rot.block_size == 0 else skipped).append(m.name)
+    if skipped:
+        log.info("rotation: block %d does not divide %d Linears' inputs, left unrotated", rot.block_size, len(skipped))
+    return out
 
-    names = rotated_modules(modules, recipe)
-    if not names:
+
+def selection_rotations(rotated, recipe) -> dict[str, torch.Tensor]:
+    """module name -> the block its input will be turned by, for the `rotated` modules (rotated_modules): the
+    selection scores each unit's rounding as the build will round it."""
+    if not rotated:
         return {}
     block = quip_block(recipe.quantizer.rotation.block_size).float()
-    return dict.fromkeys(names, block)
+    return dict.fromkeys(rotated, block)
 
 
 def is_rotation_tensor(name: str) -> bool:

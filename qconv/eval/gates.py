@@ -8,7 +8,7 @@ from pathlib import Path
 
 from qconv.eval.record import EvalReport, TierInfo, Verdict
 from qconv.manifest import QualityReport
-from qconv.recipes.quality import Gates, GateTier, Quality, Regression
+from qconv.recipes.sections import Gates, GateTier, Quality, Regression
 
 TIER_GATES = {"weights": "weights", "weights_kv": "weights_kv", "weights_a8": "weights_kv"}  # runtime quantization
 # of activations (W4A8) is gated like the KV cache's

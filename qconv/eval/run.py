@@ -10,7 +10,7 @@ from qconv.artifact import Artifact
 from qconv.errors import GateFailure, QconvError
 from qconv.eval.forward import Forward
 from qconv.eval.gates import apply_gates, regressions, tier_info, write_junit
-from qconv.eval.quality import Source, cached_source, measure, resolve_reference, safetensors_stats
+from qconv.eval.measure import Source, cached_source, measure, resolve_reference, safetensors_stats
 from qconv.eval.record import REPORT_JSON, EvalReport, EvalSettings, Verdict
 from qconv.eval.report import summary, write_reports
 from qconv.manifest import QualityReport, verify_files

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qconv.artifact import Artifact
 from qconv.calibrate.units import module_bytes
-from qconv.convert.layout import plan_model
+from qconv.convert.layout import layout_model
 from qconv.errors import QconvError
 from qconv.kv.schemes import GPU_RUNTIME, get_kv_scheme
 from qconv.kv.store import EXACT_DTYPE
@@ -93,7 +93,7 @@ def weights(folder: Path, config: dict, recipe: Recipe, art: Artifact | None = N
         total = sum(f.size for n, f in m.files.items() if n.endswith(".safetensors"))
         modules, source = m.modules, "manifest"
     else:
-        p = plan_model(folder, config, recipe)
+        p = layout_model(folder, config, recipe)
         total, modules, source = p.total_bytes, p.modules, "estimate"
     by_role = {r: sum(module_bytes(x) for x in modules if x.role == r) for r in ("vision", "mtp")}
     return total, by_role["vision"], by_role["mtp"], source
@@ -299,7 +299,7 @@ def build_report(
     )
 
 
-def int8_headroom(
+def upgrade_headroom(
     config: dict, recipe: Recipe, total_bytes: int, vision_bytes: int = 0, mtp_bytes: int = 0
 ) -> tuple[int, ProfileFit]:
     """`selection.budget: auto`: the bytes the recipe's card has left once the weights (`total_bytes`, uniform W4)

@@ -12,7 +12,6 @@ import yaml
 
 from qconv.errors import QconvError
 from qconv.fsutil import sha256_json
-from qconv.recipes.quality import Quality
 from qconv.recipes.schema import from_dict, shorten, to_dict
 from qconv.recipes.sections import (
     KEEP,
@@ -20,6 +19,7 @@ from qconv.recipes.sections import (
     Calibration,
     Card,
     Profile,
+    Quality,
     Quantizer,
     Scheme,
     SelectionRules,

@@ -1,4 +1,4 @@
-"""Finishing an artifact folder: the MTP head the loaders skip, the shard index, and the manifest."""
+"""Finishing an artifact folder: the MTP head the loaders skip, the shard index, and the manifest (its one writer)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,23 @@ import logging
 from pathlib import Path, PurePosixPath
 
 from qconv.fsutil import sha256_file
-from qconv.manifest import MANIFEST, FileEntry, Manifest, hash_artifact_files
+from qconv.manifest import (
+    MANIFEST,
+    CalibrationInfo,
+    FileEntry,
+    Manifest,
+    ModuleDecision,
+    RecipeInfo,
+    SourceInfo,
+    hash_artifact_files,
+    tool_versions,
+)
+from qconv.recipes.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
 MTP_SHARD = "model-mtp.safetensors"
+IMPORT_RECIPE = "import"  # the recipe name a plain lossless import (`qconv convert quantized`) records
 
 
 def copy_mtp(source: Path, out: Path) -> int:
@@ -86,4 +98,41 @@ def finalize(out: Path, manifest: Manifest, changed: tuple[str, ...] | None = No
     return manifest
 
 
-__all__ = ["MANIFEST", "copy_mtp", "write_index", "copy_side_files", "finalize"]
+def write_manifest(
+    out: Path,
+    source: SourceInfo,
+    recipe: Recipe | None,
+    modules: list[ModuleDecision],
+    *,
+    requires: list,
+    build: dict,
+    calibration: CalibrationInfo | None = None,
+    selection: dict | None = None,
+    tools: dict | None = None,
+) -> Manifest:
+    """The one writer of an artifact's qconv.json (a build from full precision, one from a quantized checkpoint, a
+    lossless import): the recipe's record, profiles and speculation (`recipe` None: a plain import), the module
+    decisions and what was built, "unchecked" until a quality report says otherwise; hashed and written into `out`
+    (finalize)."""
+    info = (
+        RecipeInfo(name=recipe.name, sha256=recipe.sha256, resolved=recipe.to_dict())
+        if recipe is not None
+        else RecipeInfo(name=IMPORT_RECIPE, sha256="", resolved={})
+    )
+    manifest = Manifest(
+        source=source,
+        recipe=info,
+        modules=modules,
+        calibration=calibration,
+        profiles=dict(recipe.profiles) if recipe is not None else {},
+        speculative=recipe.speculative if recipe is not None else None,
+        requires=requires,
+        selection=selection,
+        tools=tools if tools is not None else tool_versions(),
+        status="unchecked",
+        build=build,
+    )
+    return finalize(out, manifest)
+
+
+__all__ = ["MANIFEST", "copy_mtp", "write_index", "copy_side_files", "finalize", "write_manifest"]

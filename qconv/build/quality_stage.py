@@ -6,34 +6,24 @@ from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
-from qconv.build.workdir import WorkDir, stage_key
+from qconv.build.plan import QUALITY, BuildPlan
+from qconv.build.workdir import WorkDir
+from qconv.compute import dtype_name
 from qconv.errors import GateFailure
 from qconv.eval.forward import Forward
 from qconv.eval.record import EvalReport
 from qconv.eval.report import REPORT_JSON, REPORT_MD, REPORT_PNG, render_md
 from qconv.eval.report import summary as summary_of
 from qconv.eval.run import gate_failure, quality_report
-from qconv.fsutil import sha256_file, write_json_atomic, write_text_atomic
+from qconv.fsutil import write_json_atomic, write_text_atomic
 from qconv.manifest import Manifest, QualityReport
-from qconv.recipes.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
 REPORTS = (REPORT_JSON, REPORT_MD, REPORT_PNG)  # part of the artifact, added after its weights are hashed
-
-
-def eval_text(opts, recipe: Recipe) -> str | None:
-    """The held-out text of the quality report, or None (and a warning: the artifact stays unchecked)."""
-    text = opts.eval_text or recipe.quality.text
-    if not text:
-        log.warning(
-            "quality report skipped: no held-out text (pass --eval-text FILE_OR_HF_ID, or set quality.text "
-            "in the recipe); the artifact is marked unchecked"
-        )
-    return text or None
 
 
 def record(manifest: Manifest, summary: QualityReport, gates: bool) -> GateFailure | None:
@@ -44,35 +34,26 @@ def record(manifest: Manifest, summary: QualityReport, gates: bool) -> GateFailu
     return gate_failure(summary) if passed is False and gates else None
 
 
-def measure(
-    opts,
-    recipe: Recipe,
-    source: Path,
-    artifact: Path,
-    manifest: Manifest,
-    work: WorkDir,
-    final: Path,
-    streamed: bool = False,
-) -> GateFailure | None:
-    """Stage `quality` of a build from full precision: cached by the weight files' hashes and the evaluation
-    settings. `artifact` is the build's temp folder; `final` is where it ends up, the path the reports name. A
-    streamed build measures with the layer-streamed forward too; otherwise it streams only when a model does not
+def measure(plan: BuildPlan, artifact: Path, manifest: Manifest, work: WorkDir, final: Path) -> GateFailure | None:
+    """Stage `quality` of a build from full precision: keyed by the weight files' hashes, the source and the plan's
+    quality fields. `artifact` is the build's temp folder; `final` is where it ends up, the path the reports name.
+    A streamed build measures with the layer-streamed forward too; otherwise it streams only when a model does not
     fit in free memory."""
-    text = eval_text(opts, recipe)
-    if not text:
+    if not plan.eval_text:
         return None
     weights = {k: v.sha256 for k, v in manifest.files.items() if k.endswith(".safetensors")}
-    text_id = sha256_file(Path(text)) if Path(text).is_file() else text
-    fwd = Forward(streamed=True if streamed else None, device=opts.device, compute_dtype=opts.compute_dtype)
-    key = stage_key("quality", weights, text_id, asdict(recipe.quality), manifest.source.sha256, str(fwd.dtype()))
-    qdir = work.cached_dir("quality", key)
+    fwd = Forward(
+        streamed=True if plan.stream else None, device=plan.device, compute_dtype=dtype_name(plan.compute_dtype)
+    )
+    key = plan.key(QUALITY, weights=weights, source=manifest.source.sha256)
+    qdir = work.cached_dir(QUALITY, key)
     if qdir is None:
-        with work.new_dir("quality", key) as tmp:
+        with work.new_dir(QUALITY, key) as tmp:
             summary = quality_report(
-                source,
+                plan.source.path,
                 artifact,
-                recipe,
-                text=text,
+                plan.recipe,
+                text=plan.eval_text,
                 source_sha256=manifest.source.sha256,
                 num_parameters=manifest.source.num_parameters,
                 fwd=fwd,
@@ -86,7 +67,7 @@ def measure(
     if sel is not None and sel.predicted_kld is not None and summary.weights is not None:
         selection = {"method": sel.method, "predicted_kld": sel.predicted_kld, "measured_kld": summary.weights.kld_mean}
         summary = replace(summary, selection=selection)
-    return record(manifest, summary, opts.gates)
+    return record(manifest, summary, plan.gates)
 
 
 def _copy_files(src: Path, dst: Path, names) -> None:

@@ -21,14 +21,15 @@ from qconv.modelfiles import read_json_object
 from qconv.recipes.schema import coerce_fields, from_dict, read_record, shorten, version_problem
 from qconv.recipes.sections import Profile, Speculative
 
+# `vllm_feature` tokens of `requires` entries: the qconv-vllm plugin announces the ones it provides (defined there).
+from qconv_vllm.features import KV_PREFIX as KV_PREFIX
+from qconv_vllm.features import QUANTIZED_EMBEDDINGS as QUANTIZED_EMBEDDINGS
+from qconv_vllm.features import ROTATIONS_CPU as ROTATIONS_CPU
+from qconv_vllm.features import TIED_QUANTIZED_HEAD as TIED_QUANTIZED_HEAD
+from qconv_vllm.features import WNA16_8BIT_CPU as WNA16_8BIT_CPU
+
 MANIFEST = "qconv.json"
 SCHEMA_VERSION = 1
-# `vllm_feature` tokens of `requires` entries: the qconv-vllm plugin announces the ones it provides.
-QUANTIZED_EMBEDDINGS = "quantized-embeddings"
-WNA16_8BIT_CPU = "wna16-8bit-cpu"
-TIED_QUANTIZED_HEAD = "quantized-tied-head"
-ROTATIONS_CPU = "input-rotations-cpu"
-KV_PREFIX = "kv-cache:"
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 

@@ -574,8 +574,9 @@ def test_a_vision_request_is_one_clear_400(server, model, part):
     assert code == 200
 
 
-def test_connection_limits_from_the_command_line(tiny_qwen3, monkeypatch):
-    """--max-connections / --request-timeout reach the native server; vLLM's server is not ours to limit: refused."""
+def test_connection_limits_from_the_command_line(tiny_qwen3, monkeypatch, tmp_path):
+    """--max-connections / --request-timeout reach the native server; vLLM's only through the plugin's front door
+    (tests/test_vllm_frontdoor.py): without a plugin they are refused, not dropped."""
     from click.testing import CliRunner
 
     import qconv.serve.native as native
@@ -588,8 +589,9 @@ def test_connection_limits_from_the_command_line(tiny_qwen3, monkeypatch):
     r = CliRunner().invoke(main, [*args, "--backend", "native"])
     assert r.exit_code == 0, r.output
     assert seen == [ConnectionLimits(max_connections=20, request_timeout_s=2.5)]
-    r = CliRunner().invoke(main, [*args, "--backend", "vllm", "--print-command"])
-    assert r.exit_code != 0 and "--max-connections limits qconv's own server" in r.output, r.output
+    monkeypatch.setenv("QCONV_HOME", str(tmp_path / "home"))  # no managed runtime: no plugin known
+    r = CliRunner().invoke(main, [*args, "--recipe", "3090", "--backend", "vllm", "--print-command"])
+    assert r.exit_code != 0 and "--max-connections needs the qconv-vllm plugin" in r.output, r.output
 
 
 FUZZ_VALUES = [None, 0, 1, -1, 2.5, -3.0, 1e308, "x", "", [], [1, "a"], {}, {"type": "json_object"}, True, 2**70]

@@ -6,8 +6,9 @@ import torch
 from qconv.errors import QconvError
 from qconv.kv import KV_SCHEME_NAMES, get_kv_scheme
 from qconv.kv.hadamard import hadamard, rotate
-from qconv.kv.kvarn import TileScheme, balance
-from qconv.kv.packing import pack_bits, unpack_bits
+from qconv.kv.kvarn import TileScheme
+from qconv_vllm.kvarn_codec import balance
+from qconv_vllm.packing import pack_bits, unpack_bits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -130,10 +130,10 @@ def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Pat
     return art, json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
 
 
-def serve_in_vllm(art: Path, vllm_python: str) -> ServerProcess:
+def serve_in_vllm(art: Path, vllm_python: str, *qconv_args: str) -> ServerProcess:
     """`qconv serve ART --backend vllm` with this checkout's plugin (eager: no compile on CPU)."""
     return ServerProcess(
-        [str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--", "--enforce-eager"],
+        [str(art), "--backend", "vllm", "--vllm-python", vllm_python, *qconv_args, "--", "--enforce-eager"],
         free_port(),
         env=ENV,
         health_timeout=600,
@@ -172,16 +172,38 @@ PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADh
 
 @pytest.mark.slow
 def test_a_vision_request_to_the_cpu_runtime_is_one_400(tmp_path, vllm_python):
-    """The CPU runtime serves text only: an image in a chat request is refused by vLLM's API (400), before the
-    model; the server goes on answering text."""
+    """The CPU runtime serves text only: an image in a chat request is refused at qconv's door in vLLM's server with
+    qconv's own 400 (as our engine words it), before vLLM parses it; the server goes on answering text. The same
+    server holds qconv's connection limits: one connection past --max-connections is a 503, and a request that
+    does not arrive whole within --request-timeout is a 408."""
+    import socket
+    import time
+
     art, _ = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide", "3090")
-    with serve_in_vllm(art, vllm_python) as srv:
+    with serve_in_vllm(art, vllm_python, "--max-connections", "16", "--request-timeout", "2") as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         name = client.models.list().data[0].id
         image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG_1PX}"}}
         msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=name, messages=msgs, max_tokens=2)
-        print("vLLM's answer:", e.value.message)
+        assert e.value.code == "text_only", e.value.message
+        assert "messages[0].content[1] is a 'image_url' part: this server serves text only" in e.value.message
+
+        held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(16)]
+        try:
+            extra = socket.create_connection(("127.0.0.1", srv.port))
+            extra.settimeout(10)
+            assert extra.recv(200).startswith(b"HTTP/1.1 503"), "a 17th connection was held"
+            extra.close()
+        finally:
+            for c in held:
+                c.close()
+        time.sleep(0.5)  # the closed ones leave the server's set
+        slow = socket.create_connection(("127.0.0.1", srv.port))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        slow.settimeout(15)
+        assert slow.recv(200).startswith(b"HTTP/1.1 408"), "a half-sent request was held past --request-timeout"
+        slow.close()
         text = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert text.choices[0].finish_reason in ("stop", "length")

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from qconv.errors import QconvError
+from qconv_vllm.packing import unpack_int32
 
 _AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 
@@ -139,18 +140,6 @@ def detect_format(config: dict, where: str = "config.json") -> QuantFormat | Non
     return fmt
 
 
-def _unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] -> [R, C * 32 / bits], element j of each word in bits [j*b, (j+1)*b)."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    return ((packed[:, :, None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1)
-
-
-def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [R, C] -> [R * 32 / bits, C], element j of each word on row r*32/b + j."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    return ((packed[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)).reshape(-1, packed.shape[1])
-
-
 def _awq_natural(x: torch.Tensor, bits: int) -> torch.Tensor:
     order = torch.arange(x.shape[1]).view(-1, 32 // bits)[:, _AWQ_REVERSE_ORDER].reshape(-1)
     return x[:, order]
@@ -180,11 +169,11 @@ def read_module(get, mod: str, fmt: QuantFormat, where: str) -> IntModule:
     qweight, qzeros, scales = get(f"{mod}.qweight"), get(f"{mod}.qzeros"), get(f"{mod}.scales")
     n = scales.shape[1]
     if fmt.layout == "gptq":
-        q = _unpack_rows(qweight, bits).t()
-        zero = _unpack_cols(qzeros, bits)[:, :n].t() + fmt.zero_offset
+        q = unpack_int32(qweight.t(), bits)  # packed down the input dim: [N, K]
+        zero = unpack_int32(qzeros, bits)[:, :n].t() + fmt.zero_offset
     else:
-        q = _awq_natural(_unpack_cols(qweight, bits), bits).t()
-        zero = _awq_natural(_unpack_cols(qzeros, bits), bits)[:, :n].t()
+        q = _awq_natural(unpack_int32(qweight, bits), bits).t()
+        zero = _awq_natural(unpack_int32(qzeros, bits), bits)[:, :n].t()
     k, groups = q.shape[1], scales.shape[0]
     if q.shape[0] != n or k % groups:
         raise QconvError(

@@ -9,7 +9,7 @@ import torch
 
 from qconv.kv.base import KVScheme
 from qconv.kv.kvarn import TileScheme
-from qconv.kv.packing import bytes_fp16, fp16_bytes, pack_bits, unpack_bits
+from qconv_vllm.packing import bytes_fp16, fp16_bytes, pack_bits, unpack_bits
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -6,19 +6,17 @@ from __future__ import annotations
 import torch
 
 from qconv.errors import QconvError
+from qconv_vllm.kvarn_codec import sylvester
 
 
 def hadamard(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
-    """H_d / sqrt(d) for d a power of two, built by the Sylvester recursion H_2n = [[H, H], [H, -H]]."""
+    """H_d / sqrt(d) for d a power of two (the plugin's matrix: KV records written by either side match)."""
     if d <= 0 or d & (d - 1):
         raise QconvError(
             f"Hadamard rotation needs a power-of-two head_dim, got {d}",
             fix="use a KV scheme without rotation (kivi_*, int4_g32, int8_token, fp8_e4m3) for this model",
         )
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / d**0.5).to(dtype=dtype, device=device)
+    return sylvester(d).to(dtype=dtype, device=device)
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from qconv.kv.base import KVScheme
 from qconv.kv.baselines import BF16, FP8, IntGroup, kivi
 from qconv.kv.kvarn import kvarn
 from qconv.recipes.sections import KV_SCHEMES
+from qconv_vllm.features import KVARN_PRESETS
 
 _KVARN = re.compile(r"kvarn_k(\d+)v(\d+)_g(\d+)")
 
@@ -35,9 +36,8 @@ _SCHEMES: dict[str, KVScheme] = {
     )
 }
 KV_SCHEME_NAMES = tuple(_SCHEMES)
-# The KVarN presets the qconv-vllm plugin serves inside vLLM (its FEATURES name them as `kv-cache:<preset>`; the
-# g256 tiles do not split into whole bytes per token at head_dim 64, so vLLM's per-token page sizing cannot hold them).
-VLLM_PLUGIN_KVARN = ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")
+# The KVarN presets the qconv-vllm plugin serves inside vLLM (its FEATURES name them as `kv-cache:<preset>`).
+VLLM_PLUGIN_KVARN = KVARN_PRESETS
 # What runs each KV cache on a GPU card; a scheme missing here runs in qconv's own engine only, on the CPU.
 GPU_RUNTIME = {"bf16": "vLLM", "fp8_e4m3": "vLLM", **{k: "vLLM + the qconv-vllm plugin" for k in VLLM_PLUGIN_KVARN}}
 NO_GPU_RUNTIME = "no GPU runtime runs it (qconv's own engine only, on the CPU)"

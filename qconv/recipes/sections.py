@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from qconv_vllm.features import KVARN_PRESETS
+
 # Roles a recipe assigns schemes to. Fused groups are one role: vLLM fuses them into one layer with one scheme.
 ROLES = (
     "attn_qkv",
@@ -22,16 +24,9 @@ ROLES = (
     "vision",
 )
 KEEP = "bf16"  # the scheme name meaning "leave in the source dtype"
-KV_SCHEMES = (
-    "bf16",
-    "fp8_e4m3",
-    "kvarn_k4v2_g128",
-    "kvarn_k4v4_g128",
-    "kvarn_k4v2_g64",
-    "kvarn_k4v4_g64",
-    "kvarn_k4v2_g256",
-    "kvarn_k4v4_g256",
-)  # runnable by a profile; qconv.kv.schemes builds them from here
+# Runnable by a profile (qconv.kv.schemes builds them from here): vLLM's own, the plugin's KVarN presets, and the
+# 256-token tiles that run in qconv's engine only.
+KV_SCHEMES = ("bf16", "fp8_e4m3", *KVARN_PRESETS, "kvarn_k4v2_g256", "kvarn_k4v4_g256")
 
 
 @dataclass

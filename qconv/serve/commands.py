@@ -99,14 +99,14 @@ def cuda_gpu() -> bool:
     default=ConnectionLimits.max_connections,
     show_default=True,
     type=click.IntRange(min=16),
-    help="Native: connections held at once; one more is answered 503 (kept under the descriptor limit).",
+    help="Connections held at once; one more is answered 503 (kept under the descriptor limit). vLLM: through the plugin.",
 )
 @click.option(
     "--request-timeout",
     default=ConnectionLimits.request_timeout_s,
     show_default=True,
     type=click.FloatRange(min=1),
-    help="Native: seconds for a request to arrive whole (headers and body); then 408 and the connection closes.",
+    help="Seconds for a request to arrive whole (headers and body); then 408 and the connection closes. vLLM: through the plugin.",
 )
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
 def serve(
@@ -194,14 +194,7 @@ def serve(
             art,
         )
         return
-    for name in ("max_connections", "request_timeout"):
-        if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
-            flag = "--" + name.replace("_", "-")
-            raise QconvError(
-                f"{flag} limits qconv's own server; vLLM's has its own settings",
-                where=flag,
-                fix="drop it, or use --backend native (vLLM: pass its options after `--`)",
-            )
+    limits = ConnectionLimits(max_connections=max_connections, request_timeout_s=request_timeout)
     src = vllm.load_source(path, recipe, art, spec)
     if served_model_name:
         src.name = served_model_name
@@ -214,13 +207,15 @@ def serve(
         extra_args=list(vllm_args),
         platform=runtime.device if runtime else None,
         spec_tokens=spec_tokens,
+        frontdoor=bool(runtime and runtime.plugin),
     )
     if print_command:
-        env, _ = vllm.launch_env(src, profile, opts.platform, tensor_parallel_size)
+        env, _ = vllm.launch_env(src, profile, opts.platform, tensor_parallel_size, _door(ctx, opts, limits))
         click.echo(shlex.join([f"{k}={v}" for k, v in env.items()] + vllm.build_command(src, profile, opts)))
         return
     info = vllm_probe.probe_vllm(python)
-    opts.platform = info.platform
+    opts.platform, opts.frontdoor = info.platform, info.plugin is not None
+    door = _door(ctx, opts, limits)
     argv = vllm.build_command(src, profile, opts)
     if info.platform == "cpu" and src.hybrid and src.speculative and src.speculative.method != "none":
         click.echo(
@@ -228,13 +223,30 @@ def serve(
         )
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version)
-    env, note = vllm.launch_env(src, profile, info.platform, tensor_parallel_size)
+    env, note = vllm.launch_env(src, profile, info.platform, tensor_parallel_size, door)
     if note:
         click.echo(note, err=True)
     click.echo(f"starting: {shlex.join([f'{k}={v}' for k, v in env.items()] + argv)}", err=True)
     rc = vllm.run_vllm(argv, host, port, api_key=api_key, env=env)
     if rc:
         sys.exit(rc)
+
+
+def _door(ctx, opts, limits: ConnectionLimits) -> ConnectionLimits | None:
+    """The connection limits vLLM is launched with: through the plugin's front door; without the plugin, vLLM's own
+    server has none, and limits asked for on the command line are refused rather than silently dropped."""
+    if opts.frontdoor:
+        return limits
+    for name in ("max_connections", "request_timeout"):
+        if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            raise QconvError(
+                f"{flag} needs the qconv-vllm plugin in vLLM's environment (it launches vLLM's server with the "
+                "limits); this vLLM has no plugin loaded",
+                where=flag,
+                fix="install the plugin (`qconv runtime install`), drop the flag, or use --backend native",
+            )
+    return None
 
 
 def _refuse_unknown_needs(art, profile: str | None, backend: str, declared: set[str]) -> None:

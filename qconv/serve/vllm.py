@@ -25,6 +25,7 @@ from qconv.manifest import MANIFEST, Requirement
 from qconv.models.spec import ModelSpec
 from qconv.recipes.recipe import load_recipe
 from qconv.recipes.sections import Profile, Speculative
+from qconv_vllm.limits import ConnectionLimits
 
 KV_TO_VLLM = {"bf16": "auto", "fp8_e4m3": "fp8_e4m3"}  # kvarn_* pass through under their own name
 
@@ -209,12 +210,12 @@ def cpu_rank_binding(tp: int, platform: str | None) -> dict[str, str]:
 
 
 def launch_env(
-    src: ServeSource, profile: str | None, platform: str | None, tp: int
+    src: ServeSource, profile: str | None, platform: str | None, tp: int, limits: ConnectionLimits | None = None
 ) -> tuple[dict[str, str], str | None]:
-    """Everything qconv sets in vLLM's environment: the profile's (profile_env, with its note) and the CPU ranks'
-    core binding (cpu_rank_binding)."""
+    """Everything qconv sets in vLLM's environment: the profile's (profile_env, with its note), the CPU ranks'
+    core binding (cpu_rank_binding) and, launched through the plugin's front door, the connection limits."""
     env, note = profile_env(src, profile, platform)
-    return env | cpu_rank_binding(tp, platform), note
+    return env | cpu_rank_binding(tp, platform) | (limits.env() if limits else {}), note
 
 
 @dataclass
@@ -227,6 +228,13 @@ class LaunchOptions:
     extra_args: list[str] = field(default_factory=list)
     platform: str | None = None  # "cuda" | "cpu" when known (a runtime record, the probe): shapes speculation
     spec_tokens: int | None = None  # overrides the artifact's num_speculative_tokens; 0 turns speculation off
+    # vLLM's API server through the plugin's launcher (qconv_vllm.frontdoor: qconv's connection limits, a text-only
+    # door); only where the plugin is installed and loaded
+    frontdoor: bool = False
+
+
+API_SERVER, FRONTDOOR = "vllm.entrypoints.openai.api_server", "qconv_vllm.frontdoor"
+TEXT_ONLY = "qconv_vllm.frontdoor.TextOnly"
 
 
 def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:
@@ -237,7 +245,7 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
     argv = [
         opts.python,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        FRONTDOOR if opts.frontdoor else API_SERVER,
         "--model",
         str(src.model_dir),
         "--served-model-name",
@@ -257,10 +265,14 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
     argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
     if src.hybrid:
         argv += ["--mamba-ssm-cache-dtype", p.mamba_ssm_cache_dtype, "--no-enable-prefix-caching"]
-    if src.spec.multimodal and (p.language_model_only or opts.platform == "cpu"):
+    vision = src.spec.multimodal
+    if vision and (p.language_model_only or opts.platform == "cpu"):
         # vLLM's CPU runtime has no image stack (runtimes.py installs a text-only torchvision stand-in): loaded text
-        # only, vLLM's API refuses an image with a 400 instead of failing inside the model
+        # only, an image is refused at the API with a 400 instead of failing inside the model
         argv += ["--language-model-only"]
+        vision = False
+    if opts.frontdoor and not vision:  # refused by qconv's door, in qconv's words, before vLLM parses it
+        argv += ["--middleware", TEXT_ONLY]
     if (spec := speculative_config(src, opts.platform, opts.spec_tokens)) is not None:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if opts.tensor_parallel_size != 1:

@@ -11,17 +11,12 @@ from __future__ import annotations
 import logging
 import os
 
+# What the plugin adds, by the tokens qconv writes into an artifact's qconv.json `requires`
+from qconv_vllm.features import FEATURES as FEATURES
+from qconv_vllm.features import KVARN_PRESETS as KVARN_PRESETS
+
 __version__ = "0.1.0"
 TESTED = ("0.32",)  # vLLM major.minor series whose source these patches were read against
-# What the plugin adds, by the tokens qconv writes into an artifact's qconv.json `requires` (qconv/convert/requires.py)
-KVARN_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g64")  # = kvarn_codec.PRESETS
-FEATURES = (
-    "quantized-embeddings",
-    "quantized-tied-head",
-    "wna16-8bit-cpu",
-    "input-rotations-cpu",
-    *(f"kv-cache:{name}" for name in KVARN_PRESETS),
-)
 UNTESTED_ENV = "QCONV_VLLM_ALLOW_UNTESTED"
 
 log = logging.getLogger("qconv_vllm")

@@ -1,7 +1,7 @@
-"""KVarN tile codec in plain torch: the plugin's CPU path and the reference its Triton kernels are checked against.
+"""KVarN tile codec in plain torch: the one definition of its arithmetic, used by qconv's own KV cache
+(qconv.kv.kvarn), the plugin's CPU path, and as the reference its Triton kernels are checked against.
 
-The plugin runs in vLLM's own environment, where qconv is not installed, so it carries its own codec; the record it
-writes is byte-for-byte the one `qconv.kv.kvarn` writes (tests/test_kvarn_vllm_codec.py holds the two together).
+The plugin runs in vLLM's own environment, where qconv is not installed, so the codec lives here and qconv imports it.
 Per tile of G tokens of one KV head: rotate rows by H/sqrt(D); K as channels x tokens, V as tokens x channels;
 balance rows and columns by log-scales, keeping the least imbalanced iterate; round each row asymmetrically;
 fold the balance into fp16 row/column scales; pack codes little-end-first. Record fields, in storage order:
@@ -15,31 +15,42 @@ from dataclasses import dataclass
 
 import torch
 
+from qconv_vllm.packing import FP16_MAX as FP16_MAX
+from qconv_vllm.packing import RecordLayout, bytes_fp16, fp16_bytes, pack_bits, unpack_bits
+
 PRESET = re.compile(r"^kvarn_k(?P<k>[248])v(?P<v>[248])_g(?P<g>64|128|256)$")
 ITERS = 8
 STD_CLAMP, LOG_CLAMP = (1e-3, 1e3), (-0.3, 10.0)
-FP16_MAX = 65504.0
-MIN_GAIN = 1 - 1e-4  # qconv.kv.kvarn.MIN_GAIN: a new best iterate must lower the imbalance by 0.01%
-BALANCE_DTYPE = torch.float64  # qconv.kv.kvarn.BALANCE_DTYPE: balance and exps in float64, rounded to float32
+# An iterate replaces the best so far only if it lowers the imbalance by 0.01%: once the tile is balanced the
+# imbalance sits at 2 within float noise, and a strict `<` would pick among near-equal iterates by summation order,
+# so this codec and its Triton port (kvarn_triton.py) or a GPU would write different scales.
+MIN_GAIN = 1 - 1e-4
+# The balance runs in float64 and hands float32 log-scales on; every exp of them is taken in float64 and rounded to
+# float32. A sum's order (BLAS, a Triton tree, numpy) then moves the float32 results only when a value lies within
+# ~1e-15 of a float32 rounding boundary, and libraries' exp no longer differ by an ulp: the torch codec and the
+# Triton kernels write the same bytes.
+BALANCE_DTYPE = torch.float64
 
 
-def _exp32(x: torch.Tensor) -> torch.Tensor:
+def exp32(x: torch.Tensor) -> torch.Tensor:
+    """e^x of float32 log-scales, correctly rounded to float32 wherever it is computed (see BALANCE_DTYPE)."""
     return torch.exp(x.to(BALANCE_DTYPE)).float()
 
 
 @functools.lru_cache(maxsize=8)
-def _hadamard(d: int) -> torch.Tensor:
+def sylvester(d: int) -> torch.Tensor:
+    """H_d / sqrt(d) in float64 by the Sylvester recursion H_2n = [[H, H], [H, -H]] (d a power of two)."""
     if d <= 0 or d & (d - 1):
         raise ValueError(f"KVarN rotates by a Hadamard matrix: head_dim must be a power of two, got {d}")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / d**0.5).float()
+    return h / d**0.5
 
 
-def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """H_d / sqrt(d) (float32): symmetric and its own inverse, so it rotates and un-rotates."""
-    return _hadamard(d).to(device)
+def hadamard(d: int, device: torch.device | str | None = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """H_d / sqrt(d): symmetric and its own inverse, so it rotates and un-rotates."""
+    return sylvester(d).to(dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
@@ -73,9 +84,13 @@ class Codec:
         )
 
     @property
+    def layout(self) -> RecordLayout:
+        return RecordLayout(self.fields)
+
+    @property
     def record_bytes(self) -> int:
         """Bytes of one tile of one head, K and V together, padded to 8 (never to a power of two)."""
-        return -(-sum(n for _, n in self.fields) // 8) * 8
+        return self.layout.size
 
     @property
     def bytes_per_token(self) -> int:
@@ -92,30 +107,23 @@ class Codec:
         """k, v [N, G, D] (the fp16 values, any float dtype) -> uint8 records [N, record_bytes]."""
         h = hadamard(self.head_dim, k.device)
         kr, vr = k.float() @ h, v.float() @ h
-        parts = dict(zip(("k_codes", "k_a", "k_z", "k_r"), _quantize(kr.transpose(1, 2), self.k_bits)))
-        v_codes, v_a, v_z, v_c = _quantize(vr, self.v_bits)
+        parts = dict(zip(("k_codes", "k_a", "k_z", "k_r"), encode_side(kr.transpose(1, 2), self.k_bits)))
+        v_codes, v_a, v_z, v_c = encode_side(vr, self.v_bits)
         parts.update(v_codes=v_codes, v_a=v_a, v_z=v_z, v_c=v_c)
-        out = [parts[name] for name, _ in self.fields]
-        pad = self.record_bytes - sum(n for _, n in self.fields)
-        if pad:
-            out.append(torch.zeros(k.shape[0], pad, dtype=torch.uint8, device=k.device))
-        return torch.cat(out, -1)
+        return self.layout.join(parts)
 
     # --- decode -----------------------------------------------------------------------------------------------
-    def split(self, rec: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, off = {}, 0
-        for name, n in self.fields:
-            out[name] = rec[..., off : off + n]
-            off += n
-        return out
-
     def decode_rotated(self, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """records [..., record_bytes] -> (k, v) [..., G, D] float32, still in the rotated domain."""
-        p, g, d = self.split(rec), self.tile, self.head_dim
-        kq = _unpack(p["k_codes"], self.k_bits).unflatten(-1, (d, g)).float()
-        k = (kq * _f16(p["k_a"]).unsqueeze(-1) + _f16(p["k_z"]).unsqueeze(-1)) * _f16(p["k_r"]).unsqueeze(-2)
-        vq = _unpack(p["v_codes"], self.v_bits).unflatten(-1, (g, d)).float()
-        v = (vq * _f16(p["v_a"]).unsqueeze(-1) + _f16(p["v_z"]).unsqueeze(-1)) * _f16(p["v_c"]).unsqueeze(-2)
+        p, g, d = self.layout.split(rec), self.tile, self.head_dim
+        kq = unpack_bits(p["k_codes"], self.k_bits).unflatten(-1, (d, g)).float()
+        k = (kq * bytes_fp16(p["k_a"]).unsqueeze(-1) + bytes_fp16(p["k_z"]).unsqueeze(-1)) * bytes_fp16(
+            p["k_r"]
+        ).unsqueeze(-2)
+        vq = unpack_bits(p["v_codes"], self.v_bits).unflatten(-1, (g, d)).float()
+        v = (vq * bytes_fp16(p["v_a"]).unsqueeze(-1) + bytes_fp16(p["v_z"]).unsqueeze(-1)) * bytes_fp16(
+            p["v_c"]
+        ).unsqueeze(-2)
         return k.transpose(-1, -2), v
 
     def decode(self, rec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,68 +133,70 @@ class Codec:
         return k @ h, v @ h
 
 
-def _std_rows(x: torch.Tensor, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Population std down the rows of x [N, R, C], row r scaled by w [N, R] -> [N, C]; as E[x^2] - E[x]^2 through
-    vector-matrix products (x^2 precomputed), the same arithmetic qconv.kv uses, so the records match bit for bit."""
+def _weighted_std(x: torch.Tensor, x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """std over the rows of x [..., n, m] with row i scaled by w_i (w: [..., n]) -> [..., m], without building the
+    scaled tile: vector-matrix products with x and x^2 (precomputed), cheaper than torch.std's Welford pass; the
+    E[x^2] - E[x]^2 cancellation is harmless here (float64, 64-256 values per row)."""
     n = x.shape[-2]
-    mean = torch.matmul(w.unsqueeze(-2), x).squeeze(-2) / n
-    sq = torch.matmul((w * w).unsqueeze(-2), x2).squeeze(-2) / n
-    return (sq - mean * mean).clamp_min_(0).sqrt_()
+    m = (w.unsqueeze(-2) @ x).squeeze(-2) / n
+    s = ((w * w).unsqueeze(-2) @ x2).squeeze(-2) / n
+    return (s - m * m).clamp_min_(0).sqrt_()
 
 
-def _balance(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column (u) and row (v) log-scales evening out x [N, R, C] (float64 inside, float32 out); the iterate of least
-    imbalance max/min(col std) + max/min(row std) wins by at least 0.01%, the unscaled tile included (the last
-    iterate need not be best; near-equal ones would be told apart by summation order only)."""
+def _imbalance(col: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    return col.amax(-1) / col.amin(-1) + row.amax(-1) / row.amin(-1)
+
+
+def balance(x: torch.Tensor, iters: int = ITERS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-scales (u per column, v per row) so that x / (e^v e^u^T) has even row and column spreads.
+
+    Alternates column and row std normalization (stds clamped to STD_CLAMP, log-scales to LOG_CLAMP). The
+    iteration need not converge under the clamps, so the (u, v) with the lowest imbalance max/min(col std) +
+    max/min(row std) seen so far (by at least 0.01%, MIN_GAIN) is returned, starting from the unscaled tile
+    (returning the last iterate instead is a known accuracy bug). x: [..., R, C] float32; computed in float64,
+    returned as float32."""
     lo, hi = STD_CLAMP
     x = x.to(BALANCE_DTYPE)
-    xt = x.transpose(-1, -2).contiguous()
+    xt = x.transpose(-1, -2).contiguous()  # row stats as vector @ matrix too (far faster than matrix @ vector)
     x2, xt2 = x * x, xt * xt
-    u = x.new_zeros(x.shape[0], x.shape[2])
-    v = x.new_zeros(x.shape[0], x.shape[1])
-    col = _std_rows(x, x2, torch.ones_like(v)).clamp_(lo, hi)
-    row = _std_rows(xt, xt2, torch.ones_like(u)).clamp_(lo, hi)
-    spread = lambda c, r: c.amax(-1) / c.amin(-1) + r.amax(-1) / r.amin(-1)  # noqa: E731
-    keep_u, keep_v, keep = u, v, spread(col, row)
-    for _ in range(ITERS):
+    u = x.new_zeros(*x.shape[:-2], x.shape[-1])
+    v = x.new_zeros(*x.shape[:-1])
+    col = _weighted_std(x, x2, torch.ones_like(v)).clamp_(lo, hi)
+    row = _weighted_std(xt, xt2, torch.ones_like(u)).clamp_(lo, hi)
+    best_u, best_v, best_i = u, v, _imbalance(col, row)
+    for _ in range(iters):
         u = (u + col.log()).clamp_(*LOG_CLAMP)
-        raw = _std_rows(xt, xt2, torch.exp(-u))
-        v = (v + (raw * torch.exp(-v)).clamp_(lo, hi).log()).clamp_(*LOG_CLAMP)
-        row = (raw * torch.exp(-v)).clamp_(lo, hi)
-        col = (_std_rows(x, x2, torch.exp(-v)) * torch.exp(-u)).clamp_(lo, hi)
-        now = spread(col, row)
-        win = now < keep * MIN_GAIN
-        keep = torch.where(win, now, keep)
-        keep_u = torch.where(win.unsqueeze(-1), u, keep_u)
-        keep_v = torch.where(win.unsqueeze(-1), v, keep_v)
-    return keep_u.float(), keep_v.float()
+        row_raw = _weighted_std(xt, xt2, torch.exp(-u))  # row std before dividing by e^v
+        v = (v + (row_raw * torch.exp(-v)).clamp_(lo, hi).log()).clamp_(*LOG_CLAMP)
+        row = (row_raw * torch.exp(-v)).clamp_(lo, hi)
+        col = (_weighted_std(x, x2, torch.exp(-v)) * torch.exp(-u)).clamp_(lo, hi)
+        imb = _imbalance(col, row)
+        better = imb < best_i * MIN_GAIN
+        best_i = torch.where(better, imb, best_i)
+        best_u = torch.where(better.unsqueeze(-1), u, best_u)
+        best_v = torch.where(better.unsqueeze(-1), v, best_v)
+    return best_u.float(), best_v.float()
 
 
-def _quantize(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
-    """One side of a tile, x [N, R, C] float32 -> (packed codes, row step, row zero, column scale) as bytes."""
-    u, v = _balance(x)
-    y = x * _exp32(-v).unsqueeze(-1) * _exp32(-u).unsqueeze(-2)
+def rtn_rows(y: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest per row: (codes uint8, step, row min)."""
     lo, hi = torch.aminmax(y, dim=-1)
     step = ((hi - lo) / (2**bits - 1)).clamp_min(1e-10)
-    q = ((y - lo.unsqueeze(-1)) / step.unsqueeze(-1)).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
-    ev = _exp32(v)
-    return _pack(q.flatten(-2), bits), _bytes(step * ev), _bytes(lo * ev), _bytes(_exp32(u))
+    q = ((y - lo.unsqueeze(-1)) / step.unsqueeze(-1)).round_().clamp_(0, 2**bits - 1)
+    return q.to(torch.uint8), step, lo
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (codes.unflatten(-1, (-1, per)) << shifts).sum(-1, dtype=torch.uint8)
-
-
-def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
-
-
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16).contiguous().view(torch.uint8)
-
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    return b.contiguous().view(torch.float16).float()
+def encode_side(
+    x: torch.Tensor, bits: int, balanced: bool = True, iters: int = ITERS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One side of a tile, x [..., R, C] float32 -> (packed codes, row step, row zero, column scale) as bytes; the
+    balance folded into the fp16 row and column scales (`balanced=False`: plain per-row rounding, no column scale)."""
+    if balanced:
+        u, v = balance(x, iters)
+        y = x * exp32(-v).unsqueeze(-1) * exp32(-u).unsqueeze(-2)
+    else:
+        u, v, y = None, None, x
+    q, step, lo = rtn_rows(y, bits)
+    ev = exp32(v) if v is not None else 1.0
+    col = fp16_bytes(exp32(u)) if u is not None else None
+    return pack_bits(q.flatten(-2), bits), fp16_bytes(step * ev), fp16_bytes(lo * ev), col

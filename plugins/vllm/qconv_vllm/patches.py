@@ -146,6 +146,23 @@ TARGETS = {
         relied_on=True,
         at_use=True,
     ),
+    "api_server_run": Target(
+        "vllm.entrypoints.launchers.api_server.entry",
+        "run_server",
+        ("args", "uvicorn_kwargs"),
+        "frontdoor: qconv's connection limits reach vLLM's uvicorn as options",
+        relied_on=True,
+        at_use=True,
+    ),
+    "api_server_uvicorn": Target(
+        "vllm.entrypoints.launchers.launcher",
+        "serve_http",
+        ("app", "sock", "enable_ssl_refresh", "peer_loads", "uvicorn_kwargs"),
+        "frontdoor: the options become uvicorn's Config",
+        reads="config = uvicorn.Config(app, **uvicorn_kwargs)",
+        relied_on=True,
+        at_use=True,
+    ),
     "ngram_match": Target(
         "vllm.v1.spec_decode.ngram_proposer",
         "_find_longest_matched_ngram_and_propose_tokens",

@@ -7,7 +7,7 @@ calls them; a call says so instead of returning a wrong image."""
 __version__ = "0.0.0+qconv-standin"
 
 
-def _unavailable(name):
+def unavailable(name):
     def fn(*args, **kwargs):
         raise RuntimeError(f"torchvision.{name} is not available: this venv has qconv's text-only stand-in")
 

@@ -1,6 +1,6 @@
 import enum
 
-from torchvision import _unavailable
+from torchvision import unavailable
 
 
 class ImageReadMode(enum.Enum):
@@ -11,5 +11,5 @@ class ImageReadMode(enum.Enum):
     RGB_ALPHA = 4
 
 
-decode_image = _unavailable("io.decode_image")
-read_video = _unavailable("io.read_video")
+decode_image = unavailable("io.decode_image")
+read_video = unavailable("io.read_video")

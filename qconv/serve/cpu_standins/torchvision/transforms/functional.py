@@ -1,4 +1,4 @@
-from torchvision import _unavailable
+from torchvision import unavailable
 from torchvision.transforms import InterpolationMode  # noqa: F401
 
-pil_to_tensor = _unavailable("transforms.functional.pil_to_tensor")
+pil_to_tensor = unavailable("transforms.functional.pil_to_tensor")

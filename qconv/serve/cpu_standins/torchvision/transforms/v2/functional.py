@@ -1,5 +1,5 @@
-from torchvision import _unavailable
+from torchvision import unavailable
 
 
 def __getattr__(name):
-    return _unavailable(f"transforms.v2.functional.{name}")
+    return unavailable(f"transforms.v2.functional.{name}")

@@ -18,6 +18,8 @@ CORPUS = (
 ) * 4
 
 VOCAB = 512
+# The families every family-parametrized test runs over (llama stands for llama/qwen2/mistral)
+FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma3")
 STD = 0.02
 
 
@@ -49,7 +51,7 @@ def make_tokenizer(vocab_size: int = VOCAB):
 
 def tiny_config(family: str, vocab: int):
     """The tiny transformers config of one family: every family shares the widths, the layer count and the ids."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab,
@@ -72,6 +74,17 @@ def tiny_config(family: str, vocab: int):
         return Qwen2Config(num_hidden_layers=2, tie_word_embeddings=True, **common)
     if family == "qwen3":
         return Qwen3Config(num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, **common)
+    if family == "gemma3":  # a sliding-window layer (window 16: the tests' prompts outgrow it) and a global one,
+        # each with its own rope theta; query_pre_attn_scalar != head_dim so the attention scale is exercised
+        return Gemma3TextConfig(
+            num_hidden_layers=2,
+            head_dim=32,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=16,
+            query_pre_attn_scalar=48,
+            tie_word_embeddings=True,
+            **common,
+        )
     if family == "qwen3_5":
         return Qwen3_5TextConfig(
             num_hidden_layers=4,
@@ -129,6 +142,8 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, STD)
+            elif family == "gemma3":  # (1 + w) norms start at w = 0: spread them so each norm's weight matters
+                p.normal_(0, 0.1)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

@@ -13,11 +13,13 @@ from qconv.modelfiles import check_weight_files, read_model_config
 
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
 QWEN35_FAMILY = ("qwen3_5", "qwen3_5_text")
+GEMMA3_FAMILY = ("gemma3_text",)
+ATTENTION_TYPES = ("full_attention", "sliding_attention")  # layer types that keep K/V
 
 
 @dataclass
 class EngineConfig:
-    family: str  # "llama" (llama/qwen2/qwen3) or "qwen3_5"
+    family: str  # "llama" (llama/qwen2/qwen3), "qwen3_5" or "gemma3"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -47,10 +49,21 @@ class EngineConfig:
     weight_prefix: str = "model."  # where decoder weights live in the checkpoint
     inv_freq: torch.Tensor | None = field(default=None, repr=False)
     rope_scaling: float = 1.0  # attention_scaling of the rope variant (yarn etc.)
+    attn_scale: float | None = None  # softmax scale when not 1/sqrt(head_dim) (gemma3: query_pre_attn_scalar)
+    # sliding-window layers (gemma3): their window and their own rope (inverse frequencies, attention_scaling)
+    sliding_window: int = 0
+    local_inv_freq: torch.Tensor | None = field(default=None, repr=False)
+    local_rope_scaling: float = 1.0
+    logit_softcap: float | None = None  # final logits: cap * tanh(logits / cap)
 
     @property
     def full_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """Layers that keep K/V in the cache (full and sliding-window attention), in order."""
+        return [i for i, t in enumerate(self.layer_types) if t in ATTENTION_TYPES]
 
     @property
     def linear_layers(self) -> list[int]:
@@ -70,11 +83,14 @@ def model_dir(path: str | Path) -> Path:
     return path
 
 
-def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
-    """Inverse frequencies via transformers' rope registry (llama3, yarn, ... included); default computed here."""
+def _rope(hf, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float, int]:
+    """Inverse frequencies via transformers' rope registry (llama3, yarn, ... included); default computed here.
+    `layer_type`: the rope of that layer type, where the config keeps one per type (gemma3)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(getattr(hf, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params.get(layer_type) or {})
     rtype = params.get("rope_type", "default")
     partial = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
     dim = int(head_dim * partial)
@@ -84,7 +100,7 @@ def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
         return inv.float(), 1.0, dim
     if rtype not in ROPE_INIT_FUNCTIONS:
         raise QconvError(f"unsupported rope_type {rtype!r}", fix=f"one of default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv, scale = ROPE_INIT_FUNCTIONS[rtype](hf, None)
+    inv, scale = ROPE_INIT_FUNCTIONS[rtype](hf, None, **({"layer_type": layer_type} if layer_type else {}))
     return inv.float(), float(scale), dim
 
 
@@ -113,18 +129,19 @@ def load_config(path: str | Path, *, has_mtp: bool = False) -> EngineConfig:
     hf, prefix = top, "model."
     if mt == "qwen3_5":  # multimodal wrapper: text weights live under model.language_model.
         hf, prefix = top.get_text_config(), "model.language_model."
-    if mt not in LLAMA_FAMILY + QWEN35_FAMILY:
+    supported = LLAMA_FAMILY + QWEN35_FAMILY + GEMMA3_FAMILY
+    if mt not in supported:
         raise QconvError(
             f"model_type {mt!r} is not supported by the bundled engine",
             where=str(path),
-            fix=f"supported: {', '.join(LLAMA_FAMILY + QWEN35_FAMILY)}",
+            fix=f"supported: {', '.join(supported)}",
         )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    inv_freq, rscale, rdim = _rope(hf, head_dim)
-    qwen35 = mt in QWEN35_FAMILY
+    qwen35, gemma3 = mt in QWEN35_FAMILY, mt in GEMMA3_FAMILY
+    inv_freq, rscale, rdim = _rope(hf, head_dim, "full_attention" if gemma3 else None)
     n = hf.num_hidden_layers
     cfg = EngineConfig(
-        family="qwen3_5" if qwen35 else "llama",
+        family="qwen3_5" if qwen35 else "gemma3" if gemma3 else "llama",
         model_type=mt,
         vocab_size=hf.vocab_size,
         hidden_size=hf.hidden_size,
@@ -138,9 +155,9 @@ def load_config(path: str | Path, *, has_mtp: bool = False) -> EngineConfig:
         eos_token_ids=_eos_ids(path, top, hf),
         tie_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(hf, "attention_bias", mt == "qwen2")),
-        qk_norm=mt in ("qwen3",) + QWEN35_FAMILY,
+        qk_norm=mt in ("qwen3",) + QWEN35_FAMILY + GEMMA3_FAMILY,
         attn_output_gate=qwen35,
-        norm_offset=1.0 if qwen35 else 0.0,
+        norm_offset=1.0 if qwen35 or gemma3 else 0.0,
         rotary_dim=rdim,
         layer_types=list(getattr(hf, "layer_types", None) or ["full_attention"] * n),
         has_mtp=has_mtp,
@@ -152,4 +169,15 @@ def load_config(path: str | Path, *, has_mtp: bool = False) -> EngineConfig:
         cfg.linear_num_k_heads, cfg.linear_num_v_heads = hf.linear_num_key_heads, hf.linear_num_value_heads
         cfg.linear_k_head_dim, cfg.linear_v_head_dim = hf.linear_key_head_dim, hf.linear_value_head_dim
         cfg.conv_kernel = hf.linear_conv_kernel_dim
+    if gemma3:
+        if getattr(hf, "attn_logit_softcapping", None):
+            raise QconvError(
+                "attention logit soft-capping is not implemented by the bundled engine",
+                where=str(path / "config.json"),
+                fix="serve this model with --backend vllm",
+            )
+        cfg.attn_scale = float(hf.query_pre_attn_scalar) ** -0.5
+        cfg.sliding_window = int(hf.sliding_window or 0)
+        cfg.local_inv_freq, cfg.local_rope_scaling, _ = _rope(hf, head_dim, "sliding_attention")
+        cfg.logit_softcap = getattr(hf, "final_logit_softcapping", None)
     return cfg

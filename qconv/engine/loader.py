@@ -13,6 +13,7 @@ from qconv.compute import bf16_native, dtype_name
 from qconv.convert.dequant import dequantize_tensors
 from qconv.engine.config import EngineConfig, load_config
 from qconv.engine.cpu_pack import PackedLinear, pack_linears, packing_available
+from qconv.engine.gemma3 import Gemma3Transformer
 from qconv.engine.int_linear import Int4Linear, Int8Embedding, IntWeight, attach_int_kernels, int_kernels_available
 from qconv.engine.model import Transformer
 from qconv.engine.quant import int_weights
@@ -26,8 +27,9 @@ FUSED = {  # our name -> checkpoint names concatenated along the output dim, in 
     "gate_up_proj": ("gate_proj", "up_proj"),
     "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
 }
+FAMILY_MODELS: dict[str, type[Transformer]] = {"qwen3_5": Qwen35Transformer, "gemma3": Gemma3Transformer}
 PART_OF = {part: (fused, parts) for fused, parts in FUSED.items() for part in parts}
-# qwen3_5 norms that compute x * (1 + w); the GDN output norm (linear_attn.norm) uses plain w.
+# qwen3_5 and gemma3 norms that compute x * (1 + w); the GDN output norm (linear_attn.norm) uses plain w.
 OFFSET_NORM = re.compile(r"(layernorm|q_norm|k_norm|pre_fc_norm_\w+|^norm|mtp\.norm)\.weight$")
 
 
@@ -152,7 +154,7 @@ def load_model(
     cfg.o_bias = any(k.endswith("self_attn.o_proj.bias") for k in tensors)
     sd = convert_state_dict(tensors, cfg, dtype)
     with torch.device("meta"):
-        model = (Qwen35Transformer if cfg.family == "qwen3_5" else Transformer)(cfg)
+        model = FAMILY_MODELS.get(cfg.family, Transformer)(cfg)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise QconvError(

@@ -14,6 +14,7 @@ FAMILIES = {
     "mistral": "llama",
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
+    "gemma3_text": "gemma3",
 }
 
 # Checked in order; the first match wins (MTP and vision first: their inner layers look like the trunk's).

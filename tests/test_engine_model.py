@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from qconv.engine import load_model
-from tests.tiny import FAMILIES
+from tests.tiny import FAMILIES, parity
 from tests.tiny import hf_model as _hf
-from tests.tiny import parity
 from tests.tiny import random_tokens as _tokens
 
 TOL = 1e-3  # max |logit difference| in fp32

@@ -294,9 +294,10 @@ def _check_sizes(config: dict, tensors: dict[str, dict], stored: int, folder: Pa
                 )
 
 
-def check_weight_files(folder: str | os.PathLike) -> None:
+def check_weight_files(folder: str | os.PathLike, config: dict | None = None) -> None:
     """Every *.safetensors header in `folder`, checked before a library loads them (serve, generate, eval, check):
-    well-formed, every quantized parameter beside the weight it belongs to, and sizes config.json agrees with."""
+    well-formed, every quantized parameter beside the weight it belongs to, and sizes config.json agrees with
+    (`config`: the folder's config.json already read; None: read it here)."""
     folder = Path(folder)
     tensors: dict[str, dict] = {}
     stored = 0
@@ -305,5 +306,5 @@ def check_weight_files(folder: str | os.PathLike) -> None:
         stored += shard.stat().st_size
     _check_quantized_groups(tensors, folder)
     _check_rotations(folder, {n for n in tensors if n.endswith(ROTATION_STORED)})
-    if tensors and (folder / "config.json").is_file():
-        _check_sizes(read_model_config(folder), tensors, stored, folder)
+    if tensors and (config is not None or (folder / "config.json").is_file()):
+        _check_sizes(config if config is not None else read_model_config(folder), tensors, stored, folder)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qconv.engine import load_model
-from tests.tiny import FAMILIES, parity
+from tests.tiny import TINY_FAMILIES, parity
 from tests.tiny import hf_model as _hf
 from tests.tiny import random_tokens as _tokens
 
@@ -41,7 +41,7 @@ def tiny_qwen2(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_logit_parity_tiny(tiny_models, family):
     pre, dec = parity(tiny_models(family), prompt_len=90)  # 90 > one 64-token GDN chunk, > gemma3's 16-token window
     assert pre <= TOL and dec <= TOL, (pre, dec)
@@ -78,7 +78,7 @@ def test_qwen35_decode_matches_chunked_prefill(tiny_qwen3_5):
     assert (whole - steps).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_rollback_equals_never_seen(tiny_models, family):
     m = load_model(tiny_models(family))
     V = m.config.vocab_size
@@ -113,7 +113,7 @@ def test_rollback_into_long_forward_window(tiny_qwen3_5):
         cache.rollback([0], [50])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_batched_slots_match_single(tiny_models, family):
     m = load_model(tiny_models(family))
     V = m.config.vocab_size

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from qconv.cli import main
 from tests.cli_helpers import build_args
 from tests.serve_helpers import ServerProcess, free_port
-from tests.tiny import FAMILIES
+from tests.tiny import TINY_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's plugin first on vLLM's path: its sys.path entry wins over the venv's editable install of another
@@ -187,7 +187,7 @@ def _planned_kv_bytes(art: Path, context: int, in_flight: int) -> tuple[int, int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f if f != "qwen3_5" else "qwen3_5_wide" for f in FAMILIES])
+@pytest.mark.parametrize("family", [f if f != "qwen3_5" else "qwen3_5_wide" for f in TINY_FAMILIES])
 def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_python, family):
     """One vLLM start per family (the 3090 artifact of its tiny model, with the plugin): greedy tokens scored as
     our engine scores them, and vLLM's KV allocation per sequence equal to the memory planner's (qwen3_5: the

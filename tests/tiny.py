@@ -18,9 +18,10 @@ CORPUS = (
 ) * 4
 
 VOCAB = 512
-# The families every family-parametrized test runs over (llama stands for llama/qwen2/mistral)
-FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma3")
 STD = 0.02
+# One tiny fixture per model family (tiny_config's name for it): the tests parametrized over families run each.
+# A new family adds its entry here and its config in tiny_config.
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma3")
 
 
 def make_tokenizer(vocab_size: int = VOCAB):

@@ -24,8 +24,8 @@ from qconv.convert.device import gptq_block_bytes
 from qconv.convert.layout import Plan
 from qconv.errors import QconvError
 from qconv.kv.plan import CARDS, GIB
+from qconv.models.family import layer_index
 from qconv.recipes.recipe import Recipe
-from qconv.recipes.roles import _LAYER
 from qconv.recipes.sections import KEEP
 
 # CUDA context and the caching allocator's slack, kept off the card's memory before the phases are fitted.
@@ -126,9 +126,9 @@ def card_target(card: str | None, recipe: Recipe) -> tuple[str, int, float | Non
 def _layers(plan: Plan) -> dict[int, list]:
     out: dict[int, list] = {}
     for m in plan.modules:
-        hit = _LAYER.search(m.name)
-        if hit and not m.name.startswith("mtp.") and m.role != "vision":
-            out.setdefault(int(hit.group(1)), []).append(m)
+        layer = layer_index(m.name)
+        if layer is not None and not m.name.startswith("mtp.") and m.role != "vision":
+            out.setdefault(layer, []).append(m)
     return out
 
 

@@ -30,12 +30,12 @@ HEAD_ROWS = 128  # positions per lm_head forward + backward: float32 logits, sof
 def members_by_layer(units: list[Unit], n_layers: int | None = None) -> dict[int, dict[str, str]]:
     """layer index -> {member name: its name inside the layer}; every member must sit in a decoder layer (a
     streamed build checks this before it writes anything)."""
-    from qconv.recipes.roles import _LAYER
+    from qconv.models.family import LAYER
 
     out: dict[int, dict[str, str]] = {}
     for u in units:
         for m in u.base:
-            hit = _LAYER.search(m.name)
+            hit = LAYER.search(m.name)
             if m.name.startswith("mtp.") or hit is None or (n_layers is not None and int(hit.group(1)) >= n_layers):
                 raise QconvError(
                     f"INT8 candidate {m.name} ({u.role}) is not in a decoder layer: a streamed build "

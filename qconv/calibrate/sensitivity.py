@@ -120,10 +120,10 @@ class _Skip(torch.nn.Module):
 
 
 def _layer_index(module: str) -> int:
-    from qconv.recipes.roles import _LAYER
+    from qconv.models.family import layer_index
 
-    m = _LAYER.search(module)
-    return int(m.group(1)) if m and not module.startswith("mtp.") else 0
+    layer = layer_index(module)
+    return layer if layer is not None and not module.startswith("mtp.") else 0
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from qconv.calibrate.units import Option, Unit, module_bytes
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
 from qconv.modelfiles import safetensors_header
+from qconv.models.family import Family
 from qconv.recipes.recipe import Recipe
 from qconv.recipes.roles import FUSED, family_of, role_of, text_config, unit_of
 from qconv.recipes.sections import KEEP, Scheme
@@ -213,7 +214,7 @@ def kept_plan(folder: Path, config: dict, modules: list[ModuleDecision]) -> Plan
     """The plan of a build that keeps a checkpoint's own layout (already-quantized sources): what `requires` reads,
     the model type vLLM builds and whether lm_head is the embedding table."""
     return Plan(
-        family=family_of(config),
+        family=family_of(config).name,
         modules=modules,
         other_bytes=0,
         source_bytes=0,
@@ -225,6 +226,7 @@ def kept_plan(folder: Path, config: dict, modules: list[ModuleDecision]) -> Plan
 def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     """The per-module plan for a model folder (weights or config only) under a recipe."""
     family = family_of(config)
+    check_roles(recipe, family)
     tensors = tensor_table(folder, config)
     modules, warnings, planned = [], [], set()
     names = list(tensors)
@@ -247,7 +249,7 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
         if not name.endswith(".weight") or len(t.shape) != 2:
             continue
         mod = name[: -len(".weight")]
-        role = role_of(mod)
+        role = role_of(mod, family)
         if role is None:
             continue
         scheme_name = recipe.scheme_for(role)
@@ -260,7 +262,7 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
     source = sum(t.bytes_per_elem * t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     params = sum(t.numel for n, t in tensors.items() if not (untie and n == "lm_head.weight"))
     plan = Plan(
-        family=family,
+        family=family.name,
         modules=modules,
         other_bytes=other,
         source_bytes=source,
@@ -279,6 +281,19 @@ def plan_model(folder: Path, config: dict, recipe: Recipe) -> Plan:
         )
     check_fused(plan)
     return plan
+
+
+def check_roles(recipe: Recipe, family: Family) -> None:
+    """A recipe must quantize some role the model's family has: one that names none of them would leave the whole
+    model at its source precision (a recipe may name other families' roles too: one recipe serves many)."""
+    quantized = [r for r, s in recipe.roles.items() if s != KEEP]
+    if quantized and not set(quantized) & set(family.roles):
+        raise QconvError(
+            f"recipe {recipe.name!r} quantizes roles {', '.join(quantized)}, none of which the {family.name} family "
+            f"has (its roles: {', '.join(family.roles)})",
+            where="recipe roles",
+            fix=f"give schemes to the {family.name} roles ({', '.join(family.roles)})",
+        )
 
 
 def check_fused(plan: Plan) -> None:

@@ -16,13 +16,13 @@ from qconv.convert.device import LayerClock
 from qconv.convert.stream import MAX_SHARD_SIZE
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
+from qconv.models.family import all_role_patterns
 from qconv.recipes.recipe import Recipe
-from qconv.recipes.roles import _ROLE_PATTERNS
 from qconv.recipes.sections import KEEP
 
 log = logging.getLogger(__name__)
 
-_PATTERN = dict(_ROLE_PATTERNS)
+_PATTERN = dict(all_role_patterns())
 COMPRESS_BLOCK_ELEMENTS = 1 << 26  # rows quantized for saving at a time: 256 MB per float32 temporary
 # Calibration samples per forward: tokens x the model's widest activation at most this many elements (32 MB in
 # float32), and at most CALIB_BATCH samples: the 27B's 17,408-wide MLP goes one 2,048-token sample at a time.

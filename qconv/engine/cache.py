@@ -10,10 +10,10 @@ from typing import Protocol
 
 import torch
 
-from qconv.engine.config import EngineConfig
-from qconv.engine.gdn import recurrent_gated_delta
 from qconv.errors import QconvError
 from qconv.kv import get_kv_scheme
+from qconv.models.config import EngineConfig
+from qconv.models.gdn import recurrent_gated_delta
 
 
 class KVStore(Protocol):
@@ -147,7 +147,7 @@ class ModelCache:
             self.kv.truncate(slots, n_keep)
 
     def record_gdn(self, slots: list[int], starts: list[int], T: int, stash: dict[int, tuple]) -> None:
-        """Keep what the GDN layers stashed during one forward (qwen35.py) as each slot's rollback record."""
+        """Keep what the GDN layers stashed during one forward (qconv.models.qwen3_5) as each slot's rollback record."""
         layers = [stash[i] for i in sorted(stash)]
         w = layers[0][2].shape[2]
         for row, (slot, start) in enumerate(zip(slots, starts)):

@@ -11,26 +11,22 @@ import torch
 
 from qconv.compute import bf16_native, dtype_name
 from qconv.convert.dequant import dequantize_tensors
-from qconv.engine.config import EngineConfig, load_config
+from qconv.engine.cache import ModelCache
+from qconv.engine.config import as_spec, load_config
 from qconv.engine.cpu_pack import PackedLinear, pack_linears, packing_available
-from qconv.engine.gemma3 import Gemma3Transformer
 from qconv.engine.int_linear import Int4Linear, Int8Embedding, IntWeight, attach_int_kernels, int_kernels_available
-from qconv.engine.model import Transformer
 from qconv.engine.quant import int_weights
-from qconv.engine.qwen35 import Qwen35Transformer
 from qconv.errors import QconvError
 from qconv.modelfiles import load_tokenizer as read_tokenizer
-from qconv.modelfiles import read_model_config
+from qconv.models.blocks import Transformer
+from qconv.models.config import EngineConfig
+from qconv.models.family import Family
+from qconv.models.spec import ModelSpec
 
-FUSED = {  # our name -> checkpoint names concatenated along the output dim, in order
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-}
-FAMILY_MODELS: dict[str, type[Transformer]] = {"qwen3_5": Qwen35Transformer, "gemma3": Gemma3Transformer}
-PART_OF = {part: (fused, parts) for fused, parts in FUSED.items() for part in parts}
-# qwen3_5 and gemma3 norms that compute x * (1 + w); the GDN output norm (linear_attn.norm) uses plain w.
-OFFSET_NORM = re.compile(r"(layernorm|q_norm|k_norm|pre_fc_norm_\w+|^norm|mtp\.norm)\.weight$")
+
+def part_of(family: Family) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """checkpoint projection -> (our fused module, its parts in order), from the family's fused groups."""
+    return {part: (f.engine, f.parts) for f in family.fused for part in f.parts}
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -49,17 +45,16 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantization_config(path: Path) -> dict | None:
-    return read_model_config(path).get("quantization_config") or None
-
-
-def our_int_weights(path: Path, tensors: dict[str, torch.Tensor], cfg: EngineConfig) -> dict[str, IntWeight]:
+def our_int_weights(
+    path: Path | ModelSpec, tensors: dict[str, torch.Tensor], cfg: EngineConfig
+) -> dict[str, IntWeight]:
     """The artifact's integer weights under our module names, fused like the dense ones; a fused projection whose
     parts differ in format (or are not all quantized) is left out and runs dense."""
-    qcfg = quantization_config(path)
-    found = int_weights(qcfg, tensors, where=str(path)) if qcfg else {}
+    spec = as_spec(path)
+    qcfg = spec.config.get("quantization_config")
+    found = int_weights(qcfg, tensors, where=str(spec.folder)) if qcfg else {}
     named = ((ours, w) for name, w in found.items() if (ours := _our_name(name + ".weight", cfg)) is not None)
-    fused, _ = _fuse(named, IntWeight.cat)
+    fused, _ = _fuse(named, IntWeight.cat, part_of(spec.family))
     return {name.removesuffix(".weight"): w for name, w in fused.items() if w is not None}
 
 
@@ -78,17 +73,17 @@ def _our_name(name: str, cfg: EngineConfig) -> str | None:
     return name
 
 
-def _fuse(named, cat) -> tuple[dict, dict]:
-    """(our name, value) pairs with the parts of each fused projection joined by `cat` (in FUSED order), and the
-    fused projections some of whose parts never came."""
+def _fuse(named, cat, parts_of: dict[str, tuple[str, tuple[str, ...]]]) -> tuple[dict, dict]:
+    """(our name, value) pairs with the parts of each fused projection joined by `cat` (in the family's order), and
+    the fused projections some of whose parts never came."""
     out, pending = {}, {}
     for name, t in named:
         module, _, param = name.rpartition(".")
         owner, _, leaf = module.rpartition(".")
-        if leaf not in PART_OF:
+        if leaf not in parts_of:
             out[name] = t
             continue
-        fused, parts = PART_OF[leaf]
+        fused, parts = parts_of[leaf]
         key = f"{owner}.{fused}.{param}"
         got = pending.setdefault(key, {})
         got[leaf] = t
@@ -98,32 +93,36 @@ def _fuse(named, cat) -> tuple[dict, dict]:
     return out, pending
 
 
-def convert_state_dict(tensors: dict[str, torch.Tensor], cfg: EngineConfig, dtype) -> dict[str, torch.Tensor]:
+def convert_state_dict(
+    tensors: dict[str, torch.Tensor], cfg: EngineConfig, family: Family, dtype
+) -> dict[str, torch.Tensor]:
+    offset_norm = re.compile(family.offset_norms)  # norms computing x * (offset + w); GDN's own norm uses plain w
+
     def ours():
         for name, t in tensors.items():
             name = _our_name(name, cfg)
             if name is None:
                 continue
             t = t.to(dtype) if t.is_floating_point() else t
-            if cfg.norm_offset and OFFSET_NORM.search(name):
+            if cfg.norm_offset and offset_norm.search(name):
                 t = (t.float() + cfg.norm_offset).to(dtype)
             if name.endswith(".conv1d.weight"):  # [C, 1, K] -> [C, K]
                 name, t = name.replace(".conv1d.weight", ".conv_weight"), t.squeeze(1)
             yield name, t
 
-    sd, pending = _fuse(ours(), torch.cat)
+    sd, pending = _fuse(ours(), torch.cat, part_of(family))
     if pending:
         raise QconvError(f"checkpoint has incomplete fused projections: {sorted(pending)[:3]}")
     return sd
 
 
-def engine_dtype(path, dequantize: bool = False, requested: str | None = None) -> torch.dtype:
+def engine_dtype(path: Path | ModelSpec, dequantize: bool = False, requested: str | None = None) -> torch.dtype:
     """The dtype the CLI runs a model in: `requested` ("float32" / "bfloat16") when given; else bf16 for a
     compressed artifact when the CPU int kernels exist and the CPU computes bf16 natively (its int4 Linears then run
     as int4), else float32 (dequantized on load). dequantize=True forces the float32 path."""
     if requested and requested != "auto":
         return getattr(torch, requested)
-    compressed = (quantization_config(Path(path)) or {}).get("quantization_status") == "compressed"
+    compressed = (as_spec(path).config.get("quantization_config") or {}).get("quantization_status") == "compressed"
     use_int = (
         compressed and not dequantize and int_kernels_available(torch.device("cpu"), torch.bfloat16) and bf16_native()
     )
@@ -138,7 +137,8 @@ def load_model(
     pack: repack Linear weights into oneDNN's layout for faster CPU decode (default: on CPU when available).
     int_kernels: run an artifact's int4 Linears through torch's CPU int4 kernel and look its int8 embedding up from
     the int8 table (default: on for bf16 on CPU when the kernels exist; False = dequantized only)."""
-    path = Path(path)
+    spec = as_spec(path)
+    path = spec.folder
     if int_kernels is None:
         int_kernels = int_kernels_available(torch.device("cpu"), dtype)
     elif int_kernels and not int_kernels_available(torch.device("cpu"), dtype):
@@ -147,14 +147,14 @@ def load_model(
             fix="load with dtype=torch.bfloat16, or int_kernels=False",
         )
     raw = read_safetensors(path)
-    qcfg = quantization_config(path)
+    qcfg = spec.config.get("quantization_config")
     tensors = dequantize_tensors(qcfg, raw, dtype, where=str(path)) if qcfg else raw
-    cfg = load_config(path, has_mtp=any(k.startswith("mtp.fc.") for k in tensors))
+    cfg = load_config(spec, has_mtp=any(k.startswith("mtp.fc.") for k in tensors))
     cfg.attention_bias = any(k.endswith("self_attn.q_proj.bias") for k in tensors)
     cfg.o_bias = any(k.endswith("self_attn.o_proj.bias") for k in tensors)
-    sd = convert_state_dict(tensors, cfg, dtype)
+    sd = convert_state_dict(tensors, cfg, spec.family, dtype)
     with torch.device("meta"):
-        model = FAMILY_MODELS.get(cfg.family, Transformer)(cfg)
+        model = spec.family.transformer(cfg, ModelCache.create)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise QconvError(
@@ -167,14 +167,15 @@ def load_model(
         if model.lm_head is None:
             model.tied_head = PackedLinear(model.embed_tokens.weight, None)
     if int_kernels:
-        attach_int_kernels(model, our_int_weights(path, raw, cfg))
+        attach_int_kernels(model, our_int_weights(spec, raw, cfg))
     return model.eval()
 
 
 def load_for_engine(path, dequantize: bool = False, dtype: str | None = None) -> Transformer:
     """The model as `qconv generate` and `qconv serve` run it: `engine_dtype`'s dtype, and the CPU int kernels
-    unless `dequantize`."""
-    return load_model(path, dtype=engine_dtype(path, dequantize, dtype), int_kernels=False if dequantize else None)
+    unless `dequantize`. `path`: a model folder or its ModelSpec."""
+    spec = as_spec(path)
+    return load_model(spec, dtype=engine_dtype(spec, dequantize, dtype), int_kernels=False if dequantize else None)
 
 
 def describe_engine(model: Transformer) -> str:

@@ -1,17 +1,55 @@
-"""Decoder-only transformer for the llama family (llama, qwen2, qwen3), plus the building blocks qwen35.py reuses
-(norm, MLP, rope, gated attention). Fused q/k/v and gate/up projections: fewer, larger matmuls per decode step."""
+"""The building blocks of our engine's models (norm, MLP, rope, attention with its options, decoder block) and the
+decoder-only Transformer shell a family file builds on. Fused q/k/v and gate/up projections: fewer, larger matmuls
+per decode step. Plain torch: the engine's per-slot cache is reached through the `StepCache` Protocol below."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qconv.engine.cache import ModelCache
-from qconv.engine.config import EngineConfig
 from qconv.errors import QconvError
+from qconv.models.config import EngineConfig
+
+
+class KVRows(Protocol):
+    """Where full-attention K/V rows live (qconv.engine.cache.KVStore)."""
+
+    def write(self, layer: int, slots: list[int], starts: list[int], k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def read(self, layer: int, slots: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class StepCache(Protocol):
+    """What a forward reads and writes of the engine's per-slot cache (qconv.engine.cache.ModelCache)."""
+
+    max_len: int
+    lengths: torch.Tensor
+    kv: KVRows | None
+    conv: list[torch.Tensor]  # per linear layer: [max_batch, C, K-1]
+    rec: list[torch.Tensor]  # per linear layer: [max_batch, Hv, Dk, Dv] fp32
+    max_rollback: int
+    mtp: StepCache | None
+    records: dict
+
+    def record_gdn(self, slots: list[int], starts: list[int], T: int, stash: dict[int, tuple]) -> None: ...
+
+
+class CacheFactory(Protocol):
+    """Makes the cache of a model (the engine's ModelCache.create); `kv_layers`: that many attention layers alone."""
+
+    def __call__(
+        self,
+        c: EngineConfig,
+        max_batch: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device=None,
+        kv_scheme: str = "bf16",
+        kv_layers: int | None = None,
+    ) -> StepCache: ...
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +79,7 @@ class MLP(nn.Module):
 class Step:
     """What every layer of one forward shares: which slots, where each row starts, rope tables, attention mask."""
 
-    cache: ModelCache
+    cache: StepCache
     slots: list[int]
     starts: list[int]
     T: int
@@ -52,7 +90,7 @@ class Step:
     gdn: dict[int, tuple] = field(default_factory=dict)  # linear layer -> what rollback needs (cache.record_gdn)
 
     @classmethod
-    def begin(cls, cfg: EngineConfig, cache: ModelCache, slots, B: int, T: int, device, dtype) -> Step:
+    def begin(cls, cfg: EngineConfig, cache: StepCache, slots, B: int, T: int, device, dtype) -> Step:
         slots = list(range(B)) if slots is None else [int(s) for s in slots]
         starts = [int(cache.lengths[s]) for s in slots]
         length = max(starts) + T
@@ -159,11 +197,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The llama-family model. forward() appends tokens to cache slots and returns float32 logits."""
+    """A decoder of attention blocks (the llama family's model; other families override `make_mixer`). forward()
+    appends tokens to cache slots and returns float32 logits. `make_cache`: the engine's cache constructor."""
 
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, make_cache: CacheFactory):
         super().__init__()
         self.config = cfg
+        self.make_cache = make_cache
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
@@ -192,8 +232,8 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
-        cache = ModelCache.create(self.config, max_batch, max_len, self.dtype, self.device, kv_scheme)
+    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> StepCache:
+        cache = self.make_cache(self.config, max_batch, max_len, self.dtype, self.device, kv_scheme)
         if self.mtp is not None:
             cache.mtp = self.mtp.new_cache(max_batch, max_len, kv_scheme)
         return cache
@@ -206,7 +246,7 @@ class Transformer(nn.Module):
         return F.linear(h, self.embed_tokens.weight).float()
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: ModelCache, slots=None, return_hidden: bool = False):
+    def forward(self, tokens: torch.Tensor, cache: StepCache, slots=None, return_hidden: bool = False):
         """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden)."""
         B, T = tokens.shape
         st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype)

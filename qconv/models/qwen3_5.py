@@ -1,4 +1,5 @@
-"""The qwen3_5 hybrid: Gated-DeltaNet layers interleaved with gated full attention, plus the MTP head.
+"""The qwen3_5 family (Qwen3.5 / Qwen3-Next style hybrid): Gated-DeltaNet layers interleaved with gated full
+attention, plus the MTP head; its FAMILY record at the end.
 
 MTP (as vLLM's qwen3_next_mtp computes it): x = fc([norm_e(embed(token t+1)), norm_h(hidden t)]) -> one gated
 full-attention block at position t -> final norm -> the target's lm_head. `hidden` is the target's final-norm
@@ -10,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qconv.engine.cache import ModelCache
-from qconv.engine.config import EngineConfig
-from qconv.engine.gdn import gated_delta
-from qconv.engine.model import Attention, Block, RMSNorm, Step, Transformer
+from qconv.models.blocks import Attention, Block, CacheFactory, RMSNorm, Step, StepCache, Transformer
+from qconv.models.config import EngineConfig
+from qconv.models.family import Family, Fused, LinearState
+from qconv.models.gdn import gated_delta
+from qconv.models.llama import ATTENTION_ROLES, LLAMA_FUSED, LLAMA_VLLM_ROLES
 
 
 def _take(buf: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -93,12 +95,12 @@ class MTPHead(nn.Module):
         self.block = Block(cfg, Attention(cfg, 0))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
 
-    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> ModelCache:
+    def new_cache(self, max_batch: int, max_len: int, kv_scheme: str = "bf16") -> StepCache:
         t = self._target[0]
-        return ModelCache.create(self.config, max_batch, max_len, t.dtype, t.device, kv_scheme, kv_layers=1)
+        return t.make_cache(self.config, max_batch, max_len, t.dtype, t.device, kv_scheme, kv_layers=1)
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: ModelCache, slots=None):
+    def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor, cache: StepCache, slots=None):
         """hidden [B, T, H] (target positions p..p+T-1), next_tokens [B, T] (tokens p+1..p+T) -> logits, hidden.
 
         `cache` is the MTP's own cache (or the target's ModelCache, whose `.mtp` is then used); its length per slot
@@ -116,11 +118,49 @@ class MTPHead(nn.Module):
 
 
 class Qwen35Transformer(Transformer):
-    def __init__(self, cfg: EngineConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: EngineConfig, make_cache: CacheFactory):
+        super().__init__(cfg, make_cache)
         self.mtp = MTPHead(cfg, self) if cfg.has_mtp else None
 
     def make_mixer(self, cfg: EngineConfig, i: int) -> nn.Module:
         if cfg.layer_types[i] == "linear_attention":
             return GatedDeltaNet(cfg, cfg.linear_layers.index(i))
         return Attention(cfg, cfg.kv_layers.index(i))
+
+
+def linear_state(tc: dict) -> LinearState:
+    """A Gated-DeltaNet layer's per-sequence state: the conv window over q/k/v and the [Hv, Dk, Dv] matrix."""
+    nk, nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
+    dk, dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
+    conv_dim = 2 * nk * dk + nv * dv
+    return LinearState(
+        conv_dim, conv_dim * (tc["linear_conv_kernel_dim"] - 1), nv * dk * dv, tc.get("mamba_ssm_dtype", "float32")
+    )
+
+
+FAMILY = Family(
+    name="qwen3_5",
+    model_types=("qwen3_5", "qwen3_5_text"),
+    role_patterns=(
+        ("mtp", r"^mtp\."),
+        ("vision", r"(^|\.)(visual|vision_tower|vision_model)\."),
+        *ATTENTION_ROLES,
+        ("gdn_qkvz", r"\.linear_attn\.in_proj_(qkv|z)$"),
+        ("gdn_ab", r"\.linear_attn\.in_proj_[ab]$"),
+        ("gdn_out", r"\.linear_attn\.out_proj$"),
+    ),
+    fused_roles=frozenset({"attn_qkv", "mlp_gate_up", "gdn_qkvz", "gdn_ab"}),
+    fused=(*LLAMA_FUSED, Fused("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "in_proj_qkvz")),
+    transformer=Qwen35Transformer,
+    norm_offset=1.0,
+    qk_norm=True,
+    attn_output_gate=True,
+    linear_state=linear_state,
+    hybrid=True,
+    multimodal_archs=("Qwen3_5ForConditionalGeneration",),
+    vllm_role_modules={
+        **LLAMA_VLLM_ROLES,
+        "gdn_qkvz": r"\.linear_attn\.in_proj_qkvz$",
+        "gdn_out": r"\.linear_attn\.out_proj$",
+    },
+)

@@ -1,4 +1,4 @@
-"""Gemma 3 text (Gemma3ForCausalLM) on the shared blocks: every norm scales by (1 + w) (folded at load), attention
+"""Gemma 3 text (Gemma3ForCausalLM, model_type gemma3_text) on the shared blocks: every norm scales by (1 + w) (folded at load), attention
 and MLP outputs are normed again before the residual (post-attention and pre/post feed-forward norms), the MLP
 gates with tanh-approximated GELU, embeddings are scaled by sqrt(hidden), and sliding-window layers attend to the
 last `sliding_window` positions with their own rope base. The cache keeps every position for every attention layer;
@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qconv.engine.config import EngineConfig
-from qconv.engine.model import MLP, Attention, RMSNorm, Step, Transformer, positions, rope_tables
+from qconv.models.blocks import MLP, Attention, RMSNorm, Step, Transformer, positions, rope_tables
+from qconv.models.config import EngineConfig
+from qconv.models.llama import FAMILY as LLAMA
 
 
 class GeluMLP(MLP):
@@ -70,3 +71,10 @@ class Gemma3Transformer(Transformer):
         out = super().logits(h)
         cap = self.config.logit_softcap
         return out if not cap else torch.tanh(out / cap) * cap
+
+
+# Gemma 3's checkpoint names are the llama family's (roles, fused q/k/v and gate/up, vLLM module names); every norm
+# (the four per block, q/k and the final one) is a (1 + w) norm the default offset_norms pattern matches.
+FAMILY = replace(
+    LLAMA, name="gemma3", model_types=("gemma3_text",), transformer=Gemma3Transformer, qk_norm=True, norm_offset=1.0
+)

@@ -11,7 +11,7 @@ import pytest
 from qconv.eval.quality import Source, measure, safetensors_stats
 from qconv.eval.record import EvalReport, EvalSettings, ForwardInfo
 from tests.cli_helpers import CPU_COMPUTE, SMALL_CAL, build, run
-from tests.tiny import CORPUS
+from tests.tiny import CORPUS, TINY_FAMILIES
 
 STATS = ("kld_mean", "kld_p99", "top1", "ppl_ratio")
 
@@ -61,10 +61,12 @@ def assert_same(a: EvalReport, b: EvalReport, sections=("weights",), tol=1e-4) -
         assert x.tokens == y.tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_streamed_equals_whole_model(family, built, text_file, tmp_path, monkeypatch):
+    """`qconv eval` of each family's 3090 build, whole and streamed layer by layer."""
     src, art = built(family)
-    kv = "fp8_e4m3" if family == "qwen3_5" else None  # KV simulation inside the streamed attention layers too
+    # KV simulation inside the streamed attention layers too (gemma3: sliding-window ones among them)
+    kv = "fp8_e4m3" if family in ("qwen3_5", "gemma3") else None
     whole = _measure(art, src, text_file, False, tmp_path / "whole", monkeypatch, kv=kv)
     streamed = _measure(art, src, text_file, True, tmp_path / "streamed", monkeypatch, kv=kv)
     assert whole.weights.kld_mean > 0  # a real quantization cost is being compared

@@ -233,12 +233,13 @@ def test_tied_kept_awq_gptq_int4_embedding(tiny_llama, tmp_path, calib_txt, vllm
     with torch.no_grad():
         diff = (hf(x).logits.float() - rt(x, rt.new_cache(1, x.shape[1])).float()).abs().max().item()
     assert diff < 1e-3
+    from qconv.models import ModelSpec
     from qconv.serve.vllm import ServeSource
     from qconv.serve.vllm_probe import check_quant_config
 
     for out in outs.values():
         check_quant_config(
-            ServeSource(out, out.name, json.loads((out / "config.json").read_text()), {}, None, {}, []),
+            ServeSource(out, out.name, ModelSpec.read(out), {}, None, {}, []),
             vllm_python,
             "cpu",
         )

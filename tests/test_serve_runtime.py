@@ -25,6 +25,7 @@ from qconv.convert.requires import (
 )
 from qconv.errors import QconvError
 from qconv.manifest import RecipeInfo, Requirement, SourceInfo
+from qconv.models import ModelSpec
 from qconv.recipes.sections import Speculative
 from qconv.serve import runtimes, vllm
 
@@ -121,7 +122,7 @@ def test_serve_auto_says_which_backend_in_one_line(home, tmp_path, monkeypatch):
     from qconv.serve import native
 
     calls = []
-    monkeypatch.setattr(native, "run_native", lambda path, opts, art=None: calls.append(path))
+    monkeypatch.setattr(native, "run_native", lambda spec, opts, art=None: calls.append(spec.folder))
     art = tmp_path / "plain"
     art.mkdir()
     (art / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
@@ -219,7 +220,7 @@ def test_speculative_mapping_dflash_cpu_and_override(tmp_path):
     from qconv.recipes import load_recipe
 
     def src(cfg, spec):
-        return vllm.ServeSource(tmp_path, "m", cfg, {}, "", Speculative(**spec))
+        return vllm.ServeSource(tmp_path, "m", ModelSpec.from_config(tmp_path, cfg), {}, "", Speculative(**spec))
 
     hybrid_cfg = {"model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1}
     spec = {"method": "hybrid", "num_speculative_tokens": 4}

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from qconv.cli import main
 from qconv.errors import QconvError
 from qconv.manifest import Requirement
+from qconv.models import ModelSpec
 from qconv.recipes.schema import from_dict
 from qconv.recipes.sections import Profile, Speculative
 from qconv.serve import vllm, vllm_probe
@@ -127,7 +128,8 @@ def test_cpu_ranks_get_cores_where_vllm_cannot_bind_them(monkeypatch):
 
 def _source(tmp_path, config: dict, spec: dict, profiles: dict | None = None) -> vllm.ServeSource:
     profiles = profiles or {"fast": Profile(kv_cache="bf16", context_length=4096, max_num_seqs=4)}
-    return vllm.ServeSource(tmp_path, "m", config, profiles, "fast", from_dict(Speculative, spec))
+    model = ModelSpec.from_config(tmp_path, config)
+    return vllm.ServeSource(tmp_path, "m", model, profiles, "fast", from_dict(Speculative, spec))
 
 
 def test_speculative_mapping(tmp_path):
@@ -281,7 +283,7 @@ def test_a_cpu_runtime_loads_multimodal_models_text_only(config_27b):
     from dataclasses import replace
 
     src = vllm.load_source(config_27b, "3090")
-    assert src.architecture in vllm.MULTIMODAL_ARCHS
+    assert src.spec.multimodal and src.architecture in src.spec.family.multimodal_archs
     name, p = vllm.pick_profile(src, "fast")
     src.profiles = {**src.profiles, name: replace(p, language_model_only=False)}
     gpu = vllm.build_command(src, "fast", vllm.LaunchOptions(platform="cuda"))

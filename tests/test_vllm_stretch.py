@@ -111,10 +111,12 @@ print(json.dumps(res))
 
 
 def test_qconv_serve_names_a_class_the_plugin_has(tmp_path):
+    from qconv.models import ModelSpec
     from qconv.recipes.recipe import load_recipe
     from qconv.serve import vllm
 
-    src = vllm.ServeSource(tmp_path, "m", {"model_type": "llama"}, {}, "fast", load_recipe("3090").speculative)
+    model = ModelSpec.from_config(tmp_path, {"model_type": "llama"})
+    src = vllm.ServeSource(tmp_path, "m", model, {}, "fast", load_recipe("3090").speculative)
     spec = vllm.speculative_config(src)
     module, name = spec["model"].rsplit(".", 1)
     assert module == "qconv_vllm.stretch" and issubclass(stretch.__getattr__(name), stretch.StretchedLookup)

@@ -24,7 +24,7 @@ from qconv.convert.device import gptq_block_bytes
 from qconv.convert.layout import Plan
 from qconv.errors import QconvError
 from qconv.kv.plan import CARDS, GIB
-from qconv.models.family import layer_index
+from qconv.models.family import family_for, layer_index
 from qconv.recipes.recipe import Recipe
 from qconv.recipes.sections import KEEP
 
@@ -146,12 +146,9 @@ def _activations(config: dict, layer_modules: list, seq: int) -> int:
     widest = max((m.shape[1] for m in layer_modules), default=h)
     heads = tc.get("num_attention_heads") or 1
     attn = heads * seq * seq * 4
-    if tc.get("linear_num_value_heads"):
-        conv = (
-            2 * tc["linear_num_key_heads"] * tc["linear_key_head_dim"]
-            + tc["linear_num_value_heads"] * tc["linear_value_head_dim"]
-        )
-        attn = max(attn, 4 * seq * conv * 4)
+    state = family_for(config.get("model_type", "")).linear_state
+    if state is not None and tc.get("linear_num_value_heads"):
+        attn = max(attn, 4 * seq * state(tc).conv_dim * 4)
     return 3 * seq * h * 2 + 3 * seq * inter * 2 + 2 * seq * widest * 4 + attn
 
 

@@ -16,6 +16,7 @@ from qconv.errors import QconvError
 from qconv.kv.schemes import GPU_RUNTIME, get_kv_scheme
 from qconv.kv.store import EXACT_DTYPE
 from qconv.modelfiles import read_model_config
+from qconv.models.family import family_for
 from qconv.recipes.recipe import Recipe, load_recipe
 from qconv.recipes.sections import Profile
 
@@ -73,12 +74,10 @@ def model_dims(config: dict) -> ModelDims:
         sliding_layers=sliding,
         sliding_window=int(tc.get("sliding_window") or 0) if sliding else 0,
     )
-    if linear:
-        nk, nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
-        dk, dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
-        d.conv_elems = (2 * nk * dk + nv * dv) * (tc["linear_conv_kernel_dim"] - 1)
-        d.recurrent_elems = nv * dk * dv
-        d.config_ssm_dtype = tc.get("mamba_ssm_dtype", "float32")
+    state = family_for(config.get("model_type", "")).linear_state if linear else None
+    if state is not None:  # the family says what one linear-attention layer keeps per sequence
+        st = state(tc)
+        d.conv_elems, d.recurrent_elems, d.config_ssm_dtype = st.conv_elems, st.recurrent_elems, st.ssm_dtype
     return d
 
 

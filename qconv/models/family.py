@@ -75,6 +75,9 @@ class Family:
     def roles(self) -> tuple[str, ...]:
         return tuple(r for r, _ in self.role_patterns)
 
+    def __repr__(self) -> str:
+        return f"Family({self.name!r})"
+
     def compiled_roles(self) -> list[tuple[str, re.Pattern]]:
         return _compiled(self.role_patterns)
 

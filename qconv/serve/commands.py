@@ -133,13 +133,15 @@ def serve(
     """Serve ARTIFACT_OR_NAME over the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models).
 
     Arguments after `--` go to vLLM unchanged (e.g. `-- --enforce-eager --dtype float32`)."""
+    from qconv.engine.config import model_spec
     from qconv.hub.cache import hold_artifact
-    from qconv.modelfiles import check_weight_files
     from qconv.serve import runtimes, vllm, vllm_probe
 
     ctx = click.get_current_context()
     path = ctx.with_resource(hold_artifact(target))  # held until the command ends: a re-pull cannot remove it
-    check_weight_files(path)  # headers and sizes, before any backend allocates from them (or prints a command)
+    # config.json read once, here; weight headers and sizes checked before any backend allocates from them (or
+    # prints a command)
+    spec = model_spec(path)
     if api_key and ctx.get_parameter_source("api_key") == ParameterSource.COMMANDLINE:
         click.echo(
             "warning: --api-key on the command line is visible in the process list; set QCONV_API_KEY instead", err=True
@@ -176,7 +178,7 @@ def serve(
         from qconv.serve.native import NativeOptions, run_native
 
         run_native(
-            path,
+            spec,
             NativeOptions(
                 host=host,
                 port=port,
@@ -200,7 +202,7 @@ def serve(
                 where=flag,
                 fix="drop it, or use --backend native (vLLM: pass its options after `--`)",
             )
-    src = vllm.load_source(path, recipe, art)
+    src = vllm.load_source(path, recipe, art, spec)
     if served_model_name:
         src.name = served_model_name
     opts = vllm.LaunchOptions(

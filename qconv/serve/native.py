@@ -9,10 +9,10 @@ from pathlib import Path
 from types import EllipsisType
 
 from qconv.artifact import Artifact
-from qconv.engine.config import model_dir
+from qconv.engine.config import as_spec
 from qconv.engine.spec import SpecConfig
 from qconv.errors import QconvError
-from qconv.modelfiles import read_model_config
+from qconv.models.spec import ModelSpec
 from qconv.recipes.sections import Speculative
 from qconv.serve.limits import ConnectionLimits
 
@@ -44,11 +44,13 @@ class NativePlan:
     max_tokens: int = DEFAULT_MAX_TOKENS  # completion cap of a chat request that sends none
 
 
-def native_plan(path: Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> NativePlan:
+def native_plan(path: Path | ModelSpec, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> NativePlan:
     """Context, KV scheme and speculation from the artifact's manifest when it has one (`art`: the
-    artifact the caller opened already, None for a plain folder; `...`: open it here)."""
-    cfg = read_model_config(path)
-    max_pos = int((cfg.get("text_config") or cfg).get("max_position_embeddings") or DEFAULT_NATIVE_CONTEXT)
+    artifact the caller opened already, None for a plain folder; `...`: open it here). `path`: the model folder or
+    its ModelSpec."""
+    spec = as_spec(path)
+    path = spec.folder
+    max_pos = spec.max_positions or DEFAULT_NATIVE_CONTEXT
     plan = NativePlan(min(max_pos, DEFAULT_NATIVE_CONTEXT))
     if art is ...:
         art = Artifact.find(path)
@@ -77,23 +79,24 @@ def engine_device(requested: str) -> str:
     return requested
 
 
-def build_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...):
-    """(FastAPI app, started Scheduler) for the model at `path`, loaded as `qconv generate` loads it (bf16 with the
-    CPU int kernels for an artifact where torch has them)."""
+def build_native(path: str | Path | ModelSpec, opts: NativeOptions, art: Artifact | None | EllipsisType = ...):
+    """(FastAPI app, started Scheduler) for the model at `path` (a folder or its ModelSpec), loaded as `qconv
+    generate` loads it (bf16 with the CPU int kernels for an artifact where torch has them)."""
     from qconv.engine.loader import describe_engine, load_for_engine, load_model, load_tokenizer
     from qconv.serve.scheduler import Scheduler
     from qconv.serve.server import ServerConfig, create_app
 
-    path = model_dir(path)
-    plan = native_plan(path, opts, art)
+    spec = as_spec(path)
+    path = spec.folder
+    plan = native_plan(spec, opts, art)
     tok = load_tokenizer(path)
     device = engine_device(opts.device)
     if device == "cpu":
-        model = load_for_engine(path)
+        model = load_for_engine(spec)
     else:  # the CPU int kernels do not run there: dense bf16 weights on the device
         import torch
 
-        model = load_model(path, dtype=torch.bfloat16, pack=False, int_kernels=False).to(device)
+        model = load_model(spec, dtype=torch.bfloat16, pack=False, int_kernels=False).to(device)
     log.warning(
         "native engine on %s: %s, %d slots x %d tokens, KV %s",
         device,
@@ -152,7 +155,7 @@ def require_serve_extra() -> None:
         )
 
 
-def run_native(path: str | Path, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> None:
+def run_native(path: str | Path | ModelSpec, opts: NativeOptions, art: Artifact | None | EllipsisType = ...) -> None:
     require_serve_extra()
     import uvicorn
 

@@ -22,14 +22,10 @@ from types import EllipsisType
 from qconv.artifact import Artifact, choose_profile
 from qconv.errors import QconvError
 from qconv.manifest import MANIFEST, Requirement
+from qconv.models.spec import ModelSpec
 from qconv.recipes.recipe import load_recipe
 from qconv.recipes.sections import Profile, Speculative
 
-# Architectures whose decoder mixes Gated-DeltaNet (mamba-style state) with attention: they take
-# --mamba-ssm-cache-dtype, and vLLM's prefix caching is off for them (wrong reuse of recurrent state).
-HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
-# Multimodal wrappers that vLLM can load text-only with --language-model-only.
-MULTIMODAL_ARCHS = ("Qwen3_5ForConditionalGeneration",)
 KV_TO_VLLM = {"bf16": "auto", "fp8_e4m3": "fp8_e4m3"}  # kvarn_* pass through under their own name
 
 
@@ -39,51 +35,61 @@ class ServeSource:
 
     model_dir: Path
     name: str
-    config: dict
+    spec: ModelSpec  # what the model is (its family says which vLLM flags it needs)
     profiles: dict[str, Profile]
     default_profile: str
     speculative: Speculative | None
     requires: list[Requirement] = field(default_factory=list)
 
     @property
+    def config(self) -> dict:
+        return self.spec.config
+
+    @property
     def model_type(self) -> str:
-        return self.config.get("model_type", "")
+        return self.spec.model_type
 
     @property
     def architecture(self) -> str:
-        return (self.config.get("architectures") or [""])[0]
+        return (self.spec.architectures or ("",))[0]
 
     @property
     def hybrid(self) -> bool:
-        return self.model_type in HYBRID_MODEL_TYPES
+        """Gated-DeltaNet (mamba-style state) mixed with attention: --mamba-ssm-cache-dtype, and vLLM's prefix
+        caching off (wrong reuse of recurrent state)."""
+        return self.spec.hybrid
 
     @property
     def max_position_embeddings(self) -> int | None:
-        text = self.config.get("text_config") or self.config
-        return text.get("max_position_embeddings")
+        return self.spec.max_positions or None
 
     @property
     def has_mtp(self) -> bool:
-        text = self.config.get("text_config") or self.config
-        return int(text.get("mtp_num_hidden_layers", 0) or text.get("num_nextn_predict_layers", 0) or 0) > 0
+        return self.spec.mtp_layers > 0
 
 
-def load_source(path: str | Path, recipe: str | None = None, art: Artifact | None | EllipsisType = ...) -> ServeSource:
+def load_source(
+    path: str | Path,
+    recipe: str | None = None,
+    art: Artifact | None | EllipsisType = ...,
+    spec: ModelSpec | None = None,
+) -> ServeSource:
     """An artifact (profiles from `qconv.json`) or a plain config folder with `--recipe` (no weights needed).
-    `art`: the artifact the caller opened already (None: a plain folder; `...`: open it here)."""
+    `art`: the artifact the caller opened already (None: a plain folder; `...`: open it here); `spec`: the model's
+    ModelSpec the caller read already."""
     path = Path(path)
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise QconvError(
-            f"no config.json in {path}",
-            where=str(path),
-            fix="pass an artifact folder (qconv build --out) or an HF config folder with --recipe",
-        )
-    config = json.loads(cfg_path.read_text())
+    if spec is None:
+        if not (path / "config.json").is_file():
+            raise QconvError(
+                f"no config.json in {path}",
+                where=str(path),
+                fix="pass an artifact folder (qconv build --out) or an HF config folder with --recipe",
+            )
+        spec = ModelSpec.read(path)
     if recipe is None and art is ...:
         art = Artifact.find(path)
     if recipe is None and art is not None:
-        return ServeSource(path, path.name, config, art.profiles, art.default_profile, art.speculative, art.requires)
+        return ServeSource(path, path.name, spec, art.profiles, art.default_profile, art.speculative, art.requires)
     if recipe is None:
         raise QconvError(
             f"{path} has no {MANIFEST}, so it carries no serving profiles",
@@ -91,7 +97,7 @@ def load_source(path: str | Path, recipe: str | None = None, art: Artifact | Non
             fix="pass --recipe NAME (e.g. --recipe 3090) to take the profiles from a recipe",
         )
     r = load_recipe(recipe)
-    return ServeSource(path, path.name, config, r.profiles, r.default_profile, r.speculative, [])
+    return ServeSource(path, path.name, spec, r.profiles, r.default_profile, r.speculative, [])
 
 
 def pick_profile(src: ServeSource, profile: str | None) -> tuple[str, Profile]:
@@ -137,15 +143,6 @@ def speculative_config(src: ServeSource, platform: str | None = None, tokens: in
     }
 
 
-# A recipe role's linears as vLLM names them (fused where vLLM fuses), for the plugin's W4A8 restriction
-VLLM_ROLE_MODULES = {
-    "attn_qkv": r"\.self_attn\.qkv_proj$",
-    "attn_o": r"\.self_attn\.o_proj$",
-    "mlp_gate_up": r"\.mlp\.gate_up_proj$",
-    "mlp_down": r"\.mlp\.down_proj$",
-    "gdn_qkvz": r"\.linear_attn\.in_proj_qkvz$",
-    "gdn_out": r"\.linear_attn\.out_proj$",
-}
 W4A8_ENV = "QCONV_VLLM_W4A8"  # the plugin's: which Marlin linears take int8 input (a regex on the module name)
 
 
@@ -161,7 +158,8 @@ def profile_env(src: ServeSource, profile: str | None, platform: str | None) -> 
             f"profile {name}: W4A8 ({', '.join(p.w4a8)}) runs on Marlin, which is CUDA-only; vLLM's CPU "
             "backend serves these linears W4A16"
         )
-    pattern = "|".join(f"(?:{VLLM_ROLE_MODULES[r]})" for r in p.w4a8)
+    modules = src.spec.family.vllm_role_modules  # a recipe role's linears as vLLM names them (fused where it fuses)
+    pattern = "|".join(f"(?:{modules[r]})" for r in p.w4a8 if r in modules)
     return {"VLLM_MARLIN_INPUT_DTYPE": "int8", W4A8_ENV: pattern}, None
 
 
@@ -172,15 +170,15 @@ def numa_nodes() -> int:
 def check_tensor_parallel(src: ServeSource, tp: int) -> None:
     """vLLM shards attention heads evenly over the ranks, and runs input rotations on one rank only: a size it cannot
     serve stops its load after minutes of start-up; say it before."""
-    if tp > 1 and (src.config.get("quantization_config") or {}).get("transform_config"):
+    if tp > 1 and src.spec.transform_config:
         raise QconvError(
             f"{src.name} has input rotations (transform_config), which vLLM 0.32 runs at tensor-parallel size 1 only "
             "('Online transforms with tensor parallelism is not supported')",
             where="--tensor-parallel-size",
             fix="serve it with --tensor-parallel-size 1, or build with quantizer.rotation: null",
         )
-    heads = (src.config.get("text_config") or src.config).get("num_attention_heads")
-    if tp > 1 and isinstance(heads, int) and heads % tp:
+    heads = src.spec.heads
+    if tp > 1 and heads and heads % tp:
         sizes = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
         raise QconvError(
             f"{src.name} has {heads} attention heads, which --tensor-parallel-size {tp} does not divide (vLLM "
@@ -259,7 +257,7 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
     argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
     if src.hybrid:
         argv += ["--mamba-ssm-cache-dtype", p.mamba_ssm_cache_dtype, "--no-enable-prefix-caching"]
-    if src.architecture in MULTIMODAL_ARCHS and (p.language_model_only or opts.platform == "cpu"):
+    if src.spec.multimodal and (p.language_model_only or opts.platform == "cpu"):
         # vLLM's CPU runtime has no image stack (runtimes.py installs a text-only torchvision stand-in): loaded text
         # only, vLLM's API refuses an image with a 400 instead of failing inside the model
         argv += ["--language-model-only"]

@@ -53,7 +53,7 @@ def config_27b() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    """Factory: tiny_models('qwen3_5'|'qwen3'|'llama') -> folder of a seeded random bf16 model + tokenizer."""
+    """Factory: tiny_models(FAMILY) (one of tests.tiny.TINY_FAMILIES) -> folder of a seeded random bf16 model + tokenizer."""
     from tests.tiny import make_tiny_model
 
     made: dict[str, Path] = {}

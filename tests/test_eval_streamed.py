@@ -63,8 +63,10 @@ def assert_same(a: EvalReport, b: EvalReport, sections=("weights",), tol=1e-4) -
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_streamed_equals_whole_model(family, built, text_file, tmp_path, monkeypatch):
+    """`qconv eval` of each family's 3090 build, whole and streamed layer by layer."""
     src, art = built(family)
-    kv = "fp8_e4m3" if family == "qwen3_5" else None  # KV simulation inside the streamed attention layers too
+    # KV simulation inside the streamed attention layers too (gemma3: sliding-window ones among them)
+    kv = "fp8_e4m3" if family in ("qwen3_5", "gemma3") else None
     whole = _measure(art, src, text_file, False, tmp_path / "whole", monkeypatch, kv=kv)
     streamed = _measure(art, src, text_file, True, tmp_path / "streamed", monkeypatch, kv=kv)
     assert whole.weights.kld_mean > 0  # a real quantization cost is being compared

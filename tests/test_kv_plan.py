@@ -115,3 +115,20 @@ def test_plan_estimates_weights_from_config_and_recipe(config_27b):
     assert 14 * GIB < r.weights.resident < 16 * GIB
     (huge,) = r.profiles
     assert huge.fits and huge.max_context["kvarn_k4v2_g128"] >= 262144
+
+
+def test_sliding_window_layers_hold_a_window_per_sequence(tiny_models):
+    """gemma3's sliding-window layers cost K/V per token only up to window - 1 + the tokens vLLM has in flight;
+    the longest context the planner reports is the one whose per-sequence bytes still fit."""
+    from qconv.kv.plan import VLLM_IN_FLIGHT_TOKENS
+
+    r = plan_fit(tiny_models("gemma3"), card_gib=1.7)  # ~64 MiB left for KV
+    assert (r.dims.full_layers, r.dims.sliding_layers, r.dims.sliding_window) == (1, 1, 16)
+    f = r.profiles[0]
+    assert f.window_kv_per_token == f.kv_per_token == 2 * 32 * 2 * 2  # K+V x kv heads x head_dim x bf16
+    assert f.window_tokens == 16 - 1 + VLLM_IN_FLIGHT_TOKENS
+    near, far = f.per_seq(100) - f.per_seq(99), f.per_seq(f.window_tokens + 100) - f.per_seq(f.window_tokens + 99)
+    assert (near, far) == (2 * f.kv_per_token, f.kv_per_token)
+    n = f.max_context[f.profile.kv_cache]
+    assert 0 < n and f.per_seq(n) <= f.usable < f.per_seq(n + 1)
+    assert "1 sliding-window layers (window 16)" in render(r)

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from qconv.cli import main
 from tests.serve_helpers import ServerProcess, free_port
-from tests.test_serve_vllm_plugin import ENV, _ids, tiny_qwen3_5_artifact
+from tests.test_serve_vllm_plugin import ENV, _ids, tiny_artifact
 
 pytestmark = pytest.mark.slow
 KV = "kvarn_k4v2_g128"
@@ -162,7 +162,7 @@ def test_tiny_hybrid_with_kvarn_requests_come_and_go(tmp_path, vllm_python):
     """Gated-DeltaNet layers keep their state; the attention layers' KVarN tiles live in pages that vLLM's hybrid
     allocator shares with that state. Six requests through four slots (blocks freed and reused while others run)
     give the tokens each gives alone, up to a near-tie of the random model's logits."""
-    art, _ = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide", "3090")
+    art, _ = tiny_artifact(tmp_path, "qwen3_5_wide", "3090")
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
     prompts = [" ".join(words[i:] + words[:i]) * (3 + 2 * i) for i in range(6)]
     with _serve(

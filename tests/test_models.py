@@ -55,7 +55,8 @@ def test_spec_of_each_tiny_fixture(family, tiny_models):
         cfg["hidden_size"],
         cfg["num_attention_heads"],
     )
-    assert spec.full_layers + spec.linear_layers == spec.layers
+    assert spec.full_layers + spec.sliding_layers + spec.linear_layers == spec.layers
+    assert bool(spec.sliding_layers) == bool(spec.sliding_window) == (family == "gemma3")
     assert (spec.linear_state is not None) == bool(spec.linear_layers)
 
 

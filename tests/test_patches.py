@@ -206,11 +206,11 @@ def _plugin_patches_called(tiny_llama, tmp_path, calib_txt, vllm_python):
     import torch
 
     from qconv_vllm import patches as plugin_patches
-    from tests.test_serve_vllm_plugin import tiny_qwen3_5_artifact
+    from tests.test_serve_vllm_plugin import tiny_artifact
 
     r = build("3090-tied-g32", tiny_llama, tmp_path / "llama", "--dataset", calib_txt, *FAST_CAL)
     assert r.exit_code == 0, r.output
-    qwen, _ = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide_tied", "3090-tied-g32")
+    qwen, _ = tiny_artifact(tmp_path, "qwen3_5_wide_tied", "3090-tied-g32")
     runs = [
         [str(tmp_path / "llama"), {}],
         [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from click.testing import CliRunner
 from qconv.cli import main
 from tests.cli_helpers import build_args
 from tests.serve_helpers import ServerProcess, free_port
+from tests.tiny import TINY_FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 # This checkout's plugin first on vLLM's path: its sys.path entry wins over the venv's editable install of another
@@ -30,6 +32,7 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "PY
 # layers) 0.21, the tiny qwen3_5 0.003; tests/test_serve_vllm_tied_head.py: SmolLM2 3090-tied-g32 0.10, the
 # tiny tied qwen3_5 0.006.
 TOLERANCE = 0.35
+VLLM_CPU_BATCHED_TOKENS = 2048  # vLLM 0.32's max_num_batched_tokens for the API server on CPU
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
@@ -78,6 +81,13 @@ def _agrees_with_native(
     return worst
 
 
+def _cache_config(srv: ServerProcess) -> dict[str, str]:
+    """vLLM's cache_config_info gauge: the KV pool it allocated (bytes, blocks, block size, max concurrency)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10) as r:
+        line = next(ln for ln in r.read().decode().splitlines() if ln.startswith("vllm:cache_config_info{"))
+    return dict(re.findall(r'(\w+)="([^"]*)"', line))
+
+
 def _metric(srv: ServerProcess, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -112,8 +122,8 @@ def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, vllm_python
     assert accepted > 0, "n-gram speculation accepted no draft token: it was not running"
 
 
-def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Path, dict]:
-    """A tiny qwen3_5 (tests/tiny.py `family`) built by `qconv build --recipe RECIPE` (built once: tests only read
+def tiny_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Path, dict]:
+    """A tiny model (tests/tiny.py `family`) built by `qconv build --recipe RECIPE` (built once: tests only read
     it); its weight map."""
     from tests.cli_helpers import built_once
     from tests.tiny import CORPUS, make_tiny_model
@@ -130,10 +140,10 @@ def tiny_qwen3_5_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Pat
     return art, json.loads((art / "model.safetensors.index.json").read_text())["weight_map"]
 
 
-def serve_in_vllm(art: Path, vllm_python: str, *qconv_args: str) -> ServerProcess:
-    """`qconv serve ART --backend vllm` with this checkout's plugin (eager: no compile on CPU)."""
+def serve_in_vllm(art: Path, vllm_python: str, *args: str) -> ServerProcess:
+    """`qconv serve ART --backend vllm ARGS` with this checkout's plugin (eager: no compile on CPU)."""
     return ServerProcess(
-        [str(art), "--backend", "vllm", "--vllm-python", vllm_python, *qconv_args, "--", "--enforce-eager"],
+        [str(art), "--backend", "vllm", "--vllm-python", vllm_python, *args, "--", "--enforce-eager"],
         free_port(),
         env=ENV,
         health_timeout=600,
@@ -153,18 +163,53 @@ def served_agrees_with_native(art: Path, vllm_python: str, max_tokens: int = 8) 
 
 @pytest.mark.slow
 def test_tiny_qwen3_5_3090_in_vllm_with_and_without_the_plugin(tmp_path, vllm_python, monkeypatch):
-    art, index = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide", "3090")
+    art, index = tiny_artifact(tmp_path, "qwen3_5_wide", "3090")
     assert "mtp.fc.weight" in index and "model.embed_tokens.weight_packed" in index
 
     monkeypatch.setenv("VLLM_PLUGINS", "")  # vLLM loads no plugin: qconv refuses before starting it
     r = CliRunner().invoke(main, ["serve", str(art), "--backend", "vllm", "--vllm-python", vllm_python])
     assert r.exit_code == 2, r.output
     assert "int8 embed_tokens" in r.output and "qconv-vllm plugin" in r.output and "not active" in r.output
-    monkeypatch.delenv("VLLM_PLUGINS")
+    # served with the plugin: test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan[qwen3_5_wide]
 
-    worst = served_agrees_with_native(art, vllm_python)
-    print(f"tiny qwen3_5 3090 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
-    assert worst <= TOLERANCE
+
+def _planned_kv_bytes(art: Path, context: int, in_flight: int) -> tuple[int, int]:
+    """The memory planner's KV bytes for one sequence of `context` tokens of ART in vLLM (no draft block: vLLM sizes
+    its pool by max_model_len alone), sliding-window layers holding window - 1 + `in_flight` tokens at most; and the
+    most vLLM may round that up by (a block per full-attention layer, two per sliding-window layer: its +1)."""
+    from dataclasses import replace
+
+    from qconv.kv.plan import plan_fit, window_tokens
+
+    report = plan_fit(art, profile="fast")
+    fit = replace(report.profiles[0], draft_block=0, window_tokens=window_tokens(report.dims.sliding_window, in_flight))
+    return fit.per_seq(context), 128 * (fit.kv_per_token + 2 * fit.window_kv_per_token)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f if f != "qwen3_5" else "qwen3_5_wide" for f in TINY_FAMILIES])
+def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_python, family):
+    """One vLLM start per family (the 3090 artifact of its tiny model, with the plugin): greedy tokens scored as
+    our engine scores them, and vLLM's KV allocation per sequence equal to the memory planner's (qwen3_5: the
+    Gated-DeltaNet state pages are padded to vLLM's attention page, which the planner does not model)."""
+    from qconv.engine.loader import load_tokenizer
+
+    art, _ = tiny_artifact(tmp_path, family, "3090")
+    with serve_in_vllm(art, vllm_python, "--profile", "fast") as srv:
+        ids, lps = _completions(srv, 8)
+        cache = _cache_config(srv)
+        context = openai.OpenAI(base_url=srv.base_url, api_key="none").models.list().data[0].max_model_len
+    tok = load_tokenizer(art)
+    worst = _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
+    print(f"tiny {family} 3090 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
+    assert all(len(x) == 8 for x in ids) and worst <= TOLERANCE
+
+    vllm_bytes = float(cache["kv_cache_memory_bytes"]) / float(cache["kv_cache_max_concurrency"])
+    assert cache["block_size"] == "128"
+    planned, rounding = _planned_kv_bytes(art, context, VLLM_CPU_BATCHED_TOKENS)  # CPU: no async scheduling
+    print(f"KV per {context}-token sequence: vLLM {vllm_bytes:,.0f} B, planner {planned:,} B (+ {rounding:,} B)")
+    if not family.startswith("qwen3_5"):
+        assert planned <= vllm_bytes <= planned + rounding
 
 
 PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
@@ -179,7 +224,7 @@ def test_a_vision_request_to_the_cpu_runtime_is_one_400(tmp_path, vllm_python):
     import socket
     import time
 
-    art, _ = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide", "3090")
+    art, _ = tiny_artifact(tmp_path, "qwen3_5_wide", "3090")
     with serve_in_vllm(art, vllm_python, "--max-connections", "16", "--request-timeout", "2") as srv:
         client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
         name = client.models.list().data[0].id

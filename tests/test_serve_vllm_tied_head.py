@@ -31,7 +31,7 @@ from tests.test_serve_vllm_plugin import (
     _agrees_with_native,
     _completions,
     served_agrees_with_native,
-    tiny_qwen3_5_artifact,
+    tiny_artifact,
 )
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, vllm_python, monkeypatc
 
 def test_tied_head_of_a_tiny_qwen3_5_in_vllm(tmp_path, vllm_python):
     """The small Qwen3.5 models are tied: Qwen3_5ForCausalLM ties its head with the same call as llama."""
-    art, index = tiny_qwen3_5_artifact(tmp_path, "qwen3_5_wide_tied", "3090-tied-g32")
+    art, index = tiny_artifact(tmp_path, "qwen3_5_wide_tied", "3090-tied-g32")
     assert "model.embed_tokens.weight_packed" in index and not [k for k in index if k.startswith("lm_head")]
     worst = served_agrees_with_native(art, vllm_python)
     print(f"tiny tied qwen3_5 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")

@@ -21,7 +21,7 @@ from tests.test_serve_vllm_plugin import (
     TOLERANCE,
     _agrees_with_native,
     _completions,
-    tiny_qwen3_5_artifact,
+    tiny_artifact,
 )
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 def test_3090_artifact_at_tensor_parallel_2_equals_size_1(tmp_path, vllm_python, monkeypatch, family, tied):
     # vLLM 0.32 runs input rotations at size 1 only (qconv refuses: tests/test_rotation.py): the 3090 plan without them
     recipe = recipe_variant(tmp_path, "norot", quantizer={"rotation": None})
-    art, weights = tiny_qwen3_5_artifact(tmp_path, family, str(recipe))
+    art, weights = tiny_artifact(tmp_path, family, str(recipe))
     assert "model.embed_tokens.weight_packed" in weights
     assert tied is not any(k.startswith("lm_head") for k in weights)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # qconv's binding, not a preset one

@@ -21,7 +21,7 @@ VOCAB = 512
 STD = 0.02
 # One tiny fixture per model family (tiny_config's name for it): the tests parametrized over families run each.
 # A new family adds its entry here and its config in tiny_config.
-TINY_FAMILIES = ("llama", "qwen3", "qwen3_5")
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_5", "gemma3")
 
 
 def make_tokenizer(vocab_size: int = VOCAB):
@@ -52,7 +52,7 @@ def make_tokenizer(vocab_size: int = VOCAB):
 
 def tiny_config(family: str, vocab: int):
     """The tiny transformers config of one family: every family shares the widths, the layer count and the ids."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3_5TextConfig, Qwen3Config
 
     common = dict(
         vocab_size=vocab,
@@ -75,6 +75,17 @@ def tiny_config(family: str, vocab: int):
         return Qwen2Config(num_hidden_layers=2, tie_word_embeddings=True, **common)
     if family == "qwen3":
         return Qwen3Config(num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, **common)
+    if family == "gemma3":  # a sliding-window layer (window 16: the tests' prompts outgrow it) and a global one,
+        # each with its own rope theta; query_pre_attn_scalar != head_dim so the attention scale is exercised
+        return Gemma3TextConfig(
+            num_hidden_layers=2,
+            head_dim=32,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=16,
+            query_pre_attn_scalar=48,
+            tie_word_embeddings=True,
+            **common,
+        )
     if family == "qwen3_5":
         return Qwen3_5TextConfig(
             num_hidden_layers=4,
@@ -132,6 +143,8 @@ def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, STD)
+            elif family == "gemma3":  # (1 + w) norms start at w = 0: spread them so each norm's weight matters
+                p.normal_(0, 0.1)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

@@ -34,9 +34,9 @@ __all__ = [
 # `needs` values only our engine meets (the last is its old name)
 NEEDS_ENGINE = ("qconv", "qconv-engine", "native", "qconv-runtime")
 PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
-# vLLM 0.32 models that pass their embed_tokens prefix to the quantization config themselves (Qwen2Model and
-# its Qwen3Model subclass): a quantized embedding loads there without the plugin.
-STOCK_QUANTIZED_EMBED_TYPES = ("qwen2", "qwen3")
+# vLLM 0.32 models that pass their embed_tokens prefix to the quantization config themselves (Qwen2Model, its
+# Qwen3Model subclass and Gemma3Model): a quantized embedding loads there without the plugin.
+STOCK_QUANTIZED_EMBED_TYPES = ("qwen2", "qwen3", "gemma3_text")
 
 
 def requirements(recipe: Recipe, plan: Layout, rotated: bool = False) -> list[Requirement]:

@@ -63,9 +63,14 @@ def tensor_files(path: Path) -> dict[str, Path]:
 
 def rebuild_meta_buffers(model) -> None:
     """Modules of a meta-device model whose buffers are computed at init, not stored (rotary inv_freq), rebuilt
-    on the CPU from their config."""
+    on the CPU from their config; a scaled embedding (gemma3) gets its scale buffer back from its float."""
+    import torch
+
     for mod_name, module in list(model.named_modules()):
         if any(buf.is_meta for buf in module.buffers(recurse=False)):
+            if hasattr(module, "scalar_embed_scale"):
+                module.register_buffer("embed_scale", torch.tensor(module.scalar_embed_scale), persistent=False)
+                continue
             parent_name, _, child = mod_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, type(module)(config=module.config))

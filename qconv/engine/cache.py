@@ -105,7 +105,7 @@ class ModelCache:
     ) -> ModelCache:
         """The cache of a model with config `c`; `kv_layers` set: that many attention layers alone (the MTP head)."""
         gdn = 0 if kv_layers is not None else len(c.linear_layers)
-        kv_layers = len(c.full_layers) if kv_layers is None else kv_layers
+        kv_layers = len(c.kv_layers) if kv_layers is None else kv_layers
         kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, dtype, device)
         conv_dim = 2 * c.linear_num_k_heads * c.linear_k_head_dim + c.linear_num_v_heads * c.linear_v_head_dim
         conv = [torch.zeros(max_batch, conv_dim, c.conv_kernel - 1, dtype=dtype, device=device) for _ in range(gdn)]

@@ -38,7 +38,8 @@ def render(r: FitReport) -> str:
         f"weights ({w.source}): {w.total:,} B ({_gib(w.total)}) in files; on the GPU {w.resident:,} B "
         f"({_gib(w.resident)}): vision tower ({_gib(w.vision)}) left out, MTP drafter ({_gib(w.mtp)}) kept",
         f"attention: {d.full_layers} full-attention layers x {d.kv_heads} KV heads x head_dim {d.head_dim}"
-        + (f"; {d.linear_layers} Gated-DeltaNet layers" if d.linear_layers else ""),
+        + (f"; {d.linear_layers} Gated-DeltaNet layers" if d.linear_layers else "")
+        + (f"; {d.sliding_layers} sliding-window layers (window {d.sliding_window:,})" if d.sliding_layers else ""),
         "KV bytes per token (full-attention layers, K+V):",
     ]
     listed = (
@@ -73,6 +74,11 @@ def render(r: FitReport) -> str:
             + (f" (after {_gib(f.work_bytes)} of KV-cache work memory)" if f.work_bytes else ""),
             f"  KV {f.kv_per_token:,} B/token"
             + (f" + MTP drafter {f.draft_kv_per_token:,} B/token" if f.draft_kv_per_token else "")
+            + (
+                f" + sliding-window layers {f.window_kv_per_token:,} B/token for at most {f.window_tokens:,} tokens"
+                if f.window_kv_per_token
+                else ""
+            )
             + (f" + {_gib(f.kv_exact_bytes)} exact fp16 tokens" if f.kv_exact_bytes else "")
             + (
                 f"; GDN state {f.state_bytes:,} B x {f.state_slots} slots = {_gib(f.state_bytes * f.state_slots)}"

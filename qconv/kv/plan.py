@@ -52,12 +52,15 @@ class ModelDims:
     mtp_layers: int = 0
     max_position: int = 0
     q_heads: int = 0
+    sliding_layers: int = 0  # sliding-window attention layers (gemma3): K/V of the last `sliding_window` tokens
+    sliding_window: int = 0
 
 
 def model_dims(config: dict) -> ModelDims:
     tc = config.get("text_config", config)
     types = tc.get("layer_types") or ["full_attention"] * tc["num_hidden_layers"]
     full = sum(t == "full_attention" for t in types)
+    sliding = sum(t == "sliding_attention" for t in types)
     linear = sum(t == "linear_attention" for t in types)
     hd = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
     d = ModelDims(
@@ -68,6 +71,8 @@ def model_dims(config: dict) -> ModelDims:
         mtp_layers=int(tc.get("mtp_num_hidden_layers") or 0),
         max_position=tc.get("max_position_embeddings", 0),
         q_heads=tc["num_attention_heads"],
+        sliding_layers=sliding,
+        sliding_window=int(tc.get("sliding_window") or 0) if sliding else 0,
     )
     state = family_for(config.get("model_type", "")).linear_state if linear else None
     if state is not None:  # the family says what one linear-attention layer keeps per sequence
@@ -111,6 +116,8 @@ class ProfileFit:
     draft_block: int  # draft tokens a sequence may hold beyond its context while verifying
     usable: int  # bytes left for KV + state after weights, reserve and the KV runtime's work memory
     work_bytes: int = 0  # the KV runtime's work memory beside the pool (KVarN: staging + attention work)
+    window_kv_per_token: int = 0  # the sliding-window layers'
+    window_tokens: int = 0  # most tokens a sliding-window layer holds per sequence (window + tokens in flight)
     max_context: dict[str, int] = field(default_factory=dict)  # single sequence, per KV scheme
 
     @property
@@ -119,8 +126,10 @@ class ProfileFit:
         return GPU_RUNTIME.get(self.profile.kv_cache)
 
     def per_seq(self, context: int) -> int:
-        kv = (self.kv_per_token + self.draft_kv_per_token) * (context + self.draft_block) + self.kv_exact_bytes
-        return kv + self.state_bytes * self.state_slots
+        tokens = context + self.draft_block
+        kv = (self.kv_per_token + self.draft_kv_per_token) * tokens + self.kv_exact_bytes
+        window = self.window_kv_per_token * min(tokens, self.window_tokens)
+        return kv + window + self.state_bytes * self.state_slots
 
     @property
     def need(self) -> int:
@@ -149,10 +158,24 @@ class FitReport:
 
 
 VLLM_BATCHED_TOKENS = 2048  # vLLM 0.32's max_num_batched_tokens for its API server on cards under 70 GiB
+# vLLM 0.32 on a GPU schedules asynchronously: 2 batches in flight. A sliding-window layer frees blocks only once
+# their tokens are processed, so each sequence holds up to window - 1 + this many tokens there (SlidingWindowSpec).
+VLLM_IN_FLIGHT_TOKENS = 2 * VLLM_BATCHED_TOKENS
 
 
-def _max_context(usable: int, kv_tok: int, fixed: int) -> int:
-    return max(0, (usable - fixed) // kv_tok) if kv_tok else 0
+def window_tokens(window: int, in_flight: int = VLLM_IN_FLIGHT_TOKENS) -> int:
+    """Most tokens vLLM keeps per sequence in a sliding-window layer (0: the model has none)."""
+    return window - 1 + in_flight if window else 0
+
+
+def _max_context(usable: int, kv_tok: int, fixed: int, window_tok: int = 0, window: int = 0) -> int:
+    """Longest context that fits: sliding-window layers cost per token up to `window` tokens, then a constant."""
+    if not kv_tok:
+        return 0
+    n = (usable - fixed - window_tok * window) // kv_tok
+    if n < window:
+        n = (usable - fixed) // (kv_tok + window_tok)
+    return max(0, n)
 
 
 def fit_profile(
@@ -170,7 +193,7 @@ def fit_profile(
 
     def work(scheme_name: str) -> int:
         return get_kv_scheme(scheme_name).serving_work_bytes(
-            dims.full_layers + draft_layers,
+            dims.full_layers + dims.sliding_layers + draft_layers,
             dims.q_heads or dims.kv_heads,
             dims.kv_heads,
             dims.head_dim,
@@ -184,21 +207,24 @@ def fit_profile(
     block = 0 if spec.method == "none" else max(spec.num_speculative_tokens, spec.lookup.max_block)
     slots = 1 + (draft_len if dims.linear_layers else 0)
 
-    def kv(scheme_name: str) -> tuple[int, int, int]:
+    def kv(scheme_name: str) -> tuple[int, int, int, int]:
         s = get_kv_scheme(scheme_name)
         per_head = s.bytes_per_token_per_head(dims.head_dim)
         exact = s.max_exact_tokens() * 2 * dims.head_dim * EXACT_DTYPE.itemsize
         return (
             round(dims.full_layers * dims.kv_heads * per_head),
             round(draft_layers * dims.kv_heads * per_head),
-            (dims.full_layers + draft_layers) * dims.kv_heads * exact,
+            (dims.full_layers + dims.sliding_layers + draft_layers) * dims.kv_heads * exact,
+            round(dims.sliding_layers * dims.kv_heads * per_head),
         )
 
-    tok, draft_tok, exact = kv(p.kv_cache)
+    tok, draft_tok, exact, win_tok = kv(p.kv_cache)
+    win = window_tokens(dims.sliding_window)
     fit = ProfileFit(name, p, tok, draft_tok, exact, state, slots, block, usable - work(p.kv_cache), work(p.kv_cache))
+    fit.window_kv_per_token, fit.window_tokens = win_tok, win
     for s in dict.fromkeys((p.kv_cache, *COMPARE)):
-        t, d, e = kv(s)
-        fit.max_context[s] = max(0, _max_context(usable - work(s), t + d, e + state * slots) - block)
+        t, d, e, w = kv(s)
+        fit.max_context[s] = max(0, _max_context(usable - work(s), t + d, e + state * slots, w, win) - block)
     return fit
 
 

@@ -99,10 +99,8 @@ class Step:
                 f"sequence of {length} tokens exceeds the cache's max_len {cache.max_len}",
                 fix="create the cache with a larger max_len",
             )
-        pos = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
-        freqs = pos[..., None].float() * cfg.inv_freq.to(device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = (emb.cos() * cfg.rope_scaling).to(dtype), (emb.sin() * cfg.rope_scaling).to(dtype)
+        pos = positions(starts, T, device)
+        cos, sin = rope_tables(pos, cfg.inv_freq, cfg.rope_scaling, dtype)
         mask = None
         if T > 1 or len(set(starts)) > 1:
             keys = torch.arange(length, device=device)
@@ -115,6 +113,18 @@ class Step:
             self.cache.records.pop(s, None)  # an older forward's GDN record no longer describes this slot
         if self.gdn:
             self.cache.record_gdn(self.slots, self.starts, self.T, self.gdn)
+
+
+def positions(starts: list[int], T: int, device) -> torch.Tensor:
+    """[B, T] position of each new token: row b continues from starts[b]."""
+    return torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+
+
+def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, rotary_dim] (rotate-half layout) at positions `pos` [B, T]."""
+    freqs = pos[..., None].float() * inv_freq.to(pos.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
 def rotate(x: torch.Tensor, st: Step) -> torch.Tensor:
@@ -141,6 +151,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale
 
     def forward(self, x: torch.Tensor, st: Step) -> torch.Tensor:
         B, T, _ = x.shape
@@ -164,7 +175,7 @@ class Attention(nn.Module):
         kv.write(self.kv_index, st.slots, st.starts, k, v)
         keys, values = kv.read(self.kv_index, st.slots, st.length)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=st.mask, enable_gqa=self.nh != self.nkv
+            q.transpose(1, 2), keys, values, attn_mask=st.mask, scale=self.scale, enable_gqa=self.nh != self.nkv
         )
         o = o.transpose(1, 2).reshape(B, T, self.nh * self.hd)
         if gate is not None:
@@ -194,14 +205,24 @@ class Transformer(nn.Module):
         self.config = cfg
         self.make_cache = make_cache
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, self.make_mixer(cfg, i)) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tied_head: nn.Module | None = None  # a packed copy of the tied embedding (cpu_pack.py)
         self.mtp = None
 
+    def make_block(self, cfg: EngineConfig, i: int) -> nn.Module:
+        return Block(cfg, self.make_mixer(cfg, i))
+
     def make_mixer(self, cfg: EngineConfig, i: int) -> nn.Module:
-        return Attention(cfg, cfg.full_layers.index(i))
+        return Attention(cfg, cfg.kv_layers.index(i))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def layer_steps(self, st: Step) -> list[Step]:
+        """The Step each layer runs with (one shared by all here; gemma3's sliding layers get their own)."""
+        return [st] * len(self.layers)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -229,9 +250,9 @@ class Transformer(nn.Module):
         """tokens [B, T]; row b appends to slot slots[b]. Returns logits [B, T, V] (and the final-norm hidden)."""
         B, T = tokens.shape
         st = Step.begin(self.config, cache, slots, B, T, tokens.device, self.dtype)
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x, st)
+        x = self.embed(tokens)
+        for layer, layer_st in zip(self.layers, self.layer_steps(st)):
+            x = layer(x, layer_st)
         st.end()
         h = self.norm(x)
         return (self.logits(h), h) if return_hidden else self.logits(h)

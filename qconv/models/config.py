@@ -12,6 +12,8 @@ import torch
 from qconv.errors import QconvError
 from qconv.models.spec import ModelSpec
 
+ATTENTION_TYPES = ("full_attention", "sliding_attention")  # layer types that keep K/V
+
 
 @dataclass
 class EngineConfig:
@@ -45,21 +47,36 @@ class EngineConfig:
     weight_prefix: str = "model."  # where decoder weights live in the checkpoint
     inv_freq: torch.Tensor | None = field(default=None, repr=False)
     rope_scaling: float = 1.0  # attention_scaling of the rope variant (yarn etc.)
+    attn_scale: float | None = None  # softmax scale when not 1/sqrt(head_dim) (config's query_pre_attn_scalar)
+    # sliding-window layers (layer type "sliding_attention"): their window and their own rope where the config
+    # keeps one per layer type (inverse frequencies, attention_scaling)
+    sliding_window: int = 0
+    local_inv_freq: torch.Tensor | None = field(default=None, repr=False)
+    local_rope_scaling: float = 1.0
+    logit_softcap: float | None = None  # final logits: cap * tanh(logits / cap) (config's final_logit_softcapping)
 
     @property
     def full_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
 
     @property
+    def kv_layers(self) -> list[int]:
+        """Layers that keep K/V in the cache (full and sliding-window attention), in order."""
+        return [i for i, t in enumerate(self.layer_types) if t in ATTENTION_TYPES]
+
+    @property
     def linear_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
 
-def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
-    """Inverse frequencies via transformers' rope registry (llama3, yarn, ... included); default computed here."""
+def _rope(hf, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float, int]:
+    """Inverse frequencies via transformers' rope registry (llama3, yarn, ... included); default computed here.
+    `layer_type`: the rope of that layer type, where the config keeps one per type (gemma3)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(getattr(hf, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params.get(layer_type) or {})
     rtype = params.get("rope_type", "default")
     partial = float(params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)) or 1.0)
     dim = int(head_dim * partial)
@@ -69,7 +86,7 @@ def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float, int]:
         return inv.float(), 1.0, dim
     if rtype not in ROPE_INIT_FUNCTIONS:
         raise QconvError(f"unsupported rope_type {rtype!r}", fix=f"one of default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    inv, scale = ROPE_INIT_FUNCTIONS[rtype](hf, None)
+    inv, scale = ROPE_INIT_FUNCTIONS[rtype](hf, None, **({"layer_type": layer_type} if layer_type else {}))
     return inv.float(), float(scale), dim
 
 
@@ -101,8 +118,10 @@ def engine_config(spec: ModelSpec, *, has_mtp: bool = False) -> EngineConfig:
     hf = top.get_text_config()
     fam = spec.family
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    inv_freq, rscale, rdim = _rope(hf, head_dim)
     n = hf.num_hidden_layers
+    types = list(getattr(hf, "layer_types", None) or ["full_attention"] * n)
+    per_type = isinstance((getattr(hf, "rope_parameters", None) or {}).get("full_attention"), dict)
+    inv_freq, rscale, rdim = _rope(hf, head_dim, "full_attention" if per_type else None)
     cfg = EngineConfig(
         family=fam.name,
         model_type=spec.model_type,
@@ -122,7 +141,7 @@ def engine_config(spec: ModelSpec, *, has_mtp: bool = False) -> EngineConfig:
         attn_output_gate=fam.attn_output_gate,
         norm_offset=fam.norm_offset,
         rotary_dim=rdim,
-        layer_types=list(getattr(hf, "layer_types", None) or ["full_attention"] * n),
+        layer_types=types,
         has_mtp=has_mtp,
         weight_prefix=spec.weight_prefix,
         inv_freq=inv_freq,
@@ -132,4 +151,16 @@ def engine_config(spec: ModelSpec, *, has_mtp: bool = False) -> EngineConfig:
         cfg.linear_num_k_heads, cfg.linear_num_v_heads = hf.linear_num_key_heads, hf.linear_num_value_heads
         cfg.linear_k_head_dim, cfg.linear_v_head_dim = hf.linear_key_head_dim, hf.linear_value_head_dim
         cfg.conv_kernel = hf.linear_conv_kernel_dim
+    if getattr(hf, "attn_logit_softcapping", None):
+        raise QconvError(
+            "attention logit soft-capping is not implemented by the bundled engine",
+            where=str(spec.folder / "config.json"),
+            fix="serve this model with --backend vllm",
+        )
+    if getattr(hf, "query_pre_attn_scalar", None):
+        cfg.attn_scale = float(hf.query_pre_attn_scalar) ** -0.5
+    cfg.logit_softcap = getattr(hf, "final_logit_softcapping", None)
+    if "sliding_attention" in types:
+        cfg.sliding_window = int(hf.sliding_window)
+        cfg.local_inv_freq, cfg.local_rope_scaling, _ = _rope(hf, head_dim, "sliding_attention" if per_type else None)
     return cfg

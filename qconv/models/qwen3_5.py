@@ -125,7 +125,7 @@ class Qwen35Transformer(Transformer):
     def make_mixer(self, cfg: EngineConfig, i: int) -> nn.Module:
         if cfg.layer_types[i] == "linear_attention":
             return GatedDeltaNet(cfg, cfg.linear_layers.index(i))
-        return Attention(cfg, cfg.full_layers.index(i))
+        return Attention(cfg, cfg.kv_layers.index(i))
 
 
 def linear_state(tc: dict) -> LinearState:

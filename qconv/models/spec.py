@@ -87,6 +87,11 @@ class ModelSpec:
         return sum(t == "full_attention" for t in self.layer_types)
 
     @property
+    def sliding_layers(self) -> int:
+        """Sliding-window attention layers (gemma3): K/V of the last `sliding_window` tokens only."""
+        return sum(t == "sliding_attention" for t in self.layer_types)
+
+    @property
     def linear_layers(self) -> int:
         return sum(t == "linear_attention" for t in self.layer_types)
 

@@ -359,17 +359,29 @@ POINTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_llama, calib_txt, tmp_path_factory) -> Path:
+    """The tiny model built without interruption, as the killed builds run: a process with one thread (GPTQ's sums
+    follow it), from another copy of the source (the artifact's files do not depend on where it lies). Read only."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    shutil.copytree(tiny_llama, root / "src")
+    ref = root / "ref"
+    done = subprocess.run(
+        _cli(*build_args(root / "src", ref, root / "work", calib_txt)), env=_env(), capture_output=True
+    )
+    assert done.returncode == 0, done.stderr
+    return ref
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(5))
-def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path, calib_txt):
+def test_kill9_at_a_random_point_then_rerun_is_bit_identical(seed, src, tmp_path, calib_txt, uninterrupted):
     """A build killed at a random moment (after a random log line, plus a random delay), rerun with --force into
     the same --out and work dir, ends with the same file table as an uninterrupted build in the same environment
     and no stray folders.
     Odd seeds replace an earlier artifact, so the kill can also land in the atomic swap."""
     rng = random.Random(seed)
-    ref = tmp_path / "ref"  # built as the killed build runs: a process with one thread (GPTQ's sums follow it)
-    done = subprocess.run(_cli(*build_args(src, ref, tmp_path / "refwork", calib_txt)), env=_env(), capture_output=True)
-    assert done.returncode == 0, done.stderr
+    ref = uninterrupted
     out, work = tmp_path / "out", tmp_path / "work"
     if seed % 2:
         shutil.copytree(ref, out)

@@ -205,7 +205,7 @@ def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_pyt
     assert all(len(x) == 8 for x in ids) and worst <= TOLERANCE
 
     vllm_bytes = float(cache["kv_cache_memory_bytes"]) / float(cache["kv_cache_max_concurrency"])
-    assert cache["block_size"] == "128"
+    assert family.startswith("qwen3_5") or cache["block_size"] == "128"  # hybrid: vLLM pads to the state page
     planned, rounding = _planned_kv_bytes(art, context, VLLM_CPU_BATCHED_TOKENS)  # CPU: no async scheduling
     print(f"KV per {context}-token sequence: vLLM {vllm_bytes:,.0f} B, planner {planned:,} B (+ {rounding:,} B)")
     if not family.startswith("qwen3_5"):

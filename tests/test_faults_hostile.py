@@ -186,7 +186,7 @@ def test_a_requires_token_nobody_knows_is_refused_by_serve(tmp_path):
         r = run("serve", art, *args)
         assert r.exit_code == 2 and "requires 'teleport'" in r.output and "does not know" in r.output, r.output
     r = run("serve", art, "--print-command", "--vllm-feature", "teleport")  # the user vouches for their vLLM
-    assert r.exit_code == 0 and "vllm.entrypoints.openai.api_server" in r.output, r.output
+    assert r.exit_code == 0 and "-m qconv_vllm.frontdoor --model" in r.output, r.output  # vLLM behind the plugin's door
 
 
 @pytest.mark.parametrize("verb", ["generate", "eval"])

@@ -198,7 +198,7 @@ def test_the_selection_scores_units_as_the_build_turns_them(rotated):
     import torch
 
     from qconv.calibrate.sensitivity import fake_quant
-    from qconv.convert.rotation import quip_block, selection_rotations, stored_rotations
+    from qconv.convert.rotation import quip_block, rotated_modules, selection_rotations, stored_rotations
     from qconv.manifest import read_manifest
     from qconv.recipes.recipe import load_recipe
 
@@ -206,7 +206,8 @@ def test_the_selection_scores_units_as_the_build_turns_them(rotated):
     (stored,) = stored_rotations(sorted(out.glob("*.safetensors"))).values()
     assert torch.equal(quip_block(64) * math.sqrt(64), stored.double())
     modules = read_manifest(out).modules
-    blocks = selection_rotations(modules, load_recipe(str(out.parent / "rot.yaml")))
+    recipe = load_recipe(str(out.parent / "rot.yaml"))
+    blocks = selection_rotations(rotated_modules(modules, recipe), recipe)
     assert set(blocks) == {d.name for d in modules if d.bits and d.role not in ("embed", "lm_head", "gdn_qkvz")}
 
     m = next(d for d in modules if d.name == "model.layers.1.mlp.down_proj")

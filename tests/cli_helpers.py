@@ -46,9 +46,18 @@ def built_once(name: str, recipe: str, make) -> Path:
     code = [p for area in ("build", "convert", "calibrate") for p in sorted((REPO / "qconv" / area).glob("*.py"))]
     code += sorted((REPO / "qconv" / "recipes").glob("*.yaml"))  # a recipe's `extends` included
     key = sha256_bytes(b"".join(p.read_bytes() for p in [*code, recipe_file]) + name.encode())[:12]
-    out = CACHE / "artifacts" / f"{name}-{key}"
-    if not (out / "qconv.json").is_file():
-        make(out)
+    return cached(CACHE / "artifacts" / f"{name}-{key}", "qconv.json", make)
+
+
+def cached(out: Path, done: str, make) -> Path:
+    """`out`, made by `make(out)` unless `out/done` exists. Under a file lock: the suite's parallel workers (xdist)
+    share the cache, and the second to ask waits for the first's build instead of writing into it too."""
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):
+        if not (out / done).is_file():
+            make(out)
     return out
 
 

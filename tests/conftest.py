@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli_helpers import build_args, built_once
+from tests.cli_helpers import build_args, built_once, cached
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("QCONV_TEST_CACHE", REPO / ".cache"))
@@ -27,6 +27,23 @@ def pytest_configure(config):
     os.environ.setdefault("QCONV_HOME", str(CACHE / "qconv_home"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _solo(request):
+    """Under xdist (scripts/test.sh) every test shares a lock that a `solo` test takes alone: a test comparing
+    timings measured in one run gets the machine to itself, the rest run beside each other."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import fcntl
+
+    fd = os.open(CACHE / "solo.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if request.node.get_closest_marker("solo") else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _missing(what: str) -> None:
@@ -96,10 +113,9 @@ def smollm2(smollm2_gguf) -> Path:
     """SmolLM2-135M-Instruct imported from the GGUF into an HF folder (bf16), cached across runs."""
     from qconv.convert.gguf import import_gguf
 
-    out = CACHE / "models" / "smollm2-135m-instruct"
-    if not (out / "config.json").is_file():
-        import_gguf(smollm2_gguf, out, force=True)
-    return out
+    return cached(
+        CACHE / "models" / "smollm2-135m-instruct", "config.json", lambda out: import_gguf(smollm2_gguf, out, force=True)
+    )
 
 
 def _built_smollm2(gguf: Path, calib: Path, name: str, recipes: tuple[str, ...], args: list[str]) -> Path:
@@ -138,13 +154,13 @@ def real_layout_27b(config_27b) -> Path:
     """A tiny seeded checkpoint laid out like the published 27B (tests/tiny.make_real_layout_model), cached."""
     from tests.tiny import make_real_layout_model
 
-    out = CACHE / "models" / "tiny-real-layout-27b"
-    if not (out / "model.safetensors.index.json").is_file():
+    def make(out: Path) -> None:
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
         make_real_layout_model(config_27b, out)
-    return out
+
+    return cached(CACHE / "models" / "tiny-real-layout-27b", "model.safetensors.index.json", make)
 
 
 @pytest.fixture(scope="module")

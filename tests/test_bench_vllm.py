@@ -51,6 +51,7 @@ def _vllm_bench(python: str, root: str, art: Path, data: Path, out: Path) -> dic
 
 
 @pytest.mark.slow
+@pytest.mark.solo
 def test_qconv_bench_agrees_with_vllm_bench_serve(smollm2_3090, vllm_python, tmp_path):
     """Three rounds each, taken turn about (a shared machine's load moves a single run by more than 10%); the
     medians of output throughput are compared, the counters exactly."""

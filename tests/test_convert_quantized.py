@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 from click.testing import CliRunner
 
 from qconv.convert.quantized import detect_format
@@ -31,15 +32,15 @@ def _quantized(base: Path, family: str, name: str) -> Path:
     """A tiny checkpoint quantized by auto-round itself (subprocess), cached by source, family and format."""
     fmt, sym = SOURCES[name]
     out = CACHE / "quantized" / f"{family}-{name}"
-    done = list(out.rglob("config.json"))
-    if done:
-        return done[0].parent
-    subprocess.run(
-        [sys.executable, "-m", "tests.quantized_sources", str(base), str(out), fmt, "sym" if sym else "asym"],
-        check=True,
-        cwd=REPO,
-        capture_output=True,
-    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{out}.lock"):  # the suite's parallel workers share the cache
+        if not any(out.rglob("config.json")):
+            subprocess.run(
+                [sys.executable, "-m", "tests.quantized_sources", str(base), str(out), fmt, "sym" if sym else "asym"],
+                check=True,
+                cwd=REPO,
+                capture_output=True,
+            )
     return next(out.rglob("config.json")).parent
 
 

@@ -35,11 +35,14 @@ def _record(name: str, **values) -> None:
 
     from tests.conftest import CACHE
 
+    from filelock import FileLock
+
     path = CACHE / "measured" / "kvarn_vllm.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data[name] = values
-    path.write_text(json.dumps(data, indent=1))
+    with FileLock(f"{path}.lock"):  # the suite's parallel workers share the cache
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[name] = values
+        path.write_text(json.dumps(data, indent=1))
     print(name, values)
 
 

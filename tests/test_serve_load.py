@@ -51,6 +51,7 @@ PROMPTS = [f"Write two sentences about {t}." for t in TOPICS]
 
 
 @pytest.mark.slow
+@pytest.mark.solo
 def test_32_concurrent_streams_match_single_and_batching_scales(smollm2):
     prompts = PROMPTS[:16]
     # One intra-op thread: the model thread keeps one core, the HTTP loop the other, and a busy machine does not

@@ -114,7 +114,9 @@ def smollm2(smollm2_gguf) -> Path:
     from qconv.convert.gguf import import_gguf
 
     return cached(
-        CACHE / "models" / "smollm2-135m-instruct", "config.json", lambda out: import_gguf(smollm2_gguf, out, force=True)
+        CACHE / "models" / "smollm2-135m-instruct",
+        "config.json",
+        lambda out: import_gguf(smollm2_gguf, out, force=True),
     )
 
 

@@ -177,6 +177,24 @@ def test_cli_compare_starts_both_servers_and_writes_every_output(tiny_llama, tmp
             pass
 
 
+def test_cli_compare_two_artifacts_interleaved(tiny_llama, tiny_qwen3, tmp_path):
+    """`qconv bench ART --compare ART2`: each artifact served by its own `qconv serve`, named by its folder, the cells
+    taken turn about."""
+    out = tmp_path / "out"
+    r = _bench(
+        tiny_llama, "--backend", "native", "--workloads", "code", "--concurrency", "1", "--prompts", "2",
+        "--max-tokens", "6", "--compare", tiny_qwen3, "--out", out,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rep = load(out / "bench.json")
+    assert [t.label for t in rep.targets] == [tiny_llama.name, tiny_qwen3.name] and rep.interleaved
+    assert [t.serve_command[t.serve_command.index("serve") + 1] for t in rep.targets] == [
+        str(tiny_llama), str(tiny_qwen3)
+    ]  # fmt: skip
+    assert sorted(c.target for c in rep.cells) == sorted([tiny_llama.name, tiny_qwen3.name])
+    assert all(c.completed == 2 and c.total_output_tokens > 0 for c in rep.cells)
+
+
 def test_native_device_choice(monkeypatch):
     """`qconv serve/bench --device`: auto takes CUDA when torch sees it; cuda without one is one clear error."""
     import torch

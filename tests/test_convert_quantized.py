@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
 from click.testing import CliRunner
+from filelock import FileLock
 
 from qconv.convert.quantized import detect_format
 from qconv.errors import QconvError

@@ -33,9 +33,9 @@ def _record(name: str, **values) -> None:
     """Keep what a run measured (also when pytest captures the printout): <cache>/measured/kvarn_vllm.json."""
     import json
 
-    from tests.conftest import CACHE
-
     from filelock import FileLock
+
+    from tests.conftest import CACHE
 
     path = CACHE / "measured" / "kvarn_vllm.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from qconv.cli import main
 from qconv.kv.fit_text import profile_fit_lines, render
 from qconv.kv.plan import GIB, model_dims, plan_fit
 from qconv.manifest import Manifest, ModuleDecision, RecipeInfo, SourceInfo
+from qconv.models.spec import ModelSpec
 from qconv.recipes import load_recipe
 
 
@@ -34,7 +35,7 @@ def artifact_27b(config_27b, tmp_path):
 
 
 def test_27b_dims_and_published_kv_arithmetic(config_27b):
-    d = model_dims(json.loads((config_27b / "config.json").read_text()))
+    d = model_dims(ModelSpec.read(config_27b))
     assert (d.full_layers, d.kv_heads, d.head_dim, d.linear_layers) == (16, 4, 256, 48)
     assert d.conv_elems == (2 * 16 * 128 + 48 * 128) * 3 and d.recurrent_elems == 48 * 128 * 128
 

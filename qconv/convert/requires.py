@@ -4,8 +4,9 @@ provides, a user can declare more (`qconv serve --vllm-feature TOKEN`), and KV-c
 KV dtypes the installed vLLM accepts. An entry with `platform` applies only to a vLLM of that platform.
 
 Only what stock vLLM 0.32 truly lacks is listed: int8 embed_tokens / lm_head are stored `pack-quantized`, which its
-compressed-tensors parser takes, and Marlin runs W8A16 lm_head on GPUs; but its llama and qwen3_5 models build
-embed_tokens without the quantization prefix, and its CPU backend has no 8-bit weight-only kernel."""
+compressed-tensors parser takes, and Marlin runs W8A16 lm_head on GPUs; but some of its models (llama, qwen3_5:
+those not in their Family's `vllm_quantized_embed`) build embed_tokens without the quantization prefix, and its CPU
+backend has no 8-bit weight-only kernel."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from qconv.manifest import (
     WNA16_8BIT_CPU,
     Requirement,
 )
+from qconv.models.family import registry
 from qconv.recipes.recipe import Recipe
 from qconv.recipes.sections import KEEP, KV_SCHEMES
 
@@ -34,16 +36,16 @@ __all__ = [
 # `needs` values only our engine meets (the last is its old name)
 NEEDS_ENGINE = ("qconv", "qconv-engine", "native", "qconv-runtime")
 PLUGIN = "the qconv-vllm plugin (qconv runtime install)"
-# vLLM 0.32 models that pass their embed_tokens prefix to the quantization config themselves (Qwen2Model, its
-# Qwen3Model subclass and Gemma3Model): a quantized embedding loads there without the plugin.
-STOCK_QUANTIZED_EMBED_TYPES = ("qwen2", "qwen3", "gemma3_text")
 
 
 def requirements(recipe: Recipe, plan: Layout, rotated: bool = False) -> list[Requirement]:
     """`rotated`: the artifact carries input rotations (a transform_config)."""
     req = []
     quantized = [m for m in plan.modules if m.scheme != KEEP]
-    if any(m.role == "embed" for m in quantized) and plan.model_type not in STOCK_QUANTIZED_EMBED_TYPES:
+    # the family says which of its model types stock vLLM builds with embed_tokens' quantization prefix
+    fam = registry().get(plan.model_type)
+    stock_embed = fam is not None and plan.model_type in fam.vllm_quantized_embed
+    if any(m.role == "embed" for m in quantized) and not stock_embed:
         req.append(
             Requirement(
                 "int8 embed_tokens",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +12,7 @@ from qconv import progress
 from qconv.compute import dtype_name
 from qconv.convert import patches
 from qconv.memory import available_ram, pin_mmap_threshold
+from qconv.models.family import Family, family_for, layer_index
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +31,6 @@ MAX_SHARD_SIZE = "512MB"
 # Calibration activations at least this large go to disk in a streamed build (activations_on_disk); the rest (masks,
 # position ids, rotary tables shared by every sample) stay in memory.
 SPILL_MIN_BYTES = 1 << 20
-_LAYER = re.compile(r"layers\.(\d+)\.")
 
 
 def should_stream(source_bytes: int, compute: torch.dtype | None = None) -> bool:
@@ -61,15 +60,13 @@ def tensor_files(path: Path) -> dict[str, Path]:
     return {name: shard for shard in sorted(path.glob("*.safetensors")) for name in read_safetensors_header(shard)}
 
 
-def rebuild_meta_buffers(model) -> None:
+def rebuild_meta_buffers(model, family: Family) -> None:
     """Modules of a meta-device model whose buffers are computed at init, not stored (rotary inv_freq), rebuilt
-    on the CPU from their config; a scaled embedding (gemma3) gets its scale buffer back from its float."""
-    import torch
-
+    on the CPU from their config; the ones that cannot be made again from a config (a scaled embedding) the
+    model's family puts back (`Family.restore_buffers`)."""
     for mod_name, module in list(model.named_modules()):
         if any(buf.is_meta for buf in module.buffers(recurse=False)):
-            if hasattr(module, "scalar_embed_scale"):
-                module.register_buffer("embed_scale", torch.tensor(module.scalar_embed_scale), persistent=False)
+            if family.restore_buffers(module):
                 continue
             parent_name, _, child = mod_name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -111,7 +108,7 @@ def load_streamed_model(path: Path, config: dict, offload_dir: Path, dtype: str 
     )
     if not pin_mmap_threshold():
         log.warning("could not pin the C library's mmap threshold: freed memory may not return to the system")
-    rebuild_meta_buffers(model)
+    rebuild_meta_buffers(model, family_for(config.get("model_type", ""), config.get("architectures"), str(path)))
     for mod_name, module in list(model.named_modules()):
         params = dict(module.named_parameters(recurse=False))
         if not params:
@@ -304,12 +301,12 @@ def row_blocked_gptq(block_bytes: int = GPTQ_BLOCK_BYTES, names: dict | None = N
 
     def lean_prepare(batch, batch_qparams, hessians_by_module, samples_by_module):
         name = (names or {}).get(batch[-1], "")
-        layer = _LAYER.search(name)
+        layer = layer_index(name)
         log.info(
             "GPTQ: %d module(s), %s",
             len(batch),
             name or "unnamed",
-            extra=progress.advance(len(batch), f"layer {layer[1]}" if layer else name),
+            extra=progress.advance(len(batch), f"layer {layer}" if layer is not None else name),
         )
         stacked = None
         for i, module in enumerate(batch):

@@ -107,19 +107,18 @@ class ModelCache:
         gdn = 0 if kv_layers is not None else len(c.linear_layers)
         kv_layers = len(c.kv_layers) if kv_layers is None else kv_layers
         kv = make_kv_store(kv_scheme, kv_layers, max_batch, max_len, c.num_kv_heads, c.head_dim, dtype, device)
-        conv_dim = 2 * c.linear_num_k_heads * c.linear_k_head_dim + c.linear_num_v_heads * c.linear_v_head_dim
-        conv = [torch.zeros(max_batch, conv_dim, c.conv_kernel - 1, dtype=dtype, device=device) for _ in range(gdn)]
-        rec = [
-            torch.zeros(
-                max_batch,
-                c.linear_num_v_heads,
-                c.linear_k_head_dim,
-                c.linear_v_head_dim,
-                dtype=torch.float32,
-                device=device,
-            )
-            for _ in range(gdn)
-        ]
+        conv: list[torch.Tensor] = []
+        rec: list[torch.Tensor] = []
+        if gdn:
+            state = c.linear_state  # its shapes come from the model's Family
+            if state is None:
+                raise QconvError(
+                    f"the model has {gdn} linear-attention layers but its family ({c.family}) gives no linear_state",
+                    where=f"qconv/models/{c.family}.py",
+                    fix="set the Family's linear_state to the per-sequence state shapes of its linear layers",
+                )
+            conv = [torch.zeros(max_batch, *state.conv, dtype=dtype, device=device) for _ in range(gdn)]
+            rec = [torch.zeros(max_batch, *state.recurrent, dtype=torch.float32, device=device) for _ in range(gdn)]
         return cls(max_batch, max_len, torch.zeros(max_batch, dtype=torch.long), kv, conv, rec)
 
     def reset(self, slots: list[int]) -> None:

@@ -162,6 +162,7 @@ class StreamedModel:
 
         from qconv.convert.stream import rebuild_meta_buffers
         from qconv.memory import pin_mmap_threshold
+        from qconv.models.family import family_for
 
         pin_mmap_threshold()  # each layer's tensors are freed before the next: give them back (see qconv.memory)
         cfg = transformers.AutoConfig.from_pretrained(path)
@@ -169,7 +170,7 @@ class StreamedModel:
             del cfg.quantization_config  # the weights come dequantized: build plain bf16 modules
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        rebuild_meta_buffers(model)
+        rebuild_meta_buffers(model, family_for(cfg.model_type, where=str(Path(path) / "config.json")))
         model.eval()
         return cls(Checkpoint.open(path), model, torch.device(device), dtype)
 

@@ -16,7 +16,7 @@ from qconv.errors import QconvError
 from qconv.kv.schemes import GPU_RUNTIME, get_kv_scheme
 from qconv.kv.store import EXACT_DTYPE
 from qconv.modelfiles import read_model_config
-from qconv.models.family import family_for
+from qconv.models.spec import ModelSpec
 from qconv.recipes.recipe import Recipe, load_recipe
 from qconv.recipes.sections import Profile
 
@@ -52,31 +52,25 @@ class ModelDims:
     mtp_layers: int = 0
     max_position: int = 0
     q_heads: int = 0
-    sliding_layers: int = 0  # sliding-window attention layers (gemma3): K/V of the last `sliding_window` tokens
+    sliding_layers: int = 0  # sliding-window attention layers: K/V of the last `sliding_window` tokens
     sliding_window: int = 0
 
 
-def model_dims(config: dict) -> ModelDims:
-    tc = config.get("text_config", config)
-    types = tc.get("layer_types") or ["full_attention"] * tc["num_hidden_layers"]
-    full = sum(t == "full_attention" for t in types)
-    sliding = sum(t == "sliding_attention" for t in types)
-    linear = sum(t == "linear_attention" for t in types)
-    hd = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
+def model_dims(spec: ModelSpec) -> ModelDims:
+    """The planner's numbers of a model; which layers are full, sliding-window or linear attention and what a
+    linear layer keeps per sequence come from its Family (through the spec)."""
     d = ModelDims(
-        full,
-        tc.get("num_key_value_heads") or tc["num_attention_heads"],
-        hd,
-        linear,
-        mtp_layers=int(tc.get("mtp_num_hidden_layers") or 0),
-        max_position=tc.get("max_position_embeddings", 0),
-        q_heads=tc["num_attention_heads"],
-        sliding_layers=sliding,
-        sliding_window=int(tc.get("sliding_window") or 0) if sliding else 0,
+        spec.full_layers,
+        spec.kv_heads,
+        spec.head_dim,
+        spec.linear_layers,
+        mtp_layers=spec.mtp_layers,
+        max_position=spec.max_positions,
+        q_heads=spec.heads,
+        sliding_layers=spec.sliding_layers,
+        sliding_window=int(spec.sliding_window or 0) if spec.sliding_layers else 0,
     )
-    state = family_for(config.get("model_type", "")).linear_state if linear else None
-    if state is not None:  # the family says what one linear-attention layer keeps per sequence
-        st = state(tc)
+    if (st := spec.linear_state) is not None:
         d.conv_elems, d.recurrent_elems, d.config_ssm_dtype = st.conv_elems, st.recurrent_elems, st.ssm_dtype
     return d
 
@@ -293,7 +287,7 @@ def build_report(
     draft_len: int | None = None,
 ) -> FitReport:
     """The fit of every (or one) profile of `rec` for a model of `config` whose weight files total `total` bytes."""
-    dims = model_dims(config)
+    dims = model_dims(ModelSpec.from_config(label, config))
     spec = rec.speculative
     uses_mtp = spec.method in ("mtp", "hybrid") and mtp > 0
     if draft_len is None:

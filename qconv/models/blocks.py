@@ -197,8 +197,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A decoder of attention blocks (the llama family's model; other families override `make_mixer`). forward()
-    appends tokens to cache slots and returns float32 logits. `make_cache`: the engine's cache constructor."""
+    """A decoder of attention blocks (the llama family's model; a family file overrides `make_mixer`, `make_block`,
+    `embed`, `layer_steps` or `logits`). forward() appends tokens to cache slots and returns float32 logits.
+    `make_cache`: the engine's cache constructor."""
 
     def __init__(self, cfg: EngineConfig, make_cache: CacheFactory):
         super().__init__()
@@ -221,7 +222,8 @@ class Transformer(nn.Module):
         return self.embed_tokens(tokens)
 
     def layer_steps(self, st: Step) -> list[Step]:
-        """The Step each layer runs with (one shared by all here; gemma3's sliding layers get their own)."""
+        """The Step each layer runs with (one shared by all here; a family with sliding-window layers gives them
+        their own rope tables and windowed mask)."""
         return [st] * len(self.layers)
 
     @property

@@ -5,11 +5,12 @@ built from the spec's dict: config.json is not read again."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from qconv.errors import QconvError
+from qconv.models.family import LinearState
 from qconv.models.spec import ModelSpec
 
 ATTENTION_TYPES = ("full_attention", "sliding_attention")  # layer types that keep K/V
@@ -30,7 +31,7 @@ class EngineConfig:
     max_position_embeddings: int
     eos_token_ids: list[int]
     tie_embeddings: bool
-    attention_bias: bool = False  # qwen2: q/k/v biases (set from the checkpoint's keys)
+    attention_bias: bool = False  # q/k/v biases (qwen2): the loader sets it from the checkpoint's keys
     o_bias: bool = False
     qk_norm: bool = False  # qwen3 / qwen3_5: RMSNorm over head_dim of q and k
     attn_output_gate: bool = False  # qwen3_5: q_proj also yields a sigmoid output gate
@@ -43,17 +44,18 @@ class EngineConfig:
     linear_k_head_dim: int = 0
     linear_v_head_dim: int = 0
     conv_kernel: int = 0
+    linear_state: LinearState | None = None  # one linear layer's per-sequence state shapes (the Family's)
     has_mtp: bool = False
     weight_prefix: str = "model."  # where decoder weights live in the checkpoint
     inv_freq: torch.Tensor | None = field(default=None, repr=False)
     rope_scaling: float = 1.0  # attention_scaling of the rope variant (yarn etc.)
-    attn_scale: float | None = None  # softmax scale when not 1/sqrt(head_dim) (config's query_pre_attn_scalar)
+    attn_scale: float | None = None  # softmax scale when not 1/sqrt(head_dim) (a Family's engine_options)
     # sliding-window layers (layer type "sliding_attention"): their window and their own rope where the config
     # keeps one per layer type (inverse frequencies, attention_scaling)
     sliding_window: int = 0
     local_inv_freq: torch.Tensor | None = field(default=None, repr=False)
     local_rope_scaling: float = 1.0
-    logit_softcap: float | None = None  # final logits: cap * tanh(logits / cap) (config's final_logit_softcapping)
+    logit_softcap: float | None = None  # final logits: cap * tanh(logits / cap) (a Family's engine_options)
 
     @property
     def full_layers(self) -> list[int]:
@@ -71,7 +73,8 @@ class EngineConfig:
 
 def _rope(hf, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float, int]:
     """Inverse frequencies via transformers' rope registry (llama3, yarn, ... included); default computed here.
-    `layer_type`: the rope of that layer type, where the config keeps one per type (gemma3)."""
+    `layer_type`: the rope of that layer type, where the config keeps one per type (`rope_parameters` keyed by
+    layer type)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = dict(getattr(hf, "rope_parameters", None) or {})
@@ -113,7 +116,8 @@ def hf_config(spec: ModelSpec):
 
 
 def engine_config(spec: ModelSpec, *, has_mtp: bool = False) -> EngineConfig:
-    """The EngineConfig of a model; its family's options (norm offset, q/k norm, output gate) come from the Family."""
+    """The EngineConfig of a model; its family's options (norm offset, q/k norm, output gate, linear-layer state
+    and the `engine_options` it reads from transformers' config itself) come from the Family."""
     top = hf_config(spec)
     hf = top.get_text_config()
     fam = spec.family
@@ -136,7 +140,7 @@ def engine_config(spec: ModelSpec, *, has_mtp: bool = False) -> EngineConfig:
         max_position_embeddings=hf.max_position_embeddings,
         eos_token_ids=_eos_ids(spec, top, hf),
         tie_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(hf, "attention_bias", spec.model_type == "qwen2")),
+        attention_bias=bool(getattr(hf, "attention_bias", False)),
         qk_norm=fam.qk_norm,
         attn_output_gate=fam.attn_output_gate,
         norm_offset=fam.norm_offset,
@@ -151,16 +155,8 @@ def engine_config(spec: ModelSpec, *, has_mtp: bool = False) -> EngineConfig:
         cfg.linear_num_k_heads, cfg.linear_num_v_heads = hf.linear_num_key_heads, hf.linear_num_value_heads
         cfg.linear_k_head_dim, cfg.linear_v_head_dim = hf.linear_key_head_dim, hf.linear_value_head_dim
         cfg.conv_kernel = hf.linear_conv_kernel_dim
-    if getattr(hf, "attn_logit_softcapping", None):
-        raise QconvError(
-            "attention logit soft-capping is not implemented by the bundled engine",
-            where=str(spec.folder / "config.json"),
-            fix="serve this model with --backend vllm",
-        )
-    if getattr(hf, "query_pre_attn_scalar", None):
-        cfg.attn_scale = float(hf.query_pre_attn_scalar) ** -0.5
-    cfg.logit_softcap = getattr(hf, "final_logit_softcapping", None)
     if "sliding_attention" in types:
         cfg.sliding_window = int(hf.sliding_window)
         cfg.local_inv_freq, cfg.local_rope_scaling, _ = _rope(hf, head_dim, "sliding_attention" if per_type else None)
-    return cfg
+    cfg.linear_state = spec.linear_state
+    return replace(cfg, **fam.engine_options(hf, spec))  # a field EngineConfig lacks is a TypeError here

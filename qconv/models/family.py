@@ -8,6 +8,7 @@ and the flags vLLM needs. Adding a family whose blocks exist is its family file 
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 import re
 from collections.abc import Callable
@@ -38,13 +39,48 @@ class Fused:
 
 @dataclass(frozen=True)
 class LinearState:
-    """Per-sequence state of one linear-attention (Gated-DeltaNet) layer, in elements: the causal conv's window
-    (conv_dim x (kernel - 1)) and the recurrent matrix state (v_heads x k_dim x v_dim)."""
+    """Per-sequence state of one linear-attention (Gated-DeltaNet) layer, as shapes: the causal conv's window
+    (conv_dim, kernel - 1) and the recurrent matrix state (v_heads, k_dim, v_dim). The engine's cache allocates
+    these shapes; the planners count their elements."""
 
-    conv_dim: int
-    conv_elems: int
-    recurrent_elems: int
+    conv: tuple[int, int]
+    recurrent: tuple[int, ...]
     ssm_dtype: str = "float32"
+
+    @property
+    def conv_dim(self) -> int:
+        return self.conv[0]
+
+    @property
+    def conv_elems(self) -> int:
+        return math.prod(self.conv)
+
+    @property
+    def recurrent_elems(self) -> int:
+        return math.prod(self.recurrent)
+
+
+def declared_layer_types(text: dict) -> tuple[str, ...]:
+    """The text config's `layer_types`, or full attention in every layer when it has none."""
+    return tuple(text.get("layer_types") or ["full_attention"] * int(text.get("num_hidden_layers") or 0))
+
+
+def interleaved_layer_types(text: dict, *, every_key: str, every: int, other: str) -> tuple[str, ...]:
+    """The config's `layer_types`, else every `text[every_key]`-th (default `every`-th) layer full attention and
+    the rest `other`: how transformers' config classes derive them for configs written before they were listed."""
+    if text.get("layer_types"):
+        return tuple(text["layer_types"])
+    step = int(text.get(every_key) or every)
+    n = int(text.get("num_hidden_layers") or 0)
+    return tuple("full_attention" if (i + 1) % step == 0 else other for i in range(n))
+
+
+def no_engine_options(hf: Any, spec: Any) -> dict[str, Any]:
+    return {}
+
+
+def no_buffers(module: Any) -> bool:
+    return False
 
 
 @dataclass(frozen=True)
@@ -64,12 +100,25 @@ class Family:
     qk_norm: bool = False
     attn_output_gate: bool = False
     offset_norms: str = r"(layernorm|q_norm|k_norm|pre_fc_norm_\w+|^norm|mtp\.norm)\.weight$"
+    # EngineConfig fields the family reads from transformers' text config beyond the shared ones (attention scale,
+    # logit soft-cap, ...): (hf text config, ModelSpec) -> {field: value}; a config the engine cannot run raises a
+    # QconvError there
+    engine_options: Callable[[Any, Any], dict[str, Any]] = no_engine_options
+    # KV and state: the kind of each decoder layer ("full_attention" | "sliding_attention" | "linear_attention")
+    # from the text config; the KV planner, the build's memory plan and the engine's cache count them
+    layer_types: Callable[[dict], tuple[str, ...]] = declared_layer_types
     # state of a linear-attention layer from the text config (None: the family has none)
     linear_state: Callable[[dict], LinearState] | None = None
+    # a meta-device transformers module's buffers that are computed, not stored, and that the default rebuild
+    # (the module made again from its config) does not cover: put them back, True when done (streamed builds)
+    restore_buffers: Callable[[Any], bool] = no_buffers
     # vLLM: hybrid (recurrent state + attention) models take --mamba-ssm-cache-dtype and run without prefix caching
     hybrid: bool = False
     multimodal_archs: tuple[str, ...] = ()  # wrappers vLLM loads text-only with --language-model-only
     vllm_role_modules: dict[str, str] = field(default_factory=dict)  # role -> regex on vLLM's module names (W4A8)
+    # model types whose stock vLLM model passes its embed_tokens prefix to the quantization config: a quantized
+    # embedding loads there without the plugin (the llama family holds types that do and types that do not)
+    vllm_quantized_embed: tuple[str, ...] = ()
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -104,6 +153,12 @@ def registry() -> dict[str, Family]:
         fam = getattr(importlib.import_module(f"qconv.models.{info.name}"), "FAMILY", None)
         if not isinstance(fam, Family):
             continue
+        if stray := set(fam.vllm_quantized_embed) - set(fam.model_types):
+            raise QconvError(
+                f"family {fam.name}: vllm_quantized_embed names model types it does not cover: {sorted(stray)}",
+                where=f"qconv/models/{info.name}.py",
+                fix="list there only types of the family's model_types",
+            )
         for mt in fam.model_types:
             if mt in out:
                 raise QconvError(

@@ -7,13 +7,16 @@ the window is a mask."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qconv.errors import QconvError
 from qconv.models.blocks import MLP, Attention, RMSNorm, Step, Transformer, positions, rope_tables
 from qconv.models.config import EngineConfig
+from qconv.models.family import interleaved_layer_types
 from qconv.models.llama import FAMILY as LLAMA
 
 
@@ -73,8 +76,46 @@ class Gemma3Transformer(Transformer):
         return out if not cap else torch.tanh(out / cap) * cap
 
 
+def engine_options(hf, spec) -> dict:
+    """Gemma's softmax scale (`query_pre_attn_scalar` ** -0.5, not head_dim's) and final logit soft-cap; its
+    attention-logit soft-cap is not in our engine's attention."""
+    if getattr(hf, "attn_logit_softcapping", None):
+        raise QconvError(
+            "attention logit soft-capping is not implemented by the bundled engine",
+            where=str(spec.folder / "config.json"),
+            fix="serve this model with --backend vllm",
+        )
+    scalar = getattr(hf, "query_pre_attn_scalar", None)
+    return {
+        "attn_scale": float(scalar) ** -0.5 if scalar else None,
+        "logit_softcap": getattr(hf, "final_logit_softcapping", None),
+    }
+
+
+def restore_buffers(module) -> bool:
+    """transformers' scaled embedding keeps sqrt(hidden) in a buffer it does not store: on a meta-device model
+    (streamed build) it is put back from the float the module also keeps."""
+    if not hasattr(module, "scalar_embed_scale"):
+        return False
+    module.register_buffer("embed_scale", torch.tensor(module.scalar_embed_scale), persistent=False)
+    return True
+
+
 # Gemma 3's checkpoint names are the llama family's (roles, fused q/k/v and gate/up, vLLM module names); every norm
-# (the four per block, q/k and the final one) is a (1 + w) norm the default offset_norms pattern matches.
+# (the four per block, q/k and the final one) is a (1 + w) norm the default offset_norms pattern matches. vLLM's
+# Gemma3Model builds embed_tokens with its quantization prefix.
 FAMILY = replace(
-    LLAMA, name="gemma3", model_types=("gemma3_text",), transformer=Gemma3Transformer, qk_norm=True, norm_offset=1.0
+    LLAMA,
+    name="gemma3",
+    model_types=("gemma3_text",),
+    transformer=Gemma3Transformer,
+    qk_norm=True,
+    norm_offset=1.0,
+    engine_options=engine_options,
+    # configs on the Hub without `layer_types`: every sliding_window_pattern-th layer (default 6th) is global
+    layer_types=partial(
+        interleaved_layer_types, every_key="sliding_window_pattern", every=6, other="sliding_attention"
+    ),
+    restore_buffers=restore_buffers,
+    vllm_quantized_embed=("gemma3_text",),
 )

@@ -36,4 +36,5 @@ FAMILY = Family(
     fused=LLAMA_FUSED,
     transformer=Transformer,
     vllm_role_modules=LLAMA_VLLM_ROLES,
+    vllm_quantized_embed=("qwen2",),  # vLLM's Qwen2Model; its LlamaModel and MistralModel do not
 )

@@ -6,4 +6,5 @@ from dataclasses import replace
 
 from qconv.models.llama import FAMILY as LLAMA
 
-FAMILY = replace(LLAMA, name="qwen3", model_types=("qwen3",), qk_norm=True)
+# vLLM's Qwen3Model (a Qwen2Model) builds embed_tokens with its quantization prefix
+FAMILY = replace(LLAMA, name="qwen3", model_types=("qwen3",), qk_norm=True, vllm_quantized_embed=("qwen3",))

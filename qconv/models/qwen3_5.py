@@ -7,13 +7,15 @@ hidden state; the head's own output hidden feeds the next chained draft."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from qconv.models.blocks import Attention, Block, CacheFactory, RMSNorm, Step, StepCache, Transformer
 from qconv.models.config import EngineConfig
-from qconv.models.family import Family, Fused, LinearState
+from qconv.models.family import Family, Fused, LinearState, interleaved_layer_types
 from qconv.models.gdn import gated_delta
 from qconv.models.llama import ATTENTION_ROLES, LLAMA_FUSED, LLAMA_VLLM_ROLES
 
@@ -132,10 +134,8 @@ def linear_state(tc: dict) -> LinearState:
     """A Gated-DeltaNet layer's per-sequence state: the conv window over q/k/v and the [Hv, Dk, Dv] matrix."""
     nk, nv = tc["linear_num_key_heads"], tc["linear_num_value_heads"]
     dk, dv = tc["linear_key_head_dim"], tc["linear_value_head_dim"]
-    conv_dim = 2 * nk * dk + nv * dv
-    return LinearState(
-        conv_dim, conv_dim * (tc["linear_conv_kernel_dim"] - 1), nv * dk * dv, tc.get("mamba_ssm_dtype", "float32")
-    )
+    conv = (2 * nk * dk + nv * dv, tc["linear_conv_kernel_dim"] - 1)
+    return LinearState(conv, (nv, dk, dv), tc.get("mamba_ssm_dtype", "float32"))
 
 
 FAMILY = Family(
@@ -155,6 +155,10 @@ FAMILY = Family(
     norm_offset=1.0,
     qk_norm=True,
     attn_output_gate=True,
+    # configs without `layer_types`: every full_attention_interval-th layer (default 4th) attends, as transformers'
+    layer_types=partial(
+        interleaved_layer_types, every_key="full_attention_interval", every=4, other="linear_attention"
+    ),
     linear_state=linear_state,
     hybrid=True,
     multimodal_archs=("Qwen3_5ForConditionalGeneration",),

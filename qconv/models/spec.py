@@ -66,7 +66,7 @@ class ModelSpec:
             architectures=archs,
             family=family,
             weight_prefix=TEXT_PREFIX.get(arch, "model."),
-            layer_types=tuple(text.get("layer_types") or ["full_attention"] * n),
+            layer_types=family.layer_types(text),
             layers=n,
             heads=heads,
             kv_heads=int(text.get("num_key_value_heads") or heads),
@@ -88,7 +88,7 @@ class ModelSpec:
 
     @property
     def sliding_layers(self) -> int:
-        """Sliding-window attention layers (gemma3): K/V of the last `sliding_window` tokens only."""
+        """Sliding-window attention layers: K/V of the last `sliding_window` tokens only."""
         return sum(t == "sliding_attention" for t in self.layer_types)
 
     @property

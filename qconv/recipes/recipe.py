@@ -12,10 +12,10 @@ import yaml
 
 from qconv.errors import QconvError
 from qconv.fsutil import sha256_json
+from qconv.models.family import all_roles
 from qconv.recipes.schema import from_dict, shorten, to_dict
 from qconv.recipes.sections import (
     KEEP,
-    ROLES,
     Calibration,
     Card,
     Profile,
@@ -49,8 +49,8 @@ class Recipe:
 
     def validate(self):
         for role, scheme in self.roles.items():
-            if role not in ROLES:
-                yield f"roles.{role}", f"unknown role {role!r}; roles: {', '.join(ROLES)}"
+            if role not in all_roles():
+                yield f"roles.{role}", f"unknown role {role!r}; roles: {', '.join(all_roles())}"
             elif scheme != KEEP and scheme not in self.schemes:
                 yield f"roles.{role}", f"unknown scheme {scheme!r}; defined schemes: {', '.join([KEEP, *self.schemes])}"
         by_label: dict[str, Scheme] = {}

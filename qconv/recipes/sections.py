@@ -7,22 +7,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from qconv.models.family import all_roles
 from qconv_vllm.features import KVARN_PRESETS
 
-# Roles a recipe assigns schemes to. Fused groups are one role: vLLM fuses them into one layer with one scheme.
-ROLES = (
-    "attn_qkv",
-    "attn_o",
-    "mlp_gate_up",
-    "mlp_down",
-    "gdn_qkvz",
-    "gdn_ab",
-    "gdn_out",
-    "embed",
-    "lm_head",
-    "mtp",
-    "vision",
-)
+# The roles a recipe assigns schemes to are every model family's, `all_roles()` (qconv.models: each family file's
+# role patterns; a fused group is one role, vLLM fuses it into one layer with one scheme): a new family's role is
+# known to recipes without a list here.
 KEEP = "bf16"  # the scheme name meaning "leave in the source dtype"
 # Runnable by a profile (qconv.kv.schemes builds them from here): vLLM's own, the plugin's KVarN presets, and the
 # 256-token tiles that run in qconv's engine only.
@@ -210,8 +200,8 @@ class SelectionRules:
         if self.max_bpw is not None and not 1 <= self.max_bpw <= 16:
             yield "max_bpw", f"must be between 1 and 16 bits per weight, got {self.max_bpw}"
         for c in self.candidates:
-            if c not in ROLES:
-                yield "candidates", f"unknown role {c!r}; roles: {', '.join(ROLES)}"
+            if c not in all_roles():
+                yield "candidates", f"unknown role {c!r}; roles: {', '.join(all_roles())}"
 
 
 W4A8_ROLES = ("attn_qkv", "attn_o", "mlp_gate_up", "mlp_down", "gdn_qkvz", "gdn_out")

@@ -4,6 +4,7 @@ CLI's errors on bad input, and tokens per verify step equal to the engine's own 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 
 import pytest
@@ -207,3 +208,22 @@ def test_native_device_choice(monkeypatch):
         engine_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert engine_device("auto") == "cuda"
+
+
+def test_compare_records_the_profile_each_side_serves(tmp_path):
+    """`qconv bench ART --compare ART2`: with no --profile, each `qconv serve` runs its artifact's default profile,
+    and that is what each side names (bench.json's `profile`), the second side included."""
+    from qconv.artifact import Artifact
+    from qconv.bench.commands import _sides
+    from tests.test_serve_vllm_plugin import tiny_artifact
+
+    art, _ = tiny_artifact(tmp_path, "qwen3_5_wide", "3090")
+    other = tmp_path / "other"
+    shutil.copytree(art, other)
+    default = Artifact.find(art).default_profile
+    assert default
+    sides = _sides(str(art), None, str(other), "native", None, None, [], [])
+    assert [s.profile for s in sides] == [default, default]
+    assert [s.serve_args[s.serve_args.index("--profile") + 1] for s in sides] == [default, default]
+    named = next(p for p in Artifact.find(art).profiles if p != default)  # a named profile both artifacts have
+    assert [s.profile for s in _sides(str(art), None, str(other), "native", named, None, [], [])] == [named, named]

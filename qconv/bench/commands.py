@@ -43,6 +43,11 @@ def _backend(backend: str, art, profile: str | None) -> str:
     return choice.backend
 
 
+def _default_profile(art) -> str | None:
+    """The profile `qconv serve ART` runs when none is named: what bench.json records for that side."""
+    return art.default_profile if art is not None and art.profiles else None
+
+
 def _sides(target, url, compare, backend, profile, spec: str | None, common: list[str], vllm_args: list[str]):
     """The one or two targets: a server to start (`qconv serve` arguments) or a URL each."""
     from qconv.bench.runner import Side
@@ -68,7 +73,7 @@ def _sides(target, url, compare, backend, profile, spec: str | None, common: lis
         )
     path, art = _artifact(target)
     backend = _backend(backend, art, profile)
-    prof = profile or (art.default_profile if art and art.profiles else None)
+    prof = profile or _default_profile(art)
     if compare is None:
         return [started(path, prof, spec, path.name)]
     if compare.startswith("spec-tokens="):
@@ -96,7 +101,7 @@ def _sides(target, url, compare, backend, profile, spec: str | None, common: lis
             fix="an artifact folder, a profile name, or spec-tokens=N",
         )
     path2, art2 = _artifact(compare)
-    prof2 = profile if (profile and art2 and profile in art2.profiles) else None
+    prof2 = profile if (profile and art2 and profile in art2.profiles) else _default_profile(art2)
     lb = path2.name if path2.name != path.name else path2.name + " (2)"
     return [started(path, prof, spec, path.name), started(path2, prof2, spec, lb)]
 

@@ -23,10 +23,12 @@ from tests.test_serve_vllm_plugin import ENV, _ids, tiny_artifact
 pytestmark = pytest.mark.slow
 KV = "kvarn_k4v2_g128"
 # nats: vLLM (bf16 activations) with KVarN vs our fp32 engine with the same KVarN cache, teacher-forced on vLLM's
-# greedy tokens after a prompt spanning several closed tiles. Largest difference measured: 0.19 (SmolLM2, 420-token
-# prompt, 24 tokens; <cache>/measured/kvarn_vllm.json keeps each run's), in line with the 0.21 that bf16 KV gives
-# between the two engines (tests/test_serve_vllm_plugin.py).
-TOLERANCE = 0.35
+# greedy tokens after a prompt spanning several closed tiles, may differ by what the same two engines differ by with
+# a bf16 KV cache on the same prompt in the same run (their arithmetic, which moves with the CPU's bf16 kernels),
+# plus this much for KVarN: its 4-bit keys and 2-bit values turn the two engines' small differences in K and V into
+# a code a step apart now and then. Measured beyond the bf16 gap: 0.23 on an AMD EPYC with AVX-512 but no AMX (bf16
+# gap 0.14), at most 0.19 on Sapphire Rapids. Each run's numbers: <cache>/measured/kvarn_vllm.json.
+KVARN_EXTRA = 0.3
 
 
 def _record(name: str, **values) -> None:
@@ -141,6 +143,7 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_pytho
         kvarn_tokens = _cache_tokens(srv)
     with _serve(smollm2_3090, vllm_python, profile="fast") as srv:
         bf16_tokens = _cache_tokens(srv)
+        bf16_ids, bf16_lps = _complete(*_client(srv), prompt, 24)
 
     text = chat.choices[0].message.content
     words = re.findall(r"[A-Za-z]{3,}", text)
@@ -149,8 +152,14 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_pytho
     prompt_ids = tok(prompt).input_ids
     ours = _native_decode_logprobs(smollm2_3090, prompt_ids, ids, KV)
     worst = float((ours - torch.tensor(lps)).abs().max())
-    _record("smollm2_vs_engine", kv=KV, prompt_tokens=len(prompt_ids), new_tokens=len(ids), worst_nats=worst, chat=text)
-    assert worst <= TOLERANCE
+    bf16_ours = _native_decode_logprobs(smollm2_3090, prompt_ids, bf16_ids, "bf16")
+    bf16_worst = float((bf16_ours - torch.tensor(bf16_lps)).abs().max())
+    _record(
+        "smollm2_vs_engine", kv=KV, prompt_tokens=len(prompt_ids), new_tokens=len(ids), worst_nats=worst,
+        mean_nats=float((ours - torch.tensor(lps)).abs().mean()), bf16_kv_worst_nats=bf16_worst,
+        bf16_kv_mean_nats=float((bf16_ours - torch.tensor(bf16_lps)).abs().mean()), chat=text,
+    )  # fmt: skip
+    assert worst <= bf16_worst + KVARN_EXTRA, (worst, bf16_worst)
 
     head_dim = 64
     predicted = 2 * head_dim * 2 / get_kv_scheme(KV).bytes_per_token_per_head(head_dim)  # bf16 B / KVarN B

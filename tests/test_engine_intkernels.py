@@ -238,3 +238,8 @@ def test_serve_native_runs_as_generate_does(tiny_artifact, monkeypatch, log_reco
     assert n4 == 4 * model.config.num_layers and isinstance(model.embed_tokens, Int8Embedding)
     line = next(rec.getMessage() for rec in records if rec.getMessage().startswith("native engine on "))
     assert f"bfloat16, int4 kernels on {n4} Linears + int8 embedding lookup" in line
+
+    # --compute-dtype float32: the same engine, dequantized to float32 on load, on the same CPU
+    r = CliRunner().invoke(main, ["serve", str(tiny_artifact), "--backend", "native", "--compute-dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    assert served[-1].model.norm.weight.dtype == torch.float32 and not _int4_modules(served[-1].model)

@@ -325,3 +325,32 @@ def test_a_passed_quant_config_parse_is_remembered_until_vllm_changes(tmp_path, 
         with pytest.raises(QconvError, match="parser rejects"):
             vllm_probe.check_quant_config(src, "py", "0.32.0", str(root))
     assert len(asked) == 5
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_compute_dtype_picks_vllms_dtype(tiny_llama, config_27b, monkeypatch, native):
+    """--compute-dtype auto: float32 on a CPU that emulates bf16, the model's own dtype (no --dtype) on a GPU or a
+    CPU with native bf16; float32 / bfloat16 as asked on any platform; a --dtype after `--` is the user's alone. A
+    Gated-DeltaNet hybrid (the 27B) stays bf16 on vLLM's CPU backend, whose GDN kernel takes nothing else."""
+    from qconv import compute
+
+    monkeypatch.setattr(compute, "bf16_native", lambda device="cpu": native)
+
+    def dtype_flags(model, platform, choice="auto", extra=()):
+        src = vllm.load_source(model, "3090")
+        opts = vllm.LaunchOptions(platform=platform, compute_dtype=choice, extra_args=list(extra))
+        argv = vllm.build_command(src, "fast", opts)
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "--dtype"]
+
+    assert dtype_flags(tiny_llama, "cpu") == ([] if native else ["float32"])
+    assert dtype_flags(tiny_llama, "cuda") == dtype_flags(tiny_llama, None) == dtype_flags(config_27b, "cpu") == []
+    for platform in ("cpu", "cuda", None):
+        for choice in ("bfloat16", "float32"):
+            assert dtype_flags(tiny_llama, platform, choice) == [choice]
+        assert dtype_flags(tiny_llama, platform, extra=["--dtype", "float16"]) == ["float16"]
+    assert dtype_flags(config_27b, "cuda", "float32") == ["float32"]
+    assert dtype_flags(config_27b, "cpu", "bfloat16") == ["bfloat16"]
+    with pytest.raises(QconvError, match="Gated-DeltaNet layers in bf16 only"):
+        dtype_flags(config_27b, "cpu", "float32")
+    r = CliRunner().invoke(main, ["serve", str(config_27b), "--recipe", "3090", "--compute-dtype", "half"])
+    assert r.exit_code == 2 and "--compute-dtype" in r.output

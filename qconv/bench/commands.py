@@ -48,13 +48,18 @@ def _default_profile(art) -> str | None:
     return art.default_profile if art is not None and art.profiles else None
 
 
-def _sides(target, url, compare, backend, profile, spec: str | None, common: list[str], vllm_args: list[str]):
-    """The one or two targets: a server to start (`qconv serve` arguments) or a URL each."""
+SERVE_OPTIONS = {"spec-tokens": "--spec-tokens", "compute-dtype": "--compute-dtype"}  # --compare KEY=VALUE
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _sides(target, url, compare, backend, profile, over: dict[str, str], common: list[str], vllm_args: list[str]):
+    """The one or two targets: a server to start (`qconv serve` arguments) or a URL each. `over`: the serve
+    options (SERVE_OPTIONS' keys) given on the command line, which a `--compare KEY=VALUE` side changes."""
     from qconv.bench.runner import Side
 
-    def started(path: Path, prof: str | None, tokens: str | None, label: str) -> Side:
+    def started(path: Path, prof: str | None, opts: dict[str, str], label: str) -> Side:
         args = [str(path), "--backend", backend, *(["--profile", prof] if prof else []), *common]
-        args += ["--spec-tokens", tokens] if tokens is not None else []
+        args += [a for k, v in opts.items() for a in (SERVE_OPTIONS[k], v)]
         return Side(label, args + (["--", *vllm_args] if vllm_args else []), None, str(path), backend, prof)
 
     if url:
@@ -75,35 +80,34 @@ def _sides(target, url, compare, backend, profile, spec: str | None, common: lis
     backend = _backend(backend, art, profile)
     prof = profile or _default_profile(art)
     if compare is None:
-        return [started(path, prof, spec, path.name)]
-    if compare.startswith("spec-tokens="):
-        n = compare.partition("=")[2]
-        if not n.isdigit() or n == spec:
+        return [started(path, prof, over, path.name)]
+    key, eq, value = compare.partition("=")
+    if eq and key in SERVE_OPTIONS:
+        ok = value.isdigit() if key == "spec-tokens" else value in DTYPES
+        if not ok or value == over.get(key, "auto" if key == "compute-dtype" else None):
             raise QconvError(
-                f"{compare!r}: need a number of draft tokens other than --spec-tokens'", where="--compare",
-                fix="e.g. spec-tokens=0 (speculation off)",
+                f"{compare!r}: need a {key} other than the first side's", where="--compare",
+                fix="e.g. spec-tokens=0 (speculation off) or compute-dtype=bfloat16",
             )  # fmt: skip
-        return [
-            started(path, prof, spec, f"spec-tokens={spec}" if spec else "spec default"),
-            started(path, prof, n, compare),
-        ]
+        first = f"{key}={over[key]}" if key in over else ("spec default" if key == "spec-tokens" else f"{key}=auto")
+        return [started(path, prof, over, first), started(path, prof, {**over, key: value}, compare)]
     if art is not None and compare in art.profiles:
         if compare == prof:
             raise QconvError(
                 f"--compare {compare} is the profile already measured", where="--compare", fix="name another profile"
             )
-        return [started(path, prof, spec, prof or "default"), started(path, compare, spec, compare)]
+        return [started(path, prof, over, prof or "default"), started(path, compare, over, compare)]
     if not Path(compare).expanduser().is_dir():
         profiles = ", ".join(art.profiles) if art is not None and art.profiles else "none"
         raise QconvError(
             f"{compare!r} is neither an artifact folder nor a profile of {path.name} (profiles: {profiles})",
             where="--compare",
-            fix="an artifact folder, a profile name, or spec-tokens=N",
+            fix="an artifact folder, a profile name, spec-tokens=N or compute-dtype=D",
         )
     path2, art2 = _artifact(compare)
     prof2 = profile if (profile and art2 and profile in art2.profiles) else _default_profile(art2)
     lb = path2.name if path2.name != path.name else path2.name + " (2)"
-    return [started(path, prof, spec, path.name), started(path2, prof2, spec, lb)]
+    return [started(path, prof, over, path.name), started(path2, prof2, over, lb)]
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -145,7 +149,7 @@ def _sides(target, url, compare, backend, profile, spec: str | None, common: lis
 @click.option(
     "--compare",
     default=None,
-    metavar="ART2|PROFILE|spec-tokens=N|URL2",
+    metavar="ART2|PROFILE|spec-tokens=N|compute-dtype=D|URL2",
     help="A second target, measured turn about with the first.",
 )
 @click.option(
@@ -158,6 +162,12 @@ def _sides(target, url, compare, backend, profile, spec: str | None, common: lis
     help="Native: where the engine runs (default: qconv serve's, auto).",
 )
 @click.option("--spec-tokens", default=None, type=int, help="Draft tokens per step on the started server(s) (0: off).")
+@click.option(
+    "--compute-dtype",
+    type=click.Choice(DTYPES),
+    default=None,
+    help="What the started server(s) compute in (default: qconv serve's, auto).",
+)
 @click.option(
     "--max-batch",
     default=None,
@@ -189,6 +199,7 @@ def bench(
     port,
     device,
     spec_tokens,
+    compute_dtype,
     max_batch,
     api_key,
     out,
@@ -223,8 +234,9 @@ def bench(
         check_port(port)
     common = ["--max-batch", str(max_batch)] if max_batch else []
     common += ["--device", device] if device else []
-    spec = str(spec_tokens) if spec_tokens is not None else None
-    sides = _sides(target, url, compare, backend, profile, spec, common, list(vllm_args))
+    over = {"spec-tokens": str(spec_tokens)} if spec_tokens is not None else {}
+    over |= {"compute-dtype": compute_dtype} if compute_dtype else {}
+    sides = _sides(target, url, compare, backend, profile, over, common, list(vllm_args))
     for s in sides:  # the server batches as many sequences as the highest level sends (a profile may say 1)
         if s.url is None and not max_batch:
             s.serve_args[1:1] = ["--max-batch", str(max(levels))]

@@ -93,6 +93,14 @@ def cuda_gpu() -> bool:
     show_default=True,
     help="Native: where qconv's engine runs (auto: cuda when torch sees a GPU).",
 )
+@click.option(
+    "--compute-dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="What the server computes in (vLLM: its --dtype). auto: float32 on a CPU without native bf16 (AVX2 only), "
+    "which would emulate it; elsewhere the model's dtype (qconv's engine: bf16 where its CPU int kernels run).",
+)
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
 @click.option(
     "--max-connections",
@@ -125,6 +133,7 @@ def serve(
     vllm_features,
     spec_tokens,
     device,
+    compute_dtype,
     served_model_name,
     max_connections,
     request_timeout,
@@ -190,6 +199,7 @@ def serve(
                 served_model_name=served_model_name,
                 limits=ConnectionLimits(max_connections=max_connections, request_timeout_s=request_timeout),
                 device=device,
+                compute_dtype=compute_dtype,
             ),
             art,
         )
@@ -208,6 +218,7 @@ def serve(
         platform=runtime.device if runtime else None,
         spec_tokens=spec_tokens,
         frontdoor=bool(runtime and runtime.plugin),
+        compute_dtype=compute_dtype,
     )
     if print_command:
         env, _ = vllm.launch_env(src, profile, opts.platform, tensor_parallel_size, _door(ctx, opts, limits))
@@ -220,6 +231,11 @@ def serve(
     if info.platform == "cpu" and src.hybrid and src.speculative and src.speculative.method != "none":
         click.echo(
             f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it", err=True
+        )
+    theirs = any(a.startswith("--dtype") for a in vllm_args)
+    if compute_dtype == "auto" and not theirs and vllm.vllm_dtype("auto", info.platform, src.hybrid) == "float32":
+        click.echo(
+            "vLLM computes in float32: this CPU has no native bf16 (--compute-dtype bfloat16 to keep it)", err=True
         )
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version, info.root)

@@ -34,6 +34,7 @@ class NativeOptions:
     spec_tokens: int | None = None  # draft tokens per step (0: off); None: the artifact's speculative config
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     device: str = "auto"  # cpu | cuda | auto (cuda when torch sees one)
+    compute_dtype: str = "auto"  # float32 | bfloat16 | auto (the engine's: engine_dtype on a CPU, bf16 on a GPU)
 
 
 @dataclass
@@ -92,11 +93,12 @@ def build_native(path: str | Path | ModelSpec, opts: NativeOptions, art: Artifac
     tok = load_tokenizer(path)
     device = engine_device(opts.device)
     if device == "cpu":
-        model = load_for_engine(spec)
-    else:  # the CPU int kernels do not run there: dense bf16 weights on the device
+        model = load_for_engine(spec, dtype=opts.compute_dtype)
+    else:  # the CPU int kernels do not run there: dense weights on the device, bf16 unless asked otherwise
         import torch
 
-        model = load_model(spec, dtype=torch.bfloat16, pack=False, int_kernels=False).to(device)
+        dtype = torch.bfloat16 if opts.compute_dtype == "auto" else getattr(torch, opts.compute_dtype)
+        model = load_model(spec, dtype=dtype, pack=False, int_kernels=False).to(device)
     log.warning(
         "native engine on %s: %s, %d slots x %d tokens, KV %s",
         device,

@@ -228,6 +228,7 @@ class LaunchOptions:
     extra_args: list[str] = field(default_factory=list)
     platform: str | None = None  # "cuda" | "cpu" when known (a runtime record, the probe): shapes speculation
     spec_tokens: int | None = None  # overrides the artifact's num_speculative_tokens; 0 turns speculation off
+    compute_dtype: str = "auto"  # --compute-dtype: what vLLM computes in (vllm_dtype)
     # vLLM's API server through the plugin's launcher (qconv_vllm.frontdoor: qconv's connection limits, a text-only
     # door); only where the plugin is installed and loaded
     frontdoor: bool = False
@@ -235,6 +236,25 @@ class LaunchOptions:
 
 API_SERVER, FRONTDOOR = "vllm.entrypoints.openai.api_server", "qconv_vllm.frontdoor"
 TEXT_ONLY = "qconv_vllm.frontdoor.TextOnly"
+
+
+def vllm_dtype(choice: str, platform: str | None, hybrid: bool = False) -> str | None:
+    """vLLM's --dtype for --compute-dtype: float32 or bfloat16 as asked; `auto` is float32 on a CPU that emulates
+    bf16 (vLLM's CPU backend would compute the bf16 model in bf16, several times slower there; the int weights are
+    the same, the KV cache of a non-KVarN profile is then float32), else None: the model's own dtype. vLLM's CPU
+    Gated-DeltaNet kernel takes bf16 only, so a hybrid model stays bf16 there."""
+    from qconv.compute import bf16_native, dtype_name, resolve
+
+    dtype = resolve(choice, "cpu")  # refuses an unknown choice on any platform
+    if choice == "auto":
+        return "float32" if platform == "cpu" and not hybrid and not bf16_native("cpu") else None
+    if platform == "cpu" and hybrid and choice != "bfloat16":
+        raise QconvError(
+            f"--compute-dtype {choice}: vLLM's CPU backend runs Gated-DeltaNet layers in bf16 only",
+            where="--compute-dtype",
+            fix="use auto or bfloat16 for this model on a CPU, or --backend native",
+        )
+    return dtype_name(dtype)
 
 
 def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:
@@ -277,6 +297,9 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if opts.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]
+    theirs = any(a == "--dtype" or a.startswith("--dtype=") for a in opts.extra_args)  # a --dtype after `--` wins
+    if not theirs and (dtype := vllm_dtype(opts.compute_dtype, opts.platform, src.hybrid)) is not None:
+        argv += ["--dtype", dtype]
     return argv + list(opts.extra_args)
 
 

@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 # This checkout's plugin first on vLLM's path: its sys.path entry wins over the venv's editable install of another
 PLUGIN_PATH = os.pathsep.join(p for p in (str(REPO / "plugins" / "vllm"), os.environ.get("PYTHONPATH")) if p)
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": PLUGIN_PATH}
-# nats, vLLM (bf16: its CPU int4 kernel has no fp32 path) vs our fp32 engine on the same int4/int8 weights,
-# teacher-forced on vLLM's tokens. Largest difference measured over these prompts (see the printout): SmolLM2 (30
-# layers) 0.21, the tiny qwen3_5 0.003; tests/test_serve_vllm_tied_head.py: SmolLM2 3090-tied-g32 0.10, the
-# tiny tied qwen3_5 0.006.
+# nats, vLLM (bf16 where the CPU computes bf16, float32 elsewhere: `qconv serve --compute-dtype auto`) vs our fp32
+# engine on the same int4/int8 weights, teacher-forced on vLLM's tokens. Largest difference measured over these prompts
+# (see the printout): SmolLM2 (30 layers) 0.21, the tiny qwen3_5 0.003; tests/test_serve_vllm_tied_head.py: SmolLM2
+# 3090-tied-g32 0.10, the tiny tied qwen3_5 0.006.
 TOLERANCE = 0.35
 VLLM_CPU_BATCHED_TOKENS = 2048  # vLLM 0.32's max_num_batched_tokens for the API server on CPU
 PROMPTS = [

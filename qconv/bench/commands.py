@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from qconv.compute import CHOICES
 from qconv.errors import QconvError
 
 
@@ -49,7 +50,6 @@ def _default_profile(art) -> str | None:
 
 
 SERVE_OPTIONS = {"spec-tokens": "--spec-tokens", "compute-dtype": "--compute-dtype"}  # --compare KEY=VALUE
-DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _sides(target, url, compare, backend, profile, over: dict[str, str], common: list[str], vllm_args: list[str]):
@@ -83,7 +83,7 @@ def _sides(target, url, compare, backend, profile, over: dict[str, str], common:
         return [started(path, prof, over, path.name)]
     key, eq, value = compare.partition("=")
     if eq and key in SERVE_OPTIONS:
-        ok = value.isdigit() if key == "spec-tokens" else value in DTYPES
+        ok = value.isdigit() if key == "spec-tokens" else value in CHOICES
         if not ok or value == over.get(key, "auto" if key == "compute-dtype" else None):
             raise QconvError(
                 f"{compare!r}: need a {key} other than the first side's", where="--compare",
@@ -164,7 +164,7 @@ def _sides(target, url, compare, backend, profile, over: dict[str, str], common:
 @click.option("--spec-tokens", default=None, type=int, help="Draft tokens per step on the started server(s) (0: off).")
 @click.option(
     "--compute-dtype",
-    type=click.Choice(DTYPES),
+    type=click.Choice(CHOICES),
     default=None,
     help="What the started server(s) compute in (default: qconv serve's, auto).",
 )

@@ -6,12 +6,14 @@ import contextlib
 
 import click
 
+from qconv.compute import CHOICES
+
 
 def compute_dtype_option(what: str, note: str):
     """--compute-dtype for `what` (the same choices on build, eval and check), `note` where it is recorded."""
     return click.option(
         "--compute-dtype",
-        type=click.Choice(["auto", "float32", "bfloat16"]),
+        type=click.Choice(CHOICES),
         default="auto",
         show_default=True,
         help=f"What {what} compute in. auto: bf16 on a GPU or a CPU with native bf16 (AVX-512 bf16 / AMX), else "

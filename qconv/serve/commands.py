@@ -14,6 +14,7 @@ from click.core import ParameterSource
 
 from qconv.artifact import Artifact
 from qconv.errors import QconvError
+from qconv.eval.commands import compute_dtype_option
 from qconv.manifest import verify_files
 from qconv.serve.limits import ConnectionLimits
 
@@ -93,13 +94,10 @@ def cuda_gpu() -> bool:
     show_default=True,
     help="Native: where qconv's engine runs (auto: cuda when torch sees a GPU).",
 )
-@click.option(
-    "--compute-dtype",
-    type=click.Choice(["auto", "float32", "bfloat16"]),
-    default="auto",
-    show_default=True,
-    help="What the server computes in (vLLM: its --dtype). auto: float32 on a CPU without native bf16 (AVX2 only), "
-    "which would emulate it; elsewhere the model's dtype (qconv's engine: bf16 where its CPU int kernels run).",
+@compute_dtype_option(
+    "the server's forwards (vLLM: its --dtype)",
+    "vLLM on a CPU keeps a Qwen3.5 hybrid in bf16 (its Gated-DeltaNet kernel); qconv's engine on a CPU computes bf16 "
+    "only where its int kernels run.",
 )
 @click.option("--served-model-name", default=None, help="Model id clients send (default: the folder name).")
 @click.option(
@@ -232,8 +230,7 @@ def serve(
         click.echo(
             f"vLLM's CPU backend cannot run speculative decoding on {src.model_type}: serving without it", err=True
         )
-    theirs = any(a.startswith("--dtype") for a in vllm_args)
-    if compute_dtype == "auto" and not theirs and vllm.vllm_dtype("auto", info.platform, src.hybrid) == "float32":
+    if compute_dtype == "auto" and vllm.added_dtype(src, opts) == "float32":
         click.echo(
             "vLLM computes in float32: this CPU has no native bf16 (--compute-dtype bfloat16 to keep it)", err=True
         )

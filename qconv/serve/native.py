@@ -95,10 +95,9 @@ def build_native(path: str | Path | ModelSpec, opts: NativeOptions, art: Artifac
     if device == "cpu":
         model = load_for_engine(spec, dtype=opts.compute_dtype)
     else:  # the CPU int kernels do not run there: dense weights on the device, bf16 unless asked otherwise
-        import torch
+        from qconv.compute import resolve
 
-        dtype = torch.bfloat16 if opts.compute_dtype == "auto" else getattr(torch, opts.compute_dtype)
-        model = load_model(spec, dtype=dtype, pack=False, int_kernels=False).to(device)
+        model = load_model(spec, dtype=resolve(opts.compute_dtype, device), pack=False, int_kernels=False).to(device)
     log.warning(
         "native engine on %s: %s, %d slots x %d tokens, KV %s",
         device,

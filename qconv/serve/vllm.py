@@ -257,6 +257,13 @@ def vllm_dtype(choice: str, platform: str | None, hybrid: bool = False) -> str |
     return dtype_name(dtype)
 
 
+def added_dtype(src: ServeSource, opts: LaunchOptions) -> str | None:
+    """The --dtype qconv puts on vLLM's command line: none where the user's arguments after `--` name one."""
+    if any(a == "--dtype" or a.startswith("--dtype=") for a in opts.extra_args):
+        return None
+    return vllm_dtype(opts.compute_dtype, opts.platform, src.hybrid)
+
+
 def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:
     """The argv that serves `src` under `profile` (pure: no vLLM needed)."""
     _, p = pick_profile(src, profile)  # typed and bounded when read (Profile.validate): no value becomes a flag
@@ -297,8 +304,7 @@ def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) ->
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     if opts.tensor_parallel_size != 1:
         argv += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]
-    theirs = any(a == "--dtype" or a.startswith("--dtype=") for a in opts.extra_args)  # a --dtype after `--` wins
-    if not theirs and (dtype := vllm_dtype(opts.compute_dtype, opts.platform, src.hybrid)) is not None:
+    if (dtype := added_dtype(src, opts)) is not None:
         argv += ["--dtype", dtype]
     return argv + list(opts.extra_args)
 

@@ -16,8 +16,10 @@ qconv convert gguf "$gguf" "$out/smollm2-135m" --force
 # The demo's calibration size keeps its own work to minutes on a 2-core CPU (what it costs: docs/BENCHMARKS.md,
 # "First contact"; the 3090 recipe's default, 128 x 2048 tokens, is for the 27B); a --samples / --seq-len passed to
 # this script comes later and wins.
-calib=(--samples 16 --seq-len 256)
-echo "demo: calibration ${calib[*]} (the demo's size, for a CPU; pass --samples/--seq-len to change)"
+# The quality report scores one window of 2,048 tokens (the recipe's default, 8,192, is four: each window is three
+# float32 forwards of the model on such a CPU); --eval-tokens 8192 passed to this script gives the full report.
+calib=(--samples 16 --seq-len 256 --eval-tokens 2048)
+echo "demo: ${calib[*]} (the demo's sizes, for a CPU; pass --samples/--seq-len/--eval-tokens to change)"
 qconv build --recipe 3090 --model "$out/smollm2-135m" --out "$out/smollm2-135m-3090" --force \
   --eval-text "$eval_text" "${calib[@]}" "$@"
 qconv generate "$out/smollm2-135m-3090" --chat "Name three uses of a paperclip." --max-tokens 48

@@ -225,6 +225,20 @@ def vllm_python() -> str:
     return r.stdout.strip().splitlines()[-1]
 
 
+@pytest.fixture(scope="session")
+def smollm2_3090_in_vllm(smollm2_3090, vllm_python, shared_data):
+    """SmolLM2's 3090 artifact served once by vLLM (its default profile, fast, with the plugin; no speculation) and
+    asked what the plugin, tied-head, KVarN and passkey tests check of that server
+    (tests/test_serve_vllm_plugin.ask_in_vllm)."""
+    from qconv.engine.loader import load_tokenizer
+    from tests.test_kvarn_vllm import _long_text, passkey_prompts
+    from tests.test_serve_vllm_plugin import PROMPTS, ask_in_vllm
+
+    tok = load_tokenizer(smollm2_3090)
+    prompts = [*PROMPTS, _long_text(shared_data, tok, 420), *passkey_prompts(shared_data, tok)]
+    return ask_in_vllm(smollm2_3090, vllm_python, prompts)
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """mount(kib, *extra_opts) -> a fresh tmpfs folder of that size (e.g. "ro"); unmounted after the test. Skipped

@@ -61,7 +61,7 @@ def build_args(model, out, texts, *extra):
 
 def test_build_terminal_is_short_and_the_log_has_the_rest(tiny_llama, texts, tmp_path):
     out = tmp_path / "art"
-    r = qconv_subprocess(*build_args(tiny_llama, out, texts), home=tmp_path / "home")
+    r = qconv_subprocess(*build_args(tiny_llama, out, texts, "--eval-tokens", "256"), home=tmp_path / "home")
     assert r.returncode == 0, r.stderr
     lines = (r.stdout + r.stderr).splitlines()
     assert len(lines) < 40, "\n".join(lines)
@@ -72,6 +72,10 @@ def test_build_terminal_is_short_and_the_log_has_the_rest(tiny_llama, texts, tmp
     assert "mean KLD" in r.stdout and "p99 KLD" in r.stdout and "PPL ratio" in r.stdout
     assert "weights only" in r.stdout and "weights + KV kvarn_k4v2_g128" in r.stdout
     assert "PASSED" in r.stdout and "small tier" in r.stdout
+    # --eval-tokens: 4 windows of 64 scored, said in the verdict and recorded as the recipe built with
+    assert "on 252 tokens of held.txt" in r.stdout, r.stdout
+    m = json.loads((out / "qconv.json").read_text())
+    assert m["recipe"]["resolved"]["quality"]["max_tokens"] == 256 and m["quality"]["text"]["windows"] == 4
     assert str(out / "report.md") in r.stdout and str(out / "kld.png") in r.stdout
     assert f"qconv serve {out}" in r.stdout and f"qconv check {out}" in r.stdout
     # one line per stage, grouped warnings, no library chatter on the terminal
@@ -210,3 +214,11 @@ def test_eval_and_check_json(tiny_llama, texts, tmp_path):
     assert r.exit_code in (0, 1), r.output
     report = json.loads(r.stdout)
     assert report["passed"] is (r.exit_code == 0) and any(v["kind"] == "files" for v in report["verdicts"])
+
+
+def test_eval_tokens_below_one_window_is_refused_before_any_work(tiny_llama, texts, tmp_path):
+    out = tmp_path / "art"
+    r = qconv_subprocess(*build_args(tiny_llama, out, texts, "--eval-tokens", "63"), home=tmp_path / "home")
+    assert r.returncode != 0 and not out.exists()
+    assert "--eval-tokens 63 is less than one window of the quality report (64 tokens" in r.stderr, r.stderr
+    assert "pass --eval-tokens 64 or more" in r.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import re
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -18,7 +17,7 @@ from click.testing import CliRunner
 
 from qconv.cli import main
 from tests.serve_helpers import ServerProcess, free_port
-from tests.test_serve_vllm_plugin import ENV, _ids, tiny_artifact
+from tests.test_serve_vllm_plugin import ENV, _cache_tokens, _complete, tiny_artifact
 
 pytestmark = pytest.mark.slow
 KV = "kvarn_k4v2_g128"
@@ -30,6 +29,7 @@ KV = "kvarn_k4v2_g128"
 # AVX-512 but no AMX (bf16 gap 0.14), at most 0.19 on Sapphire Rapids; 0.09 on an AVX2-only AMD EPYC, where vLLM
 # computes in float32 (gap 1e-5). Each run's numbers: <cache>/measured/kvarn_vllm.json.
 KVARN_EXTRA = 0.3
+PASSKEYS = ["71432", "58916", "30275"]
 
 
 def _record(name: str, **values) -> None:
@@ -76,26 +76,6 @@ def _client(srv: ServerProcess) -> tuple[openai.OpenAI, str]:
     return client, client.models.list().data[0].id
 
 
-def _complete(client, name, prompt, n: int) -> tuple[list[int], list[float]]:
-    c = client.completions.create(
-        model=name,
-        prompt=prompt,
-        max_tokens=n,
-        temperature=0,
-        logprobs=1,
-        extra_body={"return_tokens_as_token_ids": True},
-    )
-    return _ids(c.choices[0].logprobs.tokens), c.choices[0].logprobs.token_logprobs
-
-
-def _cache_tokens(srv: ServerProcess) -> int:
-    """vLLM's own count of KV-cache token slots: num_gpu_blocks x block_size from its cache_config_info gauge."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10) as r:
-        line = next(ln for ln in r.read().decode().splitlines() if ln.startswith("vllm:cache_config_info{"))
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-    return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-
-
 def _native_decode_logprobs(art: Path, prompt: list[int], out: list[int], kv: str) -> torch.Tensor:
     """Our engine (fp32) with the KV scheme's packed cache, one token a step (what each decode step reads, as
     vLLM's backend computes a prompt), scoring `out` after `prompt`."""
@@ -118,7 +98,9 @@ def _long_text(shared_data: Path, tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_python, shared_data, monkeypatch):
+def test_smollm2_huge_profile_served_by_vllm_with_kvarn(
+    smollm2_3090, smollm2_3090_in_vllm, vllm_python, shared_data, monkeypatch
+):
     from qconv.engine.loader import load_tokenizer
     from qconv.kv.schemes import get_kv_scheme
     from qconv.serve.vllm import vllm_dtype
@@ -143,9 +125,8 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(smollm2_3090, vllm_pytho
         )
         ids, lps = _complete(client, name, prompt, 24)
         kvarn_tokens = _cache_tokens(srv)
-    with _serve(smollm2_3090, vllm_python, profile="fast") as srv:
-        bf16_tokens = _cache_tokens(srv)
-        bf16_ids, bf16_lps = _complete(*_client(srv), prompt, 24)
+    bf16_tokens = smollm2_3090_in_vllm.cache_tokens  # the same artifact served with its fast profile
+    bf16_ids, bf16_lps = smollm2_3090_in_vllm.completions[prompt]
 
     text = chat.choices[0].message.content
     words = re.findall(r"[A-Za-z]{3,}", text)
@@ -193,30 +174,36 @@ def test_tiny_hybrid_with_kvarn_requests_come_and_go(tmp_path, vllm_python):
             assert abs(a_lps[n] - t_lps[n]) < 0.05, (n, a_ids, t_ids)
 
 
-def test_long_prompt_passkey_no_nan_no_collapse(smollm2_3090, vllm_python, shared_data):
+def passkey_prompts(shared_data: Path, tokenizer) -> list[str]:
+    """A passkey stated early in each prompt, then 4,300 tokens of WikiText from a different place, then the
+    question."""
+    filler = _long_text(shared_data, tokenizer, 4300)
+    return [
+        f"There is a pass key hidden in this text. The pass key is {k}. Remember it. {k} is the pass key.\n"
+        f"{filler[i * 500 :]}\nWhat is the pass key? The pass key is"
+        for i, k in enumerate(PASSKEYS)
+    ]
+
+
+def test_long_prompt_passkey_no_nan_no_collapse(smollm2_3090, smollm2_3090_in_vllm, vllm_python, shared_data):
     """A prompt spanning 64+ tiles of 64 tokens; a passkey hidden early in it. KVarN finds it in every trial in which
-    the bf16 cache finds it, and generates finite log-probs without collapsing onto one token."""
+    the bf16 cache finds it (the fast profile's server, shared: its context is SmolLM2's 8,192 tokens too), and
+    generates finite log-probs without collapsing onto one token."""
     from qconv.engine.loader import load_tokenizer
 
     tok = load_tokenizer(smollm2_3090)
-    filler = _long_text(shared_data, tok, 4300)
-    keys = ["71432", "58916", "30275"]
-    prompts = [
-        f"There is a pass key hidden in this text. The pass key is {k}. Remember it. {k} is the pass key.\n"
-        f"{filler[i * 500 :]}\nWhat is the pass key? The pass key is"
-        for i, k in enumerate(keys)
-    ]
+    prompts = passkey_prompts(shared_data, tok)
+    outs = {"bf16": [smollm2_3090_in_vllm.completions[p] for p in prompts]}
+    kvarn = ("--max-model-len", "8192", "--kv-cache-dtype", "kvarn_k4v2_g64", "--block-size", "64")
+    with _serve(smollm2_3090, vllm_python, *kvarn) as srv:
+        client, name = _client(srv)
+        outs["kvarn_k4v2_g64"] = [_complete(client, name, p, 24) for p in prompts]
     found = {}
-    for kv, extra in (("bf16", ()), ("kvarn_k4v2_g64", ("--kv-cache-dtype", "kvarn_k4v2_g64", "--block-size", "64"))):
-        with _serve(
-            smollm2_3090, vllm_python, "--max-model-len", "8192", *extra, profile="huge" if extra else "fast"
-        ) as srv:
-            client, name = _client(srv)
-            outs = [_complete(client, name, p, 24) for p in prompts]
-        found[kv] = [k in tok.decode(ids) for k, (ids, _) in zip(keys, outs)]
-        for ids, lps in outs:
+    for kv, done in outs.items():
+        found[kv] = [k in tok.decode(ids) for k, (ids, _) in zip(PASSKEYS, done)]
+        for ids, lps in done:
             assert all(lp is not None and lp == lp and lp > -1e4 for lp in lps)  # finite
             assert max(ids.count(t) for t in set(ids)) < 0.75 * len(ids), tok.decode(ids)  # no "!!!!" collapse
     assert len(tok(prompts[0]).input_ids) >= 64 * 64
-    _record("passkey", keys=keys, prompt_tokens=len(tok(prompts[0]).input_ids), found=found)
+    _record("passkey", keys=PASSKEYS, prompt_tokens=len(tok(prompts[0]).input_ids), found=found)
     assert all(k or not b for b, k in zip(found["bf16"], found["kvarn_k4v2_g64"]))

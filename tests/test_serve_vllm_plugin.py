@@ -11,6 +11,7 @@ import json
 import os
 import re
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -44,22 +45,24 @@ def _ids(tokens) -> list[int]:
     return [int(t.token.split(":", 1)[1]) if hasattr(t, "token") else int(t.split(":", 1)[1]) for t in tokens]
 
 
+def _complete(client, name: str, prompt: str, max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their log-probs for one prompt."""
+    c = client.completions.create(
+        model=name,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    return _ids(c.choices[0].logprobs.tokens), c.choices[0].logprobs.token_logprobs
+
+
 def _completions(srv: ServerProcess, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
     client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
     name = client.models.list().data[0].id
-    ids, lps = [], []
-    for p in PROMPTS:
-        c = client.completions.create(
-            model=name,
-            prompt=p,
-            max_tokens=max_tokens,
-            temperature=0,
-            logprobs=1,
-            extra_body={"return_tokens_as_token_ids": True},
-        )
-        ids.append(_ids(c.choices[0].logprobs.tokens))
-        lps.append(c.choices[0].logprobs.token_logprobs)
-    return ids, lps
+    done = [_complete(client, name, p, max_tokens) for p in PROMPTS]
+    return [i for i, _ in done], [lp for _, lp in done]
 
 
 def _agrees_with_native(
@@ -88,6 +91,12 @@ def _cache_config(srv: ServerProcess) -> dict[str, str]:
     return dict(re.findall(r'(\w+)="([^"]*)"', line))
 
 
+def _cache_tokens(srv: ServerProcess) -> int:
+    """vLLM's own count of KV-cache token slots: num_gpu_blocks x block_size."""
+    cache = _cache_config(srv)
+    return int(cache["num_gpu_blocks"]) * int(cache["block_size"])
+
+
 def _metric(srv: ServerProcess, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10) as r:
         text = r.read().decode()
@@ -95,31 +104,61 @@ def _metric(srv: ServerProcess, name: str) -> float:
 
 
 @pytest.mark.slow
-def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, vllm_python):
+def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, smollm2_3090_in_vllm, vllm_python):
     from qconv.engine.loader import load_tokenizer
 
-    common = [str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python]
-    with ServerProcess(
-        [*common, "--spec-tokens", "0", "--", "--enforce-eager"], free_port(), env=ENV, health_timeout=600
-    ) as srv:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
-        name = client.models.list().data[0].id
-        msgs = [{"role": "user", "content": "Name three uses of a paperclip."}]
-        chat = client.chat.completions.create(model=name, messages=msgs, max_tokens=24, temperature=0)
-        plain_ids, plain_lps = _completions(srv, 24)
-    assert chat.choices[0].message.content.strip() and chat.choices[0].finish_reason in ("stop", "length")
-    print("vLLM chat:", chat.choices[0].message.content)
+    served = smollm2_3090_in_vllm
+    plain_ids, plain_lps = (list(x) for x in zip(*(served.completions[p] for p in PROMPTS)))
+    assert served.chat.strip() and served.finish_reason in ("stop", "length")
+    print("vLLM chat:", served.chat)
     tok = load_tokenizer(smollm2_3090)
     worst = _agrees_with_native(smollm2_3090, [tok(p).input_ids for p in PROMPTS], plain_ids, plain_lps)
     print(f"SmolLM2 3090 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
     assert worst <= TOLERANCE
 
     # n-gram speculation (the artifact's `hybrid` block without an MTP head): the same greedy tokens
+    common = [str(smollm2_3090), "--backend", "vllm", "--vllm-python", vllm_python]
     with ServerProcess(common + ["--", "--enforce-eager"], free_port(), env=ENV, health_timeout=600) as srv:
         spec_ids, _ = _completions(srv, 24)
         accepted = _metric(srv, "vllm:spec_decode_num_accepted_tokens_total")
     assert spec_ids == plain_ids
     assert accepted > 0, "n-gram speculation accepted no draft token: it was not running"
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one vLLM server of an artifact answered: a chat, greedy completions with log-probs by prompt, vLLM's
+    KV-cache token slots and who owns the served model."""
+
+    chat: str
+    finish_reason: str
+    completions: dict[str, tuple[list[int], list[float]]]
+    cache_tokens: int
+    owned_by: str
+
+
+def ask_in_vllm(art: Path, vllm_python: str, prompts: list[str], max_tokens: int = 24) -> Served:
+    """Serve ART with its default profile and the plugin (no speculation, eager) once and ask it what every test of
+    that server checks: each start costs most of a minute on a CPU."""
+    with ServerProcess(
+        [str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--spec-tokens", "0", "--", "--enforce-eager"],
+        free_port(),
+        env=ENV,
+        health_timeout=900,
+    ) as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=1800)
+        model = client.models.list().data[0]
+        msgs = [{"role": "user", "content": "Name three uses of a paperclip."}]
+        chat = client.chat.completions.create(model=model.id, messages=msgs, max_tokens=max_tokens, temperature=0)
+        done = {p: _complete(client, model.id, p, max_tokens) for p in prompts}
+        cache_tokens = _cache_tokens(srv)
+    return Served(
+        chat=chat.choices[0].message.content,
+        finish_reason=chat.choices[0].finish_reason,
+        completions=done,
+        cache_tokens=cache_tokens,
+        owned_by=model.owned_by,
+    )
 
 
 def tiny_artifact(tmp_path: Path, family: str, recipe: str) -> tuple[Path, dict]:

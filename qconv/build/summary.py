@@ -44,6 +44,7 @@ def artifact_summary(out: str | Path, log_path: Path | None = None) -> dict:
         else None,
         "compute": {"dtype": m.build.compute_dtype, "device": m.build.device, "cpu_isa": m.build.cpu_isa},
         "quality": quality,
+        "quality_text": {k: q.text.get(k) for k in ("label", "tokens_scored")} if q.text else None,
         "kv_scheme": q.kv_scheme,
         "passed": q.passed,
         "tier": (q.tier or {}).get("name"),
@@ -102,6 +103,9 @@ def print_summary(s: dict, console=None) -> None:
             )
         con.print(t)
     tier = f" ({escape(s['tier'].split(' (')[0])} tier)" if s["tier"] else ""
+    text = s.get("quality_text") or {}
+    if text.get("tokens_scored"):
+        tier += escape(f" on {text['tokens_scored']:,} tokens of {Path(str(text['label'])).name}")
     if s["passed"] is True:
         con.print(f"[bold]verdict[/bold]   [green]PASSED[/green] the recipe's quality gates{tier}")
     elif s["passed"] is False:

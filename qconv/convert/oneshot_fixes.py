@@ -1,7 +1,7 @@
 """What qconv mends in llm-compressor and compressed-tensors around one `oneshot` run (each through the guarded patch
 table of qconv.convert.patches): AutoRound's targets and zero points, rotations of disk-offloaded Linears, the
-calibration passes' compute dtype, untying only tied embeddings, row-blocked compression for saving, AWQ on a
-torch without an accelerator."""
+calibration passes' compute dtype and attention kernel, untying only tied embeddings, row-blocked compression for
+saving, AWQ on a torch without an accelerator."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from qconv.compute import HALF, upcast
 from qconv.convert import patches
 
 COMPRESS_BLOCK_ELEMENTS = 1 << 26  # rows quantized for saving at a time: 256 MB per float32 temporary
+SDPA_CALIBRATION = "qconv_calibration_sdpa"  # the attention implementation the calibration passes run under
+# keyword arguments with which a model's eager attention computes more than softmax(QK^T * scaling + mask) V
+EAGER_ONLY = ("softcap", "s_aux", "sinks", "head_mask", "output_attentions")
 
 
 @contextlib.contextmanager
@@ -147,4 +150,54 @@ def cpu_awq():
         yield
         return
     with patches.swap(pin_memory=lambda self, batch_index, input_names=None: None):
+        yield
+
+
+def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """What a model's eager attention computes (softmax(QK^T * scaling + mask) V over grouped K/V), through torch's
+    fused SDPA with the same additive mask. Anything eager does beyond that (logit soft-capping, attention sinks,
+    K and V of two widths, attention weights asked for) goes to the model's own eager function."""
+    import sys
+
+    import torch
+
+    own = sys.modules[type(module).__module__].eager_attention_forward
+    cfg = getattr(module, "config", None)
+    if (
+        any(kwargs.get(k) for k in EAGER_ONLY)
+        or getattr(cfg, "attn_logit_softcapping", None)
+        or getattr(module, "sinks", None) is not None
+        or key.shape[-1] != value.shape[-1]
+        or query.shape[1] % key.shape[1]
+    ):
+        return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def sdpa_calibration():
+    """llmcompressor 0.14 forces eager attention while it traces and calibrates, so that every batch gets a mask
+    tensor its traced graph can add: eager materializes each head's scores and softmax (seq x seq floats). The same
+    mask (transformers' eager mask) with torch's fused SDPA computes the same attention without them; calibrating
+    a Qwen3.5 at 2,048 tokens runs its attention layers about twice as fast on a CPU (docs/BENCHMARKS.md)."""
+    from compressed_tensors.utils import patch_attr
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(SDPA_CALIBRATION, _masked_sdpa)
+    AttentionMaskInterface.register(SDPA_CALIBRATION, eager_mask)
+
+    @contextlib.contextmanager
+    def masked_sdpa(model):
+        if not isinstance(model, PreTrainedModel):
+            yield
+            return
+        with patch_attr(model.config, "_attn_implementation", SDPA_CALIBRATION):
+            yield
+
+    with patches.swap(eager_attention=masked_sdpa):
         yield

@@ -166,6 +166,13 @@ TARGETS = {
         (),
         "convert.device.onload_device: the same for round-to-nearest recipes",
     ),
+    "eager_attention": Target(
+        _LC,
+        "llmcompressor.utils.helpers",
+        "use_eager_attention",
+        ("model",),
+        "convert.oneshot_fixes.sdpa_calibration: the calibration passes' attention through torch's SDPA",
+    ),
     "init_weights": Target(
         "transformers",
         "transformers",

@@ -16,6 +16,7 @@ from qconv.convert.oneshot_fixes import (
     cpu_awq,
     rotations_offloadable,
     row_blocked_compression,
+    sdpa_calibration,
     untie_only_tied,
 )
 from qconv.convert.stream import MAX_SHARD_SIZE
@@ -215,7 +216,7 @@ def quantize(
     fixes = autoround_writes_what_it_tuned() if autoround else contextlib.nullcontext()
     rotations = rotations_offloadable() if recipe.quantizer.rotation else contextlib.nullcontext()
     computing = calibrating_in(model, dtype) if dtype is not None else contextlib.nullcontext()
-    with computing, cpu_awq(), untie_only_tied(), fixes, rotations, contextlib.closing(clock):
+    with computing, sdpa_calibration(), cpu_awq(), untie_only_tied(), fixes, rotations, contextlib.closing(clock):
         oneshot(
             model=model,
             dataset=ds,

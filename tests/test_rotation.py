@@ -84,6 +84,8 @@ def test_rotation_reaches_quip_on_the_quantized_linears_only(rotated):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     (scheme,) = qc["transform_config"]["config_groups"].values()
     assert scheme["type"] == "random-hadamard" and scheme["head_dim"] == 64
+    # the calibration passes turned inputs in float32 (llm-compressor's default is float64: several times slower)
+    assert scheme["precision"] == "torch.float32"
     online = [a for a in scheme["apply"] if a["location"] == "input"]
     assert len(online) == 1
     targets = {t.removeprefix("re:^").removesuffix("$").replace("\\", "") for t in online[0]["targets"]}

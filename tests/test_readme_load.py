@@ -67,7 +67,7 @@ def real_layout_3090(real_layout_27b, tmp_path_factory):
 
 def _agrees_with_our_engine(hf, artifact) -> None:
     """The transformers model computes what qconv's engine computes from the same artifact: the README's bf16 model
-    picks the same tokens, its documented fp32 form (`dtype="float32"`) gives the same logits."""
+    picks the same tokens up to near-ties, its documented fp32 form (`dtype="float32"`) gives the same logits."""
     import qconv
     from qconv.engine import load_model
 
@@ -78,7 +78,13 @@ def _agrees_with_our_engine(hf, artifact) -> None:
         bf16 = hf(toks, use_cache=False).logits.float()
         fp32 = qconv.load(artifact, dtype="float32")(toks, use_cache=False).logits
     assert bf16.shape == want.shape and torch.isfinite(bf16).all()
-    assert (bf16.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    # bf16 activations through every layer move each logit by `moved` at most; a pick of its own is then only
+    # possible where our engine's margin between the two tokens is within twice that (random tokens: near-ties)
+    moved = (bf16 - want).abs().amax(-1)
+    theirs, mine = bf16.argmax(-1), want.argmax(-1)
+    margin = (want.gather(-1, mine[..., None]) - want.gather(-1, theirs[..., None]))[..., 0]
+    assert float(moved.median()) < 1.0, moved  # SmolLM2's 30 layers: 0.45 nats
+    assert bool((margin <= 2 * moved).all()) and (theirs == mine).float().mean() >= 0.75, (margin, moved)
     assert (fp32 - want).abs().max() < 1e-3 * want.abs().max() + 1e-4
 
 

@@ -10,14 +10,13 @@ import concurrent.futures as cf
 import re
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 from click.testing import CliRunner
 
 from qconv.cli import main
 from tests.serve_helpers import ServerProcess, free_port
-from tests.test_serve_vllm_plugin import ENV, _cache_tokens, _complete, tiny_artifact
+from tests.test_serve_vllm_plugin import ENV, _cache_tokens, _client, _complete, tiny_artifact
 
 pytestmark = pytest.mark.slow
 KV = "kvarn_k4v2_g128"
@@ -69,11 +68,6 @@ def _serve(art: Path, vllm_python: str, *extra: str, profile: str = "huge") -> S
         env=ENV,
         health_timeout=900,
     )
-
-
-def _client(srv: ServerProcess) -> tuple[openai.OpenAI, str]:
-    client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=1800)
-    return client, client.models.list().data[0].id
 
 
 def _native_decode_logprobs(art: Path, prompt: list[int], out: list[int], kv: str) -> torch.Tensor:

@@ -58,9 +58,14 @@ def _complete(client, name: str, prompt: str, max_tokens: int) -> tuple[list[int
     return _ids(c.choices[0].logprobs.tokens), c.choices[0].logprobs.token_logprobs
 
 
+def _client(srv: ServerProcess) -> tuple[openai.OpenAI, str]:
+    """An OpenAI client of SRV (no retries; long prompts take minutes on a CPU) and the served model's id."""
+    client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=1800)
+    return client, client.models.list().data[0].id
+
+
 def _completions(srv: ServerProcess, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
-    name = client.models.list().data[0].id
+    client, name = _client(srv)
     done = [_complete(client, name, p, max_tokens) for p in PROMPTS]
     return [i for i, _ in done], [lp for _, lp in done]
 
@@ -108,7 +113,7 @@ def test_smollm2_3090_artifact_in_vllm_with_the_plugin(smollm2_3090, smollm2_309
     from qconv.engine.loader import load_tokenizer
 
     served = smollm2_3090_in_vllm
-    plain_ids, plain_lps = (list(x) for x in zip(*(served.completions[p] for p in PROMPTS)))
+    plain_ids, plain_lps = served.picks(PROMPTS)
     assert served.chat.strip() and served.finish_reason in ("stop", "length")
     print("vLLM chat:", served.chat)
     tok = load_tokenizer(smollm2_3090)
@@ -135,6 +140,11 @@ class Served:
     completions: dict[str, tuple[list[int], list[float]]]
     cache_tokens: int
     owned_by: str
+
+    def picks(self, prompts: list[str]) -> tuple[list[list[int]], list[list[float]]]:
+        """The greedy ids and log-probs of `prompts`, as two lists."""
+        done = [self.completions[p] for p in prompts]
+        return [i for i, _ in done], [lp for _, lp in done]
 
 
 def ask_in_vllm(art: Path, vllm_python: str, prompts: list[str], max_tokens: int = 24) -> Served:

@@ -85,7 +85,7 @@ def test_tied_head_in_vllm_with_the_plugin(smollm2_3090, smollm2_3090_in_vllm, v
     print("auto with the plugin:", choice.reason)
 
     served = smollm2_3090_in_vllm  # `qconv serve --backend vllm` of it, with the plugin
-    ids, lps = (list(x) for x in zip(*(served.completions[p] for p in PROMPTS)))
+    ids, lps = served.picks(PROMPTS)
     assert served.owned_by == "vllm"  # vLLM served it, not our engine
     tok = load_tokenizer(smollm2_3090)
     texts = [tok.decode(x) for x in ids]

@@ -105,7 +105,10 @@ def print_summary(s: dict, console=None) -> None:
     tier = f" ({escape(s['tier'].split(' (')[0])} tier)" if s["tier"] else ""
     text = s.get("quality_text") or {}
     if text.get("tokens_scored"):
-        tier += escape(f" on {text['tokens_scored']:,} tokens of {Path(str(text['label'])).name}")
+        label = str(text["label"])  # a file: its name; an HF dataset id as given
+        tier += escape(
+            f" on {text['tokens_scored']:,} tokens of {Path(label).name if Path(label).is_file() else label}"
+        )
     if s["passed"] is True:
         con.print(f"[bold]verdict[/bold]   [green]PASSED[/green] the recipe's quality gates{tier}")
     elif s["passed"] is False:

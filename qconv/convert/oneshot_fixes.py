@@ -182,8 +182,8 @@ def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 def sdpa_calibration():
     """llmcompressor 0.14 forces eager attention while it traces and calibrates, so that every batch gets a mask
     tensor its traced graph can add: eager materializes each head's scores and softmax (seq x seq floats). The same
-    mask (transformers' eager mask) with torch's fused SDPA computes the same attention without them; calibrating
-    a Qwen3.5 at 2,048 tokens runs its attention layers about twice as fast on a CPU (docs/BENCHMARKS.md)."""
+    mask (transformers' eager mask) with torch's fused SDPA computes the same attention without them (what it
+    saves: docs/BENCHMARKS.md)."""
     from compressed_tensors.utils import patch_attr
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface, eager_mask

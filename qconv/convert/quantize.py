@@ -108,9 +108,9 @@ def awq_mappings(model) -> list:
 def rotation_modifier(recipe: Recipe, rotated: list[str]):
     """llm-compressor's QuIPModifier with input ("v") rotations on exactly `rotated`: the weight side is fused into
     the weights before rounding, the input side stays online (config.json's transform_config; vLLM applies it).
-    `precision` is what the online side computes in during the calibration passes (llm-compressor's default:
-    float64, several times slower on a CPU and on consumer GPUs); compressed-tensors fuses the weight side in
-    float64 whatever it says, and vLLM turns inputs in the model's dtype."""
+    `precision` is what the online side computes in during the calibration passes (llm-compressor's default,
+    float64, is slow on a CPU and on consumer GPUs: docs/BENCHMARKS.md); compressed-tensors fuses the weight side
+    in float64 whatever it says, and vLLM turns inputs in the model's dtype."""
     import torch
     from llmcompressor.modifiers.transform import QuIPModifier
 

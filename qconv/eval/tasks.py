@@ -89,8 +89,8 @@ def _lm(path: Path, batch_size: int):
 
 
 def _task_manager(specs: list):
-    """One lm-eval task index for both models. Indexing lm-eval's own tasks reads every YAML it ships (about 15 s
-    on a 2-core CPU, per `simple_evaluate` that builds its own); shipped tasks alone need none of them."""
+    """One lm-eval task index for both models (`simple_evaluate` otherwise builds its own each time). Indexing
+    lm-eval's own tasks reads every YAML it ships; shipped tasks alone need none of them (docs/BENCHMARKS.md)."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_defaults=not all(isinstance(s, dict) for s in specs))

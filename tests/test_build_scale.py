@@ -377,6 +377,57 @@ def test_row_blocked_gptq_equals_whole_matrix(strategy, group, actorder):
     assert torch.equal(lean[0], ref[0].to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("actorder", [None, "weight"])
+def test_batched_gptq_equals_one_module_at_a_time(actorder):
+    """On the CPU a layer's same-shape modules go through GPTQ as one batch (quantize.CPU_GPTQ_BATCH): each keeps
+    its own Hessian, scales and act-order, and gets the weights it gets alone, bit for bit (bf16 stacks in row
+    blocks, as a build runs it)."""
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from llmcompressor.modifiers.gptq import base
+
+    from qconv.convert.stream import row_blocked_gptq
+
+    g = torch.Generator().manual_seed(1)
+    n, rows, cols, group = 3, 96, 128, 32
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=group, actorder=actorder
+    )
+    w = torch.randn(n, rows, cols, generator=g).to(torch.bfloat16)
+    xs = [torch.randn(256, cols, generator=g) * torch.rand(cols, generator=g) for _ in range(n)]
+    h = torch.stack([x.T @ x / 256 for x in xs])
+    wg = w.float().view(n, rows, cols // group, group)
+    scale, zp = calculate_qparams(wg.amin(-1), wg.amax(-1), args)
+    kw = dict(global_scale=None, quant_args=args, blocksize=64, percdamp=0.01)
+    with row_blocked_gptq(block_bytes=4 * cols * 40):
+        together = base.quantize_weight(weights=w.clone(), hessians=h.clone(), scale=scale, zero_point=zp, **kw)
+        alone = [
+            base.quantize_weight(
+                weights=w[i : i + 1].clone(),
+                hessians=h[i : i + 1].clone(),
+                scale=scale[i : i + 1],
+                zero_point=zp[i : i + 1],
+                **kw,
+            )
+            for i in range(n)
+        ]
+    assert torch.equal(together[0], torch.cat([a[0] for a in alone]))
+    assert torch.allclose(together[1], torch.cat([a[1] for a in alone]), rtol=1e-5)
+    assert not torch.equal(together[0][0], together[0][1])  # three matrices, not one repeated
+
+
+def test_gptq_batches_on_the_cpu_and_sizes_them_from_memory_on_a_gpu():
+    from qconv.convert.quantize import CPU_GPTQ_BATCH, modifiers
+    from qconv.recipes.recipe import load_recipe
+
+    recipe = load_recipe("3090")
+    (cpu,) = modifiers(None, recipe, {}, [])
+    (gpu,) = modifiers(None, recipe, {}, [], device="cuda")
+    assert type(cpu).__name__ == type(gpu).__name__ == "GPTQModifier"
+    assert cpu.batched_quantization == CPU_GPTQ_BATCH > 1 and gpu.batched_quantization == "auto"
+
+
 def test_hessian_permuted_in_place_by_row_blocks():
     import torch
 
@@ -510,6 +561,33 @@ def test_streamed_proxy_equals_in_memory_proxy(tiny_models, tmp_path, family):
     order = sorted(want.values, key=want.values.get)
     assert sorted(got.values, key=got.values.get) == order
     assert not list(tmp_path.iterdir())  # every spilled input is gone
+
+
+def test_proxy_statistics_batched_equal_one_row_at_a_time(tiny_llama, config_27b):
+    """The proxy's Hessians and Fishers from batches of equal-length rows (one forward + backward each) are the
+    token-weighted sums of each row's own, in float32 up to rounding; the batches keep what a backward holds
+    bounded (the 27B's 2,048-token rows go one at a time)."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qconv.calibrate.sensitivity import capture_statistics, length_batches, rows_per_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    ids = [list(range(5, 45)), list(range(50, 80)), list(range(7, 47)), list(range(90, 130))]
+    assert [len(b) for b in length_batches(ids, lambda n: 2)] == [2, 1, 1]
+    hs, fs, tokens = capture_statistics(model, ids, names, names)
+    rows = [capture_statistics(model, [r], names, names) for r in ids]
+    assert tokens == sum(t for *_, t in rows) == 150
+    for n in names:
+        h = sum(r[0][n] * r[2] for r in rows) / tokens
+        f = sum(r[1][n] * (r[2] - 1) for r in rows) / (tokens - len(ids))
+        assert torch.allclose(hs[n], h, rtol=1e-4, atol=1e-6) and torch.allclose(fs[n], f, rtol=1e-3, atol=1e-12), n
+    assert rows_per_batch(model.config, 40) == 16
+    big = AutoConfig.for_model(**json.loads((config_27b / "config.json").read_text()))
+    assert rows_per_batch(big, 2048) == 1 < rows_per_batch(big, 16)
 
 
 def test_streamed_build_with_int8_budget(tiny_qwen3_5, tmp_path, calib_txt, caplog):

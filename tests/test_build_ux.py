@@ -89,6 +89,7 @@ def test_build_terminal_is_short_and_the_log_has_the_rest(tiny_llama, texts, tmp
     assert len(logs) == 1 and f"log       {logs[0]}" in r.stdout
     log = logs[0].read_text()
     assert "compress_module_list" in log and "Quantizing 1 module(s)" in log  # llmcompressor (loguru)
+    assert "Quantizing 2 module(s)" in log  # a layer's same-shape Linears (q/o, gate/up) in one GPTQ batch on the CPU
     assert "Compression lifecycle" in log and "qconv.build.workdir: stage quantization" in log
     # files as save_pretrained would leave them under umask 022
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}

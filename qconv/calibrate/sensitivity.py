@@ -15,6 +15,7 @@ Two measures:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ from qconv.manifest import ModuleDecision
 log = logging.getLogger(__name__)
 
 
+# What a forward keeps for its backward, at most, in the proxy's Fisher pass; and its most rows a batch.
+BACKWARD_BYTES, MAX_ROWS = 2 << 30, 16
 BASE = "base"  # the key of a unit's current (4-bit) decisions in Scores.errors
 Rotated = dict[str, torch.Tensor]  # module name -> the block V of its input rotation (the recipe's quantizer.rotation)
 
@@ -100,18 +103,6 @@ def input_hessians(mods: dict[str, torch.nn.Module], hs: dict[str, torch.Tensor]
             h.remove()
 
 
-def capture_hessians(model, ids: list[list[int]], names: set[str]) -> tuple[dict[str, torch.Tensor], int]:
-    """H = XᵀX / n (float32) of each named Linear's input over the calibration tokens, one sequence at a time."""
-    mods = dict(model.named_modules())
-    hs: dict[str, torch.Tensor] = {}
-    tokens = 0
-    with torch.no_grad(), input_hessians({n: mods[n] for n in names}, hs):
-        for row in ids:
-            model(torch.tensor([row]))
-            tokens += len(row)
-    return {n: h / tokens for n, h in hs.items()}, tokens
-
-
 class _Skip(torch.nn.Module):
     """Stands in for a decoder layer whose output is already known (its input is fed to a later layer)."""
 
@@ -171,29 +162,59 @@ def output_fisher(mods: dict[str, torch.nn.Module], fs: dict[str, torch.Tensor])
             h.remove()
 
 
-def capture_fisher(model, ids: list[list[int]], names: set[str]) -> dict[str, torch.Tensor]:
-    """Mean squared gradient of the next-token loss w.r.t. each named Linear's output, per output channel (the
-    diagonal empirical Fisher of the layer output): how much the rest of the model amplifies an error there."""
+def rows_per_batch(config, length: int) -> int:
+    """Calibration rows of `length` tokens per forward + backward: what the forward keeps for its backward (about
+    4 bytes x (10 hidden + 4 MLP widths a layer + 4 vocabulary widths) a token) stays under BACKWARD_BYTES."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden, inter = text.hidden_size, getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    per_token = 4 * (text.num_hidden_layers * (10 * hidden + 4 * inter) + 4 * text.vocab_size)
+    return max(1, min(MAX_ROWS, BACKWARD_BYTES // (per_token * length)))
+
+
+def length_batches(ids: list[list[int]], size: Callable[[int], int]) -> Iterator[list[list[int]]]:
+    """The rows grouped by length, in order of first appearance, in batches of at most `size(length)` rows."""
+    by_length: dict[int, list[list[int]]] = {}
+    for row in ids:
+        by_length.setdefault(len(row), []).append(row)
+    for length, rows in by_length.items():
+        step = size(length)
+        for i in range(0, len(rows), step):
+            yield rows[i : i + step]
+
+
+def capture_statistics(
+    model, ids: list[list[int]], hessian_names: set[str], fisher_names: set[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """From one forward + backward per batch of rows of one length (rows_per_batch): H = XᵀX / n (float32) of each
+    `hessian_names` Linear's input, and each `fisher_names` Linear's mean squared next-token-loss gradient per
+    output channel (the diagonal empirical Fisher of the layer output: how much the rest of the model amplifies an
+    error there). Returns (Hessians, Fishers, tokens). A batch's rows need no mask: they are all real tokens."""
     mods = dict(model.named_modules())
+    hs: dict[str, torch.Tensor] = {}
     fs: dict[str, torch.Tensor] = {}
-    tokens = 0
+    tokens = targets = 0
     emb = model.get_input_embeddings()
     handle = emb.register_forward_hook(lambda m, a, out: out.detach().requires_grad_())
     flags = [p.requires_grad for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(False)
     try:
-        with output_fisher({n: mods[n] for n in names}, fs):
-            for row in ids:
-                x = torch.tensor([row])
-                logits = model(x).logits[0, :-1].float()
-                torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").backward()
-                tokens += len(row) - 1
+        with (
+            input_hessians({n: mods[n] for n in hessian_names}, hs),
+            output_fisher({n: mods[n] for n in fisher_names}, fs),
+        ):
+            for batch in length_batches(ids, lambda n: rows_per_batch(model.config, n)):
+                x = torch.tensor(batch)
+                logits = model(x).logits[:, :-1].float()
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+                loss.backward()
+                tokens += x.numel()
+                targets += x.numel() - len(batch)
     finally:
         handle.remove()
         for p, f in zip(model.parameters(), flags):
             p.requires_grad_(f)
-    return {n: f / tokens for n, f in fs.items()}
+    return {n: h / tokens for n, h in hs.items()}, {n: f / targets for n, f in fs.items()}, tokens
 
 
 def row_errors(
@@ -218,7 +239,7 @@ def row_errors(
 def proxy_from(
     units: list[Unit], rows: dict[str, dict[str, dict[str, torch.Tensor]]], fisher: dict[str, torch.Tensor], tokens: int
 ) -> Scores:
-    """Scores from each unit's row errors (row_errors) and each member's output Fisher (capture_fisher): a scheme's
+    """Scores from each unit's row errors (row_errors) and each member's output Fisher (capture_statistics): a scheme's
     error is Σ_members Σ_rows F_r·diag(E H Eᵀ)_r, its gain the base's error minus its own."""
     values, gains, errors = {}, {}, {}
     for u in units:
@@ -232,12 +253,13 @@ def proxy_from(
 
 def proxy_scores(model, units: list[Unit], ids: list[list[int]], rotated: Rotated | None = None) -> Scores:
     """Per unit and scheme, Σ_members Σ_rows F_r · (E H Eᵀ)_rr: each output channel's rounding error, weighted by
-    how much the loss cares about that channel (capture_fisher); a scheme's gain is the base's error minus its own.
-    One forward + backward per sequence, the whole model in memory (qconv.build.streamed_sensitivity: a layer at a
-    time)."""
+    how much the loss cares about that channel (capture_statistics); a scheme's gain is the base's error minus its own.
+    One forward + backward per batch of rows, the whole model in memory (qconv.build.streamed_sensitivity: a layer
+    at a time)."""
     mods = dict(model.named_modules())
-    hs, tokens = capture_hessians(model, ids, {u.base[0].name for u in units})
-    fs = capture_fisher(model, ids, {m.name for u in units for m in u.base})
+    hs, fs, tokens = capture_statistics(
+        model, ids, {u.base[0].name for u in units}, {m.name for u in units for m in u.base}
+    )
     rows = {
         u.name: row_errors(
             u, {m.name: mods[m.name].weight.detach().float() for m in u.base}, hs[u.base[0].name], rotated

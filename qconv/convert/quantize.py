@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 # float32), and at most CALIB_BATCH samples: the 27B's 17,408-wide MLP goes one 2,048-token sample at a time.
 CALIB_BATCH_ELEMENTS = 1 << 23
 CALIB_BATCH = 16
+# Same-shape modules of a layer (q/o, k/v, gate/up) that GPTQ sweeps column by column together on the CPU.
+CPU_GPTQ_BATCH = 8
 
 
 def calibrate_embeddings(model, head: bool = False) -> None:
@@ -126,15 +128,26 @@ def rotation_modifier(recipe: Recipe, rotated: list[str]):
     )
 
 
-def modifiers(model, recipe: Recipe, groups: dict, ignore: list[str], rotated: list[str] | None = None) -> list:
+def modifiers(
+    model,
+    recipe: Recipe,
+    groups: dict,
+    ignore: list[str],
+    rotated: list[str] | None = None,
+    device: str = "cpu",
+) -> list:
     """The llmcompressor recipe: the rotation when the recipe has one (on `rotated`), then RTN, GPTQ, AWQ smoothing
-    then GPTQ (llm-compressor's AWQ+GPTQ example), or AutoRound."""
+    then GPTQ (llm-compressor's AWQ+GPTQ example), or AutoRound. `device`: where the layers are quantized."""
     first = [rotation_modifier(recipe, rotated)] if rotated else []
-    return first + _rounding(model, recipe, groups, ignore)
+    return first + _rounding(model, recipe, groups, ignore, device)
 
 
-def _rounding(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
-    """actorder is passed to GPTQModifier itself: its default (a sentinel) turns a scheme's null into "static"."""
+def _rounding(model, recipe: Recipe, groups: dict, ignore: list[str], device: str = "cpu") -> list:
+    """actorder is passed to GPTQModifier itself: its default (a sentinel) turns a scheme's null into "static".
+    batched_quantization: llm-compressor sweeps same-shape modules of a layer through GPTQ's column loop as one
+    batch. Its "auto" sizes batches from free CUDA memory and gives singletons elsewhere; on the CPU the loop's
+    cost is per column op, not per element, so a layer's q/o, k/v and gate/up go together there (the same weights:
+    each batch member gets its own matrix products)."""
     import torch
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
@@ -160,6 +173,7 @@ def _rounding(model, recipe: Recipe, groups: dict, ignore: list[str]) -> list:
         block_size=q.block_size,
         dampening_frac=q.dampening_frac,
         actorder=q.actorder,
+        batched_quantization=CPU_GPTQ_BATCH if device == "cpu" else "auto",
     )
     if q.algorithm == "awq+gptq":
         from llmcompressor.modifiers.transform.awq import AWQModifier
@@ -225,7 +239,7 @@ def quantize(
         oneshot(
             model=model,
             dataset=ds,
-            recipe=modifiers(model, recipe, groups, ignore, list(rotated)),
+            recipe=modifiers(model, recipe, groups, ignore, list(rotated), device),
             max_seq_length=max_len,
             num_calibration_samples=len(calib_ids),
             # AutoRound tunes on the samples one at a time (auto-round exits on a batched llmcompressor model)

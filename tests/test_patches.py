@@ -4,6 +4,7 @@ are each still called by the library they patch."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -27,7 +28,7 @@ def test_an_optional_librarys_target_is_checked_where_it_is_used(monkeypatch):
     """Without the gguf extra a build still starts: that target is checked when a GGUF import swaps it."""
     real = patches._version
     monkeypatch.setattr(patches, "_version", lambda package: "not installed" if package == "gguf" else real(package))
-    assert patches.check_all() == [n for n in patches.TARGETS if n != "gguf_reader"]
+    assert patches.check_all() == [n for n, t in patches.TARGETS.items() if t.package != "gguf"]
 
 
 def test_a_moved_target_stops_with_the_library_version(monkeypatch):
@@ -120,12 +121,29 @@ def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt, smollm2
         swapped.update(replacements)
         return swap(**{n: counting(n, fn) for n, fn in replacements.items()})
 
+    from gguf import GGUFReader, TensorNameMap
+
+    built = {GGUFReader: 0, TensorNameMap: 0}
+
+    def counted_init(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)  # the patch table checks the target's signature
+        def wrapper(self, *a, **k):
+            built[cls] += 1
+            init(self, *a, **k)
+
+        return wrapper
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(patches, "swap", counted_swap)
         _qconv_builds(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt)
         from qconv.convert.gguf import import_gguf
 
+        for cls in built:
+            mp.setattr(cls, "__init__", counted_init(cls))
         import_gguf(smollm2_gguf, tmp_path / "gguf")
+    assert built == {GGUFReader: 1, TensorNameMap: 1}  # one parse, one name map (convert.gguf.one_parse)
     expected = set(patches.TARGETS) - ({"pin_memory"} if torch.accelerator.is_available() else set())
     assert swapped == expected
     values = {n for n, t in patches.TARGETS.items() if t.params is None}

@@ -21,11 +21,14 @@ _DTYPES = {"bfloat16", "float16", "float32"}
 @contextlib.contextmanager
 def one_parse():
     """Within the block, each GGUF file is parsed once: transformers' loader builds a new `GGUFReader` for the config,
-    the tokenizer and the weights (five parses of the file's vocabulary per import, most of the import's time)."""
+    the tokenizer and the weights (five parses of the file's vocabulary per import, most of the import's time). Its
+    weight-name mapping also builds gguf's `TensorNameMap` (every tensor name of the architecture at every depth)
+    anew for each module of the model it walks, hundreds of times over: here once per architecture and depth."""
     from qconv.convert import patches
 
-    reader_class = patches.current("gguf_reader")
+    reader_class, name_map = patches.current("gguf_reader"), patches.current("gguf_tensor_name_map")
     readers: dict[tuple[str, str], object] = {}
+    maps: dict[tuple, object] = {}
 
     def reader(path, mode="r"):
         key = (str(Path(path).resolve()), mode)
@@ -33,7 +36,12 @@ def one_parse():
             readers[key] = reader_class(path, mode)
         return readers[key]
 
-    with patches.swap(gguf_reader=reader):
+    def tensor_name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    with patches.swap(gguf_reader=reader, gguf_tensor_name_map=tensor_name_map):
         yield reader
 
 

@@ -187,6 +187,13 @@ TARGETS = {
         ("path", "mode"),
         "convert.gguf.one_parse: transformers' GGUF loader takes one parsed file for every pass of an import",
     ),
+    "gguf_tensor_name_map": Target(
+        "gguf",
+        "gguf",
+        "get_tensor_name_map",
+        ("arch", "n_blocks"),
+        "convert.gguf.one_parse: one tensor-name map per architecture and depth for every module of an import",
+    ),
 }
 
 

@@ -42,6 +42,8 @@ def summary(artifact: Path) -> dict:
         "kld_mean": q.get("kld_mean"),
         "compute_dtype": m["build"].get("compute_dtype"),
         "elapsed_s": m["build"].get("elapsed_s"),
+        # which weights it made: two commits that build the same bytes need no quality comparison
+        "weights_sha256": {k: f["sha256"][:16] for k, f in m["files"].items() if k.endswith(".safetensors")},
     }
 
 

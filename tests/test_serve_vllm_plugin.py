@@ -45,15 +45,18 @@ def _ids(tokens) -> list[int]:
     return [int(t.token.split(":", 1)[1]) if hasattr(t, "token") else int(t.split(":", 1)[1]) for t in tokens]
 
 
-def _complete(client, name: str, prompt: str, max_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy token ids and their log-probs for one prompt."""
+def _complete(
+    client, name: str, prompt: str, max_tokens: int, ignore_eos: bool = False
+) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their log-probs for one prompt; `ignore_eos`: all `max_tokens` of them, also past an
+    end-of-sequence pick (a tiny random model's greedy path may take one)."""
     c = client.completions.create(
         model=name,
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=0,
         logprobs=1,
-        extra_body={"return_tokens_as_token_ids": True},
+        extra_body={"return_tokens_as_token_ids": True, "ignore_eos": ignore_eos},
     )
     return _ids(c.choices[0].logprobs.tokens), c.choices[0].logprobs.token_logprobs
 
@@ -64,9 +67,11 @@ def _client(srv: ServerProcess) -> tuple[openai.OpenAI, str]:
     return client, client.models.list().data[0].id
 
 
-def _completions(srv: ServerProcess, max_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+def _completions(
+    srv: ServerProcess, max_tokens: int, ignore_eos: bool = False
+) -> tuple[list[list[int]], list[list[float]]]:
     client, name = _client(srv)
-    done = [_complete(client, name, p, max_tokens) for p in PROMPTS]
+    done = [_complete(client, name, p, max_tokens, ignore_eos) for p in PROMPTS]
     return [i for i, _ in done], [lp for _, lp in done]
 
 
@@ -204,7 +209,7 @@ def served_agrees_with_native(art: Path, vllm_python: str, max_tokens: int = 8) 
     from qconv.engine.loader import load_tokenizer
 
     with serve_in_vllm(art, vllm_python) as srv:
-        ids, lps = _completions(srv, max_tokens)
+        ids, lps = _completions(srv, max_tokens, ignore_eos=True)
     assert all(len(x) == max_tokens for x in ids)
     tok = load_tokenizer(art)
     return _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
@@ -247,7 +252,7 @@ def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_pyt
 
     art, _ = tiny_artifact(tmp_path, family, "3090")
     with serve_in_vllm(art, vllm_python, "--profile", "fast") as srv:
-        ids, lps = _completions(srv, 8)
+        ids, lps = _completions(srv, 8, ignore_eos=True)
         cache = _cache_config(srv)
         context = openai.OpenAI(base_url=srv.base_url, api_key="none").models.list().data[0].max_model_len
     tok = load_tokenizer(art)

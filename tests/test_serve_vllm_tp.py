@@ -41,7 +41,7 @@ def test_3090_artifact_at_tensor_parallel_2_equals_size_1(tmp_path, vllm_python,
         args = [str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--spec-tokens", "0"]
         args += ["--tensor-parallel-size", str(tp), "--", "--enforce-eager"]
         with ServerProcess(args, free_port(), env=env, health_timeout=600) as srv:
-            runs[tp] = _completions(srv, 16)
+            runs[tp] = _completions(srv, 16, ignore_eos=True)
     (ids1, lps1), (ids2, lps2) = runs[1], runs[2]
     from qconv.engine.loader import load_model, load_tokenizer
 

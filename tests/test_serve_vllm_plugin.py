@@ -240,9 +240,27 @@ def _planned_kv_bytes(art: Path, context: int, in_flight: int) -> tuple[int, int
     return fit.per_seq(context), 128 * (fit.kv_per_token + 2 * fit.window_kv_per_token)
 
 
+@pytest.fixture(scope="module")
+def wide_in_vllm(tmp_path_factory, vllm_python):
+    """The tiny wide Qwen3.5's 3090 artifact served once for the two tests that read it live: the KV plan (its fast
+    profile) and qconv's door (text only, connection limits set low). Its test parameter runs last of the KV-plan
+    ones and the door test right after, so no other server starts beside it."""
+    art, _ = tiny_artifact(tmp_path_factory.mktemp("wide"), "qwen3_5_wide", "3090")
+    door = ("--max-connections", "16", "--request-timeout", "2")
+    with serve_in_vllm(art, vllm_python, "--profile", "fast", *door) as srv:
+        yield art, srv
+
+
+def _ask_tiny(srv: ServerProcess) -> tuple[list[list[int]], list[list[float]], dict[str, str], int]:
+    """Greedy tokens and log-probs for PROMPTS, vLLM's cache config and its context length."""
+    ids, lps = _completions(srv, 8, ignore_eos=True)
+    context = openai.OpenAI(base_url=srv.base_url, api_key="none").models.list().data[0].max_model_len
+    return ids, lps, _cache_config(srv), context
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f if f != "qwen3_5" else "qwen3_5_wide" for f in TINY_FAMILIES])
-def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_python, family):
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if f != "qwen3_5"] + ["qwen3_5_wide"])
+def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_python, family, request):
     """One vLLM start per family (the 3090 artifact of its tiny model, with the plugin): greedy tokens scored as
     our engine scores them, and vLLM's KV allocation per sequence equal to the memory planner's, twice it where vLLM
     computes in float32 (qwen3_5: the Gated-DeltaNet state pages are padded to vLLM's attention page, which the
@@ -250,11 +268,13 @@ def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_pyt
     from qconv.engine.loader import load_tokenizer
     from qconv.serve.vllm import vllm_dtype
 
-    art, _ = tiny_artifact(tmp_path, family, "3090")
-    with serve_in_vllm(art, vllm_python, "--profile", "fast") as srv:
-        ids, lps = _completions(srv, 8, ignore_eos=True)
-        cache = _cache_config(srv)
-        context = openai.OpenAI(base_url=srv.base_url, api_key="none").models.list().data[0].max_model_len
+    if family == "qwen3_5_wide":
+        art, srv = request.getfixturevalue("wide_in_vllm")
+        ids, lps, cache, context = _ask_tiny(srv)
+    else:
+        art, _ = tiny_artifact(tmp_path, family, "3090")
+        with serve_in_vllm(art, vllm_python, "--profile", "fast") as srv:
+            ids, lps, cache, context = _ask_tiny(srv)
     tok = load_tokenizer(art)
     worst = _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
     print(f"tiny {family} 3090 in vLLM vs our engine: largest log-prob difference {worst:.4f} nats")
@@ -274,7 +294,7 @@ PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADh
 
 
 @pytest.mark.slow
-def test_a_vision_request_to_the_cpu_runtime_is_one_400(tmp_path, vllm_python):
+def test_a_vision_request_to_the_cpu_runtime_is_one_400(wide_in_vllm):
     """The CPU runtime serves text only: an image in a chat request is refused at qconv's door in vLLM's server with
     qconv's own 400 (as our engine words it), before vLLM parses it; the server goes on answering text. The same
     server holds qconv's connection limits: one connection past --max-connections is a 503, and a request that
@@ -282,31 +302,30 @@ def test_a_vision_request_to_the_cpu_runtime_is_one_400(tmp_path, vllm_python):
     import socket
     import time
 
-    art, _ = tiny_artifact(tmp_path, "qwen3_5_wide", "3090")
-    with serve_in_vllm(art, vllm_python, "--max-connections", "16", "--request-timeout", "2") as srv:
-        client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
-        name = client.models.list().data[0].id
-        image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG_1PX}"}}
-        msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
-        with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model=name, messages=msgs, max_tokens=2)
-        assert e.value.code == "text_only", e.value.message
-        assert "messages[0].content[1] is a 'image_url' part: this server serves text only" in e.value.message
+    _, srv = wide_in_vllm
+    client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0)
+    name = client.models.list().data[0].id
+    image = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG_1PX}"}}
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=name, messages=msgs, max_tokens=2)
+    assert e.value.code == "text_only", e.value.message
+    assert "messages[0].content[1] is a 'image_url' part: this server serves text only" in e.value.message
 
-        held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(16)]
-        try:
-            extra = socket.create_connection(("127.0.0.1", srv.port))
-            extra.settimeout(10)
-            assert extra.recv(200).startswith(b"HTTP/1.1 503"), "a 17th connection was held"
-            extra.close()
-        finally:
-            for c in held:
-                c.close()
-        time.sleep(0.5)  # the closed ones leave the server's set
-        slow = socket.create_connection(("127.0.0.1", srv.port))
-        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-        slow.settimeout(15)
-        assert slow.recv(200).startswith(b"HTTP/1.1 408"), "a half-sent request was held past --request-timeout"
-        slow.close()
-        text = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        assert text.choices[0].finish_reason in ("stop", "length")
+    held = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(16)]
+    try:
+        extra = socket.create_connection(("127.0.0.1", srv.port))
+        extra.settimeout(10)
+        assert extra.recv(200).startswith(b"HTTP/1.1 503"), "a 17th connection was held"
+        extra.close()
+    finally:
+        for c in held:
+            c.close()
+    time.sleep(0.5)  # the closed ones leave the server's set
+    slow = socket.create_connection(("127.0.0.1", srv.port))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    slow.settimeout(15)
+    assert slow.recv(200).startswith(b"HTTP/1.1 408"), "a half-sent request was held past --request-timeout"
+    slow.close()
+    text = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert text.choices[0].finish_reason in ("stop", "length")

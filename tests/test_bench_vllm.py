@@ -53,8 +53,9 @@ def _vllm_bench(python: str, root: str, art: Path, data: Path, out: Path) -> dic
 @pytest.mark.slow
 @pytest.mark.solo
 def test_qconv_bench_agrees_with_vllm_bench_serve(smollm2_3090, vllm_python, tmp_path):
-    """Three rounds each, taken turn about (a shared machine's load moves a single run by more than 10%); the
-    medians of output throughput are compared, the counters exactly."""
+    """Three rounds each, taken turn about (a shared machine's load moves a single run by more than 10%, and drifts
+    from round to round): each round's two output throughputs are compared as a ratio, the median ratio within 10%;
+    the counters exactly."""
     data = tmp_path / "copy.json"  # ShareGPT's format: vLLM's `custom` jsonl reader needs pandas, not in the runtime
     texts = workloads.texts("copy", workloads.DATA / "passages.txt", PROMPTS)
     data.write_text(
@@ -67,11 +68,11 @@ def test_qconv_bench_agrees_with_vllm_bench_serve(smollm2_3090, vllm_python, tmp
         for i in range(3):
             ours.append(_qconv_bench(srv.root, tmp_path / f"q{i}"))
             theirs.append(_vllm_bench(vllm_python, srv.root, smollm2_3090, data, tmp_path / f"v{i}.json"))
-    q, v = (
-        statistics.median(c.output_throughput for c in ours),
-        statistics.median(r["output_throughput"] for r in theirs),
+    ratios = [r["output_throughput"] / c.output_throughput for c, r in zip(ours, theirs)]
+    assert abs(statistics.median(ratios) - 1) <= 0.10, (
+        [c.output_throughput for c in ours],
+        [r["output_throughput"] for r in theirs],
     )
-    assert abs(v - q) <= 0.10 * q, ([c.output_throughput for c in ours], [r["output_throughput"] for r in theirs])
     for c, r in zip(ours, theirs):  # greedy: the same tokens, so the same drafts and acceptances
         assert r["completed"] == c.completed == PROMPTS and r["total_output_tokens"] == c.total_output_tokens
         assert c.spec_decode_source == "vllm" and c.spec_decode_acceptance_length > 1

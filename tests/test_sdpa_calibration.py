@@ -66,3 +66,35 @@ def test_soft_capped_attention_stays_eager(tiny_models):
         mp.setattr(attn.config, "attn_logit_softcapping", 5.0)
         capped, weights = _masked_sdpa(attn, q, k, v, None, scaling=0.1, softcap=5.0)
     assert weights is not None and not torch.allclose(plain, capped)
+
+
+def test_a_plain_causal_mask_takes_the_causal_kernel_with_the_same_bits(tiny_models):
+    """Unpadded calibration rows carry exactly the causal mask: the fused kernel is asked for `is_causal` (it skips
+    the blocks above the diagonal) and gives the bits the masked call gives; a padded row or a window keeps its mask."""
+    from transformers import AutoModelForCausalLM
+
+    from qconv.convert.oneshot_fixes import _masked_sdpa
+
+    attn = AutoModelForCausalLM.from_pretrained(tiny_models("qwen3"), dtype=torch.float32).model.layers[0].self_attn
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 300, 32), torch.randn(2, 2, 300, 32), torch.randn(2, 2, 300, 32)
+    low = torch.finfo(torch.float32).min
+    causal = torch.full((300, 300), low).triu(1).expand(2, 1, 300, 300).contiguous()
+    padded, window = causal.clone(), causal.clone()
+    padded[1, :, :, :7] = low
+    window[:, :, 200:, :50] = low
+    seen = []
+
+    def recording(*a, **kw):
+        seen.append(kw)
+        return sdpa(*a, **kw)
+
+    for mask, fast in ((causal, True), (padded, False), (window, False)):
+        seen.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+            out, _ = _masked_sdpa(attn, q, k, v, mask, scaling=0.2)
+        assert [(kw["is_causal"], kw["attn_mask"] is None) for kw in seen] == [(fast, fast)]
+        want = sdpa(q, k, v, attn_mask=mask, scale=0.2, enable_gqa=True).transpose(1, 2).contiguous()
+        assert torch.equal(out, want)

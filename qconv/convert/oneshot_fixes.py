@@ -153,6 +153,17 @@ def cpu_awq():
         yield
 
 
+def _is_causal(mask, q_len: int) -> bool:
+    """Whether an additive mask is exactly the causal one (no padding, no window): torch's fused kernel then skips
+    the blocks above the diagonal instead of adding the mask to them, and gives the same bits."""
+    import torch
+
+    if mask.shape[-1] != q_len or mask.shape[-2] != q_len or not mask.is_floating_point():
+        return False
+    causal = torch.full((q_len, q_len), torch.finfo(mask.dtype).min, dtype=mask.dtype, device=mask.device).triu(1)
+    return torch.equal(mask, causal.expand(mask.shape))
+
+
 def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """What a model's eager attention computes (softmax(QK^T * scaling + mask) V over grouped K/V), through torch's
     fused SDPA with the same additive mask. Anything eager does beyond that (logit soft-capping, attention sinks,
@@ -172,8 +183,15 @@ def _masked_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     ):
         return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[-2]]
+    causal = mask is not None and _is_causal(mask, query.shape[-2])
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        query,
+        key,
+        value,
+        attn_mask=None if causal else mask,
+        is_causal=causal,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -7,7 +7,7 @@ series, before it patches anything: a moved or changed target stops the build wi
 would otherwise run without the patch (other weights, or a large model out of memory). Where a library offers a
 public way, qconv takes it instead (llmcompressor's `oneshot(processor=...)`, compressed-tensors' offload API in
 convert/stream.py). The replacements themselves live with the code they serve (convert/stream.py,
-convert/oneshot_fixes.py, convert/hfmodel.py, convert/gguf.py); tests/test_patches.py proves each one is still called
+convert/oneshot_fixes.py, convert/shared_inputs.py, convert/hfmodel.py, convert/gguf.py); tests/test_patches.py proves each one is still called
 by the library."""
 
 from __future__ import annotations
@@ -81,6 +81,20 @@ TARGETS = {
         "GPTQ_PRECISION",
         None,
         "convert.stream.row_blocked_gptq: prepare_batch's stacking dtype",
+    ),
+    "gptq_accumulate_hessian": Target(
+        _LC,
+        f"{_GPTQ}.base",
+        "accumulate_hessian",
+        ("inp", "module", "hessian", "num_samples"),
+        "convert.shared_inputs.shared_inputs: one X·Xᵀ per input tensor for the Linears that read it",
+    ),
+    "hadamard_forward": Target(
+        _CT,
+        "compressed_tensors.transform.factory.hadamard",
+        "HadamardTransform.forward",
+        ("self", "value"),
+        "convert.shared_inputs.shared_inputs: one rotation per input tensor for the Linears that read it",
     ),
     "offload_value": Target(
         _LC,

@@ -19,6 +19,7 @@ from qconv.convert.oneshot_fixes import (
     sdpa_calibration,
     untie_only_tied,
 )
+from qconv.convert.shared_inputs import shared_inputs
 from qconv.convert.stream import MAX_SHARD_SIZE
 from qconv.errors import QconvError
 from qconv.manifest import ModuleDecision
@@ -235,7 +236,16 @@ def quantize(
     fixes = autoround_writes_what_it_tuned() if autoround else contextlib.nullcontext()
     rotations = rotations_offloadable() if recipe.quantizer.rotation else contextlib.nullcontext()
     computing = calibrating_in(model, dtype) if dtype is not None else contextlib.nullcontext()
-    with computing, sdpa_calibration(), cpu_awq(), untie_only_tied(), fixes, rotations, contextlib.closing(clock):
+    with (
+        computing,
+        sdpa_calibration(),
+        shared_inputs(),
+        cpu_awq(),
+        untie_only_tied(),
+        fixes,
+        rotations,
+        contextlib.closing(clock),
+    ):
         oneshot(
             model=model,
             dataset=ds,

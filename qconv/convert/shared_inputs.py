@@ -1,13 +1,15 @@
 """One rotation and one Hessian product per input tensor in a calibration pass. Linears that read the same tensor
 (q/k/v, gate/up, the Gated-DeltaNet input projections) each had it turned by the same rotation (compressed-tensors
 0.19's input hook, once per Linear) and each multiplied X·Xᵀ into its own Hessian (llm-compressor 0.14's GPTQ hook,
-once per Linear). Here each is computed for the first Linear and reused by the others: the same operations on the
-same operands, so the same bits (tests/test_shared_inputs.py). Each result is kept only while its input lives and
-until another input comes, so nothing stays in memory longer than the input it was computed from."""
+once per Linear). Here the first Linear computes them and the others reuse them: the rotated tensor itself, and the
+Hessian copied from a Linear that has accumulated exactly the same input tensors (the same operations on the same
+operands: the same bits, tests/test_shared_inputs.py). Nothing is allocated beyond what the libraries allocate, and
+a rotated tensor is kept only while its input lives and until another input comes."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 
 from qconv.convert import patches
@@ -59,7 +61,9 @@ def shared_inputs():
 
     rotate = patches.current("hadamard_forward")
     accumulate = patches.current("gptq_accumulate_hessian")
-    turns, products = LastInput(), LastInput()
+    turns, inputs = LastInput(), LastInput()
+    serials = itertools.count()  # each distinct input tensor (and version) a GPTQ hook sees
+    history: dict = {}  # Linear -> (its Hessian, the serials of the inputs that Hessian has accumulated, in order)
 
     def turned(self, value):
         if torch.is_grad_enabled():  # a graph to differentiate through (AutoRound's tuning): each its own
@@ -74,16 +78,26 @@ def shared_inputs():
     def accumulated(inp, module, hessian, num_samples):
         if type(module) is not torch.nn.Linear:
             return accumulate(inp, module, hessian, num_samples)
-        key = (hessian.shape, hessian.dtype, hessian.device, num_samples.dtype, num_samples.device)
-        product, added = products.get(
-            inp, key, lambda: accumulate(inp, module, torch.zeros_like(hessian), torch.zeros_like(num_samples))
-        )
-        hessian += product  # what accumulate adds: 0 + X·Xᵀ is X·Xᵀ, bit for bit
-        num_samples += added
+        serial, done = inputs.get(inp, (), lambda: (next(serials), []))
+        own, before = history.get(module, (None, ()))
+        if own is None or own() is not hessian:  # a Hessian made afresh starts a history afresh
+            before = ()
+        history[module] = (weakref.ref(hessian), (*before, serial))
+        for past, h, n in done:  # a Linear whose Hessian saw the same inputs before this one: the same sums
+            if past == before and h is not hessian and _alike(h, hessian) and _alike(n, num_samples):
+                hessian.copy_(h)
+                num_samples.copy_(n)
+                return hessian, num_samples
+        hessian, num_samples = accumulate(inp, module, hessian, num_samples)
+        done.append((before, hessian, num_samples))
         return hessian, num_samples
 
     with patches.swap(hadamard_forward=turned, gptq_accumulate_hessian=accumulated):
         yield
+
+
+def _alike(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _versioned(t):

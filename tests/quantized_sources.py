@@ -1,7 +1,7 @@
 """Tiny already-quantized checkpoints made by the real library (auto-round 0.15: its own format, AutoGPTQ and
 AutoAWQ exports, on the CPU, round-to-nearest so no calibration run is needed), plus the format's reference
-dequantization read from the same library's code. Run as `python -m tests.quantized_sources SRC OUT FORMAT SYM`
-(tests call it in a subprocess: auto-round sets process-wide state)."""
+dequantization read from the same library's code. Run as `python -m tests.quantized_sources SRC ROOT FAMILY NAME...`
+(tests call it in a subprocess: auto-round sets process-wide state): ROOT/FAMILY-NAME for each NAME of SOURCES."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ from pathlib import Path
 import torch
 
 GROUP = 32
+# name -> (auto-round export format, symmetric)
+SOURCES = {
+    "gptq-sym": ("auto_gptq", True),
+    "gptq-asym": ("auto_gptq", False),
+    "auto-round-sym": ("auto_round", True),
+    "auto-round-asym": ("auto_round", False),
+    "awq-asym": ("auto_awq", False),
+}
 
 
 def quantize(src: Path, out: Path, fmt: str, sym: bool, group_size: int = GROUP) -> Path:
@@ -66,4 +74,6 @@ def reference_dense(get, mod: str, layout: str, zero_offset: int, bits: int, gro
 
 
 if __name__ == "__main__":
-    print(quantize(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "sym"))
+    src, root, family = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    for name in sys.argv[4:]:
+        print(quantize(src, root / f"{family}-{name}", *SOURCES[name]))

@@ -23,8 +23,8 @@ TESTED_IN = {"qwen3": list(SOURCES), "qwen3_5": ["gptq-sym"]}  # the formats eac
 
 def _quantized(base: Path, family: str, name: str) -> Path:
     """A tiny checkpoint quantized by auto-round itself, cached by source, family and format. The first call for a
-    family makes every format of it still missing (TESTED_IN) in one subprocess (auto-round sets process-wide state; its import takes
-    seconds, paid once instead of once a format)."""
+    family makes every format of it still missing (TESTED_IN) in one subprocess (auto-round sets process-wide
+    state; its import takes seconds, paid once instead of once a format)."""
     root = CACHE / "quantized"
     root.mkdir(parents=True, exist_ok=True)
 

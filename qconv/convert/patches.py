@@ -7,8 +7,8 @@ series, before it patches anything: a moved or changed target stops the build wi
 would otherwise run without the patch (other weights, or a large model out of memory). Where a library offers a
 public way, qconv takes it instead (llmcompressor's `oneshot(processor=...)`, compressed-tensors' offload API in
 convert/stream.py). The replacements themselves live with the code they serve (convert/stream.py,
-convert/oneshot_fixes.py, convert/shared_inputs.py, convert/hfmodel.py, convert/gguf.py); tests/test_patches.py proves each one is still called
-by the library."""
+convert/oneshot_fixes.py, convert/shared_inputs.py, convert/hfmodel.py, convert/gguf.py); tests/test_patches.py
+proves each one is still called by the library."""
 
 from __future__ import annotations
 

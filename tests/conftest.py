@@ -32,22 +32,60 @@ def pytest_configure(config):
     # AVX2-only host is not measured yet (docs/BENCHMARKS.md, "The suite from a fresh clone"). A value set outside
     # wins.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        config.stash[OWN_CORES] = _own_cores(int(worker.removeprefix("gw")), workers)
+
+
+# What a worker's tests and their children compute under: the worker's own cores, or (a `solo` test) all of them.
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
+OWN_CORES = pytest.StashKey[bool]()
+
+
+def cores_env(cpus: list[int]) -> dict[str, str]:
+    """Threads and vLLM's binding for CPUS, one thread a core: more threads than cores all but stop vLLM's CPU worker
+    (48 tokens took 76 s with OMP_NUM_THREADS=2 bound to one core)."""
+    n = str(len(cpus))
+    return dict(zip(THREAD_VARS, (n, n, ",".join(map(str, cpus)))))
+
+
+def _own_cores(index: int, workers: int) -> bool:
+    """Under xdist, worker INDEX computes on its own share of the cores: torch's and OpenMP's threads in this process
+    and its children, and vLLM's CPU worker bound to them. Threads of two workers on the same cores wait for each
+    other at every barrier (docs/BENCHMARKS.md, "The suite from a fresh clone"). Where one of these variables is set
+    outside, none is touched (returns False)."""
+    if any(v in os.environ for v in THREAD_VARS):
+        return False
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // workers)
+    os.environ.update(cores_env(cpus[(index * per) % len(cpus) :][:per]))
+    torch.set_num_threads(per)
+    return True
 
 
 @pytest.fixture(autouse=True)
-def _solo(request):
+def _solo(request, monkeypatch):
     """Under xdist (scripts/test.sh) every test shares a lock that a `solo` test takes alone: a test comparing
-    timings measured in one run gets the machine to itself, the rest run beside each other."""
+    timings measured in one run, or one that needs every core, gets the machine to itself, and computes on all of
+    its cores; the rest run beside each other, each on its worker's own."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
     import fcntl
 
+    solo = request.node.get_closest_marker("solo") is not None
     fd = os.open(CACHE / "solo.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    threads = torch.get_num_threads()
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if request.node.get_closest_marker("solo") else fcntl.LOCK_SH)
+        fcntl.flock(fd, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        if solo and request.config.stash.get(OWN_CORES, False):  # as in one process: vLLM and torch pick
+            for var in THREAD_VARS:
+                monkeypatch.delenv(var)
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         yield
     finally:
+        torch.set_num_threads(threads)
         os.close(fd)
 
 
@@ -226,7 +264,7 @@ def vllm_python() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_3090_in_vllm(smollm2_3090, vllm_python, shared_data):
+def smollm2_3090_in_vllm(smollm2_3090, vllm_python, shared_data, tmp_path_factory):
     """SmolLM2's 3090 artifact served once by vLLM (its default profile, fast, with the plugin; no speculation) and
     asked what the plugin, tied-head, KVarN and passkey tests check of that server
     (tests/test_serve_vllm_plugin.ask_in_vllm)."""
@@ -234,9 +272,29 @@ def smollm2_3090_in_vllm(smollm2_3090, vllm_python, shared_data):
     from tests.test_kvarn_vllm import _long_text, passkey_prompts
     from tests.test_serve_vllm_plugin import PROMPTS, ask_in_vllm
 
-    tok = load_tokenizer(smollm2_3090)
-    prompts = [*PROMPTS, _long_text(shared_data, tok, 420), *passkey_prompts(shared_data, tok)]
-    return ask_in_vllm(smollm2_3090, vllm_python, prompts)
+    def ask():
+        tok = load_tokenizer(smollm2_3090)
+        prompts = [*PROMPTS, _long_text(shared_data, tok, 420), *passkey_prompts(shared_data, tok)]
+        return ask_in_vllm(smollm2_3090, vllm_python, prompts)
+
+    return once_per_run(tmp_path_factory, "smollm2_3090_in_vllm", ask)
+
+
+def once_per_run(tmp_path_factory, name: str, make):
+    """make()'s value, made once per run also across xdist workers (a session fixture is made once per worker):
+    pickled into the run's temporary folder, which the workers share, under a file lock."""
+    import pickle
+
+    from filelock import FileLock
+
+    run = tmp_path_factory.getbasetemp()
+    path = (run.parent if os.environ.get("PYTEST_XDIST_WORKER") else run) / f"{name}.pickle"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return pickle.loads(path.read_bytes())
+        value = make()
+        path.write_bytes(pickle.dumps(value))
+        return value
 
 
 @pytest.fixture
@@ -291,3 +349,15 @@ def log_records():
         logger.removeHandler(handler)
         logger.setLevel(level)
         logger.disabled = disabled
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist a worker takes a file at a time. The files with slow tests go out first: a long file handed out
+    last would leave the other worker idle at the end. Of those, the first that needs SmolLM2's 3090 build goes
+    first of all, so one worker builds it while the other takes the slow files that do not wait for it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow = {i.path for i in items if i.get_closest_marker("slow")}
+    smollm2 = [i.path for i in items if i.path in slow and "smollm2_3090" in i.fixturenames]
+    first = smollm2[0] if smollm2 else None
+    items.sort(key=lambda i: (i.path not in slow, i.path != first, i.path in smollm2))

@@ -27,6 +27,7 @@ from tests.test_serve_vllm_plugin import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.solo  # its ranks take every core
 @pytest.mark.parametrize("family, tied", [("llama_tp", True), ("qwen3_5_tp", False)])
 def test_3090_artifact_at_tensor_parallel_2_equals_size_1(tmp_path, vllm_python, monkeypatch, family, tied):
     # vLLM 0.32 runs input rotations at size 1 only (qconv refuses: tests/test_rotation.py): the 3090 plan without them

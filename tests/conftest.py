@@ -33,6 +33,7 @@ def pytest_configure(config):
     # wins.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    config.stash[WORKER] = bool(worker)
     if worker:
         workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
         config.stash[OWN_CORES] = _own_cores(int(worker.removeprefix("gw")), workers)
@@ -41,6 +42,7 @@ def pytest_configure(config):
 # What a worker's tests and their children compute under: the worker's own cores, or (a `solo` test) all of them.
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
 OWN_CORES = pytest.StashKey[bool]()
+WORKER = pytest.StashKey[bool]()  # an xdist worker: tests take the solo lock
 
 
 def cores_env(cpus: list[int]) -> dict[str, str]:
@@ -64,27 +66,55 @@ def _own_cores(index: int, workers: int) -> bool:
     return True
 
 
-@pytest.fixture(autouse=True)
-def _solo(request, monkeypatch):
-    """Under xdist (scripts/test.sh) every test shares a lock that a `solo` test takes alone: a test comparing
-    timings measured in one run, or one that needs every core, gets the machine to itself, and computes on all of
-    its cores; the rest run beside each other, each on its worker's own."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+def _lock(kind: int):
+    """The run's solo lock (flock: released when the descriptor closes, also if the worker dies)."""
+    import fcntl
+
+    fd = os.open(CACHE / "solo.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, kind)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist (scripts/test.sh) every test's whole protocol, its fixtures' setup and teardown included, holds
+    a shared lock that a `solo` test's call takes alone: a test comparing timings measured in one run, or one that
+    needs every core, then has the machine to itself (not beside the other worker's build in a fixture). A solo
+    test's own setup holds nothing, so the other worker keeps going while its fixtures are made."""
+    if not item.config.stash.get(WORKER, False) or item.get_closest_marker("solo"):
         yield
         return
     import fcntl
 
-    solo = request.node.get_closest_marker("solo") is not None
-    fd = os.open(CACHE / "solo.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    threads = torch.get_num_threads()
+    fd = _lock(fcntl.LOCK_SH)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
-        if solo and request.config.stash.get(OWN_CORES, False):  # as in one process: vLLM and torch pick
-            for var in THREAD_VARS:
-                monkeypatch.delenv(var)
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
         yield
     finally:
+        os.close(fd)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A solo test's call: the lock alone, and (where the worker has its own cores) computing as in one process:
+    vLLM and torch pick every core."""
+    if not item.config.stash.get(WORKER, False) or not item.get_closest_marker("solo"):
+        yield
+        return
+    import fcntl
+
+    fd = _lock(fcntl.LOCK_EX)
+    saved = {v: os.environ.pop(v) for v in THREAD_VARS if v in os.environ} if item.config.stash[OWN_CORES] else {}
+    threads = torch.get_num_threads()
+    if saved:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
         torch.set_num_threads(threads)
         os.close(fd)
 
@@ -355,7 +385,7 @@ def pytest_collection_modifyitems(config, items):
     """Under xdist a worker takes a file at a time. The files with slow tests go out first: a long file handed out
     last would leave the other worker idle at the end. Of those, the first that needs SmolLM2's 3090 build goes
     first of all, so one worker builds it while the other takes the slow files that do not wait for it."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    if not config.stash.get(WORKER, False):
         return
     slow = {i.path for i in items if i.get_closest_marker("slow")}
     smollm2 = [i.path for i in items if i.path in slow and "smollm2_3090" in i.fixturenames]

@@ -354,3 +354,24 @@ def test_compute_dtype_picks_vllms_dtype(tiny_llama, config_27b, monkeypatch, na
         dtype_flags(config_27b, "cpu", "float32")
     r = CliRunner().invoke(main, ["serve", str(config_27b), "--recipe", "3090", "--compute-dtype", "half"])
     assert r.exit_code == 2 and "--compute-dtype" in r.output
+
+
+def test_float32_on_cpu_disables_vllms_bf16_only_int4_kernel(tiny_llama, monkeypatch):
+    """vLLM's CPU int4 GEMM computes bf16 / fp16 only and is chosen for a float32 model all the same: wherever vLLM
+    computes in float32 on a CPU (qconv's --dtype or the user's after `--`), it is named in VLLM_DISABLED_KERNELS,
+    the user's entries kept, and the plugin's reference kernel runs those layers (served: test_serve_vllm_plugin's
+    qwen3 parameter)."""
+    src = vllm.load_source(tiny_llama, "3090")
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "MarlinLinearKernel")
+
+    def disabled(platform, choice="auto", extra=()):
+        opts = vllm.LaunchOptions(platform=platform, compute_dtype=choice, extra_args=list(extra))
+        env, _ = vllm.launch_env(src, "fast", platform, 1, dtype=vllm.served_dtype(src, opts))
+        return env.get("VLLM_DISABLED_KERNELS")
+
+    both = "MarlinLinearKernel,CPUWNA16LinearKernel"
+    assert disabled("cpu", "float32") == disabled("cpu", extra=["--dtype=float"]) == both
+    assert disabled("cpu", "float32", ["--dtype", "bfloat16"]) is None  # the user's --dtype is what vLLM runs
+    assert disabled("cpu", "bfloat16") is None and disabled("cuda", "float32") is None
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", both)
+    assert disabled("cpu", "float32") == both

@@ -264,16 +264,18 @@ def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_pyt
     """One vLLM start per family (the 3090 artifact of its tiny model, with the plugin): greedy tokens scored as
     our engine scores them, and vLLM's KV allocation per sequence equal to the memory planner's, twice it where vLLM
     computes in float32 (qwen3_5: the Gated-DeltaNet state pages are padded to vLLM's attention page, which the
-    planner does not model)."""
+    planner does not model). qwen3 is served in float32 on any CPU (--compute-dtype float32: vLLM's int4 kernel
+    computes bf16 only, so the plugin's runs it), the others in what `auto` picks on this one."""
     from qconv.engine.loader import load_tokenizer
     from qconv.serve.vllm import vllm_dtype
 
+    choice = "float32" if family == "qwen3" else "auto"
     if family == "qwen3_5_wide":
         art, srv = request.getfixturevalue("wide_in_vllm")
         ids, lps, cache, context = _ask_tiny(srv)
     else:
         art, _ = tiny_artifact(tmp_path, family, "3090")
-        with serve_in_vllm(art, vllm_python, "--profile", "fast") as srv:
+        with serve_in_vllm(art, vllm_python, "--profile", "fast", "--compute-dtype", choice) as srv:
             ids, lps, cache, context = _ask_tiny(srv)
     tok = load_tokenizer(art)
     worst = _agrees_with_native(art, [tok(p).input_ids for p in PROMPTS], ids, lps)
@@ -283,7 +285,7 @@ def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_pyt
     vllm_bytes = float(cache["kv_cache_memory_bytes"]) / float(cache["kv_cache_max_concurrency"])
     assert family.startswith("qwen3_5") or cache["block_size"] == "128"  # hybrid: vLLM pads to the state page
     planned, rounding = _planned_kv_bytes(art, context, VLLM_CPU_BATCHED_TOKENS)  # CPU: no async scheduling
-    if vllm_dtype("auto", "cpu", family.startswith("qwen3_5")) == "float32":  # the planner's bf16 cache, in float32
+    if vllm_dtype(choice, "cpu", family.startswith("qwen3_5")) == "float32":  # the planner's bf16 cache, in float32
         planned, rounding = 2 * planned, 2 * rounding
     print(f"KV per {context}-token sequence: vLLM {vllm_bytes:,.0f} B, planner {planned:,} B (+ {rounding:,} B)")
     if not family.startswith("qwen3_5"):

@@ -219,7 +219,8 @@ def serve(
         compute_dtype=compute_dtype,
     )
     if print_command:
-        env, _ = vllm.launch_env(src, profile, opts.platform, tensor_parallel_size, _door(ctx, opts, limits))
+        dtype = vllm.served_dtype(src, opts)
+        env, _ = vllm.launch_env(src, profile, opts.platform, tensor_parallel_size, _door(ctx, opts, limits), dtype)
         click.echo(shlex.join([f"{k}={v}" for k, v in env.items()] + vllm.build_command(src, profile, opts)))
         return
     info = vllm_probe.probe_vllm(python)
@@ -236,7 +237,7 @@ def serve(
         )
     vllm_probe.check_vllm(src, profile, info, vllm_features)
     vllm_probe.check_quant_config(src, python, info.version, info.root)
-    env, note = vllm.launch_env(src, profile, info.platform, tensor_parallel_size, door)
+    env, note = vllm.launch_env(src, profile, info.platform, tensor_parallel_size, door, vllm.served_dtype(src, opts))
     if note:
         click.echo(note, err=True)
     click.echo(f"starting: {shlex.join([f'{k}={v}' for k, v in env.items()] + argv)}", err=True)

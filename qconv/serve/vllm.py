@@ -25,6 +25,7 @@ from qconv.manifest import MANIFEST, Requirement
 from qconv.models.spec import ModelSpec
 from qconv.recipes.recipe import load_recipe
 from qconv.recipes.sections import Profile, Speculative
+from qconv.serve.vllm_compute import cpu_kernel_env, user_dtype, vllm_dtype
 from qconv_vllm.limits import ConnectionLimits
 
 KV_TO_VLLM = {"bf16": "auto", "fp8_e4m3": "fp8_e4m3"}  # kvarn_* pass through under their own name
@@ -209,20 +210,6 @@ def cpu_rank_binding(tp: int, platform: str | None) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cpus[r * per : (r + 1) * per])) for r in range(tp))}
 
 
-# vLLM 0.32's CPU int4 kernel: its GEMM (cpu_gemm_wna16) computes bf16 / fp16 only, and is chosen for a float32 model
-# all the same ("not implemented for 'Float'" at the first forward)
-CPU_WNA16 = "CPUWNA16LinearKernel"
-
-
-def cpu_kernel_env(dtype: str | None, platform: str | None) -> dict[str, str]:
-    """vLLM computing in float32 on a CPU: its int4 kernel disabled (vLLM's own VLLM_DISABLED_KERNELS, the user's
-    entries kept), so the plugin's reference kernel runs those layers as it does where the kernel is absent."""
-    if platform != "cpu" or dtype not in ("float32", "float"):
-        return {}
-    disabled = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
-    return {"VLLM_DISABLED_KERNELS": ",".join(disabled if CPU_WNA16 in disabled else [*disabled, CPU_WNA16])}
-
-
 def launch_env(
     src: ServeSource,
     profile: str | None,
@@ -259,36 +246,6 @@ API_SERVER, FRONTDOOR = "vllm.entrypoints.openai.api_server", "qconv_vllm.frontd
 TEXT_ONLY = "qconv_vllm.frontdoor.TextOnly"
 
 
-def vllm_dtype(choice: str, platform: str | None, hybrid: bool = False) -> str | None:
-    """vLLM's --dtype for --compute-dtype: float32 or bfloat16 as asked; `auto` is float32 on a CPU that emulates
-    bf16 (vLLM's CPU backend would compute the bf16 model in bf16, several times slower there; the int weights are
-    the same, the KV cache of a non-KVarN profile is then float32), else None: the model's own dtype. vLLM's CPU
-    Gated-DeltaNet kernel takes bf16 only, so a hybrid model stays bf16 there."""
-    from qconv.compute import bf16_native, dtype_name, resolve
-
-    dtype = resolve(choice, "cpu")  # refuses an unknown choice on any platform
-    if choice == "auto":
-        return "float32" if platform == "cpu" and not hybrid and not bf16_native("cpu") else None
-    if platform == "cpu" and hybrid and choice != "bfloat16":
-        raise QconvError(
-            f"--compute-dtype {choice}: vLLM's CPU backend runs Gated-DeltaNet layers in bf16 only",
-            where="--compute-dtype",
-            fix="use auto or bfloat16 for this model on a CPU, or --backend native",
-        )
-    return dtype_name(dtype)
-
-
-def _user_dtype(opts: LaunchOptions) -> str | None:
-    """The --dtype the user's arguments after `--` give vLLM (the last one wins, as in argparse), else None."""
-    found = None
-    for i, a in enumerate(opts.extra_args):
-        if a == "--dtype" and i + 1 < len(opts.extra_args):
-            found = opts.extra_args[i + 1]
-        elif a.startswith("--dtype="):
-            found = a.split("=", 1)[1]
-    return found
-
-
 def added_dtype(src: ServeSource, opts: LaunchOptions) -> str | None:
     """The --dtype qconv puts on vLLM's command line: none where the user's arguments after `--` name one."""
     if any(a == "--dtype" or a.startswith("--dtype=") for a in opts.extra_args):
@@ -298,7 +255,7 @@ def added_dtype(src: ServeSource, opts: LaunchOptions) -> str | None:
 
 def served_dtype(src: ServeSource, opts: LaunchOptions) -> str | None:
     """The dtype vLLM computes in: the user's --dtype after `--`, else qconv's (added_dtype); None: the model's."""
-    return _user_dtype(opts) or added_dtype(src, opts)
+    return user_dtype(opts.extra_args) or added_dtype(src, opts)
 
 
 def build_command(src: ServeSource, profile: str | None, opts: LaunchOptions) -> list[str]:

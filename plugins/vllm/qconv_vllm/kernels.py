@@ -7,7 +7,7 @@ compressed-tensors' packed `weight_zero_point`) too. vLLM 0.32's CPU wheel build
 (`cpu_gemm_wna16`) into its AVX-512 library only: on an AVX2 CPU that kernel is chosen and then fails at the first
 forward, so there the plugin names it in vLLM's own VLLM_DISABLED_KERNELS and this kernel runs the int4 layers. That
 GEMM computes bf16 / fp16 only: `qconv serve` disables it the same way where vLLM computes in float32
-(qconv.serve.vllm.cpu_kernel_env)."""
+(qconv.serve.vllm_compute.cpu_kernel_env)."""
 
 from __future__ import annotations
 

@@ -43,6 +43,7 @@ def pytest_configure(config):
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")
 OWN_CORES = pytest.StashKey[bool]()
 WORKER = pytest.StashKey[bool]()  # an xdist worker: tests take the solo lock
+LOCK_FD = pytest.StashKey[int]()  # a test's descriptor of that lock
 
 
 def cores_env(cpus: list[int]) -> dict[str, str]:
@@ -66,32 +67,21 @@ def _own_cores(index: int, workers: int) -> bool:
     return True
 
 
-def _lock(kind: int):
-    """The run's solo lock (flock: released when the descriptor closes, also if the worker dies)."""
-    import fcntl
-
-    fd = os.open(CACHE / "solo.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, kind)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under xdist (scripts/test.sh) every test's whole protocol, its fixtures' setup and teardown included, holds
-    a shared lock that a `solo` test's call takes alone: a test comparing timings measured in one run, or one that
-    needs every core, then has the machine to itself (not beside the other worker's build in a fixture). A solo
-    test's own setup holds nothing, so the other worker keeps going while its fixtures are made."""
-    if not item.config.stash.get(WORKER, False) or item.get_closest_marker("solo"):
+    a shared lock, which a `solo` test's call turns exclusive (pytest_runtest_call): a test comparing timings
+    measured in one run, or one that needs every core, then has the machine to itself, not beside a build in the
+    other worker's fixture. The lock is an flock, released when its descriptor closes, also if the worker dies."""
+    if not item.config.stash.get(WORKER, False):
         yield
         return
     import fcntl
 
-    fd = _lock(fcntl.LOCK_SH)
+    fd = os.open(CACHE / "solo.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        item.stash[LOCK_FD] = fd
         yield
     finally:
         os.close(fd)
@@ -99,14 +89,15 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """A solo test's call: the lock alone, and (where the worker has its own cores) computing as in one process:
-    vLLM and torch pick every core."""
+    """A solo test's call: the lock alone (shared again for its teardown), and, where the worker has its own cores,
+    computing as in one process: vLLM and torch pick every core."""
     if not item.config.stash.get(WORKER, False) or not item.get_closest_marker("solo"):
         yield
         return
     import fcntl
 
-    fd = _lock(fcntl.LOCK_EX)
+    fd = item.stash[LOCK_FD]
+    fcntl.flock(fd, fcntl.LOCK_EX)  # from shared: flock lets go, then waits for the others' to end
     saved = {v: os.environ.pop(v) for v in THREAD_VARS if v in os.environ} if item.config.stash[OWN_CORES] else {}
     threads = torch.get_num_threads()
     if saved:
@@ -116,7 +107,7 @@ def pytest_runtest_call(item):
     finally:
         os.environ.update(saved)
         torch.set_num_threads(threads)
-        os.close(fd)
+        fcntl.flock(fd, fcntl.LOCK_SH)
 
 
 def _missing(what: str) -> None:

@@ -7,18 +7,16 @@ import os
 
 from qconv.errors import QconvError
 
-# vLLM 0.32's CPU int4 kernel: its GEMM (cpu_gemm_wna16) computes bf16 / fp16 only, and is chosen for a float32 model
-# all the same ("not implemented for 'Float'" at the first forward)
-CPU_WNA16 = "CPUWNA16LinearKernel"
-
 
 def cpu_kernel_env(dtype: str | None, platform: str | None) -> dict[str, str]:
-    """vLLM computing in float32 on a CPU: its int4 kernel disabled (vLLM's own VLLM_DISABLED_KERNELS, the user's
-    entries kept), so the plugin's reference kernel runs those layers as it does where the kernel is absent."""
+    """vLLM computing in float32 on a CPU: its int4 kernel (CPUWNA16), whose GEMM computes bf16 / fp16 only and is
+    chosen for a float32 model all the same ("not implemented for 'Float'" at the first forward), disabled in vLLM's
+    own VLLM_DISABLED_KERNELS, so the plugin's reference kernel runs those layers as it does where it is absent."""
     if platform != "cpu" or dtype not in ("float32", "float"):
         return {}
-    disabled = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
-    return {"VLLM_DISABLED_KERNELS": ",".join(disabled if CPU_WNA16 in disabled else [*disabled, CPU_WNA16])}
+    from qconv_vllm.kernels import disabling_cpu_wna16
+
+    return {"VLLM_DISABLED_KERNELS": disabling_cpu_wna16(os.environ.get("VLLM_DISABLED_KERNELS", ""))}
 
 
 def vllm_dtype(choice: str, platform: str | None, hybrid: bool = False) -> str | None:

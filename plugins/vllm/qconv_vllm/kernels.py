@@ -79,6 +79,13 @@ def cpu_wna16_runs() -> bool:
     return hasattr(torch.ops._C, "cpu_gemm_wna16")
 
 
+def disabling_cpu_wna16(disabled: str) -> str:
+    """A VLLM_DISABLED_KERNELS value with CPUWNA16 named in it, the entries already there kept (plugin and qconv
+    serve both disable it this way)."""
+    names = [k for k in disabled.split(",") if k]
+    return ",".join(names if CPU_WNA16 in names else [*names, CPU_WNA16])
+
+
 def apply() -> list[str]:
     import os
 
@@ -88,8 +95,7 @@ def apply() -> list[str]:
     patches.current("register_linear_kernel")(_kernel_class(), PlatformEnum.CPU, "mp")
     done = ["reference WNA16 kernel (CPU, 2/4/8-bit, zero points)"]
     if current_platform.is_cpu() and not cpu_wna16_runs():
-        disabled = [k for k in os.environ.get("VLLM_DISABLED_KERNELS", "").split(",") if k]
-        if CPU_WNA16 not in disabled:
-            os.environ["VLLM_DISABLED_KERNELS"] = ",".join([*disabled, CPU_WNA16])  # vLLM reads it per selection
+        # vLLM reads it per selection
+        os.environ["VLLM_DISABLED_KERNELS"] = disabling_cpu_wna16(os.environ.get("VLLM_DISABLED_KERNELS", ""))
         done.append(f"{CPU_WNA16} disabled (this vLLM CPU build has no cpu_gemm_wna16)")
     return done

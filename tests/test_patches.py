@@ -96,8 +96,8 @@ def test_every_patch_is_called_by_its_library(library, request):
 
 
 def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt, smollm2_gguf):
-    """Each replacement is wrapped to count its calls; a streamed build (GPTQ, MSE observer, activations on disk,
-    row-blocked compression), a tied awq+gptq build on a CPU torch, transformers loading its packed embedding and
+    """Each replacement (and each backend qconv registers in a library's table) is wrapped to count its calls; a
+    streamed build (GPTQ, MSE observer, activations on disk, row-blocked compression), a tied awq+gptq build on a CPU torch, transformers loading its packed embedding and
     an AutoRound build and a GGUF import call every one of them: none is left in place without the library reaching
     it."""
     import torch
@@ -135,8 +135,11 @@ def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt, smollm2
 
         return wrapper
 
+    from qconv.convert import gptq_cpu
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(patches, "swap", counted_swap)
+        mp.setattr(gptq_cpu, "block_update", counting("gptq_block_update", gptq_cpu.block_update))
         _qconv_builds(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt)
         from qconv.convert.gguf import import_gguf
 
@@ -145,7 +148,8 @@ def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt, smollm2
         import_gguf(smollm2_gguf, tmp_path / "gguf")
     assert built == {GGUFReader: 1, TensorNameMap: 1}  # one parse, one name map (convert.gguf.one_parse)
     expected = set(patches.TARGETS) - ({"pin_memory"} if torch.accelerator.is_available() else set())
-    assert swapped == expected
+    registered = {n for n, t in patches.TARGETS.items() if t.registered}  # reached through the library's table
+    assert swapped == expected - registered
     values = {n for n, t in patches.TARGETS.items() if t.params is None}
     assert called == expected - values, expected - values - called
 

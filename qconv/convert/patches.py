@@ -6,7 +6,8 @@ target's parameters (`Target.params`). `swap` checks the target exists with thos
 series, before it patches anything: a moved or changed target stops the build with the library's version, where it
 would otherwise run without the patch (other weights, or a large model out of memory). Where a library offers a
 public way, qconv takes it instead (llmcompressor's `oneshot(processor=...)`, compressed-tensors' offload API in
-convert/stream.py). The replacements themselves live with the code they serve (convert/stream.py,
+convert/stream.py, its backend table for GPTQ's column sweep in convert/gptq_cpu.py: such a target is `registered`,
+checked alike but never swapped). The replacements themselves live with the code they serve (convert/stream.py,
 convert/oneshot_fixes.py, convert/shared_inputs.py, convert/hfmodel.py, convert/gguf.py); tests/test_patches.py
 proves each one is still called by the library."""
 
@@ -34,6 +35,7 @@ class Target:
     attr: str  # dotted inside the module: "IntermediatesCache._offload_value"
     params: tuple[str, ...] | None  # the parameter names the replacement takes; None: a value, not a function
     used_by: str  # which qconv function replaces it, and why (see there)
+    registered: bool = False  # not replaced: qconv adds a backend to the library's own table for it (checked alike)
 
 
 _LC, _CT = "llmcompressor", "compressed-tensors"
@@ -81,6 +83,14 @@ TARGETS = {
         "GPTQ_PRECISION",
         None,
         "convert.stream.row_blocked_gptq: prepare_batch's stacking dtype",
+    ),
+    "gptq_block_update": Target(
+        _LC,
+        f"{_GPTQ}.gptq_quantize",
+        "gptq_block_update",
+        ("W1", "Hinv1", "Q1", "Err1", "losses1", "scale", "zero_point", "global_scale", "g_idx", "quant_args", "i1"),
+        "convert.gptq_cpu.register: GPTQ's column sweep on the CPU, a backend in the library's ImplBackend table",
+        registered=True,
     ),
     "gptq_accumulate_hessian": Target(
         _LC,

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from qconv import progress
+from qconv.convert import gptq_cpu
 from qconv.convert.device import LayerClock
 from qconv.convert.groups import config_groups, exact_target
 from qconv.convert.oneshot_fixes import (
@@ -236,6 +237,7 @@ def quantize(
     fixes = autoround_writes_what_it_tuned() if autoround else contextlib.nullcontext()
     rotations = rotations_offloadable() if recipe.quantizer.rotation else contextlib.nullcontext()
     computing = calibrating_in(model, dtype) if dtype is not None else contextlib.nullcontext()
+    gptq_cpu.register()
     with (
         computing,
         sdpa_calibration(),

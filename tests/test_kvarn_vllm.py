@@ -161,11 +161,16 @@ def test_tiny_hybrid_with_kvarn_requests_come_and_go(tmp_path, vllm_python):
         with cf.ThreadPoolExecutor(4) as ex:
             together = list(ex.map(lambda p: _complete(client, name, p, 12), prompts))
     _record("hybrid_come_and_go", alone=[a for a, _ in alone], together=[t for t, _ in together])
+    # vLLM computes this hybrid in bf16 (its CPU Gated-DeltaNet kernel takes nothing else): a step that batches other
+    # requests rounds differently, and where such a rounding moves a K/V value across a KVarN code level (2 bits for
+    # V) the later log-probs move with it. Largest difference seen over the twelve tokens: about 0.015 in most runs,
+    # 0.073 in one fresh-clone suite run (two workers, 2026-12-08).
+    noise = 0.1
     for (a_ids, a_lps), (t_ids, t_lps) in zip(alone, together):
         n = next((i for i, (x, y) in enumerate(zip(a_ids, t_ids)) if x != y), len(a_ids))
-        assert torch.allclose(torch.tensor(a_lps[:n]), torch.tensor(t_lps[:n]), atol=0.05)
-        if n < len(a_ids):  # a different pick is only allowed where the two best logits were within 0.05 nats
-            assert abs(a_lps[n] - t_lps[n]) < 0.05, (n, a_ids, t_ids)
+        assert torch.allclose(torch.tensor(a_lps[:n]), torch.tensor(t_lps[:n]), atol=noise), (a_lps, t_lps)
+        if n < len(a_ids):  # a different pick is only allowed where the two best logits were that close
+            assert abs(a_lps[n] - t_lps[n]) < noise, (n, a_ids, t_ids)
 
 
 def passkey_prompts(shared_data: Path, tokenizer) -> list[str]:

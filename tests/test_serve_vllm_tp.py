@@ -27,22 +27,33 @@ from tests.test_serve_vllm_plugin import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.solo  # its ranks take every core
-@pytest.mark.parametrize("family, tied", [("llama_tp", True), ("qwen3_5_tp", False)])
-def test_3090_artifact_at_tensor_parallel_2_equals_size_1(tmp_path, vllm_python, monkeypatch, family, tied):
+def _served(art, vllm_python: str, tp: int) -> tuple[list, list]:
+    """vLLM's greedy tokens and log-probs for PROMPTS at tensor-parallel size `tp`."""
+    env = {k: v for k, v in ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # ranks are processes
+    args = [str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--spec-tokens", "0"]
+    args += ["--tensor-parallel-size", str(tp), "--", "--enforce-eager"]
+    with ServerProcess(args, free_port(), env=env, health_timeout=600) as srv:
+        return _completions(srv, 16, ignore_eos=True)
+
+
+@pytest.fixture
+def size_1(tmp_path, vllm_python, family, tied):
+    """The artifact and what vLLM gives at size 1, made before the test's call: on this worker's core, as every vLLM
+    test runs, beside the other worker's tests; only size 2's ranks take every core (the call, `solo`)."""
     # vLLM 0.32 runs input rotations at size 1 only (qconv refuses: tests/test_rotation.py): the 3090 plan without them
     recipe = recipe_variant(tmp_path, "norot", quantizer={"rotation": None})
     art, weights = tiny_artifact(tmp_path, family, str(recipe))
     assert "model.embed_tokens.weight_packed" in weights
     assert tied is not any(k.startswith("lm_head") for k in weights)
+    return art, _served(art, vllm_python, 1)
+
+
+@pytest.mark.solo  # its ranks take every core
+@pytest.mark.parametrize("family, tied", [("llama_tp", True), ("qwen3_5_tp", False)])
+def test_3090_artifact_at_tensor_parallel_2_equals_size_1(size_1, vllm_python, monkeypatch, family, tied):
+    art, runs = size_1[0], {1: size_1[1]}
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)  # qconv's binding, not a preset one
-    env = {k: v for k, v in ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # ranks are processes
-    runs = {}
-    for tp in (1, 2):
-        args = [str(art), "--backend", "vllm", "--vllm-python", vllm_python, "--spec-tokens", "0"]
-        args += ["--tensor-parallel-size", str(tp), "--", "--enforce-eager"]
-        with ServerProcess(args, free_port(), env=env, health_timeout=600) as srv:
-            runs[tp] = _completions(srv, 16, ignore_eos=True)
+    runs[2] = _served(art, vllm_python, 2)
     (ids1, lps1), (ids2, lps2) = runs[1], runs[2]
     from qconv.engine.loader import load_model, load_tokenizer
 

@@ -9,11 +9,13 @@ import torch
 from qconv.convert import gptq_cpu
 
 
-def _qargs(symmetric: bool, strategy: str, bits: int = 4, kind: str = "int"):
+def _qargs(symmetric: bool, strategy: str, bits: int = 4, kind: str = "int", actorder=None):
     from compressed_tensors.quantization import QuantizationArgs
 
     group = {"group_size": 32} if strategy == "group" else {}
-    return QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy, **group)
+    return QuantizationArgs(
+        num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy, actorder=actorder, **group
+    )
 
 
 def _problem(batch: int, rows: int, cols: int, qargs, scale_dtype, seed: int = 0):
@@ -78,15 +80,17 @@ def test_float_schemes_stay_with_the_librarys_sweep():
     assert not gptq_cpu.usable(w, None, None, None, None, quant_args=_qargs(True, "channel", 8, "float"))
 
 
-def test_llm_compressors_gptq_reaches_it_and_gets_the_same_weights(monkeypatch):
+@pytest.mark.parametrize("actorder", [None, "weight"])
+def test_llm_compressors_gptq_reaches_it_and_gets_the_same_weights(monkeypatch, actorder):
     """quantize_weight, llm-compressor's whole GPTQ of a stacked batch of matrices, dispatches to the registered
-    sweep on CPU tensors; with every backend off (compressed-tensors' CT_ENFORCE_EAGER) it gives the same result."""
+    sweep on CPU tensors; with every backend off (compressed-tensors' CT_ENFORCE_EAGER) it gives the same result,
+    also with the columns in activation order (each batch item its own group index)."""
     from compressed_tensors.utils import impl_backend
     from llmcompressor.modifiers.gptq.gptq_quantize import quantize_weight
 
     gptq_cpu.register()
     gptq_cpu.register()  # once per process: a second call adds nothing
-    qargs = _qargs(False, "group")
+    qargs = _qargs(False, "group", actorder=actorder)
     w, _, scale, zp, _ = _problem(2, 24, 96, qargs, torch.float32, seed=1)
     a = torch.randn(2, 96, 300)
     hess = a @ a.transpose(1, 2) / 300

@@ -97,9 +97,9 @@ def test_every_patch_is_called_by_its_library(library, request):
 
 def _qconv_patches_called(tiny_qwen3_5, tiny_llama, tmp_path, calib_txt, smollm2_gguf):
     """Each replacement (and each backend qconv registers in a library's table) is wrapped to count its calls; a
-    streamed build (GPTQ, MSE observer, activations on disk, row-blocked compression), a tied awq+gptq build on a CPU torch, transformers loading its packed embedding and
-    an AutoRound build and a GGUF import call every one of them: none is left in place without the library reaching
-    it."""
+    streamed build (GPTQ, MSE observer, activations on disk, row-blocked compression), a tied awq+gptq build on a CPU
+    torch, transformers loading its packed embedding and an AutoRound build and a GGUF import call every one of
+    them: none is left in place without the library reaching it."""
     import torch
 
     swapped, called = set(), set()

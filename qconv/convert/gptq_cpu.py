@@ -46,8 +46,9 @@ def block_update(W1, Hinv1, Q1, Err1, losses1, *, scale, zero_point, global_scal
     q_all = torch.empty(work.shape, dtype=eff.dtype)
     err_all = torch.empty(work.shape, dtype=err_dtype)
     diag = Hinv1.diagonal(dim1=1, dim2=2)
+    per_column = s_all.shape[1] == width
     for i in range(width):
-        c = i if s_all.shape[1] == width else 0
+        c = i if per_column else 0
         w, s = work[:, i], s_all[:, c]
         x = w / s
         if z_in is not None:
